@@ -1,0 +1,6 @@
+"""Pure PyTorch models: attention kinds, embeddings, the transformer. No Ray, no MLflow, no file I/O."""
+
+from models.config import ModelConfig
+from models.transformer import LanguageModel, Seq2SeqTransformer
+
+__all__ = ["LanguageModel", "ModelConfig", "Seq2SeqTransformer"]

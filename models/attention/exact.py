@@ -1,0 +1,52 @@
+"""Exact softmax attention, the mechanism every approximation is measured against.
+
+`exact_attention_bias` turns the contract's masks into the one additive bias SDPA takes. Masked logits
+get the dtype's most negative finite value rather than -inf: a query row whose keys are all masked
+(e.g. padding under a causal mask) then averages uniformly instead of producing NaN, and padded query
+rows are dropped by the loss anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def exact_attention_bias(
+    key_padding_mask_BS: torch.Tensor | None, causal: bool, T: int, S: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """Additive bias [B or 1, 1, T, S]; key_padding_mask is True where a key is padding.
+
+    Causal masking aligns queries and keys top-left (query i sees keys j <= i), as in self-attention.
+    """
+    if key_padding_mask_BS is None and not causal:
+        return None
+    allowed_BTS = torch.ones(1, T, S, dtype=torch.bool, device=device)
+    if causal:
+        allowed_BTS = torch.ones(T, S, dtype=torch.bool, device=device).tril()[None]
+    if key_padding_mask_BS is not None:
+        allowed_BTS = allowed_BTS & ~key_padding_mask_BS[:, None, :]
+    bias = torch.zeros(allowed_BTS.shape, dtype=dtype, device=device)
+    return bias.masked_fill(~allowed_BTS, torch.finfo(dtype).min)[:, None]  # B, 1, T, S
+
+
+class ExactMechanism(nn.Module):
+    """softmax(q k^T / sqrt(d)) v through torch's scaled_dot_product_attention."""
+
+    supports_causal = True
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q_BHTE, k_BHSE, v_BHSE, *, key_padding_mask_BS=None, causal=False):
+        T, S = q_BHTE.shape[-2], k_BHSE.shape[-2]
+        dropout_p = self.dropout if self.training else 0.0
+        if key_padding_mask_BS is None and causal and T == S:
+            return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, dropout_p=dropout_p, is_causal=True)
+        bias = exact_attention_bias(key_padding_mask_BS, causal, T, S, q_BHTE.dtype, q_BHTE.device)
+        return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, attn_mask=bias, dropout_p=dropout_p)
+
+    def attention_parameters(self) -> int:
+        return 0

@@ -1,0 +1,133 @@
+"""Linformer mechanism: keys and values compressed along the sequence axis from n to k.
+
+Linformer: Self-Attention with Linear Complexity. Wang, Li, Khabsa, Fang, Ma (2020), arXiv 2006.04768.
+head_i = softmax(q_i (E_i K_i)^T / sqrt(d)) F_i V_i, eq. 7, with E, F of shape (k, n) applied to the
+sequence axis. Inputs shorter than `max_seq_len` use the first n columns of E/F (as fairseq does).
+
+Padding: padded keys and values are zeroed *before* the projection, so they contribute nothing to the
+compressed keys/values (fairseq ignores the padding mask here; appending padding changes its outputs).
+For pooling and conv projections, compressed slots made only of padding are masked out of the softmax.
+
+Causal use is refused: every compressed key mixes all positions, so query i would see tokens after i.
+A causal-safe variant would need a different projection; see docs/attention.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.attention.config import LinformerMechanismConfig
+from models.attention.exact import ExactMechanism
+
+
+def _linear_projection(heads: int | None, k: int, n: int) -> nn.Parameter:
+    shape = (k, n) if heads is None else (heads, k, n)
+    weight = torch.empty(shape)
+    # fairseq's init: Xavier-uniform with gain 1/sqrt(2), per (k, n) matrix.
+    bound = (1 / math.sqrt(2)) * math.sqrt(6.0 / (k + n))
+    return nn.Parameter(weight.uniform_(-bound, bound))
+
+
+class SequenceProjection(nn.Module):
+    """One E (or F): maps [B, H, S, E] with S <= n to [B, H, k', E] plus a mask of empty slots.
+
+    `heads` is None when one projection serves all heads (headwise/kv/layerwise sharing).
+    """
+
+    def __init__(self, kind: str, k: int, n: int, head_dim: int, heads: int | None):
+        super().__init__()
+        self.kind, self.k, self.n, self.heads = kind, k, n, heads
+        self.stride = n // k
+        if kind == "linear":
+            self.weight = _linear_projection(heads, k, n)
+        elif kind == "conv":
+            groups = heads or 1
+            # Grouped conv = one (head_dim x head_dim x stride) kernel per head when not shared.
+            self.conv = nn.Conv1d(groups * head_dim, groups * head_dim, self.stride, self.stride, groups=groups, bias=False)
+
+    def forward(self, x_BHSE: torch.Tensor, key_padding_mask_BS: torch.Tensor | None):
+        B, H, S, E = x_BHSE.shape
+        if S > self.n:
+            raise ValueError(
+                f"sequence length {S} exceeds model.attention.max_seq_len={self.n} of the Linformer "
+                "projection; raise max_seq_len (the projection has one column per position) or shorten inputs"
+            )
+        valid_BS = None if key_padding_mask_BS is None else ~key_padding_mask_BS
+        if valid_BS is not None:
+            x_BHSE = x_BHSE.masked_fill(~valid_BS[:, None, :, None], 0.0)
+        if self.kind == "linear":
+            w = self.weight[..., :S]
+            eq = "ks,bhse->bhke" if self.heads is None else "hks,bhse->bhke"
+            return torch.einsum(eq, w.to(x_BHSE.dtype), x_BHSE), None
+
+        # Pooling / conv: kernel = stride = n / k, so the first S positions fill ceil(S / stride) slots.
+        slots = math.ceil(S / self.stride)
+        pad = slots * self.stride - S
+        valid_BS = torch.ones(B, S, dtype=torch.bool, device=x_BHSE.device) if valid_BS is None else valid_BS
+        x_BHSE = F.pad(x_BHSE, (0, 0, 0, pad))
+        valid_BS = F.pad(valid_BS, (0, pad), value=False)
+        valid_BSlR = valid_BS.view(B, slots, self.stride)
+        empty_BSl = ~valid_BSlR.any(-1)
+        x_BHSlRE = x_BHSE.view(B, H, slots, self.stride, E)
+        if self.kind == "mean":
+            count_B1Sl1 = valid_BSlR.sum(-1).clamp(min=1)[:, None, :, None].to(x_BHSE.dtype)
+            return x_BHSlRE.sum(3) / count_B1Sl1, empty_BSl
+        if self.kind == "max":
+            masked = x_BHSlRE.masked_fill(~valid_BSlR[:, None, :, :, None], torch.finfo(x_BHSE.dtype).min)
+            return masked.amax(3).masked_fill(empty_BSl[:, None, :, None], 0.0), empty_BSl
+        # conv over the sequence; channels are (head, feature) when each head has its own kernel.
+        if self.heads is None:
+            y = self.conv(x_BHSE.reshape(B * H, S + pad, E).transpose(1, 2))  # B*H, E, slots
+            return y.transpose(1, 2).reshape(B, H, slots, E), empty_BSl
+        y = self.conv(x_BHSE.permute(0, 1, 3, 2).reshape(B, H * E, S + pad))  # B, H*E, slots
+        return y.view(B, H, E, slots).transpose(2, 3), empty_BSl
+
+
+class LinformerMechanism(nn.Module):
+    """Projects keys with E and values with F, then runs exact attention over the k compressed slots."""
+
+    supports_causal = False
+
+    def __init__(
+        self, cfg: LinformerMechanismConfig, heads: int, head_dim: int, layer_index: int,
+        shared_state: nn.ModuleDict, dropout: float = 0.0,
+    ):
+        super().__init__()
+        assert cfg.max_seq_len is not None, "max_seq_len is filled in by ModelConfig"
+        k, n = cfg.k_for_layer(layer_index), cfg.max_seq_len
+        per_head = heads if cfg.sharing == "none" else None
+        if cfg.sharing == "layerwise":
+            # One E for every layer, owned by the model (shared_state) so it is counted and saved once;
+            # held here without registering, so this layer's parameters() do not include it.
+            if "linformer_E" not in shared_state:
+                shared_state["linformer_E"] = SequenceProjection(cfg.projection, k, n, head_dim, None)
+            object.__setattr__(self, "_layerwise_E", shared_state["linformer_E"])
+        else:
+            self.E = SequenceProjection(cfg.projection, k, n, head_dim, per_head)
+            if cfg.sharing != "kv":
+                self.F = SequenceProjection(cfg.projection, k, n, head_dim, per_head)
+        self.exact = ExactMechanism(dropout)
+
+    def _projections(self) -> tuple[SequenceProjection, SequenceProjection]:
+        E = getattr(self, "_layerwise_E", None) or self.E
+        return E, getattr(self, "F", E)
+
+    def forward(self, q_BHTE, k_BHSE, v_BHSE, *, key_padding_mask_BS=None, causal=False):
+        if causal:
+            raise ValueError(
+                "model.attention.kind=linformer cannot run causal attention: its sequence projection mixes "
+                "future tokens into every compressed key. Use it for masked LM / encoders, or choose a "
+                "causal-capable kind (mha, mhe, lsh, hyper, ...) for causal LM and decoders"
+            )
+        E, F_ = self._projections()
+        k_BHKE, empty_BK = E(k_BHSE, key_padding_mask_BS)
+        v_BHKE, _ = F_(v_BHSE, key_padding_mask_BS)
+        return self.exact(q_BHTE, k_BHKE, v_BHKE, key_padding_mask_BS=empty_BK)
+
+    def attention_parameters(self) -> int:
+        """Extra k x n matrices of this layer; a layerwise E is counted once by the model."""
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,47 @@
+"""The outer attention module every layer holds: a projection scheme around a mixing mechanism."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from models.attention.projections import ProjectionScheme
+
+
+class Attention(nn.Module):
+    """The attention contract of DESIGN.md.
+
+    forward(x [B, T, D], context [B, S, D] | None, key_padding_mask [B, S] bool (True = padding) | None,
+    causal) -> [B, T, D]. `attention_parameters()` counts projection weights incl. W^O plus the
+    mechanism's own extras (MHE paper convention: no biases; ours have none).
+    """
+
+    def __init__(self, kind: str, projection: ProjectionScheme, mechanism: nn.Module):
+        super().__init__()
+        self.kind = kind
+        self.projection = projection
+        self.mechanism = mechanism
+
+    @property
+    def supports_causal(self) -> bool:
+        return bool(getattr(self.mechanism, "supports_causal", False))
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        context_BSD: torch.Tensor | None = None,
+        key_padding_mask_BS: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        ctx_BSD = x_BTD if context_BSD is None else context_BSD
+        if key_padding_mask_BS is not None and key_padding_mask_BS.shape != ctx_BSD.shape[:2]:
+            raise ValueError(
+                f"key_padding_mask has shape {tuple(key_padding_mask_BS.shape)} but keys are "
+                f"{tuple(ctx_BSD.shape[:2])} (batch, seq); it must be bool with True at padded key positions"
+            )
+        q_BHTE, k_BHSE, v_BHSE = self.projection.qkv(x_BTD, ctx_BSD)
+        o_BHTE = self.mechanism(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS=key_padding_mask_BS, causal=causal)
+        return self.projection.output(o_BHTE)
+
+    def attention_parameters(self) -> int:
+        return self.projection.attention_parameters() + self.mechanism.attention_parameters()

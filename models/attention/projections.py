@@ -1,0 +1,154 @@
+"""Projection schemes: how a layer turns its input into per-head q, k, v and heads back into d_model.
+
+The schemes differ only in which matrices exist, which is exactly what the MHE paper compares
+(Xue & Aletras, 2023, arXiv 2310.07911, Table 4). Parameter counts follow its convention: projection
+weights including the output projection, no biases (our projections have none, so every weight counts).
+
+Every scheme returns q_BHTE and k_BHSE / v_BHSE with the same head count H, so mechanisms never need to
+know about grouped or shared heads: grouped K/V heads are broadcast to their query heads here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from models.attention.config import (
+    ELAttConfig,
+    GQAConfig,
+    MHEConfig,
+    MQAConfig,
+    SHAConfig,
+    SKVConfig,
+    _AttentionConfig,
+)
+
+
+def _split_heads(x_BTX: torch.Tensor, heads: int) -> torch.Tensor:
+    B, T, X = x_BTX.shape
+    return x_BTX.view(B, T, heads, X // heads).transpose(1, 2)  # B, heads, T, X/heads
+
+
+def _broadcast_heads(x_BGSE: torch.Tensor, heads: int) -> torch.Tensor:
+    """Repeat each of G K/V heads for its heads/G query heads (GQA/MQA)."""
+    B, G, S, E = x_BGSE.shape
+    if G == heads:
+        return x_BGSE
+    return x_BGSE[:, :, None].expand(B, G, heads // G, S, E).reshape(B, heads, S, E)
+
+
+class ProjectionScheme(nn.Module):
+    """Base: Q from x, K/V from the context (x itself for self-attention), W^O back to d_model."""
+
+    def __init__(self, cfg: _AttentionConfig):
+        super().__init__()
+        assert cfg.d_model is not None
+        self.d_model, self.heads, self.head_dim = cfg.d_model, cfg.heads, cfg.head_dim
+        self.out = nn.Linear(self.d_model, self.d_model, bias=False)
+
+    def qkv(self, x_BTD: torch.Tensor, ctx_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def output(self, o_BHTE: torch.Tensor) -> torch.Tensor:
+        B, H, T, E = o_BHTE.shape
+        return self.out(o_BHTE.transpose(1, 2).reshape(B, T, H * E))
+
+    def attention_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class MultiHeadProjection(ProjectionScheme):
+    """mha (kv_heads = heads), gqa (kv_heads = groups) and mqa (kv_heads = 1)."""
+
+    def __init__(self, cfg: _AttentionConfig, kv_heads: int):
+        super().__init__(cfg)
+        self.kv_heads = kv_heads
+        self.q = nn.Linear(self.d_model, self.d_model, bias=False)
+        self.k = nn.Linear(self.d_model, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(self.d_model, kv_heads * self.head_dim, bias=False)
+
+    def qkv(self, x_BTD, ctx_BSD):
+        q_BHTE = _split_heads(self.q(x_BTD), self.heads)
+        k_BHSE = _broadcast_heads(_split_heads(self.k(ctx_BSD), self.kv_heads), self.heads)
+        v_BHSE = _broadcast_heads(_split_heads(self.v(ctx_BSD), self.kv_heads), self.heads)
+        return q_BHTE, k_BHSE, v_BHSE
+
+
+class SharedKVProjection(ProjectionScheme):
+    """skv: one d_model x d_model matrix produces both keys and values (W^K = W^V)."""
+
+    def __init__(self, cfg: SKVConfig):
+        super().__init__(cfg)
+        self.q = nn.Linear(self.d_model, self.d_model, bias=False)
+        self.kv = nn.Linear(self.d_model, self.d_model, bias=False)
+
+    def qkv(self, x_BTD, ctx_BSD):
+        kv_BHSE = _split_heads(self.kv(ctx_BSD), self.heads)
+        return _split_heads(self.q(x_BTD), self.heads), kv_BHSE, kv_BHSE
+
+
+class ELAttProjection(ProjectionScheme):
+    """el_att: keys and values are the heads of the context itself; only W^Q and W^O exist."""
+
+    def __init__(self, cfg: ELAttConfig):
+        super().__init__(cfg)
+        self.q = nn.Linear(self.d_model, self.d_model, bias=False)
+
+    def qkv(self, x_BTD, ctx_BSD):
+        ctx_BHSE = _split_heads(ctx_BSD, self.heads)
+        return _split_heads(self.q(x_BTD), self.heads), ctx_BHSE, ctx_BHSE
+
+
+class HeadEmbeddingProjection(ProjectionScheme):
+    """mhe, and sha as its special case without head embeddings.
+
+    One shared d_model x d_head "seed" projection for each of Q, K, V (MHE eq. 4); head i sees
+    psi(A, e_i): A + e_i (add) or A * (1 + e_i) (mul), MHE eq. 5 and Sec. 3.2. Without embeddings every
+    head is the same single head, so sha is one head of dim d_head broadcast to the heads' slots of a
+    d_model x d_model W^O, which gives the paper's SHA count 3 d_m d_h + d_m^2 exactly.
+    """
+
+    def __init__(self, cfg: MHEConfig | SHAConfig):
+        super().__init__(cfg)
+        self.q = nn.Linear(self.d_model, self.head_dim, bias=False)
+        self.k = nn.Linear(self.d_model, self.head_dim, bias=False)
+        self.v = nn.Linear(self.d_model, self.head_dim, bias=False)
+        self.mode = cfg.mode if isinstance(cfg, MHEConfig) else None
+        if self.mode is not None:
+            # Near zero (MHE footnote 2): every head starts as the shared head; W^O's head blocks and
+            # the embeddings' gradients break the symmetry.
+            self.e_q = nn.Parameter(torch.randn(self.heads, self.head_dim) * cfg.init_std)
+            self.e_k = nn.Parameter(torch.randn(self.heads, self.head_dim) * cfg.init_std)
+            self.e_v = nn.Parameter(torch.randn(self.heads, self.head_dim) * cfg.init_std)
+
+    def _per_head(self, a_BTE: torch.Tensor, e_HE: torch.Tensor | None) -> torch.Tensor:
+        a_B1TE = a_BTE[:, None]
+        if e_HE is None:
+            return a_B1TE.expand(-1, self.heads, -1, -1)
+        e_1H1E = e_HE[None, :, None, :]
+        return a_B1TE + e_1H1E if self.mode == "add" else a_B1TE * (1 + e_1H1E)
+
+    def qkv(self, x_BTD, ctx_BSD):
+        embeddings = (self.e_q, self.e_k, self.e_v) if self.mode else (None, None, None)
+        q, k, v = self.q(x_BTD), self.k(ctx_BSD), self.v(ctx_BSD)
+        return tuple(self._per_head(a, e) for a, e in zip((q, k, v), embeddings))  # type: ignore[return-value]
+
+
+def build_projection(cfg: _AttentionConfig) -> ProjectionScheme:
+    """The explicit kind -> projection scheme table."""
+    kind = getattr(cfg, "kind")
+    if kind in ("mha", "linformer"):
+        return MultiHeadProjection(cfg, kv_heads=cfg.heads)
+    if kind == "gqa":
+        assert isinstance(cfg, GQAConfig)
+        return MultiHeadProjection(cfg, kv_heads=cfg.groups)
+    if kind == "mqa":
+        assert isinstance(cfg, MQAConfig)
+        return MultiHeadProjection(cfg, kv_heads=1)
+    if kind == "skv":
+        return SharedKVProjection(cfg)  # type: ignore[arg-type]
+    if kind == "el_att":
+        return ELAttProjection(cfg)  # type: ignore[arg-type]
+    if kind in ("mhe", "sha"):
+        return HeadEmbeddingProjection(cfg)  # type: ignore[arg-type]
+    raise ValueError(f"model.attention.kind={kind!r} has no projection scheme")

@@ -1,0 +1,1 @@
+"""Experiment orchestration: Ray Train/Tune launching, MLflow tracking and reports."""

@@ -1,0 +1,162 @@
+"""PNG plots of a report: score vs attention parameters, validation curves, knob sweeps.
+
+Figures are drawn on matplotlib's Agg canvas directly (no pyplot), so plotting needs no display,
+touches no global backend state and is safe inside Ray workers or a headless CI box.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from orchestrator.report_metrics import MethodRow, Mode, pareto_front
+
+_DPI = 120
+
+
+def _new_figure(width: float = 7.0, height: float = 4.5) -> tuple[Figure, object]:
+    fig = Figure(figsize=(width, height), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots()
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
+def _metric_axis_label(metric: str, mode: Mode) -> str:
+    return f"{metric} ({'lower' if mode == 'min' else 'higher'} is better)"
+
+
+def plot_score_vs_params(rows: Sequence[MethodRow], metric: str, mode: Mode, path: Path) -> Path | None:
+    """Score against attention parameters on a log axis, with the Pareto front drawn as a step line.
+
+    Returns None (no file) when no method logged its attention parameter count.
+    """
+    points = [row for row in rows if not math.isnan(row.params_attention) and row.params_attention > 0]
+    if not points:
+        return None
+    fig, ax = _new_figure()
+    params = [row.params_attention for row in points]
+    scores = [row.score_mean for row in points]
+    front = pareto_front(params, scores, mode)
+    for row, on_front in zip(points, front):
+        ax.errorbar(
+            row.params_attention,
+            row.score_mean,
+            yerr=None if math.isnan(row.score_std) else row.score_std,
+            fmt="o",
+            color="tab:red" if on_front else "tab:gray",
+            capsize=3,
+        )
+        ax.annotate(row.label, (row.params_attention, row.score_mean), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8)
+    front_points = sorted((p, s) for p, s, f in zip(params, scores, front) if f)
+    if front_points:
+        xs, ys = zip(*front_points)
+        # Step "post": between two front points the best reachable score is the smaller model's.
+        ax.step(xs, ys, where="post", color="tab:red", linestyle="--", label="Pareto front")
+        ax.legend(loc="best", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("attention parameters (incl. output projection, no biases)")
+    ax.set_ylabel(_metric_axis_label(metric, mode))
+    ax.set_title(f"{metric} vs attention parameters")
+    ax.grid(True, which="both", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_curves(curves: Mapping[str, pd.Series], metric: str, mode: Mode, path: Path) -> Path | None:
+    """One seed-mean curve per method (`curves`: label -> values indexed by step)."""
+    drawable = {label: curve for label, curve in curves.items() if len(curve) > 0}
+    if not drawable:
+        return None
+    fig, ax = _new_figure()
+    for label, curve in drawable.items():
+        ax.plot(curve.index, curve.values, marker="." if len(curve) < 30 else None, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel(_metric_axis_label(metric, mode))
+    ax.set_title(f"{metric} during training (mean over seeds)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    return _save(fig, path)
+
+
+@dataclass(frozen=True)
+class KnobSweep:
+    """Methods of one kind that differ in a numeric knob: x = that knob, one line per other setting."""
+
+    kind: str
+    knob: str
+    # Line label (the other knobs, e.g. "sharing=layerwise") -> [(knob value, row)], sorted by value.
+    lines: Mapping[str, list[tuple[float, MethodRow]]]
+
+
+def _as_float(value: str) -> float | None:
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def find_knob_sweeps(rows: Sequence[MethodRow]) -> list[KnobSweep]:
+    """Numeric knobs with at least two values within one kind, e.g. Linformer `k` in {64, 128, 256}."""
+    sweeps = []
+    kinds = sorted({row.kind for row in rows if row.kind is not None})
+    for kind in kinds:
+        of_kind = [row for row in rows if row.kind == kind]
+        knob_names = sorted({name for row in of_kind for name in row.knobs})
+        for knob in knob_names:
+            having = [row for row in of_kind if knob in row.knobs]
+            values = [_as_float(row.knobs[knob]) for row in having]
+            if any(value is None for value in values) or len(set(values)) < 2:
+                continue
+            lines: dict[str, list[tuple[float, MethodRow]]] = {}
+            for row, value in zip(having, values):
+                others = " ".join(f"{name}={v}" for name, v in row.knobs.items() if name != knob) or kind
+                lines.setdefault(others, []).append((value, row))
+            sorted_lines = {name: sorted(points, key=lambda p: p[0]) for name, points in lines.items()}
+            sweeps.append(KnobSweep(kind=kind, knob=knob, lines=sorted_lines))
+    return sweeps
+
+
+def plot_knob_sweep(
+    sweep: KnobSweep,
+    metric: str,
+    mode: Mode,
+    references: Sequence[MethodRow],
+    path: Path,
+) -> Path:
+    """Score against a knob value, with the reference methods as dashed horizontal lines."""
+    fig, ax = _new_figure()
+    for name, points in sweep.lines.items():
+        xs = [value for value, _ in points]
+        ys = [row.score_mean for _, row in points]
+        errs = [0.0 if math.isnan(row.score_std) else row.score_std for _, row in points]
+        ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=name)
+    for row, style in zip(references, ("--", ":")):
+        ax.axhline(row.score_mean, linestyle=style, color="black", linewidth=1, label=row.label)
+    values = sorted({value for points in sweep.lines.values() for value, _ in points})
+    # Knobs like Linformer k or bucket sizes are usually swept in powers of two.
+    if values[0] > 0 and values[-1] / values[0] >= 8:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"{sweep.kind}: {sweep.knob}")
+    ax.set_ylabel(_metric_axis_label(metric, mode))
+    ax.set_title(f"{sweep.kind}: {metric} vs {sweep.knob}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    return _save(fig, path)
+
+
+def knob_plot_name(sweep: KnobSweep) -> str:
+    """File name for a sweep plot, safe on every filesystem and in artifact paths."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{sweep.kind}_{sweep.knob}")
+    return f"knob_{safe}.png"
