@@ -30,8 +30,9 @@ PEAK_MEMORY = "memory/peak_gb"
 # e.g. "val/acc_loss" counts as a loss.
 _INVERSE_HINTS = ("loss", "ppl", "perplexity")
 _DIRECT_HINTS = ("bleu", "chrf", "acc", "f1")
-# Values a flattened spec writes for an unset field; they mean "knob absent", not a knob value.
-_MISSING_VALUES = frozenset({"", "None", "none", "null"})
+# What a flattened spec writes for an unset (Python None) field: "knob absent", not a knob value.
+# Lower-case "none" stays a value: it is a real setting, e.g. Linformer `sharing: none`.
+_MISSING_VALUES = frozenset({"", "None"})
 
 
 class ReportError(ValueError):
