@@ -1,0 +1,61 @@
+"""The interface between a task and the orchestrator's worker loop.
+
+A task turns the `task:` and `model:` blocks of a spec into a model, a resumable stream of training
+batches for this worker's shard, a loss and an evaluation. It knows nothing of Ray or MLflow: the
+worker loop (orchestrator/worker.py) drives it, and only plain numbers and files come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Runtime facts handed to a task; never part of the spec."""
+
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    cache_dir: Path = Path(".cache")
+    """Shared, persistent folder for tokenizers and prepared data (keyed by content hash inside)."""
+
+
+@dataclass
+class Batch:
+    """Tensors of one step plus how many target tokens the loss averages over."""
+
+    tensors: dict[str, torch.Tensor]
+    n_tokens: int
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch({k: v.to(device, non_blocking=True) for k, v in self.tensors.items()}, self.n_tokens)
+
+
+class Task(Protocol):
+    """What the worker loop needs; see tasks/lm.py and tasks/translation.py."""
+
+    metrics: tuple[str, ...]
+    """Names `evaluate` returns, e.g. ("val/loss", "val/ppl") or ("val/loss", "val/bleu", "val/chrf")."""
+
+    def build_model(self) -> nn.Module:
+        """A fresh model (seeded by the caller); has attention_parameters() and parameter_counts()."""
+
+    def train_batches(self, position: dict[str, Any] | None = None) -> Iterator[tuple[Batch, dict[str, Any]]]:
+        """Endless stream of this rank's batches. Each comes with the position *after* it, a small
+        JSON-able dict that, passed back in, resumes the stream exactly at the next batch."""
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean loss over batch.n_tokens target tokens."""
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Full validation split, exact token-weighted; keys are `metrics`."""
+
+    def artifacts(self) -> dict[str, Path]:
+        """Files worth keeping with the run (tokenizer model, last evaluation outputs)."""
