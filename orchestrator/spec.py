@@ -1,0 +1,386 @@
+"""The experiment spec: pydantic models of every block, YAML loading with dotted overrides, and
+validation that names the field to fix, all before Ray is started.
+
+A spec file holds `name`, `task`, `model`, `optim`, `run`, `tune` and `tracking`. Any value may be a
+search domain (`{grid: [...]}`, see orchestrator/search_space.py); such a spec is a *study*, run with
+`orchestrator sweep`, and every grid combination is validated as a full spec up front.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from models import ModelConfig
+from orchestrator.search_space import Domain, SearchSpaceError, find_domains, resolve, set_path, validation_points
+from tasks import check_compatible
+from tasks.config import TaskConfig
+
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class SpecError(ValueError):
+    """A spec cannot be run; the message names the field(s) and how to fix them."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimConfig(_Section):
+    """AdamW with a warmup + decay learning-rate schedule."""
+
+    lr: float = 3e-4
+    """Peak learning rate, reached at the end of warmup."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW (beta1, beta2)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `lr`."""
+    schedule: Literal["cosine", "linear", "inverse_sqrt", "constant"] = "cosine"
+    """Decay after warmup: cosine or linear to 0 at max_steps, inverse_sqrt (Vaswani et al., 2017), or constant."""
+    max_steps: int = 1000
+    """Optimizer steps of the run (each is grad_accum micro-batches)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    grad_clip: float | None = 1.0
+    """Max global gradient norm; null disables clipping."""
+    seed: int = 0
+    """Seeds model init, dropout and data order; the same seed on CPU gives the same loss curve."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "OptimConfig":
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0 (got {self.lr})")
+        if self.max_steps < 1 or self.grad_accum < 1:
+            raise ValueError("optim.max_steps and optim.grad_accum must be >= 1")
+        if not 0 <= self.warmup_steps <= self.max_steps:
+            raise ValueError(
+                f"optim.warmup_steps={self.warmup_steps} must be in [0, optim.max_steps={self.max_steps}]; "
+                "shorten the warmup or train longer"
+            )
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"optim.grad_clip must be > 0 or null to disable (got {self.grad_clip})")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas must both be in [0, 1) (got {self.betas})")
+        return self
+
+
+class RunSettings(_Section):
+    """How one training run is placed and checkpointed (the `run:` block)."""
+
+    workers: int = 1
+    """Ray Train workers (DDP ranks) per run."""
+    gpus_per_worker: float = 0
+    """GPUs per worker; 0 trains on CPU with the gloo backend."""
+    cpus_per_worker: float = 1
+    """CPUs reserved per worker."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16 autocast (GPU only) or plain fp32."""
+    checkpoint_every: int = 500
+    """Optimizer steps between checkpoints (the last step always checkpoints)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in storage (Ray's CheckpointConfig.num_to_keep); older ones are deleted."""
+    eval_every: int = 500
+    """Optimizer steps between evaluations; every evaluation is one report to Ray (and one ASHA rung step)."""
+    log_every: int = 50
+    """Optimizer steps between train/* metric lines (console + MLflow)."""
+    storage_path: str = "runs"
+    """Where runs, sweeps and checkpoints live: a local dir (made absolute) or a shared URI such as s3://bucket/runs."""
+    max_failures: int = 0
+    """Worker-group restarts Ray Train attempts from the latest checkpoint before the run fails (-1: unlimited)."""
+
+    @field_validator("storage_path")
+    @classmethod
+    def _absolute_storage(cls, value: str) -> str:
+        # Ray workers (and Tune trial drivers) do not share the launcher's cwd: keep only absolute paths.
+        return value if "://" in value else str(Path(value).expanduser().resolve())
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunSettings":
+        for name in ("workers", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"run.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.gpus_per_worker < 0 or self.cpus_per_worker <= 0:
+            raise ValueError("run.gpus_per_worker must be >= 0 and run.cpus_per_worker > 0")
+        if self.precision == "bf16" and self.gpus_per_worker == 0:
+            raise ValueError("run.precision=bf16 needs GPUs (run.gpus_per_worker > 0); use precision: fp32 on CPU")
+        if self.max_failures < -1:
+            raise ValueError("run.max_failures must be >= 0, or -1 for unlimited retries")
+        return self
+
+    @property
+    def gpus_per_run(self) -> float:
+        return self.workers * self.gpus_per_worker
+
+
+class TuneSettings(_Section):
+    """How a sweep searches and schedules trials (the `tune:` block)."""
+
+    metric: str | None = None
+    """Metric compared across trials; must be one the task reports (default: the task's own, e.g. val/ppl)."""
+    mode: Literal["min", "max"] | None = None
+    """Whether lower or higher `metric` is better (default: the task's, e.g. min for val/ppl)."""
+    scheduler: Literal["asha", "fifo"] = "asha"
+    """asha stops weak trials early at evaluation rungs; fifo runs every trial to max_steps."""
+    grace_period: int = 1
+    """ASHA: evaluations a trial always gets before it may be stopped."""
+    reduction_factor: int = 2
+    """ASHA: keep the top 1/reduction_factor of trials at each rung."""
+    search: Literal["grid", "random", "optuna"] = "grid"
+    """grid: every grid combination x num_samples; random: grids drawn like choices; optuna: TPE (Optuna)."""
+    num_samples: int = 1
+    """grid: repeats of the grid (each draws new random values); random/optuna: trials in total."""
+    max_concurrent: int | None = None
+    """Trials at once; default total GPUs / GPUs per trial (CPU: CPUs / (workers * cpus_per_worker + 1))."""
+    max_failures: int = 0
+    """Retries of a failed trial; a retried trial resumes its Train run from its last checkpoint."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "TuneSettings":
+        if self.num_samples < 1 or self.grace_period < 1:
+            raise ValueError("tune.num_samples and tune.grace_period must be >= 1")
+        if self.reduction_factor < 2:
+            raise ValueError(f"tune.reduction_factor must be >= 2 (got {self.reduction_factor})")
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise ValueError("tune.max_concurrent must be >= 1, or omitted to derive it from the cluster")
+        return self
+
+
+class TrackingSettings(_Section):
+    """Where runs are logged (the `tracking:` block)."""
+
+    uri: str = "sqlite:///mlflow.db"
+    """MLflow tracking URI: a local SQLite file (made absolute) or a server such as http://head:5000."""
+    experiment: str | None = None
+    """MLflow experiment (one per study); defaults to the spec's name."""
+    retries: int = 3
+    """Attempts per logging call before it is dropped with a warning (training never stops for logging)."""
+    timeout_s: float = 5.0
+    """HTTP timeout of one MLflow request; keeps a slow or dead server from stalling training."""
+
+    @field_validator("uri")
+    @classmethod
+    def _absolute_sqlite(cls, value: str) -> str:
+        # The Tune driver and Ray workers run in other directories: a relative SQLite path would split the store.
+        prefix = "sqlite:///"
+        if value.startswith(prefix) and not value.startswith(prefix + "/") and value != prefix + ":memory:":
+            return prefix + str(Path(value[len(prefix):]).resolve())
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrackingSettings":
+        if self.retries < 1 or self.timeout_s <= 0:
+            raise ValueError("tracking.retries must be >= 1 and tracking.timeout_s > 0")
+        return self
+
+
+class ExperimentSpec(_Section):
+    """A complete, resolved experiment: everything a run needs, and what is stored in its checkpoints."""
+
+    name: str = Field(pattern=_NAME_PATTERN)
+    """Run or sweep name (letters, digits, . _ -); names the storage folder and the MLflow experiment."""
+    task: TaskConfig
+    """Data and objective: {kind: mlm | clm | translation, ...} (tasks/config.py)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Architecture, including the attention block (models/config.py)."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    run: RunSettings = Field(default_factory=RunSettings)
+    tune: TuneSettings = Field(default_factory=TuneSettings)
+    tracking: TrackingSettings = Field(default_factory=TrackingSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_experiment(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and isinstance(data.get("tracking", {}), Mapping):
+            tracking = dict(data.get("tracking") or {})
+            if tracking.get("experiment") is None and isinstance(data.get("name"), str):
+                tracking["experiment"] = data["name"]
+            data = {**data, "tracking": tracking}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "ExperimentSpec":
+        check_compatible(self.task, self.model)
+        metrics = tuple(self.task.metrics)
+        if self.tune.metric is not None and self.tune.metric not in metrics:
+            raise ValueError(
+                f"tune.metric={self.tune.metric!r} is not reported by task.kind={self.task.kind}; "
+                f"choose one of {list(metrics)}"
+            )
+        return self
+
+    @property
+    def metric(self) -> str:
+        """The compared metric: tune.metric, or the task's default."""
+        return self.tune.metric or self.task.default_metric
+
+    @property
+    def mode(self) -> Literal["min", "max"]:
+        return self.tune.mode or self.task.default_mode
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a spec file (a clear error for a missing file or a non-mapping document)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"spec file {str(path)!r} not found; pass the path of a YAML spec such as configs/smoke.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: a spec is a mapping with name/task/model/... keys, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Dotted `key.path=value` overrides; values are parsed as YAML (`k=64`, `sharing=kv`, `lr={grid: [1, 2]}`)."""
+    out = dict(raw)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not re.fullmatch(r"[A-Za-z0-9_.]+", key):
+            raise SpecError(f"override {item!r} is not key.path=value; e.g. model.attention.k=64")
+        try:
+            parsed = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError as err:
+            raise SpecError(f"override {item!r}: value is not valid YAML: {err}") from err
+        try:
+            out = set_path(out, key, parsed)
+        except SearchSpaceError as err:
+            raise SpecError(f"override {item!r}: {err}") from err
+    return out
+
+
+def _field_path(loc: Sequence[Any], raw: Any) -> str:
+    """A pydantic error location as the spec's dotted path, without the union tags pydantic inserts."""
+    parts: list[str] = []
+    node = raw
+    for item in loc:
+        if isinstance(node, Mapping) and item not in node and node.get("kind") == item:
+            continue  # discriminated-union tag, e.g. ('model', 'attention', 'linformer', 'k')
+        parts.append(str(item))
+        node = node.get(item) if isinstance(node, Mapping) else None
+    return ".".join(parts) or "(spec)"
+
+
+def _describe(err: ValidationError, raw: Mapping[str, Any]) -> str:
+    lines = []
+    for item in err.errors():
+        path = _field_path(item["loc"], raw)
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            msg = "unknown field; check its spelling and block against docs/orchestrator.md, or remove it"
+        elif item["type"] == "missing":
+            msg = "required field is missing; add it to the spec"
+        lines.append(f"  {path}: {msg}")
+    return "\n".join(lines)
+
+
+def validate_spec(raw: Mapping[str, Any], *, where: str = "spec") -> ExperimentSpec:
+    """A resolved spec (no search domains) as an ExperimentSpec, or a SpecError naming every bad field."""
+    try:
+        domains = find_domains(raw)
+    except SearchSpaceError as err:
+        raise SpecError(f"{where}: {err}") from err
+    if domains:
+        paths = ", ".join(d.path for d in domains)
+        raise SpecError(
+            f"{where} has search domains ({paths}); run it with `orchestrator sweep`, or pin them with "
+            f"overrides such as {domains[0].path}=<value>"
+        )
+    try:
+        return ExperimentSpec.model_validate(raw)
+    except ValidationError as err:
+        raise SpecError(f"{where} is invalid:\n{_describe(err, raw)}") from None
+    except ValueError as err:  # raised outside pydantic's wrapping, e.g. by a task compatibility check
+        raise SpecError(f"{where} is invalid:\n  {err}") from None
+
+
+@dataclass(frozen=True)
+class Study:
+    """A spec with its search domains: what `validate` prints and `sweep` launches."""
+
+    raw: dict[str, Any]
+    """The spec as written (plus overrides), domains included; stored with a sweep to resume it."""
+    domains: list[Domain]
+    base: ExperimentSpec
+    """The first validated trial; the settings no domain touches (run, tune, tracking) come from it."""
+
+    def spec_for(self, assignment: Mapping[str, Any]) -> ExperimentSpec:
+        """The full spec of one trial."""
+        return validate_spec(resolve(self.raw, assignment), where=_trial_label(assignment))
+
+
+def _trial_label(assignment: Mapping[str, Any]) -> str:
+    if not assignment:
+        return "spec"
+    return "trial {" + ", ".join(f"{k}={v!r}" for k, v in assignment.items()) + "}"
+
+
+def study_from_raw(raw: Mapping[str, Any]) -> Study:
+    """Validate a (possibly searched) spec: every grid combination, range edges and a few random draws."""
+    raw = dict(raw)
+    try:
+        domains = find_domains(raw)
+    except SearchSpaceError as err:
+        raise SpecError(f"spec: {err}") from err
+    for path in ("name", "tune", "run", "tracking"):
+        if any(d.path == path or d.path.startswith(path + ".") for d in domains):
+            raise SpecError(
+                f"{path} cannot be searched: it configures the sweep itself; give it one value "
+                f"(search over task, model and optim fields)"
+            )
+    base: ExperimentSpec | None = None
+    for assignment in validation_points(domains) if domains else iter([{}]):
+        spec = validate_spec(resolve(raw, assignment), where=_trial_label(assignment))
+        base = base or spec
+    assert base is not None
+    return Study(raw=raw, domains=domains, base=base)
+
+
+def load_study(path: str | Path, overrides: Sequence[str] = ()) -> Study:
+    """Read a spec file, apply CLI overrides and validate every trial it describes."""
+    return study_from_raw(apply_overrides(read_yaml(path), overrides))
+
+
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentSpec:
+    """Read and validate a single-run spec (no search domains)."""
+    return validate_spec(apply_overrides(read_yaml(path), overrides), where=str(path))
+
+
+# --- resources --------------------------------------------------------------------------------------
+
+
+def check_gpus(spec: ExperimentSpec, available: float, where: str) -> None:
+    """Fail before launching when one run asks for more GPUs than `where` has."""
+    need = spec.run.gpus_per_run
+    if need > available:
+        raise SpecError(
+            f"run.workers={spec.run.workers} x run.gpus_per_worker={spec.run.gpus_per_worker} asks for {need:g} "
+            f"GPUs per run but {where} has {available:g}; lower run.workers or run.gpus_per_worker "
+            "(0 trains on CPU), or add GPU nodes to the cluster"
+        )
+
+
+def local_gpu_count() -> int:
+    """GPUs visible to this process (the check used when no Ray cluster is connected yet)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def spec_to_yaml(spec: ExperimentSpec | Mapping[str, Any]) -> str:
+    """The resolved spec as YAML (what `validate` prints and every run stores)."""
+    data = spec.model_dump(mode="json") if isinstance(spec, ExperimentSpec) else dict(spec)
+    return yaml.safe_dump(data, sort_keys=False)
