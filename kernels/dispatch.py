@@ -1,0 +1,157 @@
+"""Pick the attention backend for a call: the Triton kernels on CUDA, else the PyTorch reference.
+
+Each backend declares what it supports as class attributes and explains itself through
+``not_supported_reasons``; ``select_backend`` walks an explicit priority list and, when nothing fits, says
+why each backend was rejected (after xFormers' ``ops/fmha/dispatch.py``).
+
+``ATTN_BACKEND=reference|triton`` forces one backend. It is also the only way CPU tensors reach the Triton
+kernels, through the interpreter (TRITON_INTERPRET=1): automatic dispatch would otherwise send every CPU
+test of the models through an interpreter that is orders of magnitude slower than the reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kernels.chunked_attention import chunked_flash_attention
+from kernels.flash_attention import MAX_HEAD_DIM, MIN_HEAD_DIM, TRITON_DTYPES, flash_attention, interpreter_enabled
+from kernels.reference import SUPPORTED_DTYPES, chunked_attention_reference, exact_attention_reference
+
+BACKEND_ENV = "ATTN_BACKEND"
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """What a backend needs to see to decide whether it can run a call."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    forced: bool  # chosen through ATTN_BACKEND rather than by the priority walk
+
+
+class BaseAttentionBackend:
+    """A way of computing attention, with its limits declared up front."""
+
+    name: ClassVar[str]
+    devices: ClassVar[frozenset[str]]
+    dtypes: ClassVar[tuple[torch.dtype, ...]]
+    min_head_dim: ClassVar[int] = 1
+    max_head_dim: ClassVar[int | None] = None
+    needs_triton: ClassVar[bool] = False
+
+    def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
+        reasons = []
+        if self.needs_triton and importlib.util.find_spec("triton") is None:
+            reasons.append("triton is not installed")
+        devices = {t.device.type for t in (inputs.q, inputs.k, inputs.v)}
+        if not devices <= self.devices:
+            reasons.append(f"device {sorted(devices)} not in {sorted(self.devices)}")
+        if inputs.q.dtype not in self.dtypes:
+            reasons.append(f"dtype {inputs.q.dtype} not in {list(self.dtypes)}")
+        head_dim = inputs.q.shape[-1]
+        if head_dim < self.min_head_dim or (self.max_head_dim is not None and head_dim > self.max_head_dim):
+            reasons.append(f"head_dim {head_dim} outside {self.min_head_dim}..{self.max_head_dim}")
+        return reasons
+
+
+class TritonBackend(BaseAttentionBackend):
+    name = "triton"
+    devices = frozenset({"cuda", "cpu"})
+    dtypes = TRITON_DTYPES
+    min_head_dim = MIN_HEAD_DIM
+    max_head_dim = MAX_HEAD_DIM
+    needs_triton = True
+
+    def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inputs)
+        if inputs.q.device.type == "cpu":
+            if not interpreter_enabled():
+                reasons.append("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+            elif not inputs.forced:
+                reasons.append(f"the interpreter on CPU tensors is used only when {BACKEND_ENV}=triton")
+        return reasons
+
+
+class ReferenceBackend(BaseAttentionBackend):
+    name = "reference"
+    devices = frozenset({"cpu", "cuda", "mps"})
+    dtypes = SUPPORTED_DTYPES
+
+
+TRITON = TritonBackend()
+REFERENCE = ReferenceBackend()
+# Priority order: first backend without objections wins.
+PRIORITY: tuple[BaseAttentionBackend, ...] = (TRITON, REFERENCE)
+
+
+def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BaseAttentionBackend:
+    """Walk PRIORITY (or only the backend named by ATTN_BACKEND); raise with every rejection's reasons."""
+    forced_name = os.environ.get(BACKEND_ENV, "").strip().lower()
+    candidates: Sequence[BaseAttentionBackend] = PRIORITY
+    if forced_name:
+        candidates = [b for b in PRIORITY if b.name == forced_name]
+        if not candidates:
+            valid = ", ".join(b.name for b in PRIORITY)
+            raise ValueError(f"{BACKEND_ENV}={forced_name!r} is not a backend; valid names: {valid}")
+    inputs = AttentionInputs(q, k, v, forced=bool(forced_name))
+    rejected = []
+    for backend in candidates:
+        reasons = backend.not_supported_reasons(inputs)
+        if not reasons:
+            return backend
+        rejected.append(f"  {backend.name}: " + "; ".join(reasons))
+    raise NotImplementedError("no attention backend supports these inputs:\n" + "\n".join(rejected))
+
+
+_EXACT: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    TRITON.name: flash_attention,
+    REFERENCE.name: exact_attention_reference,
+}
+_CHUNKED: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    TRITON.name: chunked_flash_attention,
+    REFERENCE.name: chunked_attention_reference,
+}
+
+
+def exact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention (out [B, H, M, D], lse [B, H, M]) on the best available backend; see
+    kernels.reference.exact_attention_reference for the semantics (causal is aligned top-left)."""
+    run = _EXACT[select_backend(q, k, v).name]
+    return run(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+
+
+def chunked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunk: int,
+    lookback: int = 1,
+    positions: torch.Tensor | None = None,
+    causal: bool = False,
+    self_mask: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    wrap: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked attention over a sorted sequence on the best available backend; see
+    kernels.reference.chunked_attention_reference for the semantics."""
+    run = _CHUNKED[select_backend(q, k, v).name]
+    return run(
+        q, k, v, chunk, lookback=lookback, positions=positions, causal=causal, self_mask=self_mask,
+        key_padding_mask=key_padding_mask, scale=scale, wrap=wrap,
+    )  # fmt: skip

@@ -1,0 +1,234 @@
+"""Pure PyTorch attention with log-sum-exp: the test oracle and the CPU fallback of every kernel.
+
+Both functions return ``(out, lse)`` where ``lse`` is the natural-log sum of exponentials of the *scaled*
+logits of each query row, as FlashAttention-2 keeps it (Dao, 2023, "FlashAttention-2: Faster Attention with
+Better Parallelism and Work Partitioning", arXiv 2307.08691). Gradients of both outputs come from autograd,
+so these functions are an independent check of the hand-written Triton backward passes.
+
+Softmax runs in fp32 whatever the input dtype (fp16 logits overflow); ``out`` is cast back to the input dtype
+and ``lse`` stays fp32. A query row whose keys are all masked returns zeros and ``lse = -inf``, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Reformer gives a token's logit to itself a large negative value rather than -inf, so that a query still
+# has something to attend to when every other key is masked (Kitaev et al., 2020, arXiv 2001.04451, sec. 2.2;
+# Hugging Face uses -1e5 in fp32). It is applied to the scaled logit, in fp32.
+SELF_LOGIT = -1e5
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Reject layouts that would silently produce a wrong result (e.g. [B, T, H, D] passed as [B, H, T, D])."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must agree on batch, heads and head_dim; got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+
+
+def check_key_padding_mask(mask: torch.Tensor | None, batch: int, seq_k: int) -> None:
+    if mask is None:
+        return
+    if mask.dtype != torch.bool or mask.shape != (batch, seq_k):
+        raise ValueError(
+            f"key_padding_mask must be bool [batch, seq_k] = [{batch}, {seq_k}] with True = padded key; "
+            f"got {mask.dtype} {tuple(mask.shape)}"
+        )
+
+
+def per_head(x: torch.Tensor | None, batch: int, heads: int, seq: int, name: str) -> torch.Tensor | None:
+    """Broadcast a [batch, seq] or [batch, heads, seq] tensor to [batch, heads, seq].
+
+    Chunked attention runs on sequences sorted per head (LSH buckets differ by head), so its masks and
+    positions may differ by head; a [batch, seq] tensor is shared by all heads.
+    """
+    if x is None:
+        return None
+    if x.dim() == 2 and x.shape == (batch, seq):
+        return x[:, None, :].expand(batch, heads, seq)
+    if x.dim() == 3 and x.shape == (batch, heads, seq):
+        return x
+    raise ValueError(
+        f"{name} must be [batch, seq] = [{batch}, {seq}] or [batch, heads, seq] = [{batch}, {heads}, {seq}]; "
+        f"got {tuple(x.shape)}"
+    )
+
+
+def check_chunked_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    chunk: int,
+    lookback: int,
+    positions: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Validate the chunked-attention arguments; return positions and padding mask as [B, H, T] (or None)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1; got {chunk}")
+    if lookback < 0:
+        raise ValueError(f"lookback must be >= 0; got {lookback}")
+    batch, heads, seq, _ = q.shape
+    if k.shape[2] != seq:
+        raise ValueError(f"chunked attention needs q and k of the same length; got {seq} and {k.shape[2]}")
+    pos_BHT = per_head(positions, batch, heads, seq, "positions")
+    if pos_BHT is not None and pos_BHT.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be int32 or int64; got {pos_BHT.dtype}")
+    pad_BHT = per_head(key_padding_mask, batch, heads, seq, "key_padding_mask")
+    if pad_BHT is not None and pad_BHT.dtype != torch.bool:
+        raise ValueError(f"key_padding_mask must be bool (True = padded); got {pad_BHT.dtype}")
+    return pos_BHT, pad_BHT
+
+
+def _softmax_with_lse(
+    s_BHMN: torch.Tensor, masked_BHMN: torch.Tensor | None, v_BHND: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-weighted sum of v and the row log-sum-exp, with fully masked rows giving zeros and -inf."""
+    if masked_BHMN is not None:
+        # masked_fill (not an additive -inf) so that its backward zeroes the NaN that logsumexp's backward
+        # produces on rows that are entirely -inf.
+        s_BHMN = s_BHMN.masked_fill(masked_BHMN, float("-inf"))
+    lse_BHM = torch.logsumexp(s_BHMN, dim=-1)
+    lse_safe_BHM = torch.where(torch.isinf(lse_BHM), torch.zeros_like(lse_BHM), lse_BHM)
+    p_BHMN = torch.exp(s_BHMN - lse_safe_BHM[..., None])  # exp(-inf - 0) = 0 on fully masked rows
+    out_BHMD = torch.matmul(p_BHMN, v_BHND.float())
+    return out_BHMD.to(v_BHND.dtype), lse_BHM
+
+
+def exact_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention. q [B, H, M, D], k and v [B, H, N, D] -> out [B, H, M, D], lse [B, H, M].
+
+    ``causal`` aligns the mask top-left: query i sees keys j <= i, also when M != N.
+    ``key_padding_mask`` [B, N] bool, True = padded key (contributes nothing).
+    """
+    check_attention_inputs(q, k, v)
+    batch, _, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    check_key_padding_mask(key_padding_mask, batch, seq_k)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+    s_BHMN = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    masked_BHMN = None
+    if causal:
+        rows_M = torch.arange(seq_q, device=q.device)
+        cols_N = torch.arange(seq_k, device=q.device)
+        masked_BHMN = (cols_N[None, :] > rows_M[:, None])[None, None]
+    if key_padding_mask is not None:
+        padded_B11N = key_padding_mask[:, None, None, :]
+        masked_BHMN = padded_B11N if masked_BHMN is None else masked_BHMN | padded_B11N
+    if masked_BHMN is not None:
+        masked_BHMN = masked_BHMN.expand_as(s_BHMN)
+    return _softmax_with_lse(s_BHMN, masked_BHMN, v)
+
+
+def chunk_neighbours(n_chunks: int, lookback: int, wrap: bool) -> torch.Tensor:
+    """Key chunk indices of every query chunk: [n_chunks, n_look], -1 where there is none.
+
+    Query chunk c attends to chunks c, c-1, ..., c-lookback. With ``wrap`` the indices are taken modulo
+    n_chunks, as Reformer's look-one-back does, so chunk 0 also sees the last chunk. A chunk is never
+    attended twice: the look-back stops after n_chunks - 1 steps.
+    """
+    n_look = min(lookback, n_chunks - 1) + 1
+    c_C1 = torch.arange(n_chunks)[:, None]
+    kc_CL = c_C1 - torch.arange(n_look)[None, :]
+    return kc_CL % n_chunks if wrap else kc_CL.clamp(min=-1)
+
+
+def chunked_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunk: int,
+    lookback: int = 1,
+    positions: torch.Tensor | None = None,
+    causal: bool = False,
+    self_mask: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    wrap: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention within chunks of an already sorted sequence (Reformer's LSH attention after the sort).
+
+    q, k, v [B, H, T, D]. Query chunk c (rows c*chunk .. c*chunk+chunk-1; the last chunk may be shorter)
+    attends to key chunks c-lookback..c, cyclically when ``wrap`` (see ``chunk_neighbours``).
+    ``positions`` [B, T] or [B, H, T] int: the original token position of each sorted row (default: the row
+    index). ``causal`` masks keys with a later position than the query; ``self_mask`` replaces the logit of
+    a key at the query's own position with SELF_LOGIT, so a token attends to itself only when nothing else
+    is available. ``key_padding_mask`` [B, T] or [B, H, T] bool (True = padded), in the sorted order.
+    Costs O(T * chunk * (lookback + 1)) memory, unlike a dense T x T mask.
+    """
+    check_attention_inputs(q, k, v)
+    pos_BHT, pad_BHT = check_chunked_inputs(q, k, chunk, lookback, positions, key_padding_mask)
+    batch, heads, seq, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if pos_BHT is None:
+        pos_BHT = torch.arange(seq, device=q.device).expand(batch, heads, seq)
+    if pad_BHT is None:
+        pad_BHT = torch.zeros(batch, heads, seq, dtype=torch.bool, device=q.device)
+
+    n_chunks = -(-seq // chunk)
+    tail = n_chunks * chunk - seq  # the last chunk is padded up to `chunk` rows with masked keys
+
+    def chunked(x_BHT_: torch.Tensor, fill: float | bool | int) -> torch.Tensor:
+        pad_shape = (*x_BHT_.shape[:2], tail, *x_BHT_.shape[3:])
+        filler = torch.full(pad_shape, fill, dtype=x_BHT_.dtype, device=x_BHT_.device)
+        x_full = torch.cat([x_BHT_, filler], dim=2)
+        return x_full.reshape(batch, heads, n_chunks, chunk, *x_BHT_.shape[3:])
+
+    q_BHCQD = chunked(q.float(), 0.0)
+    k_BHCQD = chunked(k.float(), 0.0)
+    v_BHCQD = chunked(v, 0.0)
+    pos_BHCQ = chunked(pos_BHT, -1)
+    pad_BHCQ = chunked(pad_BHT, True)
+
+    neighbours_CL = chunk_neighbours(n_chunks, lookback, wrap).to(q.device)
+    missing_CL = neighbours_CL < 0
+    idx_CL = neighbours_CL.clamp(min=0)
+    n_look = idx_CL.shape[1]
+
+    def gather(x_BHCQ_: torch.Tensor) -> torch.Tensor:
+        # [B, H, C, Q, ...] -> [B, H, C, L*Q, ...]: the keys of every query chunk's neighbours, concatenated.
+        g = x_BHCQ_[:, :, idx_CL]
+        return g.reshape(batch, heads, n_chunks, n_look * chunk, *x_BHCQ_.shape[4:])
+
+    kk_BHCKD = gather(k_BHCQD)
+    vv_BHCKD = gather(v_BHCQD)
+    kpos_BHCK = gather(pos_BHCQ)
+    missing_CK = missing_CL[:, :, None].expand(n_chunks, n_look, chunk).reshape(n_chunks, n_look * chunk)
+    masked_BHCQK = (gather(pad_BHCQ) | missing_CK)[:, :, :, None, :].expand(-1, -1, -1, chunk, -1)
+    qpos_BHCQ1 = pos_BHCQ[..., None]
+    kpos_BHC1K = kpos_BHCK[:, :, :, None, :]
+    if causal:
+        masked_BHCQK = masked_BHCQK | (kpos_BHC1K > qpos_BHCQ1)
+
+    s_BHCQK = torch.matmul(q_BHCQD, kk_BHCKD.transpose(-1, -2)) * scale
+    if self_mask:
+        # A replaced (not added) value: no gradient flows through a token's dot product with itself.
+        is_self_BHCQK = kpos_BHC1K == qpos_BHCQ1
+        s_BHCQK = torch.where(is_self_BHCQK, torch.full_like(s_BHCQK, SELF_LOGIT), s_BHCQK)
+    out_BHCQD, lse_BHCQ = _softmax_with_lse(s_BHCQK, masked_BHCQK, vv_BHCKD)
+    out_BHTD = out_BHCQD.reshape(batch, heads, n_chunks * chunk, head_dim)[:, :, :seq]
+    lse_BHT = lse_BHCQ.reshape(batch, heads, n_chunks * chunk)[:, :, :seq]
+    return out_BHTD, lse_BHT
