@@ -9,7 +9,6 @@ in the MLflow UI. The formulas live in `report_metrics`, the figures in `report_
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ from pathlib import Path
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.entities import Run, ViewType
-from mlflow.exceptions import MlflowException
 
 from orchestrator.report_metrics import (
     MethodGroup,
@@ -44,8 +42,6 @@ from orchestrator.report_plots import (
 )
 
 __all__ = ["Report", "ReportError", "build_report", "report_cli"]
-
-logger = logging.getLogger(__name__)
 
 PARENT_TAG = "mlflow.parentRunId"
 # Marks the run this module creates when there is no sweep parent to attach to; such runs hold
@@ -93,7 +89,9 @@ def build_report(
     `metric` defaults to the spec's `tune.metric` param; `mode` is inferred from the metric name
     when not given. `reference` / `lower_reference` name the methods PRR / PEoP are measured
     against, by kind ("mha") or by full label ("mha heads=12"); `lower_reference=None` skips PEoP.
-    Raises ReportError with a fix when the runs cannot be compared.
+    Raises ReportError with a fix when the runs cannot be compared. Problems that still leave a
+    useful table (no lower reference, skipped runs) are returned in `Report.warnings` and written
+    into report.md rather than logged, so the caller decides how to show them.
     """
     client = MlflowClient(tracking_uri=tracking_uri)
     experiment_id = _experiment_id(client, experiment)
@@ -108,7 +106,9 @@ def build_report(
     warnings = list(summary.warnings)
     skipped = sum(metric not in record.metrics for record in records)
     if skipped:
-        warnings.append(f"{skipped} run(s) without {metric!r} skipped (crashed or stopped before evaluation?)")
+        warnings.append(
+            f"{skipped} run(s) without {metric!r} skipped (crashed or stopped before evaluation?)"
+        )
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -122,8 +122,6 @@ def build_report(
     )
     (out_dir / "report.md").write_text(markdown)
     files.insert(0, out_dir / "report.md")
-    for warning in warnings:
-        logger.warning(warning)
 
     mlflow_run_id = None
     if log_to_mlflow:
@@ -240,7 +238,8 @@ def _group_keys(records: Sequence[RunRecord], group_by: Sequence[str] | None) ->
     if unknown:
         model_params = [name for name in logged if name.startswith("model.")] or logged
         raise ReportError(
-            f"--group-by names params no run logged: {unknown}; logged model params: {', '.join(model_params)}"
+            f"--group-by names params no run logged: {unknown}; "
+            f"logged model params: {', '.join(model_params)}"
         )
     return list(group_by)
 
@@ -251,7 +250,9 @@ def _groups_with_metric(records: Sequence[RunRecord], keys: Sequence[str], metri
     A method whose runs all lack the metric usually means the runs logged different metrics (an
     MT run has val/bleu, an LM run val/ppl); silently dropping it would hide it from the table.
     """
-    lacking = [group for group in group_runs(records, keys) if not any(metric in r.metrics for r in group.runs)]
+    lacking = [
+        group for group in group_runs(records, keys) if not any(metric in run.metrics for run in group.runs)
+    ]
     if lacking:
         details = "; ".join(
             f"{group.label!r} has {sorted({m for r in group.runs for m in r.metrics}) or 'no metrics'}"
@@ -259,7 +260,8 @@ def _groups_with_metric(records: Sequence[RunRecord], keys: Sequence[str], metri
         )
         common = set.intersection(*(set(record.metrics) for record in records))
         raise ReportError(
-            f"the runs logged different metrics: no run of {len(lacking)} method(s) has {metric!r} ({details}). "
+            f"the runs logged different metrics: no run of {len(lacking)} method(s) has {metric!r} "
+            f"({details}). "
             f"Metrics every run has: {', '.join(sorted(common)) or '(none)'}. Pick one with --metric, or "
             "restrict the report to one sweep with --parent-run."
         )
@@ -290,7 +292,9 @@ def _write_plots(
 ) -> list[Path]:
     rows = summary.rows
     written = [plot_score_vs_params(rows, metric, mode, out_dir / "score_vs_params.png")]
-    curves = {group.label: _seed_mean_curve(client, group, metric) for group in groups}
+    by_label = {group.label: group for group in groups}
+    # Table order (references first), so the curve colours match the reading order of the table.
+    curves = {row.label: _seed_mean_curve(client, by_label[row.label], metric) for row in rows}
     written.append(plot_curves(curves, metric, mode, out_dir / "curves.png"))
     references = [row for row in rows if row.label in (summary.reference, summary.lower_reference)]
     for sweep in find_knob_sweeps(rows):
@@ -347,13 +351,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="MLflow tracking URI")
     parser.add_argument("--experiment", required=True, help="MLflow experiment name (one study)")
     parser.add_argument("--parent-run", help="only the trials of this sweep parent run id")
-    parser.add_argument("--metric", help="compared metric (default: the spec's tune.metric, else val/bleu|val/ppl)")
+    parser.add_argument(
+        "--metric", help="compared metric (default: the spec's tune.metric, else val/bleu|val/ppl|val/loss)"
+    )
     parser.add_argument("--mode", choices=("min", "max"), help="metric direction (default: from the name)")
     parser.add_argument("--reference", default="mha", help="PRR reference method: kind or full label")
     parser.add_argument(
-        "--lower-reference", default="sha", help="PEoP reference method: kind or full label; 'none' skips PEoP"
+        "--lower-reference",
+        default="sha",
+        help="PEoP reference method: kind or full label; 'none' skips PEoP",
     )
-    parser.add_argument("--group-by", help="comma-separated params defining a method (default: attention knobs)")
+    parser.add_argument(
+        "--group-by", help="comma-separated params defining a method (default: the attention knobs)"
+    )
     parser.add_argument("--out", type=Path, help="output folder (default: reports/<experiment>)")
     parser.add_argument("--no-log", action="store_true", help="write files only, do not log them to MLflow")
     return parser

@@ -105,8 +105,10 @@ def prr(score: float, score_ref: float, mode: Mode) -> float:
     """Performance Retention Ratio against the reference (MHA); 1.0 means as good as MHA.
 
     Direct metrics: score / score_ref. Inverse metrics (perplexity): 1 - (score - score_ref) / score_ref,
-    so a perplexity 10% above MHA's gives 0.9, mirroring a score 10% below.
+    so a perplexity 10% above MHA's gives 0.9, mirroring a score 10% below. NaN for a zero reference.
     """
+    if score_ref == 0.0:
+        return math.nan
     if mode == "max":
         return score / score_ref
     return 1.0 - (score - score_ref) / score_ref
@@ -119,6 +121,8 @@ def peop(score: float, score_low: float, params: float, params_low: float, mode:
     economic definition of elasticity (paper footnote 4); negated for inverse metrics so that a
     lower perplexity gives a positive elasticity. NaN where the denominator is 0 (same size as SHA).
     """
+    if score_low == 0.0 or params_low == 0.0:
+        return math.nan
     params_growth = params / params_low - 1.0
     if params_growth == 0.0 or math.isnan(params_growth):
         return math.nan
@@ -374,16 +378,31 @@ def _fmt(value: float, spec: str) -> str:
     return "-" if math.isnan(value) else format(value, spec)
 
 
+def _score_decimals(rows: Sequence[MethodRow]) -> int:
+    """One precision for the whole score column: 4 significant digits of its largest value.
+
+    BLEU 27.31 and perplexity 43.02 get 2 decimals, a loss of 3.214 gets 3; equal decimals keep
+    the column comparable by eye.
+    """
+    largest = max((abs(row.score_mean) for row in rows if math.isfinite(row.score_mean)), default=0.0)
+    if largest == 0.0:
+        return 2
+    return min(4, max(1, 3 - math.floor(math.log10(largest))))
+
+
 def rows_to_markdown(rows: Sequence[MethodRow], metric: str, mode: Mode) -> str:
     """The table for people: PRR in percent and PEoP with two decimals, as the paper prints them."""
     arrow = "↓" if mode == "min" else "↑"
+    score_spec = f".{_score_decimals(rows)}f"
     header = (
         f"| Method | Attn params | Total params | Runs | {metric} {arrow} (mean ± std) | PRR | PEoP "
         "| tokens/s | Peak mem (GB) |"
     )
     lines = [header, "|" + "---|" * 9]
     for row in rows:
-        score = _fmt(row.score_mean, ".4g") + ("" if math.isnan(row.score_std) else f" ± {row.score_std:.2g}")
+        score = _fmt(row.score_mean, score_spec)
+        if not math.isnan(row.score_std):
+            score += " ± " + format(row.score_std, score_spec)
         cells = [
             row.label,
             _fmt(row.params_attention, ",.0f"),
