@@ -1,0 +1,87 @@
+"""What a checkpoint holds, and how it is written and read back.
+
+A checkpoint is one directory: `state.pt` (model, optimizer, LR scheduler, grad scaler, step, every
+rank's data position and RNG states, the MLflow run id) and `spec.yaml` (the resolved spec, so a model
+can be rebuilt from the checkpoint alone; STYLE.md section 3). The directory is filled under a temporary
+name and renamed into place, so a crash never leaves a half-written checkpoint for Ray to upload.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE_FILE = "state.pt"
+SPEC_FILE = "spec.yaml"
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG a training step can draw from (dropout, masking, sampling)."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class TrainingState:
+    """Everything that resumes a run exactly where it stopped."""
+
+    step: int
+    """Optimizer steps completed."""
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any]
+    data_positions: list[dict[str, Any] | None]
+    """Per rank: the position after the last consumed batch (the task's resumable stream)."""
+    rng: list[dict[str, Any]]
+    """Per rank: RNG states, so dropout and masking continue as in an uninterrupted run."""
+    mlflow_run_id: str | None
+    spec: dict[str, Any] = field(default_factory=dict)
+
+
+def write_checkpoint(parent: Path, state: TrainingState, spec_yaml: str) -> Path:
+    """Write `state` as `parent/checkpoint_<step>` atomically (temp dir + rename)."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    final = parent / f"checkpoint_{state.step:09d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=parent))
+    try:
+        torch.save(state.__dict__, tmp / STATE_FILE)
+        (tmp / SPEC_FILE).write_text(spec_yaml)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_checkpoint(directory: Path) -> TrainingState:
+    """The state of a checkpoint directory (written by `write_checkpoint`)."""
+    path = Path(directory) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} holds no {STATE_FILE}; it was not written by orchestrator/checkpoint.py")
+    # weights_only=False: our own files carry numpy/python RNG tuples, which the safe loader rejects.
+    data = torch.load(path, map_location="cpu", weights_only=False)
+    return TrainingState(**data)

@@ -1,0 +1,242 @@
+"""MLflow tracking that never stops training: one experiment per study, a parent run per sweep, a
+nested child run per trial (tag `mlflow.parentRunId`), and a run id that survives resume.
+
+Every MLflow call goes through `MlflowTracker._call`: short HTTP timeouts, a bounded number of
+attempts with exponential backoff, then a warning and a cool-down during which calls are skipped, so a
+dead or slow server costs training at most a few seconds per cool-down. Metrics logged while the
+server is away are buffered (bounded) and sent when it answers again.
+
+Ray's MLflowLoggerCallback is deliberately not used: it keeps its trial -> run map in memory and
+opens a second run after Tuner.restore. Here the run id is stored in every checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+
+PARENT_TAG = "mlflow.parentRunId"
+TRIAL_TAG = "ray.trial_id"
+KIND_TAG = "method.family"
+COMMIT_TAG = "git.commit"
+ROLE_TAG = "orchestrator.role"
+# MLflow accepts 6000-char param values, older servers 500: keep every value within the smaller limit.
+_MAX_PARAM_CHARS = 500
+_BATCH = 100  # log_batch takes at most 100 params (and 1000 metrics) per call
+_COOLDOWN_S = 30.0
+_MAX_BUFFERED_METRICS = 20_000
+
+T = TypeVar("T")
+
+
+class TrackingWarning(UserWarning):
+    """MLflow was unreachable or refused a call; training continued without it."""
+
+
+def configure_http(timeout_s: float) -> None:
+    """Short per-request timeouts and no urllib3-level retries: `MlflowTracker` retries itself, bounded."""
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(1, math.ceil(timeout_s)))
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """`{"model": {"attention": {"k": 128}}}` -> `{"model.attention.k": "128"}`, values as MLflow strings."""
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, prefix=f"{path}."))
+        else:
+            out[path] = str(value)[:_MAX_PARAM_CHARS]
+    return out
+
+
+def git_commit(root: Path | None = None) -> str:
+    """The project's commit, or "unknown" outside a git checkout (e.g. a pip-installed cluster image)."""
+    root = root or Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+class MlflowTracker:
+    """A guarded MlflowClient: each call returns None (with a TrackingWarning) instead of raising."""
+
+    def __init__(self, uri: str, *, retries: int = 3, timeout_s: float = 5.0, backoff_s: float = 0.5,
+                 cooldown_s: float = _COOLDOWN_S):
+        configure_http(timeout_s)
+        self.uri = uri
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.cooldown_s = cooldown_s
+        self._client = MlflowClient(tracking_uri=uri)
+        self._down_until = 0.0
+        self._pending: deque[tuple[str, Metric]] = deque(maxlen=_MAX_BUFFERED_METRICS)
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        if not self.available:
+            return None
+        error: Exception | None = None
+        for attempt in range(self.retries):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - any tracking failure must stay a warning
+                error = err
+                if attempt + 1 < self.retries:
+                    time.sleep(min(self.backoff_s * 2**attempt, 4.0))
+        self._down_until = time.monotonic() + self.cooldown_s
+        warnings.warn(
+            f"MLflow {what} at {self.uri} failed after {self.retries} attempts ({type(error).__name__}: "
+            f"{str(error)[:200]}); training continues, tracking retries in {self.cooldown_s:.0f}s",
+            TrackingWarning,
+            stacklevel=3,
+        )
+        return None
+
+    # --- experiments and runs ------------------------------------------------------------------------
+
+    def experiment_id(self, name: str) -> str | None:
+        def get_or_create() -> str:
+            found = self._client.get_experiment_by_name(name)
+            return found.experiment_id if found else self._client.create_experiment(name)
+
+        return self._call(f"experiment {name!r}", get_or_create)
+
+    def find_run(self, experiment_id: str, tag: str, value: str) -> str | None:
+        """The newest run of the experiment whose `tag` equals `value` (e.g. a trial's child run)."""
+        def search() -> str | None:
+            runs = self._client.search_runs(
+                [experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=1,
+                order_by=["attributes.start_time DESC"],
+            )
+            return runs[0].info.run_id if runs else None
+
+        return self._call("run search", search)
+
+    def create_run(self, experiment_id: str, run_name: str, tags: Mapping[str, str]) -> str | None:
+        return self._call(
+            f"run creation ({run_name})",
+            lambda: self._client.create_run(experiment_id, run_name=run_name, tags=dict(tags)).info.run_id,
+        )
+
+    def open_run(self, experiment: str, run_name: str, tags: Mapping[str, str], *,
+                 run_id: str | None = None, find_by: tuple[str, str] | None = None) -> str | None:
+        """Reopen `run_id`, else the run tagged `find_by`, else a new run: a resumed run or a retried trial
+        keeps its MLflow run instead of starting a duplicate."""
+        if run_id:
+            self._call("run reopen", self._client.update_run, run_id, status="RUNNING")
+            return run_id
+        experiment_id = self.experiment_id(experiment)
+        if experiment_id is None:
+            return None
+        if find_by is not None:
+            found = self.find_run(experiment_id, *find_by)
+            if found:
+                self._call("run reopen", self._client.update_run, found, status="RUNNING")
+                return found
+        return self.create_run(experiment_id, run_name, tags)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.flush(run_id)
+        self._call("run end", self._client.set_terminated, run_id, status=status)
+
+    # --- params, tags, metrics, artifacts ------------------------------------------------------------
+
+    def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
+        for i in range(0, len(items), _BATCH):
+            self._call("param logging", self._client.log_batch, run_id, params=items[i : i + _BATCH])
+
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        items = [RunTag(k, str(v)) for k, v in tags.items()]
+        self._call("tag logging", self._client.log_batch, run_id, tags=items)
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int) -> None:
+        now_ms = int(time.time() * 1000)
+        for key, value in metrics.items():
+            self._pending.append((run_id, Metric(key, float(value), now_ms, step)))
+        self.flush(run_id)
+
+    def flush(self, run_id: str) -> None:
+        """Send buffered metrics of `run_id`; they stay buffered if the server is still away."""
+        if not self.available or not self._pending:
+            return
+        batch = [m for rid, m in self._pending if rid == run_id][:1000]
+        if not batch:
+            return
+        if self._call("metric logging", self._client.log_batch, run_id, metrics=batch) is None and not self.available:
+            return
+        sent = {id(m) for m in batch}
+        self._pending = deque((p for p in self._pending if id(p[1]) not in sent), maxlen=_MAX_BUFFERED_METRICS)
+
+    def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        self._call(f"artifact upload ({Path(path).name})", self._client.log_artifact, run_id, str(path), artifact_path)
+
+
+# --- metrics fan-out ----------------------------------------------------------------------------------
+
+
+class BaseLogger(Protocol):
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def close(self, status: str = "FINISHED") -> None: ...
+
+
+class ConsoleLogger:
+    """One concise line per logging step: `[name] step 200/1000 | train/loss 3.1200 | val/ppl 25.1 ...`."""
+
+    def __init__(self, label: str, max_steps: int):
+        self.label = label
+        self.max_steps = max_steps
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        parts = [f"{k} {v:.4g}" for k, v in metrics.items()]
+        print(f"[{self.label}] step {step}/{self.max_steps} | " + " | ".join(parts), flush=True)
+
+    def close(self, status: str = "FINISHED") -> None:
+        print(f"[{self.label}] {status.lower()}", flush=True)
+
+
+class MlflowLogger:
+    """Metrics of one MLflow run, through a guarded tracker."""
+
+    def __init__(self, tracker: MlflowTracker, run_id: str):
+        self.tracker = tracker
+        self.run_id = run_id
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.tracker.log_metrics(self.run_id, metrics, step)
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.tracker.end_run(self.run_id, status)
+
+
+class MetricsLogger:
+    """The container every metric goes through (console + MLflow on rank 0, nothing elsewhere)."""
+
+    def __init__(self, loggers: list[BaseLogger] | None = None):
+        self.loggers = list(loggers or [])
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for logger in self.loggers:
+            logger.log(metrics, step)
+
+    def close(self, status: str = "FINISHED") -> None:
+        for logger in self.loggers:
+            logger.close(status)
