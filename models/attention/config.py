@@ -74,8 +74,73 @@ class LinformerMechanismConfig(_Config):
         return self.k
 
 
+class LSHMechanismConfig(_Config):
+    """Reformer LSH attention (Kitaev, Kaiser, Levskaya, 2020, arXiv 2001.04451).
+
+    Not offered as a `mechanism:` on other projection schemes: hashing sorts queries and keys together, which
+    is only meaningful with the shared-QK projection of kind `lsh`.
+    """
+
+    kind: Literal["lsh"] = "lsh"
+    bucket_size: int = 64
+    """Chunk length of the sorted sequence; each chunk attends to itself and the previous chunk."""
+    n_hashes: int = 4
+    """Hash rounds, combined through their log-sum-exp; more rounds approach full attention."""
+    n_buckets: int | None = None
+    """Buckets per round (even); default 2 * seq_len / bucket_size rounded to an even number >= 2."""
+    seed: int = 0
+    """Seed of the random rotations; each layer derives its own from it, fixed for the model's life."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "LSHMechanismConfig":
+        if self.bucket_size < 1:
+            raise ValueError(f"model.attention.bucket_size must be >= 1 (got {self.bucket_size}); "
+                             "typical values are 32 or 64")
+        if self.n_hashes < 1:
+            raise ValueError(f"model.attention.n_hashes must be >= 1 (got {self.n_hashes}); the paper uses 1-8")
+        if self.n_buckets is not None and (self.n_buckets < 2 or self.n_buckets % 2):
+            raise ValueError(f"model.attention.n_buckets must be an even number >= 2 (got {self.n_buckets}): "
+                             "angular LSH takes the argmax over [xR; -xR]; leave it unset for 2 * seq_len / bucket_size")
+        return self
+
+
+MAX_LSH_BITS = 30
+"""Hash codes are int64 sort keys multiplied by the sequence length, so 2^30 buckets is a safe ceiling."""
+
+
+class HyperMechanismConfig(_Config):
+    """HyperAttention (Han, Jayaram, Karbasi, Mirrokni, Woodruff, Zandieh, 2023, arXiv 2310.05869)."""
+
+    kind: Literal["hyper"] = "hyper"
+    block_size: int = 256
+    """Size of the exact diagonal blocks in sortLSH order (the paper's b); inputs are padded internally."""
+    sample_size: int = 256
+    """Uniformly sampled keys per (batch, head) for the residual part (the paper's m); 0 = blocks only."""
+    min_seq_len: int = 4096
+    """Shorter inputs run exact attention; also the base case of the causal recursion."""
+    lsh_bits: int = 7
+    """SimHash hyperplanes r (2^r buckets ordered along a Gray code); the official code uses 7."""
+    seed: int = 0
+    """Seed of the hyperplanes; each layer derives its own from it, fixed for the model's life."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "HyperMechanismConfig":
+        if self.block_size < 1:
+            raise ValueError(f"model.attention.block_size must be >= 1 (got {self.block_size}); the paper uses 256")
+        if self.sample_size < 0:
+            raise ValueError(f"model.attention.sample_size must be >= 0 (got {self.sample_size}); "
+                             "0 keeps only the diagonal blocks, the paper uses 256")
+        if self.min_seq_len < 2:
+            raise ValueError(f"model.attention.min_seq_len must be >= 2 (got {self.min_seq_len}); the causal "
+                             "recursion halves the sequence until it is at most min_seq_len long")
+        if not 1 <= self.lsh_bits <= MAX_LSH_BITS:
+            raise ValueError(f"model.attention.lsh_bits must be in [1, {MAX_LSH_BITS}] (got {self.lsh_bits}); "
+                             "it is the number of hash hyperplanes (2^lsh_bits buckets), the official code uses 7")
+        return self
+
+
 MechanismConfig = Annotated[
-    Union[ExactMechanismConfig, LinformerMechanismConfig], Field(discriminator="kind")
+    Union[ExactMechanismConfig, LinformerMechanismConfig, HyperMechanismConfig], Field(discriminator="kind")
 ]
 
 
@@ -179,9 +244,34 @@ class LinformerConfig(LinformerMechanismConfig, _AttentionConfig):
         return LinformerMechanismConfig(**{f: getattr(self, f) for f in fields})
 
 
+class LSHConfig(LSHMechanismConfig, _AttentionConfig):
+    """Reformer: shared-QK projections (keys unit-normalised) with LSH attention; knobs at the top level."""
+
+    kind: Literal["lsh"] = "lsh"  # type: ignore[assignment]
+
+    @property
+    def mechanism(self) -> LSHMechanismConfig:
+        fields = LSHMechanismConfig.model_fields.keys() - {"kind"}
+        return LSHMechanismConfig(**{f: getattr(self, f) for f in fields})
+
+
+class HyperConfig(HyperMechanismConfig, _AttentionConfig):
+    """`mha` projections with the HyperAttention mechanism; the knobs sit at the top level of the block."""
+
+    kind: Literal["hyper"] = "hyper"  # type: ignore[assignment]
+
+    @property
+    def mechanism(self) -> HyperMechanismConfig:
+        fields = HyperMechanismConfig.model_fields.keys() - {"kind"}
+        return HyperMechanismConfig(**{f: getattr(self, f) for f in fields})
+
+
 AttentionConfig = Annotated[
-    Union[MHAConfig, SHAConfig, MQAConfig, GQAConfig, SKVConfig, ELAttConfig, MHEConfig, LinformerConfig],
+    Union[
+        MHAConfig, SHAConfig, MQAConfig, GQAConfig, SKVConfig, ELAttConfig, MHEConfig, LinformerConfig,
+        LSHConfig, HyperConfig,
+    ],
     Field(discriminator="kind"),
 ]
 
-ATTENTION_KINDS: tuple[str, ...] = ("mha", "sha", "mqa", "gqa", "skv", "el_att", "mhe", "linformer")
+ATTENTION_KINDS: tuple[str, ...] = ("mha", "sha", "mqa", "gqa", "skv", "el_att", "mhe", "linformer", "lsh", "hyper")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from models.attention.config import (
     ELAttConfig,
@@ -134,10 +135,40 @@ class HeadEmbeddingProjection(ProjectionScheme):
         return tuple(self._per_head(a, e) for a, e in zip((q, k, v), embeddings))  # type: ignore[return-value]
 
 
-def build_projection(cfg: _AttentionConfig) -> ProjectionScheme:
-    """The explicit kind -> projection scheme table."""
+class SharedQKProjection(ProjectionScheme):
+    """lsh: one W for queries and keys (Reformer, Kitaev et al., 2020, arXiv 2001.04451, Sec. 2.2).
+
+    Keys are the queries unit-normalised per head: LSH hashes the shared vector, so a query lands in the
+    bucket of its own key, and normalising the keys keeps a long query from dominating its bucket through the
+    norm alone (Reformer's remark on shared-QK attention). Queries keep their norm, which acts as a temperature.
+    """
+
+    def __init__(self, cfg: _AttentionConfig):
+        super().__init__(cfg)
+        self.qk = nn.Linear(self.d_model, self.d_model, bias=False)
+        self.v = nn.Linear(self.d_model, self.d_model, bias=False)
+
+    def qkv(self, x_BTD, ctx_BSD):
+        if ctx_BSD is not x_BTD:
+            raise ValueError(
+                "model.attention.kind=lsh shares one projection for queries and keys, so it only does "
+                "self-attention; cross-attention is built with cross=True, which uses mha projections"
+            )
+        q_BHTE = _split_heads(self.qk(x_BTD), self.heads)
+        k_BHTE = F.normalize(q_BHTE, dim=-1)
+        return q_BHTE, k_BHTE, _split_heads(self.v(x_BTD), self.heads)
+
+
+def build_projection(cfg: _AttentionConfig, *, cross: bool = False) -> ProjectionScheme:
+    """The explicit kind -> projection scheme table.
+
+    `cross` (encoder-decoder attention) only changes lsh: queries and keys come from different sequences,
+    so a shared-QK matrix has no meaning there and plain mha projections are used.
+    """
     kind = getattr(cfg, "kind")
-    if kind in ("mha", "linformer"):
+    if kind == "lsh":
+        return MultiHeadProjection(cfg, kv_heads=cfg.heads) if cross else SharedQKProjection(cfg)
+    if kind in ("mha", "linformer", "hyper"):
         return MultiHeadProjection(cfg, kv_heads=cfg.heads)
     if kind == "gqa":
         assert isinstance(cfg, GQAConfig)

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from models.attention.config import ATTENTION_KINDS, ExactMechanismConfig, LinformerMechanismConfig
+from models.attention.config import (
+    ATTENTION_KINDS,
+    ExactMechanismConfig,
+    HyperMechanismConfig,
+    LinformerMechanismConfig,
+    LSHMechanismConfig,
+)
 from models.attention.exact import ExactMechanism
+from models.attention.hyper import HyperMechanism
 from models.attention.linformer import LinformerMechanism
+from models.attention.lsh import LSHMechanism
 from models.attention.module import Attention
 from models.attention.projections import build_projection
 
@@ -19,6 +27,10 @@ def _build_mechanism(cfg, mechanism_cfg, layer_index: int, shared_state: nn.Modu
             raise ValueError("model.attention.max_seq_len is unset: build attention through ModelConfig, "
                              "which fills it from model.max_seq_len")
         return LinformerMechanism(mechanism_cfg, cfg.heads, cfg.head_dim, layer_index, shared_state, cfg.dropout)
+    if isinstance(mechanism_cfg, LSHMechanismConfig):
+        return LSHMechanism(mechanism_cfg, cfg.head_dim, layer_index, cfg.dropout)
+    if isinstance(mechanism_cfg, HyperMechanismConfig):
+        return HyperMechanism(mechanism_cfg, cfg.head_dim, layer_index, cfg.dropout)
     raise ValueError(f"model.attention.mechanism.kind={mechanism_cfg.kind!r} is not known")
 
 
@@ -27,7 +39,10 @@ def build_attention(cfg, layer_index: int, shared_state: nn.ModuleDict, *, cross
 
     `cfg` is an AttentionConfig with d_model filled in. `shared_state` is a ModuleDict owned by the model
     for cross-layer state (Linformer's layerwise E). Cross-attention keeps the kind's projection scheme but
-    always mixes exactly: sequence-compressing mechanisms are defined for self-attention in their papers.
+    always mixes exactly: sequence-compressing mechanisms are defined for self-attention in their papers
+    (lsh, whose shared-QK scheme needs one sequence, gets mha projections there). LSH and HyperAttention
+    derive their hash seeds from their config seed and `layer_index`, so each layer hashes differently
+    and a reversible backward pass recomputes the same buckets.
     """
     kind = getattr(cfg, "kind", None)
     if kind not in ATTENTION_KINDS:
@@ -35,4 +50,4 @@ def build_attention(cfg, layer_index: int, shared_state: nn.ModuleDict, *, cross
     if cfg.d_model is None:
         raise ValueError("model.attention.d_model is unset: build attention through ModelConfig")
     mechanism_cfg = ExactMechanismConfig() if cross else cfg.mechanism
-    return Attention(kind, build_projection(cfg), _build_mechanism(cfg, mechanism_cfg, layer_index, shared_state))
+    return Attention(kind, build_projection(cfg, cross=cross), _build_mechanism(cfg, mechanism_cfg, layer_index, shared_state))

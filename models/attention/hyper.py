@@ -1,0 +1,178 @@
+"""HyperAttention: exact attention on sortLSH diagonal blocks plus a uniformly sampled residual.
+
+HyperAttention: Long-context Attention in Near-Linear Time. Han, Jayaram, Karbasi, Mirrokni, Woodruff, Zandieh
+(ICLR 2024), arXiv 2310.05869. Algorithm 1 (sortLSH) finds the heavy entries: queries and keys are hashed with
+`lsh_bits` SimHash hyperplanes, sorted by bucket, and attend exactly within diagonal blocks of `block_size`.
+The rest of the row (Algorithms 2-3, "practical" version of Sec. 4) is estimated from `sample_size` keys drawn
+uniformly with replacement, keys of the query's own block excluded, weighted by n / m. The parts merge through
+their log-sum-exp. Causal masking follows Algorithm 4: two causal diagonal halves recurse, the off-diagonal
+block (all keys before all queries) is the non-causal algorithm; exact causal attention once a piece is no
+longer than `min_seq_len`. Inputs shorter than `min_seq_len` are exact.
+
+Differences from the official code (insuhan/hyper-attn), all deliberate (see docs/long_attention.md):
+- Buckets are ordered by the inverse Gray code, so neighbouring buckets differ in exactly one bit (the
+  official `perm[code]` breaks this for 31 of 127 neighbours at r = 7).
+- The LSE is not detached: gradients flow through the merge weights.
+- Padding to a multiple of `block_size` uses masked keys sorted after every real key (the official zero
+  padding adds keys with logit 0); key-padding masks are honoured, padded keys never sampled into a result.
+- Samples are drawn among real keys only, weighted by the real count n / m. Hyperplanes are a fixed function
+  of (seed, layer); in training the samples come from the global torch RNG (which reversible layers save and
+  replay), in evaluation from a per-layer generator, so validation numbers repeat.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.attention.config import HyperMechanismConfig
+from models.attention.lse import exact_attention, merge_lse
+
+_LAYER_SEED_STRIDE = 1_000_003
+
+
+def gray_rank(code: torch.Tensor, bits: int) -> torch.Tensor:
+    """Position of each code along the reflected Gray sequence 0, 1, 3, 2, 6, ... (the inverse Gray map).
+
+    Sorting by this rank puts codes that differ in one bit next to each other: the Hamming-ordered LSH of
+    HyperAttention's Definition 1. The inverse of g = s ^ (s >> 1) is the prefix XOR of g's bits.
+    """
+    rank, shift = code.clone(), 1
+    while shift < bits:
+        rank ^= rank >> shift
+        shift <<= 1
+    return rank
+
+
+class HyperMechanism(nn.Module):
+    """HyperAttention over per-head q [B, H, T, E], k, v [B, H, S, E]."""
+
+    supports_causal = True
+
+    def __init__(self, cfg: HyperMechanismConfig, head_dim: int, layer_index: int, dropout: float = 0.0):
+        super().__init__()
+        if dropout:
+            raise ValueError(f"model.attention.dropout={dropout} is not supported by the hyper mechanism (its "
+                             "parts are merged through their log-sum-exp); set model.attention.dropout to 0")
+        self.block_size, self.sample_size = cfg.block_size, cfg.sample_size
+        self.min_seq_len, self.bits = cfg.min_seq_len, cfg.lsh_bits
+        layer_seed = cfg.seed + _LAYER_SEED_STRIDE * layer_index
+        self.eval_seed = layer_seed + 1
+        gen = torch.Generator().manual_seed(layer_seed)
+        # Fixed per layer, not a parameter: a buffer follows .to(device) but is not trained or saved.
+        self.register_buffer("hyperplanes", torch.randn(head_dim, self.bits, generator=gen), persistent=False)
+
+    def bucket_rank(self, x_BHTE: torch.Tensor, padding_BT: torch.Tensor | None) -> torch.Tensor:
+        """Gray-ordered bucket [B, H, T]; padded rows get 2^bits, after every real bucket."""
+        bits_BHTR = (x_BHTE.detach() @ self.hyperplanes.to(x_BHTE.dtype)) > 0
+        code_BHT = (bits_BHTR.long() << torch.arange(self.bits, device=x_BHTE.device)).sum(-1)
+        rank_BHT = gray_rank(code_BHT, self.bits)
+        if padding_BT is not None:
+            rank_BHT = rank_BHT.masked_fill(padding_BT[:, None, :], 1 << self.bits)
+        return rank_BHT
+
+    def forward(self, q_BHTE, k_BHSE, v_BHSE, *, key_padding_mask_BS=None, causal=False):
+        T, S = q_BHTE.shape[2], k_BHSE.shape[2]
+        if T != S:
+            raise ValueError(f"hyper attention needs queries and keys of the same length (got {T} and {S}); "
+                             "cross-attention is built with cross=True, which mixes exactly")
+        if causal:
+            return self.causal(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS)[0]
+        return self.non_causal(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS, key_padding_mask_BS)[0]
+
+    def non_causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN, query_padding_BN):
+        """(out [B, H, N, E], lse [B, H, N]); `query_padding_BN` only moves padded queries to the end."""
+        B, H, N, E = q_BHNE.shape
+        # The longest real row decides, so appending padding never switches a batch to the approximation.
+        n_longest = N if key_padding_BN is None else int((~key_padding_BN).sum(-1).max().item())
+        if n_longest < self.min_seq_len:
+            return exact_attention(q_BHNE, k_BHNE, v_BHNE, key_padding_mask=key_padding_BN)
+        b = self.block_size
+        nb = -(-N // b)
+        extra = nb * b - N  # internal padding: masked keys (and unused queries) after every real row
+        pos_N = torch.arange(N, device=q_BHNE.device)
+        order_q_BHN = torch.argsort(self.bucket_rank(q_BHNE, query_padding_BN) * N + pos_N, dim=-1)
+        order_k_BHN = torch.argsort(self.bucket_rank(k_BHNE, key_padding_BN) * N + pos_N, dim=-1)
+
+        def sort(x_BHNE: torch.Tensor, order_BHN: torch.Tensor) -> torch.Tensor:
+            x = torch.gather(x_BHNE, 2, order_BHN[..., None].expand(B, H, N, x_BHNE.shape[-1]))
+            return F.pad(x, (0, 0, 0, extra))
+
+        q_s, k_s, v_s = sort(q_BHNE, order_q_BHN), sort(k_BHNE, order_k_BHN), sort(v_BHNE, order_k_BHN)
+        kpad_BHN = torch.zeros(B, H, N, dtype=torch.bool, device=q_BHNE.device)
+        if key_padding_BN is not None:
+            kpad_BHN = torch.gather(key_padding_BN[:, None, :].expand(B, H, N), 2, order_k_BHN)
+        kpad_s = F.pad(kpad_BHN, (0, extra), value=True)  # B, H, nb*b
+
+        # (1) heavy part: exact attention inside each diagonal block of the sorted order.
+        q_XbE = q_s.reshape(B * H * nb, 1, b, E)
+        o_XbE, lse_Xb = exact_attention(
+            q_XbE, k_s.reshape(B * H * nb, 1, b, E), v_s.reshape(B * H * nb, 1, b, E),
+            key_padding_mask=kpad_s.reshape(B * H * nb, b),
+        )
+        out_s, lse_s = o_XbE.reshape(B, H, nb * b, E), lse_Xb.reshape(B, H, nb * b)
+
+        # (2) light part: m keys drawn uniformly, with replacement, from the real keys (sorted first), shared by
+        # the queries of a head; a sample inside the query's own block is already counted by (1), so it is
+        # masked out. Training draws from the global RNG (replayed by reversible layers); evaluation draws from
+        # the layer's own generator, so validation numbers repeat and do not depend on appended padding.
+        m = self.sample_size
+        if m > 0:
+            n_real_B = N - kpad_BHN[:, 0].sum(-1) if key_padding_BN is not None else torch.full((B,), N, device=q_BHNE.device)
+            u_BHM = self._uniform(B, H, m, q_BHNE.device)
+            j_BHM = (u_BHM * n_real_B[:, None, None]).long().clamp(max=N - 1)
+            k_J = torch.gather(k_s, 2, j_BHM[..., None].expand(B, H, m, E))
+            v_J = torch.gather(v_s, 2, j_BHM[..., None].expand(B, H, m, E))
+            block_t = torch.arange(nb, device=q_BHNE.device)
+            drop_BHTM = (j_BHM // b)[:, :, None, :] == block_t[None, None, :, None]
+            drop_BHTM = drop_BHTM | torch.gather(kpad_s, 2, j_BHM)[:, :, None, :]
+            o_res, lse_res = exact_attention(
+                q_XbE,
+                k_J[:, :, None].expand(B, H, nb, m, E).reshape(B * H * nb, 1, m, E),
+                v_J[:, :, None].expand(B, H, nb, m, E).reshape(B * H * nb, 1, m, E),
+                key_padding_mask=drop_BHTM.reshape(B * H * nb, m),
+            )
+            # Importance weight n / m of uniform sampling (n real keys of the row), applied in log space.
+            log_w_B11 = torch.log(n_real_B.clamp(min=1).float() / m)[:, None, None]
+            lse_res = lse_res.reshape(B, H, nb * b) + log_w_B11
+            out_s, lse_s = merge_lse(out_s, lse_s, o_res.reshape(B, H, nb * b, E), lse_res)
+
+        undo_BHN = torch.argsort(order_q_BHN, dim=-1)
+        out = torch.gather(out_s[:, :, :N], 2, undo_BHN[..., None].expand(B, H, N, E))
+        return out, torch.gather(lse_s[:, :, :N], 2, undo_BHN)
+
+    def _uniform(self, B: int, H: int, m: int, device: torch.device) -> torch.Tensor:
+        if self.training:
+            return torch.rand(B, H, m, device=device)
+        gen = torch.Generator().manual_seed(self.eval_seed)
+        return torch.rand(1, H, m, generator=gen).to(device).expand(B, H, m)
+
+    def causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN):
+        """Algorithm 4: (out, lse) of causal attention by recursive halving."""
+        B, H, N, E = q_BHNE.shape
+        if N <= self.min_seq_len:
+            return exact_attention(q_BHNE, k_BHNE, v_BHNE, causal=True, key_padding_mask=key_padding_BN)
+        odd = N % 2
+        if odd:
+            # One padded row at the end: under the causal mask only itself could see it, and it is dropped.
+            q_BHNE, k_BHNE, v_BHNE = (F.pad(x, (0, 0, 0, 1)) for x in (q_BHNE, k_BHNE, v_BHNE))
+            if key_padding_BN is None:
+                key_padding_BN = torch.zeros(B, N, dtype=torch.bool, device=q_BHNE.device)
+            key_padding_BN = F.pad(key_padding_BN, (0, 1), value=True)
+        h = (N + odd) // 2
+        halves = lambda x: torch.cat([x[:, :, :h], x[:, :, h:]], dim=0)  # noqa: E731  (2B, H, h, E)
+        pad_halves = None if key_padding_BN is None else torch.cat([key_padding_BN[:, :h], key_padding_BN[:, h:]])
+        out_d, lse_d = self.causal(halves(q_BHNE), halves(k_BHNE), halves(v_BHNE), pad_halves)
+        # Off-diagonal block: queries of the second half see every key of the first half, unmasked.
+        first_pad = None if key_padding_BN is None else key_padding_BN[:, :h]
+        second_pad = None if key_padding_BN is None else key_padding_BN[:, h:]
+        out_off, lse_off = self.non_causal(q_BHNE[:, :, h:], k_BHNE[:, :, :h], v_BHNE[:, :, :h], first_pad, second_pad)
+        out_bot, lse_bot = merge_lse(out_d[B:], lse_d[B:], out_off, lse_off)
+        out = torch.cat([out_d[:B], out_bot], dim=2)[:, :, :N]
+        return out, torch.cat([lse_d[:B], lse_bot], dim=2)[:, :, :N]
+
+    def attention_parameters(self) -> int:
+        return 0
