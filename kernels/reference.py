@@ -5,8 +5,8 @@ logits of each query row, as FlashAttention-2 keeps it (Dao, 2023, "FlashAttenti
 Better Parallelism and Work Partitioning", arXiv 2307.08691). Gradients of both outputs come from autograd,
 so these functions are an independent check of the hand-written Triton backward passes.
 
-Softmax runs in fp32 whatever the input dtype (fp16 logits overflow); ``out`` is cast back to the input dtype
-and ``lse`` stays fp32. A query row whose keys are all masked returns zeros and ``lse = -inf``, never NaN.
+Softmax runs in fp32 for fp16/bf16/fp32 inputs (fp16 logits overflow) and in fp64 for fp64 inputs; ``out``
+is cast back to the input dtype and ``lse`` stays in the softmax dtype. A query row whose keys are all masked returns zeros and ``lse = -inf``, never NaN.
 """
 
 from __future__ import annotations
@@ -95,6 +95,11 @@ def check_chunked_inputs(
     return pos_BHT, pad_BHT
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp32 for fp16/bf16/fp32, fp64 stays fp64 (tests use it as a higher-precision oracle)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _softmax_with_lse(
     s_BHMN: torch.Tensor, masked_BHMN: torch.Tensor | None, v_BHND: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +111,7 @@ def _softmax_with_lse(
     lse_BHM = torch.logsumexp(s_BHMN, dim=-1)
     lse_safe_BHM = torch.where(torch.isinf(lse_BHM), torch.zeros_like(lse_BHM), lse_BHM)
     p_BHMN = torch.exp(s_BHMN - lse_safe_BHM[..., None])  # exp(-inf - 0) = 0 on fully masked rows
-    out_BHMD = torch.matmul(p_BHMN, v_BHND.float())
+    out_BHMD = torch.matmul(p_BHMN, _upcast(v_BHND))
     return out_BHMD.to(v_BHND.dtype), lse_BHM
 
 
@@ -129,7 +134,7 @@ def exact_attention_reference(
     check_key_padding_mask(key_padding_mask, batch, seq_k)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
-    s_BHMN = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s_BHMN = torch.matmul(_upcast(q), _upcast(k).transpose(-1, -2)) * scale
     masked_BHMN = None
     if causal:
         rows_M = torch.arange(seq_q, device=q.device)
@@ -197,8 +202,8 @@ def chunked_attention_reference(
         x_full = torch.cat([x_BHT_, filler], dim=2)
         return x_full.reshape(batch, heads, n_chunks, chunk, *x_BHT_.shape[3:])
 
-    q_BHCQD = chunked(q.float(), 0.0)
-    k_BHCQD = chunked(k.float(), 0.0)
+    q_BHCQD = chunked(_upcast(q), 0.0)
+    k_BHCQD = chunked(_upcast(k), 0.0)
     v_BHCQD = chunked(v, 0.0)
     pos_BHCQ = chunked(pos_BHT, -1)
     pad_BHCQ = chunked(pad_BHT, True)
