@@ -1,0 +1,75 @@
+"""Data and objectives: masked LM, causal LM and translation behind the Task protocol of tasks/base.py.
+
+`check_compatible(task_cfg, model_cfg)` is the cheap spec-level check the orchestrator runs before Ray starts;
+`build_task(task_cfg, model_cfg, ctx)` builds the task on a worker (tokenizer and token ids come from the cache
+under ctx.cache_dir after the first build, so it is cheap to call on every worker).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from models import ModelConfig
+from models.attention import build_attention
+from tasks.base import Batch, Task, WorkerContext
+from tasks.config import (
+    TASK_KINDS,
+    CausalLMTaskConfig,
+    MLMTaskConfig,
+    TaskConfig,
+    TranslationTaskConfig,
+)
+
+
+def _supports_causal(model_cfg: ModelConfig) -> bool:
+    """Ask the attention module itself (a throwaway layer-0 instance), so new kinds need no table here."""
+    return build_attention(model_cfg.attention, 0, nn.ModuleDict()).supports_causal
+
+
+def check_compatible(task_cfg: TaskConfig, model_cfg: ModelConfig) -> None:
+    """Raise ValueError naming the spec fields when the task cannot run on this model."""
+    if isinstance(task_cfg, (MLMTaskConfig, CausalLMTaskConfig)):
+        if task_cfg.seq_len > model_cfg.max_seq_len:
+            raise ValueError(f"task.seq_len={task_cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; "
+                             "lower task.seq_len or raise model.max_seq_len")
+    elif isinstance(task_cfg, TranslationTaskConfig):
+        if task_cfg.max_source_len > model_cfg.max_seq_len:
+            raise ValueError(f"task.max_source_len={task_cfg.max_source_len} exceeds model.max_seq_len="
+                             f"{model_cfg.max_seq_len}; lower task.max_source_len or raise model.max_seq_len")
+    else:
+        raise ValueError(f"task.kind must be one of {TASK_KINDS} (got {type(task_cfg).__name__})")
+    if task_cfg.kind in ("clm", "translation") and not _supports_causal(model_cfg):
+        raise ValueError(
+            f"model.attention.kind={model_cfg.attention.kind!r} mixes future positions and cannot run causal "
+            f"attention, which task.kind={task_cfg.kind!r} needs (the causal LM, or the translation decoder); "
+            "use it with task.kind: mlm, or choose a causal-capable attention kind"
+        )
+
+
+def build_task(task_cfg: TaskConfig, model_cfg: ModelConfig, ctx: WorkerContext) -> Task:
+    """The task of a spec on one worker: model builder, sharded batches, loss, evaluation."""
+    check_compatible(task_cfg, model_cfg)
+    if isinstance(task_cfg, MLMTaskConfig):
+        from tasks.lm import MaskedLMTask
+
+        return MaskedLMTask(task_cfg, model_cfg, ctx)
+    if isinstance(task_cfg, CausalLMTaskConfig):
+        from tasks.lm import CausalLMTask
+
+        return CausalLMTask(task_cfg, model_cfg, ctx)
+    from tasks.translation import TranslationTask
+
+    return TranslationTask(task_cfg, model_cfg, ctx)
+
+
+__all__ = [
+    "Batch",
+    "CausalLMTaskConfig",
+    "MLMTaskConfig",
+    "Task",
+    "TaskConfig",
+    "TranslationTaskConfig",
+    "WorkerContext",
+    "build_task",
+    "check_compatible",
+]

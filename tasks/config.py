@@ -1,0 +1,188 @@
+"""TaskConfig: the `task:` block of a spec, one pydantic model per kind joined on `kind`.
+
+A task block names where the text comes from (the generated offline corpus, a Hugging Face hub dataset, or
+local files), how it is tokenised (sentencepiece), how it is batched and how it is evaluated. Each kind also
+declares, as class attributes, the metric names its `evaluate` returns, so the spec can check that
+`tune.metric` is something the task actually produces.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BuiltinCorpusConfig(_Config):
+    """Size and seed of the generated offline corpus (tasks/corpora.py), used when task.dataset is "builtin"."""
+
+    train_sentences: int = 20000
+    """Sentences (LM) or sentence pairs (translation) in the training split."""
+    eval_sentences: int = 500
+    """Sentences or pairs in each of the validation and test splits."""
+    seed: int = 1234
+    """Seed of the generator; fixed apart from the run seed so every trial sees the same data."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "BuiltinCorpusConfig":
+        if self.train_sentences < 1 or self.eval_sentences < 1:
+            raise ValueError("task.builtin.train_sentences and task.builtin.eval_sentences must be >= 1")
+        return self
+
+
+class DataFiles(_Config):
+    """Local files per split. LM: plain text paths (gzipped or not). Translation: path prefixes, read as
+    `<prefix>.<lang>` or `<prefix>.<lang>.gz`. Relative paths are resolved against the working directory."""
+
+    train: str
+    """Training split (file for LM, prefix for translation)."""
+    validation: str | None = None
+    """Validation split; needed when task.eval_split is "validation"."""
+    test: str | None = None
+    """Test split; needed when task.eval_split is "test"."""
+
+
+class _TaskConfig(_Config):
+    dataset: str = "builtin"
+    """"builtin" for the generated offline corpus, or a Hugging Face hub name such as "wikitext"."""
+    config: str | None = None
+    """Hub configuration name, e.g. "wikitext-103-raw-v1" or "de-en"."""
+    files: DataFiles | None = None
+    """Local files {train, validation, test}; used instead of the hub when given."""
+    builtin: BuiltinCorpusConfig = Field(default_factory=BuiltinCorpusConfig)
+    """Size and seed of the generated corpus (only read when dataset is "builtin" and files are not given)."""
+    vocab_size: int = 8000
+    """Sentencepiece vocabulary size (an upper bound: small corpora may yield fewer pieces)."""
+    tokenizer: Literal["unigram", "bpe"] = "unigram"
+    """Sentencepiece model type."""
+    eval_split: Literal["validation", "test"] = "validation"
+    """Split that `evaluate` scores."""
+    eval_batches: int | None = None
+    """Score only the first N evaluation batches (fast checks); None scores the whole split."""
+
+    metrics: ClassVar[tuple[str, ...]] = ("val/loss", "val/ppl")
+    default_metric: ClassVar[str] = "val/ppl"
+    default_mode: ClassVar[Literal["min", "max"]] = "min"
+
+    @model_validator(mode="after")
+    def _check_common(self) -> "_TaskConfig":
+        if self.vocab_size < 16:
+            raise ValueError(f"task.vocab_size={self.vocab_size} is too small; use at least 16")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"task.eval_batches={self.eval_batches} must be >= 1, or leave it unset")
+        if self.files is not None and getattr(self.files, self.eval_split) is None:
+            raise ValueError(
+                f"task.eval_split={self.eval_split!r} but task.files.{self.eval_split} is not given; "
+                f"add task.files.{self.eval_split} or change task.eval_split"
+            )
+        return self
+
+    @property
+    def source_label(self) -> str:
+        """Short human name of the data source for logs and errors."""
+        if self.files is not None:
+            return f"files:{self.files.train}"
+        return self.dataset if self.config is None else f"{self.dataset}/{self.config}"
+
+
+class _LMTaskConfig(_TaskConfig):
+    seq_len: int = 128
+    """Tokens per packed training block (and per evaluation block)."""
+    batch_size: int = 32
+    """Blocks per worker step."""
+
+    @model_validator(mode="after")
+    def _check_lm(self) -> "_LMTaskConfig":
+        if self.seq_len < 2:
+            raise ValueError(f"task.seq_len={self.seq_len} must be >= 2")
+        if self.batch_size < 1:
+            raise ValueError(f"task.batch_size={self.batch_size} must be >= 1")
+        return self
+
+
+class MLMTaskConfig(_LMTaskConfig):
+    """Masked language modelling (Devlin et al., 2019, arXiv 1810.04805) with a bidirectional encoder."""
+
+    kind: Literal["mlm"] = "mlm"
+    mask_prob: float = 0.15
+    """Fraction of tokens selected for prediction; of those 80% become <mask>, 10% random, 10% kept."""
+
+    @model_validator(mode="after")
+    def _check_mlm(self) -> "MLMTaskConfig":
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ValueError(f"task.mask_prob={self.mask_prob} must be in (0, 1)")
+        return self
+
+
+class CausalLMTaskConfig(_LMTaskConfig):
+    """Causal (next-token) language modelling with a decoder-only model."""
+
+    kind: Literal["clm"] = "clm"
+
+
+class TranslationTaskConfig(_TaskConfig):
+    """Sentence-level translation with an encoder-decoder, beam search and sacrebleu BLEU / chrF."""
+
+    kind: Literal["translation"] = "translation"
+    source_lang: str = "de"
+    """Source language code: the file suffix (`<prefix>.de`) or the hub's translation key ("xa" for builtin)."""
+    target_lang: str = "en"
+    """Target language code ("xb" for builtin)."""
+    max_tokens: int = 4096
+    """Token budget of one worker batch (padded source + target tokens)."""
+    max_source_len: int = 128
+    """Training pairs with a longer source or target (in pieces) are dropped; evaluation sources are cut to it."""
+    label_smoothing: float = 0.1
+    """Label smoothing of the training cross entropy (Szegedy et al., 2016); validation loss is unsmoothed."""
+    beam_size: int = 5
+    """Beam width at evaluation; 1 is greedy decoding."""
+    length_penalty: float = 1.0
+    """Hypothesis score = log p / length**length_penalty (0 = raw log-probability)."""
+    max_len_a: float = 1.5
+    """Decoding stops at max_len_a * source_length + max_len_b target pieces."""
+    max_len_b: int = 10
+    """See max_len_a."""
+    eval_max_sentences: int | None = None
+    """Translate only the first N evaluation sentences for BLEU (faster checks); None translates all."""
+
+    metrics: ClassVar[tuple[str, ...]] = ("val/loss", "val/ppl", "val/bleu", "val/chrf")
+    default_metric: ClassVar[str] = "val/bleu"
+    default_mode: ClassVar[Literal["min", "max"]] = "max"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _builtin_languages(cls, data):
+        """The builtin pair has its own language codes; default to them so a smoke spec stays short."""
+        if isinstance(data, dict) and data.get("dataset", "builtin") == "builtin" and data.get("files") is None:
+            data = {"source_lang": "xa", "target_lang": "xb", **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check_translation(self) -> "TranslationTaskConfig":
+        if self.source_lang == self.target_lang:
+            raise ValueError(f"task.source_lang and task.target_lang are both {self.source_lang!r}; they must differ")
+        if self.max_tokens < self.max_source_len:
+            raise ValueError(
+                f"task.max_tokens={self.max_tokens} is smaller than task.max_source_len={self.max_source_len}; "
+                "one pair must fit in a batch: raise max_tokens or lower max_source_len"
+            )
+        if self.beam_size < 1:
+            raise ValueError(f"task.beam_size={self.beam_size} must be >= 1")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"task.label_smoothing={self.label_smoothing} must be in [0, 1)")
+        if self.max_len_a < 0 or self.max_len_b < 1:
+            raise ValueError("task.max_len_a must be >= 0 and task.max_len_b >= 1")
+        if self.eval_max_sentences is not None and self.eval_max_sentences < 1:
+            raise ValueError(f"task.eval_max_sentences={self.eval_max_sentences} must be >= 1, or leave it unset")
+        return self
+
+
+TaskConfig = Annotated[
+    Union[MLMTaskConfig, CausalLMTaskConfig, TranslationTaskConfig], Field(discriminator="kind")
+]
+
+TASK_KINDS: tuple[str, ...] = ("mlm", "clm", "translation")

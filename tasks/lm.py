@@ -1,0 +1,192 @@
+"""Masked and causal language modelling over packed blocks of a token stream.
+
+Training text is one stream of documents separated by eos (tasks/data.py `token_stream`), cut into blocks of
+seq_len tokens: a causal block carries one extra token so that its seq_len targets are the next tokens, and
+consecutive causal blocks overlap by that token, so every token is a target exactly once. Only the last block of
+a split can be short; it is padded and masked. Evaluation runs over the whole split and weights every target
+token equally (sum of losses / number of targets), so perplexity does not depend on the batch size.
+
+Masked LM follows BERT (Devlin et al., 2019, arXiv 1810.04805): mask_prob of the tokens are selected; of those
+80% become <mask>, 10% a random token and 10% stay unchanged, and the loss is over the selected tokens only.
+The masking of a training batch is seeded by its position in the stream, so a resumed run masks identically;
+evaluation uses one fixed seed, so masked-LM perplexities are comparable across runs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models import LanguageModel, ModelConfig
+from tasks.base import Batch, WorkerContext
+from tasks.config import CausalLMTaskConfig, MLMTaskConfig
+from tasks.data import epoch_permutation, prepare_lm, sharded_batches
+from tasks.tokenizer import MASK_ID, PAD_ID, Tokenizer
+
+IGNORE = -100
+"""Target value of positions without a loss (F.cross_entropy's ignore_index)."""
+_FIRST_ORDINARY_ID = MASK_ID + 1  # random replacement tokens are drawn from the ordinary pieces
+_EVAL_MASK_SEED = 20191810  # fixed, so every run masks the evaluation split identically
+
+
+def num_blocks(n_tokens: int, seq_len: int, overlap: int) -> int:
+    """Blocks of seq_len (+ overlap) tokens with stride seq_len that cover a stream of n_tokens."""
+    return max(0, math.ceil((n_tokens - overlap) / seq_len))
+
+
+def pack_blocks(stream: np.ndarray, indices: np.ndarray, seq_len: int, overlap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks `indices` of the stream as a [B, seq_len + overlap] array padded with PAD_ID, and their lengths."""
+    width = seq_len + overlap
+    out = np.full((len(indices), width), PAD_ID, dtype=np.int64)
+    lengths = np.zeros(len(indices), dtype=np.int64)
+    for row, i in enumerate(indices):
+        piece = stream[i * seq_len: i * seq_len + width]
+        out[row, : len(piece)] = piece
+        lengths[row] = len(piece)
+    return out, lengths
+
+
+def apply_bert_masking(tokens_BT: np.ndarray, lengths_B: np.ndarray, mask_prob: float, vocab_size: int,
+                       rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets): selected positions get targets, and inputs 80% <mask> / 10% random / 10% unchanged."""
+    B, T = tokens_BT.shape
+    real_BT = np.arange(T)[None, :] < lengths_B[:, None]
+    selected_BT = (rng.random((B, T)) < mask_prob) & real_BT
+    if not selected_BT.any():  # a tiny batch may draw no position; predict one so the loss is defined
+        row = int(rng.integers(B))
+        selected_BT[row, int(rng.integers(max(1, lengths_B[row])))] = True
+    action_BT = rng.random((B, T))
+    inputs_BT = tokens_BT.copy()
+    inputs_BT[selected_BT & (action_BT < 0.8)] = MASK_ID
+    randomise_BT = selected_BT & (action_BT >= 0.8) & (action_BT < 0.9)
+    inputs_BT[randomise_BT] = rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=int(randomise_BT.sum()))
+    targets_BT = np.where(selected_BT, tokens_BT, IGNORE)
+    return inputs_BT, targets_BT
+
+
+def _padding_mask(lengths_B: np.ndarray, T: int) -> torch.Tensor | None:
+    """True = padding, or None when the batch has none (lets attention skip the mask)."""
+    if (lengths_B == T).all():
+        return None
+    return torch.from_numpy(np.arange(T)[None, :] >= lengths_B[:, None])
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class _LanguageModelTask:
+    """Shared machinery; subclasses say how a block becomes (inputs, targets)."""
+
+    causal: bool
+    overlap: int
+    metrics: tuple[str, ...] = ("val/loss", "val/ppl")
+
+    def __init__(self, cfg: MLMTaskConfig | CausalLMTaskConfig, model_cfg: ModelConfig, ctx: WorkerContext):
+        self.cfg, self.model_cfg, self.ctx = cfg, model_cfg, ctx
+        self.tokenizer, self.tokenizer_cache_hit, streams = prepare_lm(cfg, ("train", cfg.eval_split), ctx.cache_dir)
+        self.train_stream, self.eval_stream = streams["train"], streams[cfg.eval_split]
+        self.n_train_blocks = num_blocks(len(self.train_stream), cfg.seq_len, self.overlap)
+        if self.n_train_blocks == 0:
+            raise ValueError(f"the training split of {cfg.source_label} has no tokens")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def build_model(self) -> nn.Module:
+        return LanguageModel(self.model_cfg, self.vocab_size, causal=self.causal)
+
+    def _epoch_batches(self, epoch: int) -> list[tuple[int, int, np.ndarray]]:
+        order = epoch_permutation(self.n_train_blocks, self.ctx.seed, epoch)
+        bs = self.cfg.batch_size
+        return [(epoch, j, order[i:i + bs]) for j, i in enumerate(range(0, len(order), bs))]
+
+    def train_batches(self, position: dict[str, Any] | None = None) -> Iterator[tuple[Batch, dict[str, Any]]]:
+        for (epoch, index, blocks), after in sharded_batches(self._epoch_batches, self.ctx.rank,
+                                                             self.ctx.world_size, position):
+            tokens_BL, lengths_B = pack_blocks(self.train_stream, blocks, self.cfg.seq_len, self.overlap)
+            # seeded by the batch's identity, not by a running generator, so resuming reproduces it
+            rng = np.random.default_rng([self.ctx.seed, 1, epoch, index])
+            yield self._make_batch(tokens_BL, lengths_B, rng), after
+
+    def _make_batch(self, tokens_BL: np.ndarray, lengths_B: np.ndarray, rng: np.random.Generator) -> Batch:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return self._loss_sum(model, batch) / max(batch.n_tokens, 1)
+
+    def _loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        t = batch.tensors
+        logits_BTV = model(t["tokens"], t.get("padding_mask"))
+        return F.cross_entropy(logits_BTV.flatten(0, 1).float(), t["targets"].flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Token-weighted loss over the evaluation split (or its first task.eval_batches batches)."""
+        was_training = model.training
+        model.eval()
+        device = _model_device(model)
+        rng = np.random.default_rng(_EVAL_MASK_SEED)
+        n_blocks = num_blocks(len(self.eval_stream), self.cfg.seq_len, self.overlap)
+        starts = range(0, n_blocks, self.cfg.batch_size)
+        if self.cfg.eval_batches is not None:
+            starts = starts[: self.cfg.eval_batches]
+        total, count = 0.0, 0
+        for start in starts:
+            blocks = np.arange(start, min(start + self.cfg.batch_size, n_blocks))
+            tokens_BL, lengths_B = pack_blocks(self.eval_stream, blocks, self.cfg.seq_len, self.overlap)
+            batch = self._make_batch(tokens_BL, lengths_B, rng).to(device)
+            total += float(self._loss_sum(model, batch))
+            count += batch.n_tokens
+        model.train(was_training)
+        if count == 0:
+            raise ValueError(f"the {self.cfg.eval_split} split of {self.cfg.source_label} has no tokens to score")
+        loss = total / count
+        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+
+    def artifacts(self) -> dict[str, Path]:
+        return {"tokenizer": self.tokenizer.model_path}
+
+
+class MaskedLMTask(_LanguageModelTask):
+    """BERT-style masked LM with a bidirectional encoder; val/ppl is the exp of the masked-token loss."""
+
+    causal = False
+    overlap = 0
+
+    def __init__(self, cfg: MLMTaskConfig, model_cfg: ModelConfig, ctx: WorkerContext):
+        super().__init__(cfg, model_cfg, ctx)
+        self.mask_prob = cfg.mask_prob
+
+    def _make_batch(self, tokens_BL: np.ndarray, lengths_B: np.ndarray, rng: np.random.Generator) -> Batch:
+        inputs_BT, targets_BT = apply_bert_masking(tokens_BL, lengths_B, self.mask_prob, self.vocab_size, rng)
+        tensors = {"tokens": torch.from_numpy(inputs_BT), "targets": torch.from_numpy(targets_BT)}
+        mask_BT = _padding_mask(lengths_B, tokens_BL.shape[1])
+        if mask_BT is not None:
+            tensors["padding_mask"] = mask_BT
+        return Batch(tensors, int((targets_BT != IGNORE).sum()))
+
+
+class CausalLMTask(_LanguageModelTask):
+    """Next-token prediction with a decoder-only model."""
+
+    causal = True
+    overlap = 1
+
+    def _make_batch(self, tokens_BL: np.ndarray, lengths_B: np.ndarray, rng: np.random.Generator) -> Batch:
+        inputs_BT, targets_BT = tokens_BL[:, :-1], tokens_BL[:, 1:].copy()
+        T = inputs_BT.shape[1]
+        target_lengths_B = lengths_B - 1
+        targets_BT[np.arange(T)[None, :] >= target_lengths_B[:, None]] = IGNORE
+        tensors = {"tokens": torch.from_numpy(np.ascontiguousarray(inputs_BT)), "targets": torch.from_numpy(targets_BT)}
+        # causal attention never looks right, so trailing padding needs no key mask: the padded positions'
+        # outputs are simply not scored
+        return Batch(tensors, int(target_lengths_B.sum()))

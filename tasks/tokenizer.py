@@ -1,0 +1,127 @@
+"""Sentencepiece tokenizers (Kudo & Richardson, 2018, arXiv 1808.06226), trained once and cached on disk.
+
+The cache key is a hash of the training data's fingerprint and every tokenizer setting, so a changed corpus or
+vocabulary size trains a new model while every worker and trial of the same setting reuses one file. Training
+happens under an exclusive file lock and the model is moved into place with an atomic rename, so concurrent
+workers never read a half-written model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator, Literal
+
+import sentencepiece as spm
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+MASK_PIECE = "<mask>"
+"""Reserved piece for masked LM; always id 4 (the first user-defined symbol)."""
+MASK_ID = 4
+
+
+def cache_key(**parts: object) -> str:
+    """Stable short hash of JSON-able parts (data fingerprint, settings)."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+def file_fingerprint(path: Path) -> str:
+    """Content hash of a file (name-independent, so a copied dataset still hits the cache)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def locked(lock_path: Path) -> Iterator[None]:
+    """Exclusive inter-process lock (flock): one producer per cache entry, the others wait and then reuse."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Run write(tmp) on a temporary path in the same folder, then rename it onto `path` in one step."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+class Tokenizer:
+    """A loaded sentencepiece model with the project's fixed special ids (pad 0, unk 1, bos 2, eos 3, mask 4)."""
+
+    def __init__(self, model_path: Path):
+        self.model_path = model_path
+        self.sp = spm.SentencePieceProcessor(model_file=str(model_path))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts, out_type=int)
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        """Detokenise; special ids are dropped (sentencepiece decodes control symbols to nothing)."""
+        return self.sp.decode([[i for i in seq if i != MASK_ID] for seq in ids])
+
+
+def train_or_load(
+    texts: Callable[[], list[str]],
+    *,
+    data_fingerprint: str,
+    vocab_size: int,
+    model_type: Literal["unigram", "bpe"],
+    cache_dir: Path,
+) -> tuple[Tokenizer, bool]:
+    """The cached tokenizer for this data + settings, training it on `texts()` on a miss.
+
+    Returns (tokenizer, hit). `texts` is a callable so a cache hit never loads the corpus.
+    """
+    key = cache_key(data=data_fingerprint, vocab_size=vocab_size, model_type=model_type, version=1)
+    model_path = Path(cache_dir) / "tokenizers" / f"spm-{model_type}-{key}.model"
+    if model_path.exists():
+        return Tokenizer(model_path), True
+    with locked(model_path.with_suffix(".lock")):
+        if model_path.exists():  # another worker trained it while we waited
+            return Tokenizer(model_path), True
+        lines = [t for t in texts() if t.strip()]
+        if not lines:
+            raise ValueError("the training split is empty; cannot train a sentencepiece model")
+
+        def write(tmp: Path) -> None:
+            with tempfile.TemporaryDirectory() as work:
+                corpus = Path(work) / "corpus.txt"
+                corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+                spm.SentencePieceTrainer.train(
+                    input=str(corpus), model_prefix=str(Path(work) / "spm"), vocab_size=vocab_size,
+                    model_type=model_type, character_coverage=1.0,
+                    pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, user_defined_symbols=[MASK_PIECE],
+                    # small corpora (the builtin one, unit tests) have fewer pieces than the requested size
+                    hard_vocab_limit=False,
+                    # sample at most 2M lines: enough for the piece inventory, bounded memory on large corpora
+                    input_sentence_size=2_000_000, shuffle_input_sentence=True, num_threads=2,
+                    minloglevel=2,
+                )
+                os.replace(Path(work) / "spm.model", tmp)
+
+        atomic_write(model_path, write)
+    return Tokenizer(model_path), False
