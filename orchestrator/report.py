@@ -88,11 +88,14 @@ def build_report(
 
     `metric` defaults to the spec's `tune.metric` param; `mode` is inferred from the metric name
     when not given. `reference` / `lower_reference` name the methods PRR / PEoP are measured
-    against, by kind ("mha") or by full label ("mha heads=12"); `lower_reference=None` skips PEoP.
+    against, by kind ("mha") or by full label ("mha heads=12"); `lower_reference=None` (or "none")
+    skips PEoP.
     Raises ReportError with a fix when the runs cannot be compared. Problems that still leave a
     useful table (no lower reference, skipped runs) are returned in `Report.warnings` and written
     into report.md rather than logged, so the caller decides how to show them.
     """
+    if lower_reference is not None and lower_reference.strip().lower() in ("", "none"):
+        lower_reference = None
     client = MlflowClient(tracking_uri=tracking_uri)
     experiment_id = _experiment_id(client, experiment)
     all_runs = _search_runs(client, experiment_id)
@@ -201,28 +204,31 @@ def _compared_runs(runs: Sequence[Run], parent_run_id: str | None, experiment: s
     return compared
 
 
+def _spec_setting(records: Sequence[RunRecord], key: str) -> str | None:
+    """A spec param (e.g. `tune.metric`) when all runs that logged it agree, else None."""
+    values = {param_value(record.params, key) for record in records} - {None}
+    return values.pop() if len(values) == 1 else None
+
+
 def _choose_metric(records: Sequence[RunRecord], metric: str | None, mode: Mode | None) -> tuple[str, Mode]:
     """The compared metric and its direction: explicit, else the spec's tune settings, else defaults."""
     available = sorted({name for record in records for name in record.metrics})
+    spec_metric = _spec_setting(records, "tune.metric")
     if metric is None:
-        spec_metrics = {param_value(record.params, "tune.metric") for record in records} - {None}
-        if len(spec_metrics) == 1:
-            metric = spec_metrics.pop()
-            spec_modes = {param_value(record.params, "tune.mode") for record in records} - {None}
-            if mode is None and len(spec_modes) == 1 and spec_modes <= {"min", "max"}:
-                mode = spec_modes.pop()  # type: ignore[assignment]
-        else:
-            metric = next((name for name in _DEFAULT_METRICS if name in available), None)
-            if metric is None:
-                raise ReportError(
-                    f"no metric given and none of {list(_DEFAULT_METRICS)} was logged; "
-                    f"pass --metric with one of: {', '.join(available) or '(no metrics logged)'}"
-                )
+        metric = spec_metric or next((name for name in _DEFAULT_METRICS if name in available), None)
+        if metric is None:
+            raise ReportError(
+                f"no metric given and none of {list(_DEFAULT_METRICS)} was logged; "
+                f"pass --metric with one of: {', '.join(available) or '(no metrics logged)'}"
+            )
     if not any(metric in record.metrics for record in records):
         raise ReportError(
             f"no run logged the metric {metric!r}; metrics that exist: "
             f"{', '.join(available) or '(no metrics logged)'}. Pass one of them to --metric."
         )
+    if mode is None and metric == spec_metric:
+        spec_mode = _spec_setting(records, "tune.mode")
+        mode = spec_mode if spec_mode in ("min", "max") else None  # type: ignore[assignment]
     if mode is None:
         mode = infer_mode(metric)
     if mode not in ("min", "max"):
@@ -372,7 +378,6 @@ def _parser() -> argparse.ArgumentParser:
 def report_cli(argv: Sequence[str] | None = None) -> int:
     """Entry point of `orchestrator report`; returns the exit code (2 on a ReportError)."""
     args = _parser().parse_args(argv)
-    lower = None if args.lower_reference.lower() in ("", "none") else args.lower_reference
     group_by = [key.strip() for key in args.group_by.split(",") if key.strip()] if args.group_by else None
     try:
         report = build_report(
@@ -382,7 +387,7 @@ def report_cli(argv: Sequence[str] | None = None) -> int:
             mode=args.mode,
             parent_run_id=args.parent_run,
             reference=args.reference,
-            lower_reference=lower,
+            lower_reference=args.lower_reference,
             group_by=group_by,
             out_dir=args.out or Path("reports") / args.experiment,
             log_to_mlflow=not args.no_log,

@@ -146,14 +146,27 @@ def default_group_keys(runs: Sequence[RunRecord]) -> list[str]:
     """
     names = {name for run in runs for name in run.params}
     knobs = sorted(
-        name
-        for name in names
-        if name.startswith(ATTENTION_PREFIX) and name != KIND_KEY and not _is_noise_param(name)
+        (
+            name
+            for name in names
+            if name.startswith(ATTENTION_PREFIX) and name != KIND_KEY and not _is_noise_param(name)
+        ),
+        key=_knob_order,
     )
     keys = [KIND_KEY, *knobs]
     if EMBEDDING_KEY in names:
         keys.append(EMBEDDING_KEY)
     return keys
+
+
+def _knob_order(name: str) -> tuple[str, bool, str]:
+    """Alphabetical, except that a nested block's `kind` leads its siblings.
+
+    So a crossed method reads "mha mechanism.kind=linformer mechanism.k=64", not "... mechanism.k=64
+    mechanism.kind=linformer".
+    """
+    parent, _, leaf = name.rpartition(".")
+    return parent, leaf != "kind", leaf
 
 
 def _is_noise_param(name: str) -> bool:

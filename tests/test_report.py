@@ -18,7 +18,15 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
 from orchestrator.report import PARENT_TAG, REPORT_TAG, Report, ReportError, build_report, report_cli
-from orchestrator.report_metrics import infer_mode, pareto_front, peop, prr
+from orchestrator.report_metrics import (
+    RunRecord,
+    default_group_keys,
+    group_runs,
+    infer_mode,
+    pareto_front,
+    peop,
+    prr,
+)
 
 MHA_PARAMS = 4 * 768**2
 SHA_PARAMS = 3 * 768 * 64 + 768**2
@@ -144,6 +152,31 @@ def test_metric_direction_is_inferred_from_the_name():
     assert [infer_mode(m) for m in ("val/bleu", "val/chrf", "val/acc", "val/f1")] == ["max"] * 4
     with pytest.raises(ReportError, match="mode="):
         infer_mode("val/rouge")
+
+
+def test_labels_show_only_knobs_that_tell_methods_apart():
+    def run(run_id: str, **attention: str) -> RunRecord:
+        params = {f"model.attention.{key}": value for key, value in attention.items()}
+        # Logged for every run but never a method knob: width, dropout, hashing seed, unset fields.
+        params |= {"model.attention.d_model": "None", "model.attention.dropout": "0.1",
+                   "model.attention.mechanism.seed": run_id, "model.embedding.kind": "standard"}
+        return RunRecord(run_id, params, {"val/ppl": 1.0})
+
+    runs = [
+        run("1", kind="mha", heads="8", **{"mechanism.kind": "exact"}),
+        run("2", kind="mha", heads="8", **{"mechanism.kind": "exact"}),
+        run("3", kind="mha", heads="8", **{"mechanism.kind": "linformer", "mechanism.k": "64"}),
+        run("4", kind="mhe", heads="8", mode="mul", **{"mechanism.kind": "exact"}),
+    ]
+    keys = default_group_keys(runs)
+    assert keys == ["model.attention.kind", "model.attention.heads", "model.attention.mode",
+                    "model.attention.mechanism.kind", "model.attention.mechanism.k", "model.embedding.kind"]
+    groups = {group.label: [r.run_id for r in group.runs] for group in group_runs(runs, keys)}
+    assert groups == {
+        "mha mechanism.kind=exact": ["1", "2"],
+        "mha mechanism.kind=linformer mechanism.k=64": ["3"],
+        "mhe": ["4"],
+    }
 
 
 def test_pareto_front_keeps_only_undominated_points():
