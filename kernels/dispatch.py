@@ -33,6 +33,7 @@ class AttentionInputs:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    dropout_p: float
     forced: bool  # chosen through ATTN_BACKEND rather than by the priority walk
 
 
@@ -45,6 +46,7 @@ class BaseAttentionBackend:
     min_head_dim: ClassVar[int] = 1
     max_head_dim: ClassVar[int | None] = None
     needs_triton: ClassVar[bool] = False
+    supports_dropout: ClassVar[bool] = False
 
     def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
         reasons = []
@@ -58,7 +60,13 @@ class BaseAttentionBackend:
         head_dim = inputs.q.shape[-1]
         if head_dim < self.min_head_dim or (self.max_head_dim is not None and head_dim > self.max_head_dim):
             reasons.append(f"head_dim {head_dim} outside {self.min_head_dim}..{self.max_head_dim}")
+        if inputs.dropout_p > 0.0 and not self.supports_dropout:
+            reasons.append(f"no attention dropout (dropout_p={inputs.dropout_p})")
         return reasons
+
+    # The two operations, with the arguments of the public functions below (dropout_p already checked).
+    exact: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    chunked: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class TritonBackend(BaseAttentionBackend):
@@ -68,6 +76,8 @@ class TritonBackend(BaseAttentionBackend):
     min_head_dim = MIN_HEAD_DIM
     max_head_dim = MAX_HEAD_DIM
     needs_triton = True
+    exact = staticmethod(flash_attention)
+    chunked = staticmethod(chunked_flash_attention)
 
     def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
         reasons = super().not_supported_reasons(inputs)
@@ -83,6 +93,9 @@ class ReferenceBackend(BaseAttentionBackend):
     name = "reference"
     devices = frozenset({"cpu", "cuda", "mps"})
     dtypes = SUPPORTED_DTYPES
+    supports_dropout = True
+    exact = staticmethod(exact_attention_reference)
+    chunked = staticmethod(chunked_attention_reference)
 
 
 TRITON = TritonBackend()
@@ -91,7 +104,9 @@ REFERENCE = ReferenceBackend()
 PRIORITY: tuple[BaseAttentionBackend, ...] = (TRITON, REFERENCE)
 
 
-def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BaseAttentionBackend:
+def select_backend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+) -> BaseAttentionBackend:
     """Walk PRIORITY (or only the backend named by ATTN_BACKEND); raise with every rejection's reasons."""
     forced_name = os.environ.get(BACKEND_ENV, "").strip().lower()
     candidates: Sequence[BaseAttentionBackend] = PRIORITY
@@ -100,7 +115,7 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BaseAtt
         if not candidates:
             valid = ", ".join(b.name for b in PRIORITY)
             raise ValueError(f"{BACKEND_ENV}={forced_name!r} is not a backend; valid names: {valid}")
-    inputs = AttentionInputs(q, k, v, forced=bool(forced_name))
+    inputs = AttentionInputs(q, k, v, dropout_p, forced=bool(forced_name))
     rejected = []
     for backend in candidates:
         reasons = backend.not_supported_reasons(inputs)
@@ -108,16 +123,6 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BaseAtt
             return backend
         rejected.append(f"  {backend.name}: " + "; ".join(reasons))
     raise NotImplementedError("no attention backend supports these inputs:\n" + "\n".join(rejected))
-
-
-_EXACT: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    TRITON.name: flash_attention,
-    REFERENCE.name: exact_attention_reference,
-}
-_CHUNKED: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    TRITON.name: chunked_flash_attention,
-    REFERENCE.name: chunked_attention_reference,
-}
 
 
 def exact_attention(
@@ -128,11 +133,14 @@ def exact_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention (out [B, H, M, D], lse [B, H, M]) on the best available backend; see
     kernels.reference.exact_attention_reference for the semantics (causal is aligned top-left)."""
-    run = _EXACT[select_backend(q, k, v).name]
-    return run(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    backend = select_backend(q, k, v, dropout_p)
+    # Only a backend that supports dropout is given the argument; the others were rejected for dropout_p > 0.
+    dropout = {"dropout_p": dropout_p} if dropout_p > 0.0 else {}
+    return backend.exact(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, **dropout)
 
 
 def chunked_attention(
@@ -147,11 +155,13 @@ def chunked_attention(
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     wrap: bool = True,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked attention over a sorted sequence on the best available backend; see
     kernels.reference.chunked_attention_reference for the semantics."""
-    run = _CHUNKED[select_backend(q, k, v).name]
-    return run(
+    backend = select_backend(q, k, v, dropout_p)
+    dropout = {"dropout_p": dropout_p} if dropout_p > 0.0 else {}
+    return backend.chunked(
         q, k, v, chunk, lookback=lookback, positions=positions, causal=causal, self_mask=self_mask,
-        key_padding_mask=key_padding_mask, scale=scale, wrap=wrap,
+        key_padding_mask=key_padding_mask, scale=scale, wrap=wrap, **dropout,
     )  # fmt: skip

@@ -101,7 +101,7 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax_with_lse(
-    s_BHMN: torch.Tensor, masked_BHMN: torch.Tensor | None, v_BHND: torch.Tensor
+    s_BHMN: torch.Tensor, masked_BHMN: torch.Tensor | None, v_BHND: torch.Tensor, dropout_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax-weighted sum of v and the row log-sum-exp, with fully masked rows giving zeros and -inf."""
     if masked_BHMN is not None:
@@ -111,6 +111,10 @@ def _softmax_with_lse(
     lse_BHM = torch.logsumexp(s_BHMN, dim=-1)
     lse_safe_BHM = torch.where(torch.isinf(lse_BHM), torch.zeros_like(lse_BHM), lse_BHM)
     p_BHMN = torch.exp(s_BHMN - lse_safe_BHM[..., None])  # exp(-inf - 0) = 0 on fully masked rows
+    if dropout_p > 0.0:
+        # Dropout on the probabilities, as SDPA does; lse stays the undropped normaliser so that parts over
+        # disjoint keys (Reformer's hash rounds) still merge with the right weights.
+        p_BHMN = torch.nn.functional.dropout(p_BHMN, dropout_p)
     out_BHMD = torch.matmul(p_BHMN, _upcast(v_BHND))
     return out_BHMD.to(v_BHND.dtype), lse_BHM
 
@@ -122,11 +126,13 @@ def exact_attention_reference(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention. q [B, H, M, D], k and v [B, H, N, D] -> out [B, H, M, D], lse [B, H, M].
 
     ``causal`` aligns the mask top-left: query i sees keys j <= i, also when M != N.
-    ``key_padding_mask`` [B, N] bool, True = padded key (contributes nothing).
+    ``key_padding_mask`` [B, N] bool, True = padded key (contributes nothing). ``dropout_p`` drops
+    attention probabilities (training only; the Triton kernels have no dropout).
     """
     check_attention_inputs(q, k, v)
     batch, _, seq_q, head_dim = q.shape
@@ -145,7 +151,7 @@ def exact_attention_reference(
         masked_BHMN = padded_B11N if masked_BHMN is None else masked_BHMN | padded_B11N
     if masked_BHMN is not None:
         masked_BHMN = masked_BHMN.expand_as(s_BHMN)
-    return _softmax_with_lse(s_BHMN, masked_BHMN, v)
+    return _softmax_with_lse(s_BHMN, masked_BHMN, v, dropout_p)
 
 
 def chunk_neighbours(n_chunks: int, lookback: int, wrap: bool) -> torch.Tensor:
@@ -173,6 +179,7 @@ def chunked_attention_reference(
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     wrap: bool = True,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention within chunks of an already sorted sequence (Reformer's LSH attention after the sort).
 
@@ -182,6 +189,7 @@ def chunked_attention_reference(
     index). ``causal`` masks keys with a later position than the query; ``self_mask`` replaces the logit of
     a key at the query's own position with SELF_LOGIT, so a token attends to itself only when nothing else
     is available. ``key_padding_mask`` [B, T] or [B, H, T] bool (True = padded), in the sorted order.
+    ``dropout_p`` as in exact_attention_reference.
     Costs O(T * chunk * (lookback + 1)) memory, unlike a dense T x T mask.
     """
     check_attention_inputs(q, k, v)
@@ -233,7 +241,7 @@ def chunked_attention_reference(
         # A replaced (not added) value: no gradient flows through a token's dot product with itself.
         is_self_BHCQK = kpos_BHC1K == qpos_BHCQ1
         s_BHCQK = torch.where(is_self_BHCQK, torch.full_like(s_BHCQK, SELF_LOGIT), s_BHCQK)
-    out_BHCQD, lse_BHCQ = _softmax_with_lse(s_BHCQK, masked_BHCQK, vv_BHCKD)
+    out_BHCQD, lse_BHCQ = _softmax_with_lse(s_BHCQK, masked_BHCQK, vv_BHCKD, dropout_p)
     out_BHTD = out_BHCQD.reshape(batch, heads, n_chunks * chunk, head_dim)[:, :, :seq]
     lse_BHT = lse_BHCQ.reshape(batch, heads, n_chunks * chunk)[:, :, :seq]
     return out_BHTD, lse_BHT

@@ -299,6 +299,19 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Non
     assert torch.equal(out, chunked_attention_reference(q, q, q, 4, self_mask=True)[0])
 
 
+def test_dropout_goes_to_the_reference_and_keeps_lse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lse stays the undropped normaliser, so attention parts still merge with the right weights."""
+    monkeypatch.delenv("ATTN_BACKEND", raising=False)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 16) for _ in range(3))
+    for fn, kwargs in ((exact_attention, {"causal": True}), (chunked_attention, {"chunk": 4})):
+        args = (q, k, v, kwargs.pop("chunk")) if "chunk" in kwargs else (q, k, v)
+        out, lse = fn(*args, **kwargs)
+        out_drop, lse_drop = fn(*args, dropout_p=0.5, **kwargs)
+        assert torch.equal(lse, lse_drop)
+        assert not torch.allclose(out, out_drop)
+
+
 @needs_triton
 def test_dispatch_forced_triton_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATTN_BACKEND", "triton")
@@ -318,6 +331,9 @@ def test_dispatch_errors_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATTN_BACKEND", "triton")
     with pytest.raises(NotImplementedError, match=r"triton: .*head_dim 8 outside 16\.\.128"):
         exact_attention(q, q, q)
+    q16 = torch.randn(1, 1, 8, 16)
+    with pytest.raises(NotImplementedError, match=r"triton: no attention dropout \(dropout_p=0.1\)"):
+        chunked_attention(q16, q16, q16, 4, dropout_p=0.1)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(NotImplementedError, match="TRITON_INTERPRET=1"):
         exact_attention(torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16))
