@@ -86,8 +86,8 @@ def build_report(
 ) -> Report:
     """Build the comparison report of `experiment` (or of the sweep `parent_run_id`) into `out_dir`.
 
-    `metric` defaults to the spec's `tune.metric` param; `mode` is inferred from the metric name
-    when not given. `reference` / `lower_reference` name the methods PRR / PEoP are measured
+    `metric` defaults to the spec's `tune.metric` param; `mode` defaults to the spec's `tune.mode`
+    for that metric, else it is inferred from the metric name. `reference` / `lower_reference` name the methods PRR / PEoP are measured
     against, by kind ("mha") or by full label ("mha heads=12"); `lower_reference=None` (or "none")
     skips PEoP.
     Raises ReportError with a fix when the runs cannot be compared. Problems that still leave a
@@ -154,6 +154,11 @@ def _experiment_id(client: MlflowClient, name: str) -> str:
         raise ReportError(
             f"experiment {name!r} does not exist in this tracking store; existing experiments: "
             f"{', '.join(repr(n) for n in names) or '(none)'}. Check --experiment and --tracking-uri."
+        )
+    if experiment.lifecycle_stage == "deleted":
+        raise ReportError(
+            f"experiment {name!r} is deleted; restore it with `mlflow experiments restore "
+            f"--experiment-id {experiment.experiment_id}` to report on it."
         )
     return experiment.experiment_id
 

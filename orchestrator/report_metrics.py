@@ -259,6 +259,13 @@ def _mean_of(values: Sequence[float]) -> float:
     return float(np.mean(finite)) if finite else math.nan
 
 
+def _sample_std(values: Sequence[float]) -> float:
+    """Seed std with ddof=1; NaN for one seed or a diverged (non-finite) one, where it means nothing."""
+    if len(values) < 2 or not all(math.isfinite(value) for value in values):
+        return math.nan
+    return float(np.std(values, ddof=1))
+
+
 def _numeric_param(runs: Sequence[RunRecord], key: str, label: str, warnings: list[str]) -> float:
     """A per-method param such as the parameter count: equal for all seeds, else their mean + warning."""
     values = []
@@ -305,6 +312,11 @@ def summarize(
         )
 
     scores = {group.label: [run.metrics[metric] for run in group.runs] for group in groups}
+    for label, values in scores.items():
+        diverged = sum(not math.isfinite(value) for value in values)
+        if diverged:
+            # Kept, not dropped: averaging only the surviving seeds would flatter an unstable method.
+            warnings.append(f"{label}: {diverged} run(s) ended with a non-finite {metric} (diverged?)")
     means = {label: float(np.mean(values)) for label, values in scores.items()}
     params = {
         group.label: _numeric_param(group.runs, PARAMS_ATTENTION, group.label, warnings) for group in groups
@@ -333,7 +345,7 @@ def summarize(
                 run_ids=tuple(run.run_id for run in group.runs),
                 n_runs=len(group.runs),
                 score_mean=means[label],
-                score_std=float(np.std(scores[label], ddof=1)) if len(scores[label]) > 1 else math.nan,
+                score_std=_sample_std(scores[label]),
                 params_attention=params[label],
                 params_total=_numeric_param(group.runs, PARAMS_TOTAL, label, warnings),
                 prr=prr(means[label], score_ref, mode),

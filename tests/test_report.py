@@ -19,6 +19,7 @@ from mlflow.entities import Metric, Param
 
 from orchestrator.report import PARENT_TAG, REPORT_TAG, Report, ReportError, build_report, report_cli
 from orchestrator.report_metrics import (
+    MethodGroup,
     RunRecord,
     default_group_keys,
     group_runs,
@@ -26,6 +27,8 @@ from orchestrator.report_metrics import (
     pareto_front,
     peop,
     prr,
+    rows_to_markdown,
+    summarize,
 )
 
 MHA_PARAMS = 4 * 768**2
@@ -177,6 +180,18 @@ def test_labels_show_only_knobs_that_tell_methods_apart():
         "mha mechanism.kind=linformer mechanism.k=64": ["3"],
         "mhe": ["4"],
     }
+
+
+def test_diverged_seed_is_reported_not_hidden():
+    def group(label: str, *scores: float) -> MethodGroup:
+        runs = tuple(RunRecord(f"{label}{i}", {}, {"val/ppl": score}) for i, score in enumerate(scores))
+        return MethodGroup(label=label, kind=label, knobs={}, runs=runs)
+
+    summary = summarize([group("mha", 40.0, 42.0), group("lsh", 50.0, math.inf)], "val/ppl", "min", "mha", None)
+    lsh = next(row for row in summary.rows if row.label == "lsh")
+    assert not math.isfinite(lsh.score_mean) and not math.isfinite(lsh.prr)
+    assert summary.warnings == ["lsh: 1 run(s) ended with a non-finite val/ppl (diverged?)"]
+    assert "| lsh |" in rows_to_markdown(summary.rows, "val/ppl", "min")
 
 
 def test_pareto_front_keeps_only_undominated_points():
