@@ -24,6 +24,11 @@ import torch.nn.functional as F
 SELF_LOGIT = -1e5
 
 
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """Accumulation precision: fp32 for half types (fp16 logits overflow), fp64 stays fp64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _softmax_with_lse(
     s_BHMN: torch.Tensor, masked_BHMN: torch.Tensor | None, v_BHND: torch.Tensor, dropout_p: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +43,7 @@ def _softmax_with_lse(
         # Dropout on the probabilities, as SDPA does; the lse stays the undropped normaliser so parts still
         # merge with the right weights.
         p_BHMN = F.dropout(p_BHMN, dropout_p)
-    out_BHMD = torch.matmul(p_BHMN, v_BHND.float())
+    out_BHMD = torch.matmul(p_BHMN, _acc(v_BHND))
     return out_BHMD.to(v_BHND.dtype), lse_BHM
 
 
@@ -60,7 +65,7 @@ def exact_attention(
     if key_padding_mask is not None and key_padding_mask.shape != (B, N):
         raise ValueError(f"key_padding_mask must be bool [batch, seq_k] = [{B}, {N}]; got {tuple(key_padding_mask.shape)}")
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    s_BHMN = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s_BHMN = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
     masked = None
     if causal:
         masked = (torch.arange(N, device=q.device)[None, :] > torch.arange(M, device=q.device)[:, None])[None, None]
@@ -107,7 +112,7 @@ def chunked_attention(
         x_full = F.pad(x_BHT_, (0, 0, 0, tail), value=fill) if x_BHT_.dim() == 4 else F.pad(x_BHT_, (0, tail), value=fill)
         return x_full.reshape(B, H, C, chunk, *x_BHT_.shape[3:])
 
-    q_BHCQD, k_BHCQD, v_BHCQD = chunked(q.float(), 0.0), chunked(k.float(), 0.0), chunked(v, 0.0)
+    q_BHCQD, k_BHCQD, v_BHCQD = chunked(_acc(q), 0.0), chunked(_acc(k), 0.0), chunked(v, 0.0)
     pos_BHCQ = chunked(pos_BHT, -1)
     pad_BHCQ = chunked(pad_BHT.to(torch.uint8), 1).bool()
 
@@ -154,7 +159,7 @@ def merge_lse(
     has_keys = total > 0
     total_safe = torch.where(has_keys, total, torch.ones_like(total))
     lse = torch.where(has_keys, m + torch.log(total_safe), torch.full_like(total, float("-inf")))
-    out = (out_a.float() * (w_a / total_safe)[..., None] + out_b.float() * (w_b / total_safe)[..., None])
+    out = _acc(out_a) * (w_a / total_safe)[..., None] + _acc(out_b) * (w_b / total_safe)[..., None]
     return out.to(out_a.dtype), lse
 
 
@@ -166,6 +171,6 @@ def merge_lse_many(out_RM: torch.Tensor, lse_R: torch.Tensor, dim: int) -> tuple
     total = w.sum(dim, keepdim=True)
     has_keys = total > 0
     total_safe = torch.where(has_keys, total, torch.ones_like(total))
-    out = (out_RM.float() * (w / total_safe).unsqueeze(-1)).sum(dim)
+    out = (_acc(out_RM) * (w / total_safe).unsqueeze(-1)).sum(dim)
     lse = torch.where(has_keys, m + torch.log(total_safe), torch.full_like(total, float("-inf"))).squeeze(dim)
     return out.to(out_RM.dtype), lse

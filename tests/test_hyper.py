@@ -1,0 +1,182 @@
+"""HyperAttention: exact below min_seq_len, convergence in sample_size, causality, the LSE merge, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from models import LanguageModel, ModelConfig
+from models.attention.config import MAX_LSH_BITS, HyperMechanismConfig
+from models.attention.hyper import HyperMechanism, gray_rank
+from models.attention.lse import exact_attention, merge_lse
+
+B, H, E = 2, 2, 8
+
+
+def hyper(**knobs) -> HyperMechanism:
+    return HyperMechanism(HyperMechanismConfig(**knobs), E, layer_index=0).eval()
+
+
+def qkv(T: int, seed: int = 0, scale: float = 1.0, dtype=torch.float32, requires_grad: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(
+        (torch.randn(B, H, T, E, generator=gen, dtype=dtype) * s).requires_grad_(requires_grad)
+        for s in (scale, scale, 1.0)
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_equals_exact_attention_below_min_seq_len(causal):
+    T = 15
+    q, k, v = qkv(T)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[1, 11:] = True
+    out = hyper(block_size=4, sample_size=4, min_seq_len=T + 1)(q, k, v, key_padding_mask_BS=mask, causal=causal)
+    ref, _ = exact_attention(q, k, v, causal=causal, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_relative_error_falls_as_sample_size_grows():
+    T, trials = 256, 4
+    sizes = [8, 64, 512]
+    errors = {m: 0.0 for m in sizes}
+    for trial in range(trials):
+        q, k, v = qkv(T, seed=trial, scale=0.7)
+        ref, _ = exact_attention(q, k, v)
+        for m in sizes:
+            torch.manual_seed(1000 + trial)
+            mech = hyper(block_size=32, sample_size=m, min_seq_len=64, lsh_bits=3).train()
+            errors[m] += ((mech(q, k, v) - ref).norm() / ref.norm()).item() / trials
+    for fewer, more in zip(sizes, sizes[1:]):
+        assert errors[more] < errors[fewer], errors
+
+
+def test_blocks_alone_are_worse_than_blocks_plus_samples():
+    """sample_size = 0 keeps only the sortLSH diagonal; the sampled residual must reduce the error."""
+    T = 256
+    q, k, v = qkv(T, seed=11, scale=0.7)
+    ref, _ = exact_attention(q, k, v)
+    err = {m: ((hyper(block_size=32, sample_size=m, min_seq_len=64)(q, k, v) - ref).norm() / ref.norm()).item()
+           for m in (0, 512)}
+    assert err[512] < err[0], err
+
+
+def test_causal_version_leaks_nothing_from_the_future():
+    T = 40  # min_seq_len 8: three levels of halving, odd pieces padded, off-diagonal blocks approximated
+    q, k, v = qkv(T, seed=5, requires_grad=True)
+    out = hyper(block_size=4, sample_size=6, min_seq_len=8, lsh_bits=2).train()(q, k, v, causal=True)
+    for i in (0, 9, 10, 21, 39):
+        grads = torch.autograd.grad(out[:, :, i].sum(), (q, k, v), retain_graph=True)
+        for g in grads:
+            assert torch.count_nonzero(g[:, :, i + 1 :]) == 0
+        assert grads[2][:, :, : i + 1].abs().sum() > 0
+
+
+def test_causal_matches_exact_where_the_recursion_is_exact():
+    """Queries of the first min_seq_len-long leaf see only exact causal attention."""
+    T, leaf = 32, 8
+    q, k, v = qkv(T, seed=2)
+    out = hyper(block_size=4, sample_size=4, min_seq_len=leaf)(q, k, v, causal=True)
+    ref, _ = exact_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out[:, :, :leaf], ref[:, :, :leaf], atol=1e-6, rtol=1e-5)
+
+
+def test_lse_merge_of_two_exact_halves_equals_exact_attention_with_matching_gradients():
+    T = 12
+    q, k, v = qkv(T, seed=3, dtype=torch.float64, requires_grad=True)
+    h = T // 2
+    out_a, lse_a = exact_attention(q, k[:, :, :h], v[:, :, :h])
+    out_b, lse_b = exact_attention(q, k[:, :, h:], v[:, :, h:])
+    merged, lse = merge_lse(out_a, lse_a, out_b, lse_b)
+    ref, ref_lse = exact_attention(q, k, v)
+    torch.testing.assert_close(merged, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    weights = torch.randn_like(ref)
+    grads = torch.autograd.grad((merged * weights).sum() + lse.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * weights).sum() + ref_lse.sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_lse_merge_with_an_empty_part_is_finite_and_ignores_it():
+    q, k, v = qkv(6, dtype=torch.float64, requires_grad=True)
+    out, lse = exact_attention(q, k, v)
+    all_padded = torch.ones(B, 6, dtype=torch.bool)
+    empty_out, empty_lse = exact_attention(q, k, v, key_padding_mask=all_padded)
+    merged, merged_lse = merge_lse(out, lse, empty_out, empty_lse)
+    torch.testing.assert_close(merged, out)
+    both_empty, both_lse = merge_lse(empty_out, empty_lse, empty_out, empty_lse)
+    assert torch.all(both_empty == 0) and torch.all(torch.isneginf(both_lse))
+    grads = torch.autograd.grad(merged.sum() + both_empty.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_gradient_flows_through_the_merge_weights():
+    """gradcheck of the approximate path (eval: fixed samples); a detached LSE would fail it."""
+    q, k, v = (x[:1, :1].detach().requires_grad_() for x in qkv(12, seed=4, dtype=torch.float64))
+    mech = hyper(block_size=4, sample_size=4, min_seq_len=8, lsh_bits=2).double()
+    assert torch.autograd.gradcheck(lambda q_, k_, v_: mech(q_, k_, v_), (q, k, v), eps=1e-6, atol=1e-5,
+                                    fast_mode=True)
+
+
+def test_block_size_not_dividing_the_length_is_padded_with_masked_keys():
+    """One block larger than the sequence holds every real key: the result is exact attention, and the
+    internal padding rows (masked) and the samples (all inside the one block, so dropped) add nothing."""
+    T = 10
+    q, k, v = qkv(T, seed=8)
+    out = hyper(block_size=16, sample_size=8, min_seq_len=4)(q, k, v)
+    ref, _ = exact_attention(q, k, v)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    odd = hyper(block_size=7, sample_size=8, min_seq_len=4).train()(*qkv(23, seed=9))
+    assert odd.shape == (B, H, 23, E) and torch.isfinite(odd).all()
+
+
+def test_padding_appended_at_the_end_changes_nothing_in_evaluation():
+    T, P = 30, 9
+    q, k, v = qkv(T + P, seed=6)
+    k[:, :, T:] *= 10
+    mask = torch.zeros(B, T + P, dtype=torch.bool)
+    mask[:, T:] = True
+    mech = hyper(block_size=4, sample_size=8, min_seq_len=8, lsh_bits=3)
+    padded = mech(q, k, v, key_padding_mask_BS=mask)
+    alone = mech(q[:, :, :T], k[:, :, :T], v[:, :, :T])
+    torch.testing.assert_close(padded[:, :, :T], alone, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 7])
+def test_gray_order_makes_neighbouring_buckets_differ_in_one_bit(bits):
+    codes = torch.arange(1 << bits)
+    order = torch.argsort(gray_rank(codes, bits))
+    flips = order[1:] ^ order[:-1]
+    assert torch.all((flips & (flips - 1)) == 0) and torch.all(flips > 0)  # exactly one bit set
+    assert torch.equal(torch.sort(gray_rank(codes, bits)).values, codes)  # a permutation of the buckets
+
+
+@pytest.mark.parametrize(
+    "knobs, field",
+    [({"lsh_bits": 0}, "lsh_bits"), ({"lsh_bits": MAX_LSH_BITS + 1}, "lsh_bits"), ({"block_size": 0}, "block_size"),
+     ({"sample_size": -1}, "sample_size"), ({"min_seq_len": 1}, "min_seq_len")],
+)
+def test_bad_knobs_fail_naming_the_field(knobs, field):
+    with pytest.raises(ValidationError, match=f"model.attention.{field}"):
+        ModelConfig(d_model=16, attention={"kind": "hyper", "heads": 2, **knobs})
+
+
+def test_dropout_is_refused_with_the_field_to_fix():
+    cfg = ModelConfig(d_model=16, layers=1, ffn=32, attention={"kind": "hyper", "heads": 2, "dropout": 0.1})
+    with pytest.raises(ValueError, match="model.attention.dropout"):
+        LanguageModel(cfg, 20, causal=False)
+
+
+def test_hyper_as_a_mechanism_of_mhe_projections_trains_a_step():
+    cfg = ModelConfig(
+        d_model=16, layers=1, ffn=32, max_seq_len=32,
+        attention={"kind": "mhe", "heads": 2, "mechanism": {"kind": "hyper", "block_size": 4, "sample_size": 4,
+                                                             "min_seq_len": 8, "lsh_bits": 2}},
+    )
+    model = LanguageModel(cfg, 20, causal=True)
+    tokens = torch.randint(0, 20, (2, 24))
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,147 @@
+"""Reformer LSH attention: agreement with exact shared-QK attention, padding, determinism, causality, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import ValidationError
+
+from models import ModelConfig
+from models.attention import build_attention
+from models.attention.config import LSHMechanismConfig
+from models.attention.lse import SELF_LOGIT
+from models.attention.lsh import LSHMechanism, default_n_buckets
+from models.attention.projections import MultiHeadProjection, SharedQKProjection
+
+B, H, E = 2, 2, 8
+
+
+def lsh(layer_index: int = 0, **knobs) -> LSHMechanism:
+    return LSHMechanism(LSHMechanismConfig(**knobs), E, layer_index).eval()
+
+
+def shared_qk_inputs(T: int, seed: int = 0, scale: float = 1.0, requires_grad: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    qk = (torch.randn(B, H, T, E, generator=gen) * scale).requires_grad_(requires_grad)
+    v = torch.randn(B, H, T, E, generator=gen).requires_grad_(requires_grad)
+    return qk, v
+
+
+def exact_shared_qk(q, v, causal=False):
+    """softmax over all keys with k = q / |q|, a token's own logit replaced by SELF_LOGIT (Reformer Sec. 2.2)."""
+    k = F.normalize(q, dim=-1)
+    T = q.shape[2]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = torch.where(torch.eye(T, dtype=torch.bool), torch.full_like(s, SELF_LOGIT), s)
+    if causal:
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("n_hashes", [1, 3])
+def test_one_chunk_equals_exact_shared_qk_attention_with_self_mask(causal, n_hashes):
+    """bucket_size >= seq_len: the whole (short) sequence is one chunk, whatever the buckets."""
+    T = 11
+    q, v = shared_qk_inputs(T)
+    out = lsh(bucket_size=16, n_hashes=n_hashes)(q, F.normalize(q, dim=-1), v, causal=causal)
+    torch.testing.assert_close(out, exact_shared_qk(q, v, causal), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n_buckets", [None, 6])
+def test_outputs_invariant_to_padding_appended_at_the_end(n_buckets):
+    T, P = 21, 6
+    q, v = shared_qk_inputs(T + P, seed=3)
+    q[:, :, T:] *= 10  # loud padding: any leak shows
+    mech = lsh(bucket_size=4, n_hashes=2, n_buckets=n_buckets)
+    mask = torch.zeros(B, T + P, dtype=torch.bool)
+    mask[:, T:] = True
+    padded = mech(q, F.normalize(q, dim=-1), v, key_padding_mask_BS=mask)
+    alone = mech(q[:, :, :T], F.normalize(q[:, :, :T], dim=-1), v[:, :, :T])
+    torch.testing.assert_close(padded[:, :, :T], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_deterministic_for_a_fixed_seed_and_different_across_seeds_and_layers():
+    T = 32
+    q, v = shared_qk_inputs(T, scale=3.0)
+    k = F.normalize(q, dim=-1)
+    a = lsh(bucket_size=4, n_hashes=2, seed=5)(q, k, v)
+    b = lsh(bucket_size=4, n_hashes=2, seed=5)(q, k, v)
+    assert torch.equal(a, b)
+    other_seed = lsh(bucket_size=4, n_hashes=2, seed=6).buckets(k, None)
+    other_layer = lsh(1, bucket_size=4, n_hashes=2, seed=5).buckets(k, None)
+    same = lsh(bucket_size=4, n_hashes=2, seed=5).buckets(k, None)
+    assert not torch.equal(same, other_seed) and not torch.equal(same, other_layer)
+
+
+def test_more_hashes_do_not_increase_the_error_against_exact_attention():
+    """Reformer Fig. 4 / Table 2: accuracy rises with n_hashes. Averaged over inputs and seeds."""
+    T, bucket = 64, 8
+    hashes = [1, 2, 4, 8]
+    errors = {h: 0.0 for h in hashes}
+    for trial in range(6):
+        q, v = shared_qk_inputs(T, seed=100 + trial, scale=4.0)  # peaked attention, as LSH assumes
+        exact = exact_shared_qk(q, v)
+        for h in hashes:
+            out = lsh(bucket_size=bucket, n_hashes=h, seed=trial)(q, F.normalize(q, dim=-1), v)
+            errors[h] += ((out - exact).norm() / exact.norm()).item()
+    for fewer, more in zip(hashes, hashes[1:]):
+        assert errors[more] <= errors[fewer], errors
+    assert errors[hashes[-1]] < 0.5 * errors[hashes[0]], errors
+
+
+def test_causal_output_has_exactly_zero_gradient_from_later_tokens():
+    T = 24
+    q, v = shared_qk_inputs(T, seed=7, requires_grad=True)
+    out = lsh(bucket_size=4, n_hashes=3)(q, F.normalize(q, dim=-1), v, causal=True)
+    for i in (0, 5, 13, 23):
+        gq, gv = torch.autograd.grad(out[:, :, i].sum(), (q, v), retain_graph=True)
+        assert torch.count_nonzero(gq[:, :, i + 1 :]) == 0 and torch.count_nonzero(gv[:, :, i + 1 :]) == 0
+        assert gv[:, :, : i + 1].abs().sum() > 0
+
+
+def test_first_causal_token_attends_to_itself():
+    """Nothing else is available to position 0 under the causal mask, so its output is its own value."""
+    q, v = shared_qk_inputs(10)
+    out = lsh(bucket_size=4, n_hashes=2)(q, F.normalize(q, dim=-1), v, causal=True)
+    torch.testing.assert_close(out[:, :, 0], v[:, :, 0])
+
+
+def test_default_n_buckets_is_even_and_about_two_per_chunk():
+    for T, bucket in [(64, 8), (100, 16), (3, 64), (1000, 7)]:
+        n = default_n_buckets(T, bucket)
+        assert n >= 2 and n % 2 == 0
+        assert abs(n - 2 * T / bucket) <= 2 or n == 2
+
+
+def test_lsh_kind_uses_shared_qk_for_self_and_mha_for_cross_attention():
+    cfg = ModelConfig(d_model=16, layers=1, ffn=32, attention={"kind": "lsh", "heads": 2, "bucket_size": 4}).attention
+    self_attn = build_attention(cfg, 0, nn.ModuleDict())
+    cross_attn = build_attention(cfg, 0, nn.ModuleDict(), cross=True)
+    assert isinstance(self_attn.projection, SharedQKProjection)
+    assert isinstance(cross_attn.projection, MultiHeadProjection)
+    d = cfg.d_model
+    assert self_attn.attention_parameters() == 3 * d * d  # W_qk, W_v, W_o
+    x, memory = torch.randn(2, 9, d), torch.randn(2, 5, d)
+    assert cross_attn(x, memory).shape == x.shape
+    with pytest.raises(ValueError, match="shares one projection"):
+        self_attn(x, memory)
+
+
+@pytest.mark.parametrize(
+    "knobs, field",
+    [({"bucket_size": 0}, "bucket_size"), ({"n_hashes": 0}, "n_hashes"), ({"n_buckets": 5}, "n_buckets"),
+     ({"n_buckets": 0}, "n_buckets")],
+)
+def test_bad_knobs_fail_naming_the_field(knobs, field):
+    with pytest.raises(ValidationError, match=f"model.attention.{field}"):
+        ModelConfig(d_model=16, attention={"kind": "lsh", "heads": 2, **knobs})
+
+
+def test_lsh_is_not_offered_as_a_mechanism_of_other_projection_schemes():
+    with pytest.raises(ValidationError, match="lsh"):
+        ModelConfig(d_model=16, attention={"kind": "mha", "heads": 2, "mechanism": {"kind": "lsh"}})
