@@ -80,12 +80,23 @@ class Domain:
         return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[self.kind](lo, hi)
 
 
+def _number(value: Any) -> Any:
+    """PyYAML reads `1e-4` (no dot) as a string; take it as the float it was meant to be."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _parse_domain(path: str, node: Mapping[str, Any]) -> Domain:
     (kind, args), = node.items()
     if not isinstance(args, list) or not args:
         raise SearchSpaceError(f"{path}: {{{kind}: ...}} needs a non-empty list, got {args!r}; e.g. {{{kind}: [1, 2]}}")
     if kind in ("grid", "choice"):
         return Domain(path, kind, tuple(args))
+    args = [_number(a) for a in args]
     if len(args) != 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
         raise SearchSpaceError(f"{path}: {{{kind}: [lo, hi]}} needs exactly two numbers, got {args!r}")
     lo, hi = args

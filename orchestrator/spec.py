@@ -30,7 +30,8 @@ class SpecError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # validate_default: the defaults of storage_path and tracking.uri are relative and must be made absolute too.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class OptimConfig(_Section):
@@ -215,6 +216,11 @@ class ExperimentSpec(_Section):
                 f"tune.metric={self.tune.metric!r} is not reported by task.kind={self.task.kind}; "
                 f"choose one of {list(metrics)}"
             )
+        if self.tune.metric is None or self.tune.mode is None:
+            # Resolve the task's defaults so that the stored spec and the MLflow params say what was compared.
+            tune = self.tune.model_copy(update={"metric": self.tune.metric or self.task.default_metric,
+                                                "mode": self.tune.mode or self.task.default_mode})
+            return self.model_copy(update={"tune": tune})
         return self
 
     @property
@@ -271,7 +277,7 @@ def _field_path(loc: Sequence[Any], raw: Any) -> str:
             continue  # discriminated-union tag, e.g. ('model', 'attention', 'linformer', 'k')
         parts.append(str(item))
         node = node.get(item) if isinstance(node, Mapping) else None
-    return ".".join(parts) or "(spec)"
+    return ".".join(parts)
 
 
 def _describe(err: ValidationError, raw: Mapping[str, Any]) -> str:
@@ -283,7 +289,7 @@ def _describe(err: ValidationError, raw: Mapping[str, Any]) -> str:
             msg = "unknown field; check its spelling and block against docs/orchestrator.md, or remove it"
         elif item["type"] == "missing":
             msg = "required field is missing; add it to the spec"
-        lines.append(f"  {path}: {msg}")
+        lines.append(f"  {path}: {msg}" if path else f"  {msg}")
     return "\n".join(lines)
 
 

@@ -152,6 +152,10 @@ class MlflowTracker:
                 return found
         return self.create_run(experiment_id, run_name, tags)
 
+    def run_status(self, run_id: str) -> str | None:
+        """RUNNING, FINISHED, FAILED or KILLED (None when the server cannot be asked)."""
+        return self._call("run lookup", lambda: self._client.get_run(run_id).info.status)
+
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.flush(run_id)
         self._call("run end", self._client.set_terminated, run_id, status=status)

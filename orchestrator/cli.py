@@ -1,0 +1,178 @@
+"""`orchestrator validate | train | sweep | resume | report | ui`.
+
+Every command that takes a SPEC also takes dotted overrides after it (`model.attention.k=64`); new knobs
+belong in the spec models, not in new flags (STYLE.md section 3). Specs are validated completely, every
+trial of a sweep included, before Ray is imported, so a typo costs seconds, not a cluster start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from orchestrator.spec import SpecError, Study, check_gpus, load_spec, load_study, local_gpu_count, spec_to_yaml
+from orchestrator.search_space import grid_points
+
+DEFAULT_STORAGE = "runs"
+DEFAULT_UI_PORT = 5000
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orchestrator", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_spec(name: str, help_text: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument("spec", help="YAML spec, e.g. configs/smoke.yaml")
+        cmd.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides of spec fields")
+        return cmd
+
+    with_spec("validate", "check a spec (every trial of a sweep) and print the resolved spec and trial grid")
+    with_spec("train", "train one run of a spec without search domains")
+    with_spec("sweep", "run a Ray Tune sweep over the spec's search domains")
+    resume = sub.add_parser("resume", help="continue a run or sweep from its latest checkpoints")
+    resume.add_argument("name", help="the spec's name (its folder under the storage path)")
+    resume.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
+    sub.add_parser("report", help="PRR / PEoP tables and plots from MLflow (see `orchestrator report -h`)",
+                   add_help=False)
+    ui = sub.add_parser("ui", help="start the MLflow UI on the spec's tracking store")
+    ui.add_argument("spec", nargs="?", help="spec whose tracking.uri to browse (default: sqlite:///mlflow.db)")
+    ui.add_argument("overrides", nargs="*", metavar="key.path=value")
+    ui.add_argument("--port", type=int, default=DEFAULT_UI_PORT)
+    return parser
+
+
+def _check_local_gpus(study: Study) -> None:
+    """Without a cluster to ask yet, the GPUs of this machine are what a run can get."""
+    if not os.environ.get("RAY_ADDRESS"):
+        check_gpus(study.base, local_gpu_count(), "this machine (no RAY_ADDRESS set)")
+
+
+def _describe_grid(study: Study) -> str:
+    spec = study.base
+    if not study.domains:
+        return "no search domains: a single run (orchestrator train)"
+    lines = []
+    points = grid_points(study.domains)
+    sampled = [d for d in study.domains if not d.is_grid]
+    per_sample = len(points) if spec.tune.search == "grid" else 1
+    total = per_sample * spec.tune.num_samples
+    lines.append(f"search: {spec.tune.search}, scheduler: {spec.tune.scheduler}, metric: {spec.metric} ({spec.mode}), "
+                 f"trials: {total}")
+    if spec.tune.search == "grid":
+        for i, point in enumerate(points):
+            values = ", ".join(f"{k}={v}" for k, v in point.items()) or "(no grid domains)"
+            lines.append(f"  grid {i}: {values}")
+    else:
+        lines.append("  grid domains are drawn like choice: " + ", ".join(d.path for d in study.domains if d.is_grid))
+    for d in sampled:
+        lines.append(f"  sampled per trial: {d.path} ~ {d.kind}{list(d.values)}")
+    return "\n".join(lines)
+
+
+def _where_to_look(tracking_uri: str, experiment: str, parent_run_id: str | None, spec_path: str | None) -> str:
+    parent = f" --parent-run {parent_run_id}" if parent_run_id else ""
+    spec_arg = f" {spec_path}" if spec_path else ""
+    return (f"MLflow: {tracking_uri} (experiment {experiment!r}); browse with `orchestrator ui{spec_arg}`\n"
+            f"report: orchestrator report --tracking-uri {tracking_uri} --experiment {experiment}{parent}")
+
+
+def _print_run(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str) -> None:
+    shown = {k: v for k, v in outcome.metrics.items() if "/" in k or k == "step"}
+    print(f"run {outcome.name} finished: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                      for k, v in shown.items()))
+    print(f"checkpoint: {outcome.checkpoint}")
+    print(f"MLflow run id: {outcome.mlflow_run_id}")
+    print(_where_to_look(tracking_uri, experiment, None, spec_path))
+
+
+def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str, metric: str) -> None:
+    print(f"sweep {outcome.name}: {len(outcome.trials)} trials, {outcome.errors} errored ({outcome.path})")
+    for trial in outcome.trials:
+        value = trial["metrics"].get(metric)
+        shown = f"{metric}={value:.4g}" if isinstance(value, float) else f"{metric}=-"
+        config = ", ".join(f"{k}={v}" for k, v in trial["config"].items())
+        status = "error" if trial["error"] else f"{trial['metrics'].get('training_iteration', 0)} evals"
+        print(f"  {trial['trial_id']}: {shown} ({status}) {config}")
+    if outcome.best:
+        print(f"best: {metric}={outcome.best['metrics'].get(metric)} with {outcome.best['config']}")
+    print(_where_to_look(tracking_uri, experiment, outcome.parent_run_id, spec_path))
+
+
+def _ui(args: argparse.Namespace) -> int:
+    from orchestrator.spec import TrackingSettings
+
+    uri = load_study(args.spec, args.overrides).base.tracking.uri if args.spec else TrackingSettings().uri
+    if uri.startswith(("http://", "https://")):
+        print(f"tracking server already serves the UI at {uri}")
+        print("on a cluster, forward it first: `ray attach cluster.yaml -p 5000` or "
+              "`ssh -L 5000:localhost:5000 <user>@<head-ip>`, then open http://localhost:5000")
+        return 0
+    print(f"MLflow UI on {uri}: http://127.0.0.1:{args.port}")
+    print(f"on a remote machine, forward the port: `ssh -L {args.port}:localhost:{args.port} <user>@<host>` "
+          f"(Ray cluster: `ray attach cluster.yaml -p {args.port}`), then open http://localhost:{args.port}")
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+           "--port", str(args.port)]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `orchestrator` console script and of `python -m orchestrator`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:
+        from orchestrator.report import report_cli
+
+        return report_cli(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "ui":
+            return _ui(args)
+        if args.command == "resume":
+            from orchestrator.launch import SweepOutcome, resume
+
+            outcome = resume(args.name, args.storage_path)
+            print(f"resumed {args.name}")
+            if isinstance(outcome, SweepOutcome):
+                print(f"sweep {outcome.name}: {len(outcome.trials)} trials, {outcome.errors} errored")
+            else:
+                print(f"run {outcome.name}: {outcome.metrics.get('step')} steps, MLflow run {outcome.mlflow_run_id}")
+            return 0 if not isinstance(outcome, SweepOutcome) or not outcome.errors else 1
+        if args.command == "train":
+            spec = load_spec(args.spec, args.overrides)
+            study = Study(raw={}, domains=[], base=spec)
+        else:
+            study = load_study(args.spec, args.overrides)
+        _check_local_gpus(study)
+        spec = study.base
+        if args.command == "validate":
+            print(spec_to_yaml(spec) if not study.domains else
+                  "# first trial of the sweep\n" + spec_to_yaml(spec))
+            print(_describe_grid(study))
+            return 0
+        # Ray is imported only from here on.
+        from orchestrator.launch import run_sweep, run_training
+
+        if args.command == "train":
+            outcome = run_training(spec)
+            _print_run(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment or spec.name)
+            return 0
+        outcome = run_sweep(study)
+        _print_sweep(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment or spec.name, spec.metric)
+        return 1 if outcome.errors else 0
+    except SpecError as err:
+        print(f"orchestrator: invalid spec: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # LaunchError and Ray's TrainingFailedError / TuneError
+        print(f"orchestrator: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""Launching: a TorchTrainer for one run, a Tuner of driver trials for a sweep, and resume of both.
+
+Ray Train V2 (default since Ray 2.51, pinned on here) refuses `Tuner(trainer)`: a sweep trial is a
+*driver function* that builds and fits its own TorchTrainer and forwards rank 0's reports to Tune with
+`TuneReportCallback` (Ray doc_code/train_tune_interop.py). Names come from the spec and trial ids,
+never timestamps, so re-running with the same (storage_path, name) resumes instead of starting over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs
+import ray
+
+from orchestrator.spec import ExperimentSpec, SpecError, Study, check_gpus, study_from_raw, validate_spec
+from orchestrator.search_space import resolve, to_param_space
+from orchestrator.tracking import COMMIT_TAG, KIND_TAG, PARENT_TAG, ROLE_TAG, TRIAL_TAG, MlflowTracker, flatten, git_commit
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+META_FILE = "orchestrator.json"
+"""Written next to a run's or sweep's Ray files: what `orchestrator resume NAME` needs (spec, MLflow ids)."""
+TRIALS_DIR = "trials"
+"""Sub-folder of a sweep holding the Train run of each trial."""
+
+
+class LaunchError(RuntimeError):
+    """A run or sweep cannot be started or resumed; the message says why and what to do."""
+
+
+# --- Ray ---------------------------------------------------------------------------------------------
+
+
+def ray_runtime_env() -> dict[str, Any]:
+    """Environment of every Ray worker: Train V2 on, trial drivers stay in the launcher's cwd (relative data
+    paths keep working), and this checkout importable even when it is not pip-installed."""
+    pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"env_vars": {"RAY_TRAIN_V2_ENABLED": "1", "RAY_CHDIR_TO_TRIAL_DIR": "0", "PYTHONPATH": pythonpath}}
+
+
+def connect() -> None:
+    """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), else start a local one."""
+    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # read when ray.train is first imported
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, runtime_env=ray_runtime_env())
+
+
+def _check_cluster(spec: ExperimentSpec) -> dict[str, float]:
+    resources = ray.cluster_resources()
+    check_gpus(spec, resources.get("GPU", 0.0), "the connected Ray cluster")
+    need_cpu = spec.run.workers * spec.run.cpus_per_worker
+    if need_cpu > resources.get("CPU", 0.0):
+        raise SpecError(
+            f"run.workers={spec.run.workers} x run.cpus_per_worker={spec.run.cpus_per_worker:g} asks for "
+            f"{need_cpu:g} CPUs but the Ray cluster has {resources.get('CPU', 0.0):g}; lower one of them"
+        )
+    return resources
+
+
+def max_concurrent_trials(spec: ExperimentSpec, resources: Mapping[str, float]) -> int:
+    """Trials that fit at once: total GPUs / GPUs per trial; on CPU, CPUs / (workers x cpus + 1 driver CPU)."""
+    if spec.tune.max_concurrent is not None:
+        return spec.tune.max_concurrent
+    if spec.run.gpus_per_run > 0:
+        return max(1, int(resources.get("GPU", 0.0) // spec.run.gpus_per_run))
+    per_trial = spec.run.workers * spec.run.cpus_per_worker + 1
+    return max(1, int(resources.get("CPU", 1.0) // per_trial))
+
+
+# --- storage metadata ---------------------------------------------------------------------------------
+
+
+def _join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def _fs(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
+    return pyarrow.fs.FileSystem.from_uri(uri)
+
+
+def read_meta(storage_path: str, name: str) -> dict[str, Any] | None:
+    fs, path = _fs(_join(storage_path, name, META_FILE))
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        return json.loads(f.read().decode())
+
+
+def write_meta(storage_path: str, name: str, meta: Mapping[str, Any]) -> None:
+    fs, path = _fs(_join(storage_path, name, META_FILE))
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path) as f:
+        f.write(json.dumps(meta, indent=2).encode())
+
+
+def _cache_dir(spec: ExperimentSpec) -> str:
+    """Tokenizers and prepared data: next to the runs when storage is local, else in the user's cache."""
+    if "://" not in spec.run.storage_path:
+        return str(Path(spec.run.storage_path) / ".cache")
+    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attention-orchestrator")
+
+
+def _tracker(spec: ExperimentSpec) -> MlflowTracker:
+    return MlflowTracker(spec.tracking.uri, retries=spec.tracking.retries, timeout_s=spec.tracking.timeout_s)
+
+
+# --- one run -------------------------------------------------------------------------------------------
+
+
+def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, loop_config: dict[str, Any],
+                  callbacks: list | None = None):
+    """The TorchTrainer of one run (DDP over `run.workers` ranks, checkpoints kept per `run.keep_checkpoints`)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from orchestrator.worker import train_loop_per_worker
+
+    resources = {"CPU": spec.run.cpus_per_worker}
+    if spec.run.gpus_per_worker:
+        resources["GPU"] = spec.run.gpus_per_worker
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=spec.run.workers, use_gpu=spec.run.gpus_per_worker > 0,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=storage_path,
+            failure_config=FailureConfig(max_failures=spec.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=spec.run.keep_checkpoints),
+            callbacks=callbacks or [],
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    name: str
+    path: str
+    """Storage folder of the Train run (checkpoints, Ray's state)."""
+    metrics: dict[str, Any]
+    """The last report of rank 0."""
+    checkpoint: str | None
+    mlflow_run_id: str | None
+
+
+def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: int | None = None) -> RunOutcome:
+    """Train one run under Ray Train. `resume=True` continues the run of the same name from its latest
+    checkpoint (same RunConfig(name, storage_path), same MLflow run). `fail_at_step` raises inside the
+    worker after that step's report: a fault-injection hook for testing resume."""
+    from ray.train import TrainingFailedError
+
+    storage = spec.run.storage_path
+    meta = read_meta(storage, spec.name)
+    if meta is not None and not resume:
+        raise LaunchError(
+            f"a {meta.get('kind', 'run')} named {spec.name!r} already exists in {storage}; continue it with "
+            f"`orchestrator resume {spec.name} --storage-path {storage}`, or give this one another name (name=...)"
+        )
+    if meta is None and resume:
+        raise LaunchError(f"no run named {spec.name!r} in {storage}; start it with `orchestrator train`")
+    connect()
+    _check_cluster(spec)
+    commit = (meta or {}).get("commit") or git_commit()
+    tags = {ROLE_TAG: "run", KIND_TAG: spec.model.attention.kind, COMMIT_TAG: commit}
+    run_id = (meta or {}).get("mlflow_run_id") or _tracker(spec).open_run(
+        spec.tracking.experiment or spec.name, spec.name, tags)
+    write_meta(storage, spec.name, {"kind": "run", "name": spec.name, "spec": spec.model_dump(mode="json"),
+                                    "mlflow_run_id": run_id, "commit": commit})
+    loop_config = {"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id, "run_name": spec.name,
+                   "commit": commit, "tags": tags, "cache_dir": _cache_dir(spec), "fail_at_step": fail_at_step}
+    trainer = build_trainer(spec, run_name=spec.name, storage_path=storage, loop_config=loop_config)
+    try:
+        result = trainer.fit()
+    except TrainingFailedError as err:
+        raise LaunchError(
+            f"run {spec.name!r} failed after {spec.run.max_failures} restart(s): {err}\n"
+            f"continue it from its last checkpoint with `orchestrator resume {spec.name} --storage-path {storage}`"
+        ) from err
+    return RunOutcome(name=spec.name, path=result.path, metrics=dict(result.metrics or {}),
+                      checkpoint=result.checkpoint.path if result.checkpoint else None, mlflow_run_id=run_id)
+
+
+# --- sweeps --------------------------------------------------------------------------------------------
+
+
+def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_run_id: str | None,
+                  commit: str) -> None:
+    """One Tune trial: resolve its spec, open its child MLflow run, build and fit its TorchTrainer."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    trial_id = tune.get_context().get_trial_id()
+    spec = validate_spec(resolve(study_raw, config), where=f"trial {trial_id}")
+    tags = {TRIAL_TAG: trial_id, KIND_TAG: spec.model.attention.kind, COMMIT_TAG: commit, ROLE_TAG: "trial"}
+    if parent_run_id:
+        tags[PARENT_TAG] = parent_run_id
+    run_name = f"{spec.name}-{trial_id}"
+    # Found by trial id first: a retried or restored trial keeps its child run.
+    run_id = _tracker(spec).open_run(spec.tracking.experiment or spec.name, run_name, tags, find_by=(TRIAL_TAG, trial_id))
+    loop_config = {"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id, "run_name": run_name,
+                   "trial_id": trial_id, "commit": commit, "tags": tags, "cache_dir": _cache_dir(spec)}
+    trainer = build_trainer(spec, run_name=f"train-{trial_id}",
+                            storage_path=_join(spec.run.storage_path, spec.name, TRIALS_DIR),
+                            loop_config=loop_config, callbacks=[TuneReportCallback()])
+    trainer.fit()
+
+
+def _report_steps(spec: ExperimentSpec) -> int:
+    steps = range(1, spec.optim.max_steps + 1)
+    run = spec.run
+    return sum(1 for s in steps if s % run.eval_every == 0 or s % run.checkpoint_every == 0 or s == spec.optim.max_steps)
+
+
+def _tune_config(study: Study, resources: Mapping[str, float]):
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    spec = study.base
+    settings = spec.tune
+    if settings.scheduler == "asha":
+        # One ASHA time unit = one report = one evaluation; max_t is the last one.
+        scheduler = ASHAScheduler(time_attr="training_iteration", max_t=_report_steps(spec),
+                                  grace_period=settings.grace_period, reduction_factor=settings.reduction_factor)
+    else:
+        scheduler = FIFOScheduler()
+    search_alg = None
+    if settings.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        search_alg = OptunaSearch(seed=spec.optim.seed)
+    return tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler, search_alg=search_alg,
+                           num_samples=settings.num_samples,
+                           max_concurrent_trials=max_concurrent_trials(spec, resources))
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    name: str
+    path: str
+    parent_run_id: str | None
+    trials: list[dict[str, Any]]
+    """Per trial: id, config, status, last metrics."""
+    best: dict[str, Any] | None
+    errors: int
+
+
+def _trainable(study: Study, parent_run_id: str | None, commit: str):
+    from ray import tune
+
+    driver = tune.with_parameters(_trial_driver, study_raw=study.raw, parent_run_id=parent_run_id, commit=commit)
+    # The driver only waits on its Train run; its 1 CPU is the "+1" of max_concurrent_trials.
+    return tune.with_resources(driver, {"CPU": 1})
+
+
+def run_sweep(study: Study, *, resume: bool = False) -> SweepOutcome:
+    """A Tune sweep: one driver trial per configuration, a parent MLflow run with a child per trial.
+    `resume=True` restores the Tuner (unfinished trials resume, errored ones restart from their checkpoints)."""
+    from ray import tune
+
+    spec = study.base
+    storage = spec.run.storage_path
+    meta = read_meta(storage, spec.name)
+    if meta is not None and not resume:
+        raise LaunchError(
+            f"a {meta.get('kind', 'run')} named {spec.name!r} already exists in {storage}; continue it with "
+            f"`orchestrator resume {spec.name} --storage-path {storage}`, or give this one another name (name=...)"
+        )
+    connect()
+    resources = _check_cluster(spec)
+    commit = (meta or {}).get("commit") or git_commit()
+    tracker = _tracker(spec)
+    parent_run_id = (meta or {}).get("parent_run_id")
+    if parent_run_id:
+        tracker.open_run(spec.tracking.experiment or spec.name, spec.name, {}, run_id=parent_run_id)
+    else:
+        parent_run_id = tracker.open_run(spec.tracking.experiment or spec.name, spec.name,
+                                         {ROLE_TAG: "sweep", COMMIT_TAG: commit})
+        if parent_run_id:
+            sweep_params = {f"tune.{k}": v for k, v in flatten(spec.tune.model_dump(mode="json")).items()}
+            sweep_params.update({"sweep.domains": ", ".join(d.path for d in study.domains) or "(none)"})
+            tracker.log_params(parent_run_id, sweep_params)
+    write_meta(storage, spec.name, {"kind": "sweep", "name": spec.name, "raw": study.raw,
+                                    "parent_run_id": parent_run_id, "commit": commit})
+
+    trainable = _trainable(study, parent_run_id, commit)
+    sweep_path = _join(storage, spec.name)
+    if resume and tune.Tuner.can_restore(sweep_path):
+        tuner = tune.Tuner.restore(sweep_path, trainable, resume_unfinished=True, restart_errored=True)
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=to_param_space(study.domains, spec.tune.search),
+            tune_config=_tune_config(study, resources),
+            run_config=tune.RunConfig(name=spec.name, storage_path=storage,
+                                      failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures)),
+        )
+    grid = tuner.fit()
+    trials = []
+    for result in grid:
+        metrics = dict(result.metrics or {})
+        trial_id = metrics.get("trial_id") or Path(result.path).name
+        trials.append({"trial_id": trial_id, "config": {k: v for k, v in (result.config or {}).items()},
+                       "error": repr(result.error) if result.error else None,
+                       "metrics": {k: v for k, v in metrics.items() if "/" in k or k in ("step", "training_iteration")}})
+    _close_children(tracker, spec, trials)
+    if parent_run_id:
+        tracker.end_run(parent_run_id, "FAILED" if grid.num_errors else "FINISHED")
+    best = None
+    try:
+        best_result = grid.get_best_result(metric=spec.metric, mode=spec.mode, scope="all")
+        best = {"config": best_result.config, "metrics": dict(best_result.metrics or {})}
+    except RuntimeError:
+        best = None  # no trial reported the metric
+    return SweepOutcome(name=spec.name, path=grid.experiment_path, parent_run_id=parent_run_id, trials=trials,
+                        best=best, errors=grid.num_errors)
+
+
+def _close_children(tracker: MlflowTracker, spec: ExperimentSpec, trials: list[dict[str, Any]]) -> None:
+    """Trials ASHA stopped were killed mid-run: mark their still-RUNNING child runs KILLED."""
+    experiment_id = tracker.experiment_id(spec.tracking.experiment or spec.name)
+    if experiment_id is None:
+        return
+    for trial in trials:
+        run_id = tracker.find_run(experiment_id, TRIAL_TAG, str(trial["trial_id"]))
+        if run_id is None:
+            continue
+        trial["mlflow_run_id"] = run_id
+        if tracker.run_status(run_id) == "RUNNING":
+            tracker.end_run(run_id, "FAILED" if trial["error"] else "KILLED")
+
+
+# --- resume --------------------------------------------------------------------------------------------
+
+
+def resume(name: str, storage_path: str) -> RunOutcome | SweepOutcome:
+    """Continue the run or sweep `name` stored under `storage_path`, from what it stored there."""
+    storage = storage_path if "://" in storage_path else str(Path(storage_path).expanduser().resolve())
+    meta = read_meta(storage, name)
+    if meta is None:
+        raise LaunchError(f"nothing named {name!r} in {storage} (no {META_FILE}); check the name and --storage-path")
+    if meta["kind"] == "run":
+        return run_training(validate_spec(meta["spec"], where=f"stored spec of {name}"), resume=True)
+    return run_sweep(study_from_raw(meta["raw"]), resume=True)

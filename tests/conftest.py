@@ -1,0 +1,23 @@
+"""Shared fixtures. `ray_cluster` starts ONE local Ray for the whole session, and only when a test asks
+for it: tests that never request it (spec, search space, cluster YAML) run without Ray."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A 2-CPU, 0-GPU local Ray cluster (explicit counts keep tests machine-independent)."""
+    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
+    import ray
+
+    from orchestrator.launch import ray_runtime_env
+
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, runtime_env=ray_runtime_env())
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

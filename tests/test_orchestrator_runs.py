@@ -1,0 +1,129 @@
+"""End-to-end runs on the session's local Ray: a sweep's MLflow layout, resume after a failure, a 2-worker
+DDP run and a dead tracking server. Tiny MLM models on the built-in corpus; one trial at a time."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from orchestrator.launch import LaunchError, resume, run_sweep, run_training
+from orchestrator.spec import study_from_raw, validate_spec
+from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, TrackingWarning
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> dict[str, str]:
+    """One storage folder and one SQLite store for the module: the tokenizer cache and the store's schema
+    migration are paid once."""
+    root = tmp_path_factory.mktemp("orchestrator")
+    return {"storage": str(root / "runs"), "uri": f"sqlite:///{root / 'mlflow.db'}"}
+
+
+def tiny_spec(name: str, workspace: dict[str, str], **sections) -> dict:
+    raw = {
+        "name": name,
+        "task": {"kind": "mlm", "seq_len": 16, "batch_size": 4, "vocab_size": 120, "eval_batches": 2,
+                 "builtin": {"train_sentences": 300, "eval_sentences": 30}},
+        "model": {"d_model": 16, "layers": 1, "ffn": 32, "max_seq_len": 16, "dropout": 0.1,
+                  "attention": {"kind": "mha", "heads": 2}},
+        "optim": {"lr": 3e-3, "max_steps": 4, "warmup_steps": 1, "seed": 7},
+        "run": {"checkpoint_every": 2, "eval_every": 2, "log_every": 1, "storage_path": workspace["storage"],
+                "cpus_per_worker": 1},
+        "tracking": {"uri": workspace["uri"], "retries": 2, "timeout_s": 2},
+    }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+    return raw
+
+
+def loss_curve(client: MlflowClient, run_id: str) -> dict[int, float]:
+    """train/loss by step; a step logged twice (re-run after a resume) keeps its latest value."""
+    history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: (m.step, m.timestamp))
+    return {m.step: m.value for m in history}
+
+
+def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
+    raw = tiny_spec("sweep2", workspace,
+                    model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "mhe", "heads": 2, "mode": "mul"}]}},
+                    tune={"scheduler": "fifo"})
+    outcome = run_sweep(study_from_raw(raw))
+    assert outcome.errors == 0 and len(outcome.trials) == 2
+
+    client = MlflowClient(workspace["uri"])
+    experiment = client.get_experiment_by_name("sweep2")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if PARENT_TAG not in r.data.tags]
+    children = [r for r in runs if r.data.tags.get(PARENT_TAG) == outcome.parent_run_id]
+    assert [p.info.run_id for p in parents] == [outcome.parent_run_id]
+    assert len(children) == 2
+    assert {c.data.params["model.attention.kind"] for c in children} == {"mha", "mhe"}
+    assert len({c.data.tags[TRIAL_TAG] for c in children}) == 2
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert int(child.data.params["params.attention"]) > 0
+        assert int(child.data.params["params.total"]) > int(child.data.params["params.attention"])
+        assert child.data.params["tune.metric"] == "val/ppl"
+        assert {"train/loss", "val/loss", "val/ppl", "lr", "train/tokens_per_s"} <= set(child.data.metrics)
+        assert sorted(loss_curve(client, child.info.run_id)) == [1, 2, 3, 4]
+    # A second sweep of the same name must not silently mix into this one.
+    with pytest.raises(LaunchError, match="orchestrator resume sweep2"):
+        run_sweep(study_from_raw(raw))
+
+
+def test_resume_continues_run_id_and_loss_curve(ray_cluster, workspace):
+    optim = {"max_steps": 6}
+    run = {"checkpoint_every": 2}
+    reference = run_training(validate_spec(tiny_spec("uninterrupted", workspace, optim=optim, run=run)))
+    assert reference.metrics["step"] == 6
+
+    spec = validate_spec(tiny_spec("interrupted", workspace, optim=optim, run=run))
+    with pytest.raises(LaunchError, match="orchestrator resume interrupted"):
+        run_training(spec, fail_at_step=3)  # dies after step 3; its last checkpoint is step 2
+    client = MlflowClient(workspace["uri"])
+    first = client.search_runs([client.get_experiment_by_name("interrupted").experiment_id])
+    assert len(first) == 1
+    run_id = first[0].info.run_id
+    assert max(loss_curve(client, run_id)) == 3
+
+    resumed = resume("interrupted", workspace["storage"])  # what `orchestrator resume` calls
+    assert resumed.mlflow_run_id == run_id and resumed.metrics["step"] == 6
+    runs = client.search_runs([client.get_experiment_by_name("interrupted").experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
+    # Steps 3..6 after resuming from step 2 reproduce the uninterrupted run exactly (same seed, CPU).
+    assert loss_curve(client, run_id) == loss_curve(client, reference.mlflow_run_id)
+
+
+def test_two_worker_ddp_run_trains(ray_cluster, workspace):
+    raw = tiny_spec("ddp", workspace, run={"workers": 2, "cpus_per_worker": 0.5, "checkpoint_every": 4})
+    outcome = run_training(validate_spec(raw))
+    assert outcome.metrics["step"] == 4
+    assert outcome.checkpoint is not None and Path(outcome.checkpoint, "state.pt").is_file()
+    client = MlflowClient(workspace["uri"])
+    curve = loss_curve(client, outcome.mlflow_run_id)
+    assert sorted(curve) == [1, 2, 3, 4] and all(v > 0 for v in curve.values())
+
+
+def test_unreachable_tracking_server_does_not_stop_training(ray_cluster, workspace, unused_port):
+    raw = tiny_spec("no-server", workspace, tracking={"uri": f"http://127.0.0.1:{unused_port}", "retries": 2,
+                                                        "timeout_s": 1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome = run_training(validate_spec(raw))
+    assert outcome.metrics["step"] == 4 and outcome.metrics["val/ppl"] > 0
+    assert outcome.mlflow_run_id is None
+    assert any(issubclass(w.category, TrackingWarning) and str(unused_port) in str(w.message) for w in caught)
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A local TCP port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
