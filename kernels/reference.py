@@ -6,7 +6,8 @@ Better Parallelism and Work Partitioning", arXiv 2307.08691). Gradients of both 
 so these functions are an independent check of the hand-written Triton backward passes.
 
 Softmax runs in fp32 for fp16/bf16/fp32 inputs (fp16 logits overflow) and in fp64 for fp64 inputs; ``out``
-is cast back to the input dtype and ``lse`` stays in the softmax dtype. A query row whose keys are all masked returns zeros and ``lse = -inf``, never NaN.
+is cast back to the input dtype and ``lse`` stays in the softmax dtype. A query row whose keys are all
+masked returns zeros and ``lse = -inf``, never NaN.
 """
 
 from __future__ import annotations
