@@ -87,15 +87,17 @@ def build_report(
     """Build the comparison report of `experiment` (or of the sweep `parent_run_id`) into `out_dir`.
 
     `metric` defaults to the spec's `tune.metric` param; `mode` defaults to the spec's `tune.mode`
-    for that metric, else it is inferred from the metric name. `reference` / `lower_reference` name the methods PRR / PEoP are measured
-    against, by kind ("mha") or by full label ("mha heads=12"); `lower_reference=None` (or "none")
-    skips PEoP.
+    for that metric, else it is inferred from the metric name. `reference` / `lower_reference` name
+    the methods PRR / PEoP are measured against, by kind ("mha") or by full label ("mha heads=12");
+    `lower_reference=None` (or "none") skips PEoP.
+
     Raises ReportError with a fix when the runs cannot be compared. Problems that still leave a
     useful table (no lower reference, skipped runs) are returned in `Report.warnings` and written
     into report.md rather than logged, so the caller decides how to show them.
     """
     if lower_reference is not None and lower_reference.strip().lower() in ("", "none"):
         lower_reference = None
+    _check_store_exists(tracking_uri)
     client = MlflowClient(tracking_uri=tracking_uri)
     experiment_id = _experiment_id(client, experiment)
     all_runs = _search_runs(client, experiment_id)
@@ -145,6 +147,18 @@ def build_report(
         mlflow_run_id=mlflow_run_id,
         warnings=warnings,
     )
+
+
+def _check_store_exists(tracking_uri: str) -> None:
+    """Refuse a SQLite path that does not exist: MLflow would create an empty store there instead."""
+    prefix = "sqlite:///"
+    if tracking_uri.startswith(prefix) and tracking_uri != prefix + ":memory:":
+        path = Path(tracking_uri[len(prefix) :])
+        if not path.exists():
+            raise ReportError(
+                f"no MLflow database at {path.resolve()}; pass --tracking-uri pointing at the store the "
+                "runs were logged to (the spec's tracking.uri)"
+            )
 
 
 def _experiment_id(client: MlflowClient, name: str) -> str:
@@ -365,7 +379,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--metric", help="compared metric (default: the spec's tune.metric, else val/bleu|val/ppl|val/loss)"
     )
-    parser.add_argument("--mode", choices=("min", "max"), help="metric direction (default: from the name)")
+    parser.add_argument(
+        "--mode", choices=("min", "max"), help="metric direction (default: tune.mode, else from the name)"
+    )
     parser.add_argument("--reference", default="mha", help="PRR reference method: kind or full label")
     parser.add_argument(
         "--lower-reference",

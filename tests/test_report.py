@@ -201,7 +201,8 @@ def test_diverged_seed_is_reported_not_hidden():
         runs = tuple(RunRecord(f"{label}{i}", {}, {"val/ppl": score}) for i, score in enumerate(scores))
         return MethodGroup(label=label, kind=label, knobs={}, runs=runs)
 
-    summary = summarize([group("mha", 40.0, 42.0), group("lsh", 50.0, math.inf)], "val/ppl", "min", "mha", None)
+    groups = [group("mha", 40.0, 42.0), group("lsh", 50.0, math.inf)]
+    summary = summarize(groups, "val/ppl", "min", "mha", None)
     lsh = next(row for row in summary.rows if row.label == "lsh")
     assert not math.isfinite(lsh.score_mean) and not math.isfinite(lsh.prr)
     assert summary.warnings == ["lsh: 1 run(s) ended with a non-finite val/ppl (diverged?)"]
@@ -306,6 +307,12 @@ def test_missing_lower_reference_blanks_peop_with_warning(store, tmp_path):
 def test_unknown_experiment_lists_existing_ones(store, tmp_path):
     with pytest.raises(ReportError, match="'nope' does not exist.*'squad'.*'wikitext'"):
         build_report(store["uri"], "nope", out_dir=tmp_path)
+
+
+def test_missing_sqlite_store_is_not_created(tmp_path):
+    with pytest.raises(ReportError, match="no MLflow database at .*--tracking-uri"):
+        build_report(f"sqlite:///{tmp_path}/typo.db", "squad", out_dir=tmp_path / "out")
+    assert not (tmp_path / "typo.db").exists()
 
 
 def test_unknown_metric_lists_logged_metrics(store, tmp_path):
