@@ -44,6 +44,8 @@ class ModelConfig(BaseModel):
     """Token embedding: {kind: standard}."""
     tie_output: bool = True
     """Share the token embedding with the output projection (MLM, causal LM and translation heads)."""
+    reversible: bool = False
+    """Run encoder / decoder-only stacks as reversible RevNet blocks (Reformer): activation memory flat in depth."""
 
     @model_validator(mode="before")
     @classmethod

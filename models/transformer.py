@@ -3,6 +3,10 @@
 Read top to bottom: a layer is x + Attention(LN(x)) then x + FFN(LN(x)) (pre-LN, Xiong et al., 2020),
 the attention of each layer comes from `build_attention`, and every head is tied to the token embedding
 unless `model.tie_output` is false. Masks follow the attention contract: bool, True = padding.
+
+With `model.reversible` the same layers run as RevNet blocks (models/reversible.py, as in Reformer): the input
+is duplicated into two streams, y1 = x1 + Attention(LN(x2)), y2 = x2 + FFN(LN(y1)), and the final LayerNorm
+sees the mean of the two streams. The parameters (and their names) are those of the ordinary stack.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch.nn.functional as F
 from models.attention import build_attention
 from models.config import ModelConfig
 from models.embeddings import build_positions, build_token_embedding
+from models.reversible import reversible_stack
 
 
 class FeedForward(nn.Module):
@@ -48,15 +53,21 @@ class TransformerLayer(nn.Module):
         self.ffn = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
+    def attention_branch(self, x_BTD: torch.Tensor, key_padding_mask_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """The self-attention residual branch (F of a reversible block)."""
+        return self.dropout(self.attn(self.ln_attn(x_BTD), key_padding_mask_BS=key_padding_mask_BT, causal=self.causal))
+
+    def feed_forward_branch(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The feed-forward residual branch (G of a reversible block)."""
+        return self.ffn(self.ln_ffn(x_BTD))
+
     def forward(self, x_BTD, key_padding_mask_BT=None, memory_BSD=None, memory_padding_mask_BS=None):
-        x_BTD = x_BTD + self.dropout(
-            self.attn(self.ln_attn(x_BTD), key_padding_mask_BS=key_padding_mask_BT, causal=self.causal)
-        )
+        x_BTD = x_BTD + self.attention_branch(x_BTD, key_padding_mask_BT)
         if self.cross is not None:
             x_BTD = x_BTD + self.dropout(
                 self.cross(self.ln_cross(x_BTD), memory_BSD, key_padding_mask_BS=memory_padding_mask_BS)
             )
-        return x_BTD + self.ffn(self.ln_ffn(x_BTD))
+        return x_BTD + self.feed_forward_branch(x_BTD)
 
     def attention_parameters(self) -> int:
         return self.attn.attention_parameters() + (self.cross.attention_parameters() if self.cross else 0)
@@ -67,12 +78,25 @@ class TransformerStack(nn.Module):
 
     def __init__(self, cfg: ModelConfig, n_layers: int, shared_state: nn.ModuleDict, *, causal: bool, cross: bool):
         super().__init__()
+        if cfg.reversible and cross:
+            raise ValueError(
+                "model.reversible=true is not supported for a translation decoder: its cross-attention is a third "
+                "residual branch that the two-stream RevNet block has no place for. Set model.reversible=false "
+                "for translation, or use it with masked or causal LM"
+            )
+        self.reversible = cfg.reversible
         self.layers = nn.ModuleList(
             TransformerLayer(cfg, i, shared_state, causal=causal, cross=cross) for i in range(n_layers)
         )
+        # Held, not registered (the model owns it): a reversible backward must return its gradients too.
+        object.__setattr__(self, "_shared_state", shared_state)
         self.ln_final = nn.LayerNorm(cfg.d_model)
 
     def forward(self, x_BTD, key_padding_mask_BT=None, memory_BSD=None, memory_padding_mask_BS=None):
+        if self.reversible:
+            params = list(self.layers.parameters()) + list(self._shared_state.parameters())
+            y1_BTD, y2_BTD = reversible_stack(list(self.layers), x_BTD, x_BTD, params, key_padding_mask_BT)
+            return self.ln_final((y1_BTD + y2_BTD) / 2)
         for layer in self.layers:
             x_BTD = layer(x_BTD, key_padding_mask_BT, memory_BSD, memory_padding_mask_BS)
         return self.ln_final(x_BTD)
