@@ -1,0 +1,267 @@
+"""Attention time and peak memory against sequence length, for every kind in the registry.
+
+One attention layer (batch 1, d_model 512, 8 heads by default) runs forward-only under `no_grad` (the
+inference setting of the Linformer paper's Table 3, Wang et al., 2020, arXiv 2006.04768, section 5) and
+forward + backward (a training step's attention cost) at n = 512 ... 16k on a CPU, up to 64k on a GPU.
+Each variant's time and memory are divided into `mha`'s at the same n in the same run: `fwd_speedup_vs_mha`
+is the paper's "time saved", `fwd_mem_ratio_vs_mha` our counterpart of its "memory saved" (the paper
+measures the largest batch that fits in 16 GB instead; see benchmarks/RESULTS.md).
+
+    python -m benchmarks.attention_scaling --out benchmarks/results            # full
+    python -m benchmarks.attention_scaling --quick --out benchmarks/results    # < 1 minute
+
+A variant that fails (not implemented, out of memory) is recorded with its error; one whose single call
+exceeds `--call-budget-s` is recorded as over_budget and its larger n as skipped, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.harness import (
+    Measurement, Row, add_ratios, describe_error, measure, plot_loglog, results_dir, write_csv,
+)
+from models import ModelConfig
+from models.attention import ATTENTION_KINDS, build_attention
+
+BASELINE = "mha"
+MATH_BASELINE = "mha-math"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One attention configuration: `label` names it in the CSV and the plot legend."""
+
+    label: str
+    kind: str
+    knobs: dict = field(default_factory=dict)
+    math_sdpa: bool = False
+    """Force SDPA's math backend, which materialises the n x n scores like the 2017 Transformer the
+    Linformer paper measured against; by default torch picks a fused (flash) kernel with O(n) memory."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    lengths: tuple[int, ...]
+    d_model: int = 512
+    heads: int = 8
+    batch: int = 1
+    linformer_k: tuple[int, ...] = (128, 256)
+    lsh_bucket: int = 64
+    lsh_hashes: tuple[int, ...] = (1, 4, 8)
+    warmup: int = 1
+    repeats: int = 5
+    call_budget_s: float = 120.0
+    """A single call slower than this ends the variant (over_budget) for this and larger n."""
+    timing_budget_s: float = 30.0
+    """Timed repeats are cut to take about this long per case (at least one)."""
+    max_materialised_gb: float = 6.0
+    """math-SDPA calls whose estimated n x n buffers exceed this are skipped (the machine is shared)."""
+    dtype: torch.dtype = torch.float32
+    kinds: tuple[str, ...] = ATTENTION_KINDS
+
+
+def variants(settings: Settings) -> list[Variant]:
+    """Every kind of the registry; Linformer at each k x sharing mode, LSH at each hash count, others at defaults."""
+    out: list[Variant] = []
+    for kind in settings.kinds:
+        if kind == "linformer":
+            for k in settings.linformer_k:
+                for sharing in ("none", "headwise", "kv", "layerwise"):
+                    out.append(Variant(f"linformer k={k} {sharing}", kind, {"k": k, "sharing": sharing}))
+        elif kind == "lsh":
+            for hashes in settings.lsh_hashes:
+                knobs = {"bucket_size": settings.lsh_bucket, "n_hashes": hashes}
+                out.append(Variant(f"lsh b={settings.lsh_bucket} h={hashes}", kind, knobs))
+        else:
+            out.append(Variant(kind, kind))
+        if kind == BASELINE:
+            out.append(Variant(MATH_BASELINE, kind, math_sdpa=True))
+    return out
+
+
+# Live n x n float buffers of math SDPA, in score matrices: scores and probabilities forward; their
+# gradients on top in backward (measured on CPU: about 2.3 forward, 4.5 forward + backward).
+_MATERIALISED = {"fwd": 3, "fwdbwd": 5}
+
+
+def _over_memory_limit(variant: Variant, n: int, mode: str, settings: Settings) -> str | None:
+    if not variant.math_sdpa:
+        return None
+    itemsize = torch.empty((), dtype=settings.dtype).element_size()
+    estimate_gb = _MATERIALISED[mode] * settings.batch * settings.heads * n * n * itemsize / 2**30
+    if estimate_gb <= settings.max_materialised_gb:
+        return None
+    return f"skipped: about {estimate_gb:.0f} GiB of n x n buffers > --max-materialised-gb {settings.max_materialised_gb:g}"
+
+
+def build_layer(variant: Variant, n: int, settings: Settings) -> tuple[nn.Module, nn.ModuleDict]:
+    """The attention of layer 0 of a model with max_seq_len = n, and the model-owned shared state it uses."""
+    cfg = ModelConfig(
+        d_model=settings.d_model, layers=1, ffn=4 * settings.d_model, dropout=0.0, max_seq_len=n,
+        attention={"kind": variant.kind, "heads": settings.heads, **variant.knobs},
+    )
+    shared_state = nn.ModuleDict()
+    layer = build_attention(cfg.attention, 0, shared_state)
+    return layer, shared_state
+
+
+def _calls(layer: nn.Module, shared_state: nn.ModuleDict, x_BTD: torch.Tensor, math_sdpa: bool):
+    """Forward under no_grad (inference), and forward + backward from a fixed upstream gradient."""
+    grad_BTD = torch.randn_like(x_BTD)
+    x_grad_BTD = x_BTD.detach().clone().requires_grad_(True)
+
+    def backend():
+        return sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext()
+
+    def forward() -> None:
+        with torch.no_grad(), backend():
+            layer(x_BTD)
+
+    def forward_backward() -> None:
+        # Drop old gradients so every call allocates them afresh, as the first step of training does.
+        layer.zero_grad(set_to_none=True)
+        shared_state.zero_grad(set_to_none=True)
+        x_grad_BTD.grad = None
+        with backend():
+            layer(x_grad_BTD).backward(grad_BTD)
+
+    return forward, forward_backward
+
+
+def run(settings: Settings, device: torch.device) -> list[Row]:
+    rows: list[Row] = []
+    for variant in variants(settings):
+        stopped: str | None = None  # why larger n are skipped for this variant
+        for n in settings.lengths:
+            row: Row = {"variant": variant.label, "kind": variant.kind, "n": n, "batch": settings.batch,
+                        "d_model": settings.d_model, "heads": settings.heads}
+            if stopped is not None:
+                skipped = Measurement(f"skipped: {stopped}")
+                rows.append({**row, **skipped.as_row("fwd"), **skipped.as_row("fwdbwd")})
+                continue
+            try:
+                torch.manual_seed(0)
+                layer, shared_state = build_layer(variant, n, settings)
+                layer = layer.to(device=device, dtype=settings.dtype).eval()
+                shared_state = shared_state.to(device=device, dtype=settings.dtype)
+                x_BTD = torch.randn(settings.batch, n, settings.d_model, device=device, dtype=settings.dtype)
+            except (ValueError, RuntimeError, NotImplementedError) as err:
+                failed = Measurement(describe_error(err))
+                rows.append({**row, **failed.as_row("fwd"), **failed.as_row("fwdbwd")})
+                print(f"{variant.label:28s} n={n:6d}  {failed.status}", flush=True)
+                continue
+            calls = dict(zip(("fwd", "fwdbwd"), _calls(layer, shared_state, x_BTD, variant.math_sdpa)))
+            budget = {"warmup": settings.warmup, "repeats": settings.repeats,
+                      "call_budget_s": settings.call_budget_s, "timing_budget_s": settings.timing_budget_s}
+            fwd, fwdbwd = (
+                Measurement(reason) if (reason := _over_memory_limit(variant, n, mode, settings))
+                else measure(fn, device, **budget)
+                for mode, fn in calls.items()
+            )
+            rows.append({**row, **fwd.as_row("fwd"), **fwdbwd.as_row("fwdbwd")})
+            print(f"{variant.label:28s} n={n:6d}  fwd {fwd.median_s:9.4f}s {fwd.peak_bytes / 2**20:9.1f}MB {fwd.status}"
+                  f" | fwd+bwd {fwdbwd.median_s:9.4f}s {fwdbwd.peak_bytes / 2**20:9.1f}MB {fwdbwd.status}", flush=True)
+            if "over_budget" in (fwd.status, fwdbwd.status):
+                stopped = f"over_budget at n={n}"
+            del layer, shared_state, x_BTD, calls
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for baseline, suffix in ((BASELINE, "mha"), (MATH_BASELINE, "mha_math")):
+        add_ratios(
+            rows, key="n", baseline=lambda r, b=baseline: r["variant"] == b,
+            columns={"fwd_median_s": f"fwd_speedup_vs_{suffix}", "fwdbwd_median_s": f"fwdbwd_speedup_vs_{suffix}",
+                     "fwd_peak_mb": f"fwd_mem_ratio_vs_{suffix}", "fwdbwd_peak_mb": f"fwdbwd_mem_ratio_vs_{suffix}"},
+        )
+    return rows
+
+
+def paper_comparison(rows: Sequence[Row], ks: Sequence[int], suffix: str) -> str:
+    """Markdown: forward speed-up and memory ratio of layerwise Linformer vs the baseline `suffix`, per n and k."""
+    lines = ["| n | " + " | ".join(f"k={k} time | k={k} memory" for k in ks) + " |",
+             "|---|" + "---|---|" * len(ks)]
+    for n in sorted({r["n"] for r in rows}):
+        cells = []
+        for k in ks:
+            row = next((r for r in rows if r["n"] == n and r["variant"] == f"linformer k={k} layerwise"), None)
+            for column in (f"fwd_speedup_vs_{suffix}", f"fwd_mem_ratio_vs_{suffix}"):
+                value = math.nan if row is None else row.get(column, math.nan)
+                cells.append(f"{value:.2f}x" if math.isfinite(value) else "-")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results", help="results root; files go to <out>/<machine>/")
+    parser.add_argument("--quick", action="store_true", help="n = 256, 512 and 2 repeats (under a minute)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-n", type=int, default=None, help="largest n (default 16384 on CPU, 65536 on GPU)")
+    parser.add_argument("--min-n", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--call-budget-s", type=float, default=120.0)
+    parser.add_argument("--timing-budget-s", type=float, default=30.0)
+    parser.add_argument("--max-materialised-gb", type=float, default=6.0,
+                        help="skip mha-math calls whose n x n buffers would exceed this")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--kinds", nargs="*", default=list(ATTENTION_KINDS), help="subset of the registry's kinds")
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--linformer-k", type=int, nargs="*", default=[128, 256])
+    parser.add_argument("--lsh-bucket", type=int, default=64)
+    parser.add_argument("--name", default="attention_scaling", help="file stem of the CSV and PNG")
+    return parser.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace, device: torch.device) -> Settings:
+    unknown = sorted(set(args.kinds) - set(ATTENTION_KINDS))
+    if unknown:
+        raise SystemExit(f"--kinds {unknown} are not in the registry; valid kinds: {', '.join(ATTENTION_KINDS)}")
+    max_n = args.max_n or (16384 if device.type == "cpu" else 65536)
+    min_n = args.min_n
+    if args.quick:  # two sizes, two repeats, a short timing budget: every variant's code path in under a minute
+        min_n, max_n = 256, 512
+        args.repeats, args.timing_budget_s = 2, min(args.timing_budget_s, 1.0)
+    lengths = tuple(2**e for e in range(int(math.log2(min_n)), int(math.log2(max_n)) + 1))
+    kinds = tuple(k for k in ATTENTION_KINDS if k in args.kinds)
+    if BASELINE not in kinds:
+        kinds = (BASELINE, *kinds)  # ratios need the baseline in the same run
+    return Settings(
+        lengths=lengths, d_model=args.d_model, heads=args.heads, linformer_k=tuple(args.linformer_k),
+        lsh_bucket=args.lsh_bucket, repeats=args.repeats, call_budget_s=args.call_budget_s,
+        timing_budget_s=args.timing_budget_s, max_materialised_gb=args.max_materialised_gb, dtype=getattr(torch, args.dtype), kinds=kinds,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    settings = settings_from_args(args, device)
+    rows = run(settings, device)
+    folder = results_dir(args.out, device)
+    csv_path = write_csv(rows, folder / f"{args.name}.csv")
+    plot_loglog(
+        rows, folder / f"{args.name}.png", x="n", series="variant",
+        panels={"fwd_median_s": "forward time (s)", "fwdbwd_median_s": "forward+backward time (s)",
+                "fwd_peak_mb": "forward peak memory (MiB)", "fwdbwd_peak_mb": "forward+backward peak memory (MiB)"},
+        title=f"Attention scaling on {folder.name}: batch {settings.batch}, d_model {settings.d_model}, "
+              f"{settings.heads} heads, {str(settings.dtype).removeprefix('torch.')}",
+    )
+    print(f"wrote {csv_path}")
+    if "linformer" in settings.kinds:
+        for suffix in ("mha", "mha_math"):
+            print(f"\nLinformer (layerwise) vs {suffix}, forward:\n" + paper_comparison(rows, settings.linformer_k, suffix))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

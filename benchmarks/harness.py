@@ -1,0 +1,242 @@
+"""The one benchmark harness: cases, timing, peak memory, machine labels, CSV and log-log plots.
+
+Modelled on xFormers' `benchmarks/utils.py`: a benchmark builds its cases as the product of a few axes,
+runs each through `measure` (warmup, repeats, median, peak memory, a per-case time budget), and writes
+rows to `<out>/<machine label>/<name>.csv` plus a PNG, so results from different machines sit side by
+side and a CPU run never overwrites a GPU one.
+
+Peak memory: on CUDA, `torch.cuda.max_memory_allocated`. On CPU, `tracemalloc` does not see torch's
+allocator and process RSS is blurred by glibc keeping freed pages, so we read the allocator's own running
+total from the profiler's allocation events (`profile_memory=True`): the peak of `total_allocated`
+during the call, minus what was allocated before it. That is exact bytes held by tensors, CPU or CUDA.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import math
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Row = dict[str, Any]
+
+
+def machine_label(device: torch.device) -> str:
+    """Folder name for results: the GPU name ("nvidia-h100-80gb-hbm3") or "cpu-<cores>core"."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"cpu-{cores}core"
+
+
+def cases(**axes: Iterable[Any]) -> list[dict[str, Any]]:
+    """Every combination of the axes, in order (the last axis varies fastest)."""
+    names = list(axes)
+    return [dict(zip(names, values)) for values in itertools.product(*(list(v) for v in axes.values()))]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so wall-clock time covers the work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_call(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call takes, synchronised on both sides."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _cpu_allocation_peak(fn: Callable[[], Any]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    allocations = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            allocations.append((event.start_time_ns, fields.total_allocated, fields.alloc_size))
+        stack.extend(event.children)
+    if not allocations:
+        return 0
+    allocations.sort()
+    _, first_total, first_size = allocations[0]
+    before = first_total - first_size  # the allocator's total just before the call's first allocation
+    return max(0, max(total for _, total, _ in allocations) - before)
+
+
+def peak_memory_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    """Bytes the call allocated on top of what was already held, at its peak (one call of `fn`)."""
+    if device.type == "cuda":
+        synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    return _cpu_allocation_peak(fn)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What `measure` found for one case; `status` is "ok", "over_budget" or "error: <what>"."""
+
+    status: str
+    median_s: float = math.nan
+    repeats: int = 0
+    peak_bytes: float = math.nan
+    first_call_s: float = math.nan
+
+    def as_row(self, prefix: str) -> Row:
+        return {
+            f"{prefix}_status": self.status,
+            f"{prefix}_median_s": self.median_s,
+            f"{prefix}_repeats": self.repeats,
+            f"{prefix}_peak_mb": self.peak_bytes / 2**20,
+        }
+
+
+def describe_error(err: BaseException) -> str:
+    """A one-line, comma-free status for a CSV cell."""
+    text = " ".join(str(err).split())[:160]
+    return f"error: {type(err).__name__}: {text}".replace(",", ";")
+
+
+def measure(
+    fn: Callable[[], Any], device: torch.device, *, warmup: int = 1, repeats: int = 5,
+    call_budget_s: float = 60.0, timing_budget_s: float | None = None,
+) -> Measurement:
+    """Peak memory, then the median time of up to `repeats` calls after `warmup` calls.
+
+    The first call runs under the memory measurement and counts as the first warmup call. If it takes
+    longer than `call_budget_s` the case ends as "over_budget"; otherwise repeats are cut so the timed
+    calls take about `timing_budget_s` (default: `call_budget_s`) in all, at least one, which keeps the
+    largest sizes affordable on a CPU. Exceptions (out of memory, an unsupported size) are returned as an
+    "error: ..." status instead of being raised.
+    """
+    try:
+        start = time.perf_counter()
+        peak = peak_memory_bytes(fn, device)
+        first = time.perf_counter() - start
+        if first > call_budget_s:
+            return Measurement("over_budget", peak_bytes=peak, first_call_s=first)
+        for _ in range(warmup - 1):
+            fn()
+        timing_budget_s = call_budget_s if timing_budget_s is None else timing_budget_s
+        n_timed = max(1, min(repeats, int(timing_budget_s // max(first, 1e-9))))
+        times = [timed_call(fn, device) for _ in range(n_timed)]
+    except (RuntimeError, ValueError, MemoryError, NotImplementedError) as err:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return Measurement(describe_error(err))
+    return Measurement("ok", statistics.median(times), len(times), peak, first)
+
+
+def interleaved_medians(
+    fns: Mapping[str, Callable[[], Any]], device: torch.device, *, warmup: int, repeats: int
+) -> dict[str, list[float]]:
+    """Times of each function over `repeats` rounds, calling them in turn within every round.
+
+    Alternating A, B, A, B... means a burst of load from other processes on a shared machine hits both
+    sides alike, so their ratio is fairer than two back-to-back timing loops.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_index in range(repeats):
+        # Swap the order every round so neither side always runs right after the other.
+        order = list(fns.items()) if round_index % 2 == 0 else list(reversed(fns.items()))
+        for name, fn in order:
+            times[name].append(timed_call(fn, device))
+    return times
+
+
+def add_ratios(rows: list[Row], *, key: str, baseline: Callable[[Row], bool], columns: Mapping[str, str]) -> None:
+    """For each row, `baseline value / row value` of every column, against the baseline row with the same `key`.
+
+    `columns` maps a measured column to the ratio column to add ("fwd_median_s" -> "fwd_speedup_vs_mha"). A
+    ratio > 1 means the row is that many times faster (or smaller) than the baseline, as in the Linformer
+    paper's "time saved" and "memory saved" tables. Missing or failed values give NaN.
+    """
+    bases = {row[key]: row for row in rows if baseline(row)}
+    for row in rows:
+        base = bases.get(row[key])
+        for column, ratio_column in columns.items():
+            value = row.get(column, math.nan)
+            base_value = math.nan if base is None else base.get(column, math.nan)
+            ok = isinstance(value, float | int) and isinstance(base_value, float | int) and value > 0
+            row[ratio_column] = base_value / value if ok and math.isfinite(base_value / value) else math.nan
+
+
+def write_csv(rows: Sequence[Row], path: Path) -> Path:
+    """Rows to CSV, columns in first-seen order; floats rounded to 6 significant digits to keep diffs small."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns: list[str] = []
+    for row in rows:
+        columns.extend(c for c in row if c not in columns)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: (f"{v:.6g}" if isinstance(v, float) else v) for c, v in row.items()})
+    return path
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with Path(path).open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def plot_loglog(
+    rows: Sequence[Row], path: Path, *, x: str, panels: Mapping[str, str], series: str, title: str
+) -> Path:
+    """One log-log panel per (column -> axis label), one line per value of `series`; failed points are gaps."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on servers
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(row[series] for row in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 2.5, 4.6), squeeze=False)
+    for ax, (column, label) in zip(axes[0], panels.items()):
+        for name in names:
+            points = [(row[x], row[column]) for row in rows if row[series] == name]
+            points = [(a, b) for a, b in points if isinstance(b, float | int) and math.isfinite(b) and b > 0]
+            if points:
+                ax.plot(*zip(*points), marker="o", markersize=3, linewidth=1.2, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(x)
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def results_dir(out: str | Path, device: torch.device) -> Path:
+    """`<out>/<machine label>/`, created."""
+    folder = Path(out) / machine_label(device)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
