@@ -291,17 +291,17 @@ def test_ambiguous_reference_asks_for_a_full_label(store, tmp_path):
     with pytest.raises(ReportError, match="ambiguous.*'linformer k=128 sharing=layerwise'"):
         build_report(store["uri"], "squad", metric="val/bleu", reference="linformer", out_dir=tmp_path,
                      log_to_mlflow=False)
+
+
+def test_full_label_reference_and_missing_lower_reference(store, tmp_path):
     report = build_report(store["uri"], "squad", metric="val/bleu", reference="linformer k=64 sharing=none",
-                          out_dir=tmp_path, log_to_mlflow=False)
-    assert report.reference == "linformer k=64 sharing=none"
+                          lower_reference="skv", out_dir=tmp_path, log_to_mlflow=False)
+    assert report.reference == "linformer k=64 sharing=none" and report.lower_reference is None
     assert _row(report, "linformer k=128 sharing=none")["prr"] == pytest.approx(71.0 / 70.0)
-
-
-def test_missing_lower_reference_blanks_peop_with_warning(store, tmp_path):
-    report = build_report(store["uri"], "squad", metric="val/bleu", lower_reference="skv", out_dir=tmp_path,
-                          log_to_mlflow=False)
+    # No SKV runs: PEoP is blank, with a warning, and the report is still written.
     assert report.table["peop"].isna().all()
     assert any("'skv' not found" in warning for warning in report.warnings)
+    assert "'skv' not found" in (tmp_path / "report.md").read_text()
 
 
 def test_unknown_experiment_lists_existing_ones(store, tmp_path):
