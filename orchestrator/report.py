@@ -3,7 +3,8 @@
 Reads the runs of one experiment (or the trials of one sweep), groups seeds of the same method
 configuration, and writes a PRR / PEoP table (Markdown + CSV) and plots to a folder, which it also
 logs as artifacts under `report/` of the sweep's parent run so the comparison sits next to the runs
-in the MLflow UI. The formulas live in `report_metrics`, the figures in `report_plots`.
+in the MLflow UI. The formulas live in `report_metrics`, the table formatting in `report_tables`,
+the figures in `report_plots`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from orchestrator.report_metrics import (
     group_runs,
     infer_mode,
     param_value,
-    rows_to_frame,
-    rows_to_markdown,
     summarize,
 )
+from orchestrator.report_tables import markdown_document, rows_to_frame, rows_to_markdown
 from orchestrator.report_plots import (
     find_knob_sweeps,
     knob_plot_name,
@@ -122,7 +122,7 @@ def build_report(
     table.to_csv(files[0], index=False)
     files += _write_plots(client, groups, summary, metric, mode, out_dir)
     scope = f"children of parent run {parent_run_id}" if parent_run_id else "all runs of the experiment"
-    markdown = _markdown_document(
+    markdown = markdown_document(
         experiment, metric, mode, summary, scope, len(records) - skipped, warnings, files
     )
     (out_dir / "report.md").write_text(markdown)
@@ -325,34 +325,6 @@ def _write_plots(
     for sweep in find_knob_sweeps(rows):
         written.append(plot_knob_sweep(sweep, metric, mode, references, out_dir / knob_plot_name(sweep)))
     return [path for path in written if path is not None]
-
-
-def _markdown_document(
-    experiment: str,
-    metric: str,
-    mode: Mode,
-    summary: Summary,
-    scope: str,
-    n_runs: int,
-    warnings: Sequence[str],
-    files: Sequence[Path],
-) -> str:
-    direction = "lower is better" if mode == "min" else "higher is better"
-    lower = f"**{summary.lower_reference}**" if summary.lower_reference else "nothing (PEoP blank)"
-    lines = [
-        f"# Report: {experiment}",
-        "",
-        f"- Metric: `{metric}` ({direction}); score = last logged value of each run, mean ± std over seeds.",
-        f"- PRR against **{summary.reference}**, PEoP against {lower}, both on the seed-mean score.",
-        "- Attention params = `params.attention` (Q/K/V/O projections and method extras, no biases).",
-        f"- Runs: {n_runs} ({scope}).",
-        "",
-        rows_to_markdown(summary.rows, metric, mode),
-    ]
-    if warnings:
-        lines += ["Warnings:", ""] + [f"- {warning}" for warning in warnings] + [""]
-    lines += [f"![{path.stem}]({path.name})" for path in files if path.suffix == ".png"]
-    return "\n".join(lines) + "\n"
 
 
 def _single_parent(runs: Sequence[Run]) -> str | None:

@@ -31,9 +31,9 @@ from orchestrator.report_metrics import (
     pareto_front,
     peop,
     prr,
-    rows_to_markdown,
     summarize,
 )
+from orchestrator.report_tables import rows_to_markdown
 
 MHA_PARAMS = 4 * 768**2
 SHA_PARAMS = 3 * 768 * 64 + 768**2
