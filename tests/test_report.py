@@ -206,7 +206,8 @@ def test_diverged_seed_is_reported_not_hidden():
     lsh = next(row for row in summary.rows if row.label == "lsh")
     assert not math.isfinite(lsh.score_mean) and not math.isfinite(lsh.prr)
     assert summary.warnings == ["lsh: 1 run(s) ended with a non-finite val/ppl (diverged?)"]
-    assert "| lsh |" in rows_to_markdown(summary.rows, "val/ppl", "min")
+    # Undefined cells print as "-", never as "inf%" or "nan".
+    assert "| lsh | - | - | 2 | - | - | - | - | - |" in rows_to_markdown(summary.rows, "val/ppl", "min")
 
 
 def test_pareto_front_keeps_only_undominated_points():
