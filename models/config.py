@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -16,7 +17,104 @@ class StandardEmbeddingConfig(BaseModel):
     kind: Literal["standard"] = "standard"
 
 
-EmbeddingConfig = Annotated[Union[StandardEmbeddingConfig], Field(discriminator="kind")]
+class DeFINEConfig(BaseModel):
+    """DeFINE (Mehta, Koncel-Kedziorski, Rastegari, Hajishirzi, ICLR 2020, arXiv 1911.12385): Map-Expand-Reduce.
+
+    A lookup at input_dim n, `depth` group-linear layers widening linearly from n to `width` k, then a
+    reduction to d_model. The paper's notation: n = dim(e_i), k = dim(ê_i), N = depth, m = d_model.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["define"] = "define"
+    input_dim: int = 64
+    """n: width of the lookup table (the paper uses 64-512)."""
+    width: int = 512
+    """k: width of the last expansion layer (the paper uses 1024-4096)."""
+    depth: int = 3
+    """N: number of expansion layers (the paper uses 3, 7, 11)."""
+    g_max: int = 4
+    """Groups of the first layer; hgt halves them per layer: g_l = max(g_max // 2^(l-1), 1)."""
+    transform: Literal["lt", "glt", "hgt"] = "hgt"
+    """lt: dense layers (g = 1); glt: g_max groups in every layer; hgt: the hierarchical schedule."""
+    skip: Literal["none", "concat", "mix", "residual"] = "mix"
+    """Input link of layers l > 1: none; concat [e_i, h]; mix (split-and-mix per group); residual h + F(h)."""
+    reduce: bool = True
+    """Project k down to d_model; false needs width == d_model."""
+
+    def groups(self) -> list[int]:
+        """g_l for l = 1..N."""
+        if self.transform == "lt":
+            return [1] * self.depth
+        if self.transform == "glt":
+            return [self.g_max] * self.depth
+        return [max(self.g_max // 2**l, 1) for l in range(self.depth)]
+
+    def group_multiple(self) -> int:
+        """Every width is a multiple of this, so each layer's input and output split evenly into its groups."""
+        return math.lcm(*self.groups())
+
+    def widths(self) -> list[int]:
+        """k_l for l = 1..N: linearly spaced from n to k (constant k with residual links), rounded to
+        multiples of `group_multiple()`; the last is k."""
+        if self.skip == "residual":
+            return [self.width] * self.depth
+        q = self.group_multiple()
+        steps = [self.input_dim + (self.width - self.input_dim) * l / self.depth for l in range(1, self.depth)]
+        return [max(q, q * round(w / q)) for w in steps] + [self.width]
+
+    def layer_inputs(self) -> list[int]:
+        """n_l, the input width of layer l: n, then the previous width, plus n where the input is linked in."""
+        widths = self.widths()
+        linked = self.input_dim if self.skip in ("concat", "mix") else 0
+        return [self.input_dim] + [w + linked for w in widths[:-1]]
+
+    @model_validator(mode="after")
+    def _check(self) -> "DeFINEConfig":
+        for name in ("input_dim", "width", "depth", "g_max"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.embedding.{name} must be >= 1 (got {getattr(self, name)})")
+        q = self.group_multiple()
+        for name in ("input_dim", "width"):
+            if getattr(self, name) % q:
+                raise ValueError(
+                    f"model.embedding.{name}={getattr(self, name)} must be divisible by {q}, the least common "
+                    f"multiple of the group counts {self.groups()} (transform={self.transform}, g_max={self.g_max}): "
+                    "each group takes an equal share of every layer; pick a multiple or a smaller g_max"
+                )
+        return self
+
+
+class AdaptiveInputConfig(BaseModel):
+    """Adaptive input (Baevski & Auli, ICLR 2019, arXiv 1809.10853): frequency bands of shrinking width.
+
+    Token ids are assumed sorted by frequency (id 0 most frequent), as sentencepiece and count-ordered
+    vocabularies are. Band i holds ids [cutoffs[i-1], cutoffs[i]) at width d_model / factor^i, each band
+    projected back to d_model.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["adaptive"] = "adaptive"
+    cutoffs: list[int]
+    """Increasing band boundaries below the vocabulary size, e.g. [20000, 40000, 200000] for WikiText-103."""
+    factor: float = 4.0
+    """Width reduction per band (the paper's k = 4)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "AdaptiveInputConfig":
+        if not self.cutoffs or self.cutoffs[0] < 1 or any(b <= a for a, b in zip(self.cutoffs, self.cutoffs[1:])):
+            raise ValueError(f"model.embedding.cutoffs must be a non-empty, strictly increasing list of positive ids "
+                             f"(got {self.cutoffs}); e.g. [20000, 40000, 200000]")
+        if self.factor < 1:
+            raise ValueError(f"model.embedding.factor must be >= 1 (got {self.factor}); the paper uses 4")
+        return self
+
+    def band_dims(self, d_model: int) -> list[int]:
+        return [int(d_model // self.factor**i) for i in range(len(self.cutoffs) + 1)]
+
+
+EmbeddingConfig = Annotated[
+    Union[StandardEmbeddingConfig, DeFINEConfig, AdaptiveInputConfig], Field(discriminator="kind")
+]
 
 
 class ModelConfig(BaseModel):
@@ -41,7 +139,7 @@ class ModelConfig(BaseModel):
     attention: AttentionConfig = Field(default_factory=MHAConfig)
     """The attention block: {kind: mha | sha | mqa | gqa | skv | el_att | mhe | linformer, heads, knobs...}."""
     embedding: EmbeddingConfig = Field(default_factory=StandardEmbeddingConfig)
-    """Token embedding: {kind: standard}."""
+    """Token embedding: {kind: standard}, {kind: define, input_dim, width, depth, ...} or {kind: adaptive, cutoffs}."""
     tie_output: bool = True
     """Share the token embedding with the output projection (MLM, causal LM and translation heads)."""
     reversible: bool = False
@@ -79,6 +177,14 @@ class ModelConfig(BaseModel):
                 raise ValueError(f"model.{name} must be >= 1 (got {getattr(self, name)})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1) (got {self.dropout})")
+        if isinstance(self.embedding, DeFINEConfig) and not self.embedding.reduce and self.embedding.width != self.d_model:
+            raise ValueError(f"model.embedding.reduce=false feeds the width-{self.embedding.width} expansion straight "
+                             f"into the model, so model.embedding.width must equal model.d_model={self.d_model}; "
+                             "set width to d_model or reduce=true")
+        if isinstance(self.embedding, AdaptiveInputConfig) and min(self.embedding.band_dims(self.d_model)) < 1:
+            raise ValueError(f"model.embedding: {len(self.embedding.cutoffs)} cutoffs with factor="
+                             f"{self.embedding.factor} shrink the last band below width 1 at d_model={self.d_model}; "
+                             "use fewer cutoffs or a smaller factor")
         linformer = self.linformer_config
         if linformer is not None:
             if linformer.max_seq_len > self.max_seq_len:
