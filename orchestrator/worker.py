@@ -210,20 +210,19 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             if not _is_report_step(step, spec):
                 if train_metrics:
                     logger.log(train_metrics, step)
-                continue
-
-            # Task.evaluate scores the full split on its own, so only rank 0 runs it (Ray keeps rank 0's
-            # metrics); the unwrapped module, because DDP's forward would wait for the other ranks.
-            val_metrics: dict[str, float] = {}
-            if rank == 0:
-                model.eval()
-                with torch.no_grad():
-                    val_metrics = task.evaluate(_unwrap(model))
-                model.train()
-            logger.log({**train_metrics, **val_metrics}, step)
-            _report(spec, config, step, {**train_metrics, **val_metrics}, model, optimizer, scheduler, scaler,
-                    position, run_id, rank, world_size)
-            window_start = time.perf_counter()  # evaluation time is not training throughput
+            else:
+                # Task.evaluate scores the full split on its own, so only rank 0 runs it (Ray keeps rank 0's
+                # metrics); the unwrapped module, because DDP's forward would wait for the other ranks.
+                val_metrics: dict[str, float] = {}
+                if rank == 0:
+                    model.eval()
+                    with torch.no_grad():
+                        val_metrics = task.evaluate(_unwrap(model))
+                    model.train()
+                logger.log({**train_metrics, **val_metrics}, step)
+                _report(spec, config, step, {**train_metrics, **val_metrics}, model, optimizer, scheduler, scaler,
+                        position, run_id, rank, world_size)
+                window_start = time.perf_counter()  # evaluation time is not training throughput
             if fail_at_step is not None and step == fail_at_step:
                 raise InjectedFailure(f"injected failure after step {step} (launch.run_training fail_at_step)")
         status = "FINISHED"
