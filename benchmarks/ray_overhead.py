@@ -1,0 +1,251 @@
+"""What Ray costs: steady-state training throughput with and without Ray Train, and sweep start-up time.
+
+Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
+
+1. Steady-state tokens/s of a one-worker Ray Train run (`orchestrator.launch.run_training`), read from the
+   `train/tokens_per_s` windows the worker logs every `log_every` steps, against the same loop run in this
+   process without Ray (`plain_loop`: same task, model, AdamW, schedule, clipping and `.item()` calls, same
+   torch thread count as the Ray worker's CPUs). The first window (warm-up) is dropped on both sides.
+2. Start-up of that run: seconds from the launch call to its first logged metric, against the plain loop's
+   seconds from its start to its first window. Both pay the tokenizer training (fresh cache).
+3. Start-up of a sweep (`orchestrator.launch.run_sweep`, two grid trials, one at a time) to its first
+   reported metric, with the tokenizer cache already warm.
+
+Metric times come from the run's MLflow SQLite store, read with the standard library's sqlite3 (the
+experiments/runs/metrics tables), so that no code outside orchestrator/ imports mlflow (STYLE.md section 5).
+
+    python -m benchmarks.ray_overhead --out benchmarks/results            # full
+    python -m benchmarks.ray_overhead --quick --out benchmarks/results    # about a minute (Ray start-up)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import random
+import sqlite3
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.harness import Row, results_dir, write_csv
+from orchestrator.spec import ExperimentSpec, study_from_raw, validate_spec
+from tasks import build_task
+from tasks.base import WorkerContext
+
+TOKENS_PER_S = "train/tokens_per_s"
+
+
+@dataclass(frozen=True)
+class Scale:
+    d_model: int
+    layers: int
+    heads: int
+    ffn: int
+    seq_len: int
+    batch_size: int
+    vocab_size: int
+    train_sentences: int
+    max_steps: int
+    log_every: int
+    cpus: int
+
+
+FULL = Scale(d_model=256, layers=4, heads=4, ffn=1024, seq_len=128, batch_size=16, vocab_size=4000,
+             train_sentences=8000, max_steps=120, log_every=10, cpus=1)
+QUICK = Scale(d_model=32, layers=1, heads=2, ffn=64, seq_len=32, batch_size=8, vocab_size=200,
+              train_sentences=400, max_steps=12, log_every=3, cpus=1)
+
+
+def bench_spec(name: str, scale: Scale, storage: Path, uri: str) -> dict[str, Any]:
+    """The raw spec: evaluation and the single checkpoint only at the last step, so windows are pure training."""
+    return {
+        "name": name,
+        "task": {"kind": "mlm", "seq_len": scale.seq_len, "batch_size": scale.batch_size,
+                 "vocab_size": scale.vocab_size, "eval_batches": 2,
+                 "builtin": {"train_sentences": scale.train_sentences, "eval_sentences": 50}},
+        "model": {"d_model": scale.d_model, "layers": scale.layers, "ffn": scale.ffn, "max_seq_len": scale.seq_len,
+                  "dropout": 0.1, "attention": {"kind": "mha", "heads": scale.heads}},
+        "optim": {"lr": 1e-3, "max_steps": scale.max_steps, "warmup_steps": 1, "seed": 0},
+        "run": {"workers": 1, "cpus_per_worker": scale.cpus, "log_every": scale.log_every,
+                "eval_every": scale.max_steps, "checkpoint_every": scale.max_steps, "storage_path": str(storage)},
+        "tune": {"scheduler": "fifo", "max_concurrent": 1},
+        "tracking": {"uri": uri, "retries": 2, "timeout_s": 5},
+    }
+
+
+# --- without Ray -------------------------------------------------------------------------------------
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class PlainResult:
+    windows: list[tuple[int, float]]
+    """(step, tokens/s) of every `log_every` window, as the worker logs them."""
+    first_window_s: float
+    """Seconds from the start (task build included) to the end of the first window."""
+
+
+def plain_loop(spec: ExperimentSpec, cache_dir: Path) -> PlainResult:
+    """The worker's training step loop (orchestrator/worker.py) in this process, without Ray or logging."""
+    from orchestrator.worker import lr_lambda
+
+    start = time.perf_counter()
+    optim, run = spec.optim, spec.run
+    torch.set_num_threads(max(1, int(run.cpus_per_worker)))  # Ray gives its worker OMP threads = its CPUs
+    _seed_all(optim.seed)
+    task = build_task(spec.task, spec.model, WorkerContext(seed=optim.seed, cache_dir=cache_dir))
+    model = task.build_model()
+    _seed_all(optim.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
+    batches: Iterator = task.train_batches(None)
+    windows: list[tuple[int, float]] = []
+    first_window_s = math.nan
+    loss_sum, tokens, window_start = 0.0, 0, time.perf_counter()
+    model.train()
+    for step in range(1, optim.max_steps + 1):
+        for _ in range(optim.grad_accum):
+            batch, _ = next(batches)
+            loss = task.loss(model, batch)
+            (loss / optim.grad_accum).backward()
+            loss_sum += loss.item()
+            tokens += batch.n_tokens
+        if optim.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if step % run.log_every == 0 or step == optim.max_steps:
+            now = time.perf_counter()
+            windows.append((step, tokens / max(now - window_start, 1e-9)))
+            if math.isnan(first_window_s):
+                first_window_s = now - start
+            loss_sum, tokens, window_start = 0.0, 0, time.perf_counter()
+    return PlainResult(windows, first_window_s)
+
+
+# --- the MLflow store, read-only ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _store(uri: str) -> Iterator[sqlite3.Connection]:
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        raise ValueError(f"tracking.uri={uri!r}: this benchmark reads a local SQLite store (sqlite:///path)")
+    connection = sqlite3.connect(f"file:{uri[len(prefix):]}?mode=ro", uri=True)
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
+def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float, int]]:
+    """(step, value, timestamp in ms) of one metric of one run, by step."""
+    with _store(uri) as db:
+        rows = db.execute("SELECT step, value, timestamp FROM metrics WHERE run_uuid = ? AND key = ? ORDER BY step",
+                          (run_id, key)).fetchall()
+    return [(int(s), float(v), int(t)) for s, v, t in rows]
+
+
+def first_metric_ms(uri: str, run_ids: Sequence[str]) -> int | None:
+    """Epoch milliseconds of the earliest metric any of the runs logged."""
+    if not run_ids:
+        return None
+    marks = ",".join("?" * len(run_ids))
+    with _store(uri) as db:
+        (value,) = db.execute(f"SELECT MIN(timestamp) FROM metrics WHERE run_uuid IN ({marks})", tuple(run_ids)).fetchone()
+    return None if value is None else int(value)
+
+
+def steady(windows: Sequence[tuple[int, float]], max_steps: int) -> float:
+    """Median tokens/s over full windows after the first (warm-up); the last window may be partial."""
+    kept = [value for step, value in windows[1:] if step != max_steps or len(windows) < 3]
+    return statistics.median(kept) if kept else math.nan
+
+
+# --- with Ray ------------------------------------------------------------------------------------------
+
+
+def measure(scale: Scale, workdir: Path) -> list[Row]:
+    from orchestrator.launch import run_sweep, run_training
+
+    storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
+    run_spec = validate_spec(bench_spec("ray-overhead-run", scale, storage, uri))
+
+    plain = plain_loop(run_spec, workdir / "plain-cache")  # its own, cold cache: same start-up work as the run
+    launched_ms = time.time() * 1000
+    outcome = run_training(run_spec)
+    assert outcome.mlflow_run_id is not None, "the benchmark needs the MLflow store to read the run's metrics"
+    ray_windows = [(step, value) for step, value, _ in metric_history(uri, outcome.mlflow_run_id, TOKENS_PER_S)]
+    run_first_ms = first_metric_ms(uri, [outcome.mlflow_run_id])
+
+    sweep_raw = bench_spec("ray-overhead-sweep", scale, storage, uri)
+    sweep_raw["optim"]["seed"] = {"grid": [0, 1]}
+    sweep_started_ms = time.time() * 1000
+    sweep = run_sweep(study_from_raw(sweep_raw))
+    child_ids = [t["mlflow_run_id"] for t in sweep.trials if t.get("mlflow_run_id")]
+    sweep_first_ms = first_metric_ms(uri, child_ids)
+
+    ray_steady, plain_steady = steady(ray_windows, scale.max_steps), steady(plain.windows, scale.max_steps)
+    run_startup = math.nan if run_first_ms is None else (run_first_ms - launched_ms) / 1000
+    sweep_startup = math.nan if sweep_first_ms is None else (sweep_first_ms - sweep_started_ms) / 1000
+    common = {"d_model": scale.d_model, "layers": scale.layers, "seq_len": scale.seq_len,
+              "batch_size": scale.batch_size, "max_steps": scale.max_steps, "log_every": scale.log_every,
+              "threads": scale.cpus}
+    rows = [
+        {"measurement": "steady_tokens_per_s", "ray": ray_steady, "plain": plain_steady,
+         "windows": f"{len(ray_windows)}/{len(plain.windows)}", **common},
+        {"measurement": "run_seconds_to_first_metric", "ray": run_startup, "plain": plain.first_window_s,
+         "windows": "cold tokenizer cache", **common},
+        {"measurement": "sweep_seconds_to_first_metric", "ray": sweep_startup, "plain": plain.first_window_s,
+         "windows": f"warm cache; {len(sweep.trials)} trials; errors {sweep.errors}", **common},
+    ]
+    for row in rows:
+        row["ray_over_plain"] = row["ray"] / row["plain"] if row["plain"] and math.isfinite(row["plain"]) else math.nan
+        row["ray_minus_plain"] = row["ray"] - row["plain"]
+    return rows
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results", help="results root; files go to <out>/<machine>/")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and 12 steps (Ray start-up dominates)")
+    parser.add_argument("--max-steps", type=int, default=None, help="override the scale's steps")
+    parser.add_argument("--workdir", default=None, help="runs + MLflow store (default: a fresh temporary folder)")
+    parser.add_argument("--name", default="ray_overhead", help="file stem of the CSV")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    args = parse_args(argv)
+    scale = QUICK if args.quick else FULL
+    if args.max_steps:
+        scale = Scale(**{**scale.__dict__, "max_steps": args.max_steps})
+    with tempfile.TemporaryDirectory(prefix="ray-overhead-") as tmp:
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+        if (workdir / "runs").exists():
+            raise SystemExit(f"--workdir {workdir} already holds runs/; give an empty folder (runs are not reused)")
+        rows = measure(scale, workdir)
+    for row in rows:
+        print(f"{row['measurement']:32s} ray {row['ray']:10.2f}  plain {row['plain']:10.2f}  "
+              f"ratio {row['ray_over_plain']:.3f}", flush=True)
+    print(f"wrote {write_csv(rows, results_dir(args.out, torch.device('cpu')) / f'{args.name}.csv')}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
