@@ -1,0 +1,123 @@
+"""The YAML search-space syntax: parsing at any depth, clear errors, grid/edge validation points and the
+compiled Ray Tune domains. No Ray cluster is started (ray.tune objects are plain Python)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.search_space import (
+    MAX_VALIDATED_POINTS,
+    SearchSpaceError,
+    find_domains,
+    grid_points,
+    resolve,
+    set_path,
+    to_param_space,
+    validation_points,
+)
+
+RAW = {
+    "name": "s",
+    "model": {
+        "d_model": 32,
+        "attention": {"kind": "linformer", "k": {"grid": [8, 16]}, "sharing": {"grid": ["none", "kv", "layerwise"]}},
+    },
+    "optim": {"lr": {"loguniform": [1e-4, 1e-2]}, "seed": {"randint": [0, 5]}, "schedule": {"choice": ["cosine", "linear"]}},
+}
+
+
+def test_domains_are_found_at_any_depth_with_dotted_paths():
+    domains = {d.path: d for d in find_domains(RAW)}
+    assert set(domains) == {"model.attention.k", "model.attention.sharing", "optim.lr", "optim.seed",
+                            "optim.schedule"}
+    assert domains["model.attention.k"].kind == "grid" and domains["model.attention.k"].values == (8, 16)
+    assert domains["optim.lr"].values == (1e-4, 1e-2)
+
+
+def test_a_whole_block_can_be_a_grid_value():
+    raw = {"model": {"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "mhe", "mode": "mul"}]}}}
+    (domain,) = find_domains(raw)
+    assert domain.path == "model.attention"
+    assert [p["model.attention"]["kind"] for p in grid_points([domain])] == ["mha", "mhe"]
+
+
+def test_yaml_exponent_strings_are_numbers():
+    # PyYAML reads 1e-4 (no dot) as a string.
+    (domain,) = find_domains({"optim": {"lr": {"loguniform": ["1e-4", "1e-2"]}}})
+    assert domain.values == (1e-4, 1e-2)
+
+
+@pytest.mark.parametrize(
+    "node, message",
+    [
+        ({"uniform": [1.0, 1.0]}, "lo < hi"),
+        ({"loguniform": [0, 1]}, "lo > 0"),
+        ({"randint": [0.5, 4]}, "integers"),
+        ({"grid": []}, "non-empty list"),
+        ({"choice": "abc"}, "non-empty list"),
+        ({"uniform": [0, 1, 2]}, "exactly two numbers"),
+    ],
+    ids=["empty-range", "loguniform-zero", "randint-float", "empty-grid", "choice-not-list", "three-bounds"],
+)
+def test_malformed_domains_name_their_path(node, message):
+    with pytest.raises(SearchSpaceError, match=message) as err:
+        find_domains({"optim": {"lr": node}})
+    assert str(err.value).startswith("optim.lr:")
+
+
+def test_domains_inside_lists_are_refused_with_the_alternative():
+    with pytest.raises(SearchSpaceError, match=r"model.attention.k: .*whole list"):
+        find_domains({"model": {"attention": {"k": [{"grid": [8, 16]}, 32]}}})
+
+
+def test_grid_points_are_the_product_of_grid_domains_only():
+    points = grid_points(find_domains(RAW))
+    assert len(points) == 2 * 3
+    assert {(p["model.attention.k"], p["model.attention.sharing"]) for p in points} == {
+        (k, s) for k in (8, 16) for s in ("none", "kv", "layerwise")
+    }
+    assert all(set(p) == {"model.attention.k", "model.attention.sharing"} for p in points)
+
+
+def test_validation_points_cover_every_grid_combination_and_range_edges():
+    domains = find_domains(RAW)
+    points = list(validation_points(domains))
+    combos = {(p["model.attention.k"], p["model.attention.sharing"]) for p in points}
+    assert combos == {(k, s) for k in (8, 16) for s in ("none", "kv", "layerwise")}
+    assert {p["optim.lr"] for p in points} >= {1e-4, 1e-2}
+    seeds = {p["optim.seed"] for p in points}
+    assert {0, 4} <= seeds and max(seeds) < 5  # randint's upper bound is excluded, as in Ray Tune
+    assert {p["optim.schedule"] for p in points} == {"cosine", "linear"}
+
+
+def test_validation_points_are_capped_but_still_cover_every_value():
+    raw = {"a": {f"x{i}": {"grid": list(range(4))} for i in range(5)}}  # 4**5 = 1024 combinations
+    domains = find_domains(raw)
+    points = list(validation_points(domains))
+    assert len(points) == MAX_VALIDATED_POINTS
+    for domain in domains:
+        assert {p[domain.path] for p in points} == {0, 1, 2, 3}
+
+
+def test_resolve_and_set_path_do_not_mutate_the_spec():
+    resolved = resolve(RAW, {"model.attention.k": 16, "optim.lr": 3e-4})
+    assert resolved["model"]["attention"]["k"] == 16 and resolved["optim"]["lr"] == 3e-4
+    assert RAW["model"]["attention"]["k"] == {"grid": [8, 16]}
+    assert set_path({}, "run.workers", 2) == {"run": {"workers": 2}}
+    with pytest.raises(SearchSpaceError, match="model.d_model is a value"):
+        set_path(RAW, "model.d_model.x", 1)
+
+
+def test_param_space_compiles_to_tune_domains():
+    from ray import tune
+    from ray.tune.search.sample import Categorical, Float, Integer
+
+    space = to_param_space(find_domains(RAW), "grid")
+    assert space["model.attention.k"] == tune.grid_search([8, 16])
+    assert isinstance(space["optim.lr"], Float) and (space["optim.lr"].lower, space["optim.lr"].upper) == (1e-4, 1e-2)
+    assert isinstance(space["optim.seed"], Integer) and space["optim.seed"].upper == 5
+    assert isinstance(space["optim.schedule"], Categorical)
+    # Searchers propose one point at a time: grids become choices for random and optuna.
+    optuna_space = to_param_space(find_domains(RAW), "optuna")
+    assert isinstance(optuna_space["model.attention.k"], Categorical)
+    assert optuna_space["model.attention.k"].categories == [8, 16]

@@ -1,0 +1,170 @@
+"""Spec loading and validation: defaults made absolute, dotted overrides, and errors that name the field and
+the fix, all before Ray. The CLI's fail-fast path runs in a subprocess so that Ray provably never starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+from orchestrator.spec import (
+    SpecError,
+    apply_overrides,
+    check_gpus,
+    load_spec,
+    load_study,
+    study_from_raw,
+    validate_spec,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def base_raw(**sections) -> dict:
+    raw = {
+        "name": "unit",
+        "task": {"kind": "mlm", "seq_len": 16, "batch_size": 4, "vocab_size": 120},
+        "model": {"d_model": 16, "layers": 1, "ffn": 32, "max_seq_len": 32, "attention": {"kind": "mha", "heads": 2}},
+        "optim": {"max_steps": 10},
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    return raw
+
+
+def write(tmp_path: Path, raw: dict, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_defaults_are_resolved(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = validate_spec(base_raw())
+    assert spec.run.storage_path == str(tmp_path / "runs")
+    assert spec.tracking.uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert spec.tracking.experiment == "unit"
+    assert (spec.tune.metric, spec.tune.mode) == ("val/ppl", "min")  # the task's defaults, made explicit
+    assert spec.model.attention.d_model == 16
+    remote = validate_spec(base_raw(run={"storage_path": "s3://bucket/runs"}, tracking={"uri": "http://head:5000"}))
+    assert remote.run.storage_path == "s3://bucket/runs" and remote.tracking.uri == "http://head:5000"
+
+
+def test_translation_defaults_to_bleu():
+    raw = base_raw()
+    raw["task"] = {"kind": "translation", "max_source_len": 32, "max_tokens": 256}
+    spec = validate_spec(raw)
+    assert (spec.tune.metric, spec.tune.mode) == ("val/bleu", "max")
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    path = write(tmp_path, base_raw())
+    spec = load_spec(path, ["model.attention={kind: linformer, heads: 2, k: 8, sharing: kv}", "optim.lr=1e-3",
+                            "run.workers=2", "optim.betas=[0.9, 0.95]"])
+    assert spec.model.attention.kind == "linformer" and spec.model.attention.k == 8
+    assert spec.model.attention.sharing == "kv"
+    assert spec.optim.lr == pytest.approx(1e-3) and spec.optim.betas == (0.9, 0.95) and spec.run.workers == 2
+    with pytest.raises(SpecError, match="not key.path=value"):
+        apply_overrides({}, ["model.attention.k"])
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model.attention.kind=linformr"], ["model.attention", "'mha'", "'linformer'"]),
+        (["model.attention={kind: linformer, heads: 2, k: 64}"], ["model.attention", "k=64", "choose k <= max_seq_len"]),
+        (["model.attention.head=2"], ["model.attention.head", "unknown field"]),
+        (["optim.schedul=cosine"], ["optim.schedul", "unknown field"]),
+        (["tune.metric=val/bleu"], ["tune.metric='val/bleu'", "task.kind=mlm", "val/ppl"]),
+        (["task.seq_len=64"], ["task.seq_len=64", "model.max_seq_len=32"]),
+        (["run.precision=bf16"], ["run.precision=bf16", "gpus_per_worker"]),
+        (["optim.warmup_steps=20"], ["optim.warmup_steps=20", "max_steps=10"]),
+        (["model.d_model=abc"], ["model.d_model", "integer"]),
+        (["name=has space"], ["name"]),
+    ],
+    ids=["unknown-kind", "k-over-seq-len", "typo-attention", "typo-optim", "metric-not-produced", "seq-len",
+         "bf16-cpu", "warmup", "type", "name"],
+)
+def test_errors_name_the_field_and_the_fix(tmp_path, overrides, expected):
+    path = write(tmp_path, base_raw())
+    with pytest.raises(SpecError) as err:
+        load_spec(path, overrides)
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_gpu_request_is_checked_against_what_is_available():
+    spec = validate_spec(base_raw(run={"workers": 4, "gpus_per_worker": 1, "precision": "bf16"}))
+    check_gpus(spec, 4, "this machine")
+    with pytest.raises(SpecError, match=r"asks for 4 GPUs per run but this machine has 2; lower run.workers"):
+        check_gpus(spec, 2, "this machine")
+
+
+def test_train_refuses_a_spec_with_search_domains():
+    with pytest.raises(SpecError, match="orchestrator sweep"):
+        validate_spec(base_raw(optim={"lr": {"loguniform": [1e-4, 1e-3]}}))
+
+
+def test_every_grid_combination_is_validated_and_the_bad_trial_is_named():
+    raw = base_raw(model={"attention": {"kind": "linformer", "heads": 2, "k": {"grid": [8, 16, 64]}}})
+    with pytest.raises(SpecError) as err:
+        study_from_raw(raw)
+    assert "trial {model.attention.k=64}" in str(err.value) and "max_seq_len" in str(err.value)
+    study = study_from_raw(base_raw(model={"attention": {"kind": "linformer", "heads": 2, "k": {"grid": [8, 16]}}}))
+    assert [s.model.attention.k for s in (study.spec_for({"model.attention.k": v}) for v in (8, 16))] == [8, 16]
+
+
+def test_range_edges_are_validated():
+    raw = base_raw(model={"attention": {"kind": "linformer", "heads": 2, "k": {"randint": [4, 40]}}})
+    with pytest.raises(SpecError, match=r"model.attention.k=39"):
+        study_from_raw(raw)
+
+
+def test_sweep_settings_cannot_be_searched():
+    with pytest.raises(SpecError, match="tune cannot be searched"):
+        study_from_raw(base_raw(tune={"num_samples": {"grid": [1, 2]}}))
+
+
+def test_validate_prints_resolved_spec_and_trial_grid(tmp_path, capsys):
+    raw = base_raw(model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "mhe", "heads": 2}]}},
+                   optim={"lr": {"loguniform": [1e-4, 1e-3]}})
+    assert main(["validate", str(write(tmp_path, raw)), "tune.num_samples=2"]) == 0
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out.split("\nsearch:")[0])
+    assert printed["model"]["attention"]["kind"] == "mha" and printed["tune"]["metric"] == "val/ppl"
+    assert "trials: 4" in out and "grid 1: model.attention={'heads': 2, 'kind': 'mhe'}" in out
+    assert "optim.lr ~ loguniform" in out
+
+
+def test_study_loads_from_file(tmp_path):
+    raw = base_raw(model={"attention": {"kind": "linformer", "heads": 2, "k": {"grid": [8, 16]}}})
+    study = load_study(write(tmp_path, raw), ["optim.max_steps=20"])
+    assert [d.path for d in study.domains] == ["model.attention.k"] and study.base.optim.max_steps == 20
+
+
+def test_cli_fails_fast_without_starting_ray(tmp_path):
+    """`python -m orchestrator sweep` on a bad spec exits 2 with the field named, quickly, and Ray never starts
+    (not even imported) in that process."""
+    bad = write(tmp_path, base_raw(model={"attention": {"kind": "linformer", "heads": 2, "k": {"grid": [8, 64]}}}))
+    probe = (
+        "import sys; from orchestrator.cli import main; rc = main(sys.argv[1:]); "
+        "print('RAY_IMPORTED', 'ray' in sys.modules); sys.exit(rc)"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", probe, "sweep", str(bad)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    elapsed = time.monotonic() - start
+    assert done.returncode == 2, done.stderr
+    assert "trial {model.attention.k=64}" in done.stderr and "max_seq_len" in done.stderr
+    assert "RAY_IMPORTED False" in done.stdout
+    assert not (tmp_path / "runs").exists()
+    assert elapsed < 60  # imports only: no cluster start, no training
+
+    help_run = subprocess.run([sys.executable, "-m", "orchestrator", "--help"], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+    assert help_run.returncode == 0 and all(c in help_run.stdout for c in ("validate", "sweep", "resume", "report"))
