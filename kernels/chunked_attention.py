@@ -52,7 +52,7 @@ class _Layout:
         self.n_chunks = cdiv(seq, chunk)
         self.n_look = min(lookback, self.n_chunks - 1) + 1
         self.block_d = next_power_of_two(head_dim)
-        self.cfg = _kernels().launch_config(self.block_d, chunk, interpreter_enabled())
+        self.cfg = _kernels().launch_config(self.block_d, q.element_size(), chunk, interpreter_enabled())
         needs_positions = causal or self_mask
         if needs_positions and pos_BHT is None:
             pos_BHT = torch.arange(seq, device=q.device).expand(batch, heads, seq)

@@ -78,7 +78,7 @@ def _forward(
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     block_d = next_power_of_two(head_dim)
-    cfg = kern.launch_config(block_d, interpreter_enabled(), backward=False)
+    cfg = kern.launch_config(block_d, q.element_size(), interpreter_enabled(), backward=False)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
     kpm, stride_kpm_b, stride_kpm_n = _mask_args(mask_BN, q)
@@ -111,7 +111,7 @@ def _backward(
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     block_d = next_power_of_two(head_dim)
-    cfg = kern.launch_config(block_d, interpreter_enabled(), backward=True)
+    cfg = kern.launch_config(block_d, q.element_size(), interpreter_enabled(), backward=True)
     # delta_i = sum_d dO_id O_id - dlse_i: the lse gradient enters dS = P * (dP - delta) (docs/kernels.md).
     delta = (dout.float() * out.float()).sum(-1)
     if dlse is not None:

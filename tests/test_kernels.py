@@ -364,6 +364,51 @@ def test_chunked_attention_rejects_bad_arguments() -> None:
         chunked_attention(q, q, q, 4, positions=torch.zeros(1, 3, 8, dtype=torch.long))
 
 
+# Compiles every kernel for an H100/H200 (sm_90) with Triton's bundled ptxas, no GPU needed: the interpreter
+# runs the kernels as Python and so misses errors only the compiler sees (types across branches, layouts,
+# shared-memory limits). Runs in a fresh process because this one has TRITON_INTERPRET=1.
+_COMPILE_SCRIPT = """
+import os
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import k_chunked_attention, k_flash_attention
+
+TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32", "Kpm": "*u8", "Pad": "*u8",
+         "Pos": "*i64"}
+common = dict(HAS_KPM=True, DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64)
+kernels = [(fn, dict(CAUSAL=True, **common)) for fn in
+           (k_flash_attention._flash_fwd, k_flash_attention._flash_bwd_dkdv, k_flash_attention._flash_bwd_dq)]
+kernels += [(fn, dict(WRAP=True, CAUSAL=True, SELF_MASK=True, **common)) for fn in
+            (k_chunked_attention._chunked_fwd, k_chunked_attention._chunked_bwd_dkdv,
+             k_chunked_attention._chunked_bwd_dq)]
+for fn, constexprs in kernels:
+    # Tensors named in capitals are bf16 unless listed; every other argument is an int32 size or stride.
+    signature = {name: "constexpr" if name in constexprs else TYPES.get(name, "*bf16" if name[0].isupper() else "i32")
+                 for name in fn.arg_names}
+    source = ASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+    assert compiled.metadata.shared <= 227 * 1024, (fn.__name__, compiled.metadata.shared)
+    print(fn.__name__, "compiled")
+"""
+
+
+@needs_triton
+@pytest.mark.slow
+def test_kernels_compile_for_gpu() -> None:
+    triton_dir = Path(importlib.util.find_spec("triton").origin).parent
+    if not (triton_dir / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton install has no bundled ptxas; cannot compile for NVIDIA GPUs")
+    root = Path(__file__).resolve().parents[1]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("compiled") == 6
+
+
 def test_import_needs_neither_triton_nor_cuda() -> None:
     """With triton hidden, `import kernels` works and dispatch falls back to the reference."""
     code = (
