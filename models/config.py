@@ -47,7 +47,7 @@ class DeFINEConfig(BaseModel):
             return [1] * self.depth
         if self.transform == "glt":
             return [self.g_max] * self.depth
-        return [max(self.g_max // 2**l, 1) for l in range(self.depth)]
+        return [max(self.g_max // 2**i, 1) for i in range(self.depth)]  # layer l = i + 1
 
     def group_multiple(self) -> int:
         """Every width is a multiple of this, so each layer's input and output split evenly into its groups."""
@@ -59,7 +59,7 @@ class DeFINEConfig(BaseModel):
         if self.skip == "residual":
             return [self.width] * self.depth
         q = self.group_multiple()
-        steps = [self.input_dim + (self.width - self.input_dim) * l / self.depth for l in range(1, self.depth)]
+        steps = [self.input_dim + (self.width - self.input_dim) * i / self.depth for i in range(1, self.depth)]
         return [max(q, q * round(w / q)) for w in steps] + [self.width]
 
     def layer_inputs(self) -> list[int]:
@@ -177,8 +177,9 @@ class ModelConfig(BaseModel):
                 raise ValueError(f"model.{name} must be >= 1 (got {getattr(self, name)})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1) (got {self.dropout})")
-        if isinstance(self.embedding, DeFINEConfig) and not self.embedding.reduce and self.embedding.width != self.d_model:
-            raise ValueError(f"model.embedding.reduce=false feeds the width-{self.embedding.width} expansion straight "
+        define = self.embedding if isinstance(self.embedding, DeFINEConfig) else None
+        if define is not None and not define.reduce and define.width != self.d_model:
+            raise ValueError(f"model.embedding.reduce=false feeds the width-{define.width} expansion straight "
                              f"into the model, so model.embedding.width must equal model.d_model={self.d_model}; "
                              "set width to d_model or reduce=true")
         if isinstance(self.embedding, AdaptiveInputConfig) and min(self.embedding.band_dims(self.d_model)) < 1:

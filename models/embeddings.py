@@ -44,7 +44,8 @@ class GroupLinear(nn.Module):
         super().__init__()
         self.groups = groups
         bound = (in_features // groups) ** -0.5
-        self.weight = nn.Parameter(torch.empty(groups, in_features // groups, out_features // groups).uniform_(-bound, bound))
+        weight = torch.empty(groups, in_features // groups, out_features // groups)
+        self.weight = nn.Parameter(weight.uniform_(-bound, bound))
 
     def forward(self, x_NI: torch.Tensor) -> torch.Tensor:
         x_NGI = x_NI.unflatten(-1, (self.groups, -1))
@@ -135,7 +136,8 @@ class AdaptiveInput(nn.Module):
             nn.init.normal_(proj.weight, std=d_model**-0.5)
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        out_BTD = torch.zeros(*tokens_BT.shape, self.d_model, device=tokens_BT.device, dtype=self.projections[0].weight.dtype)
+        dtype = self.projections[0].weight.dtype
+        out_BTD = torch.zeros(*tokens_BT.shape, self.d_model, device=tokens_BT.device, dtype=dtype)
         for lo, hi, table, proj in zip(self.bounds, self.bounds[1:], self.tables, self.projections):
             in_band_BT = (tokens_BT >= lo) & (tokens_BT < hi)
             if in_band_BT.any():

@@ -32,7 +32,9 @@ import torch.nn as nn
 class ReversibleBlock(Protocol):
     """What a layer offers to run reversibly: its two residual branches, without the residual additions."""
 
-    def attention_branch(self, x_BTD: torch.Tensor, key_padding_mask_BT: torch.Tensor | None = None) -> torch.Tensor: ...
+    def attention_branch(
+        self, x_BTD: torch.Tensor, key_padding_mask_BT: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     def feed_forward_branch(self, x_BTD: torch.Tensor) -> torch.Tensor: ...
 

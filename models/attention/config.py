@@ -100,7 +100,8 @@ class LSHMechanismConfig(_Config):
             raise ValueError(f"model.attention.n_hashes must be >= 1 (got {self.n_hashes}); the paper uses 1-8")
         if self.n_buckets is not None and (self.n_buckets < 2 or self.n_buckets % 2):
             raise ValueError(f"model.attention.n_buckets must be an even number >= 2 (got {self.n_buckets}): "
-                             "angular LSH takes the argmax over [xR; -xR]; leave it unset for 2 * seq_len / bucket_size")
+                             "angular LSH takes the argmax over [xR; -xR]; leave it unset for "
+                             "2 * seq_len / bucket_size")
         return self
 
 

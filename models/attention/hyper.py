@@ -22,8 +22,6 @@ Differences from the official code (insuhan/hyper-attn), all deliberate (see doc
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -121,7 +119,7 @@ class HyperMechanism(nn.Module):
         # the layer's own generator, so validation numbers repeat and do not depend on appended padding.
         m = self.sample_size
         if m > 0:
-            n_real_B = N - kpad_BHN[:, 0].sum(-1) if key_padding_BN is not None else torch.full((B,), N, device=q_BHNE.device)
+            n_real_B = N - kpad_BHN[:, 0].sum(-1)  # padded keys per row (all heads share the mask)
             u_BHM = self._uniform(B, H, m, q_BHNE.device)
             j_BHM = (u_BHM * n_real_B[:, None, None]).long().clamp(max=N - 1)
             k_J = torch.gather(k_s, 2, j_BHM[..., None].expand(B, H, m, E))

@@ -63,7 +63,9 @@ def exact_attention(
     B, _, M, D = q.shape
     N = k.shape[2]
     if key_padding_mask is not None and key_padding_mask.shape != (B, N):
-        raise ValueError(f"key_padding_mask must be bool [batch, seq_k] = [{B}, {N}]; got {tuple(key_padding_mask.shape)}")
+        raise ValueError(
+            f"key_padding_mask must be bool [batch, seq_k] = [{B}, {N}]; got {tuple(key_padding_mask.shape)}"
+        )
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     s_BHMN = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
     masked = None
@@ -109,7 +111,8 @@ def chunked_attention(
     tail = C * chunk - T  # the last chunk is filled up to `chunk` rows with masked keys
 
     def chunked(x_BHT_: torch.Tensor, fill) -> torch.Tensor:
-        x_full = F.pad(x_BHT_, (0, 0, 0, tail), value=fill) if x_BHT_.dim() == 4 else F.pad(x_BHT_, (0, tail), value=fill)
+        pad = (0, 0, 0, tail) if x_BHT_.dim() == 4 else (0, tail)
+        x_full = F.pad(x_BHT_, pad, value=fill)
         return x_full.reshape(B, H, C, chunk, *x_BHT_.shape[3:])
 
     q_BHCQD, k_BHCQD, v_BHCQD = chunked(_acc(q), 0.0), chunked(_acc(k), 0.0), chunked(v, 0.0)

@@ -50,4 +50,5 @@ def build_attention(cfg, layer_index: int, shared_state: nn.ModuleDict, *, cross
     if cfg.d_model is None:
         raise ValueError("model.attention.d_model is unset: build attention through ModelConfig")
     mechanism_cfg = ExactMechanismConfig() if cross else cfg.mechanism
-    return Attention(kind, build_projection(cfg, cross=cross), _build_mechanism(cfg, mechanism_cfg, layer_index, shared_state))
+    mechanism = _build_mechanism(cfg, mechanism_cfg, layer_index, shared_state)
+    return Attention(kind, build_projection(cfg, cross=cross), mechanism)
