@@ -1,0 +1,105 @@
+"""Smoke runs of every benchmark's code path at minimal sizes: the CSV has the expected rows and columns,
+failures and budget stops are recorded rather than dropped, and ratios are positive finite numbers.
+
+The Ray half of benchmarks/ray_overhead.py needs a Ray start-up (tens of seconds), so here it is its
+plain loop and its reading of metric windows; `python -m benchmarks.ray_overhead --quick` runs the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks import attention_scaling, harness, ray_overhead, throughput
+from models.attention import ATTENTION_KINDS
+from orchestrator.spec import validate_spec
+
+CPU = torch.device("cpu")
+
+
+def _floats(rows, column):
+    return [float(row[column]) for row in rows]
+
+
+def test_measure_reports_peak_memory_and_errors():
+    def allocate() -> None:
+        buffer = torch.ones(1024, 1024)  # 4 MiB held until the call returns
+        buffer.add_(1)
+
+    ok = harness.measure(allocate, CPU, repeats=2, call_budget_s=10)
+    assert ok.status == "ok" and ok.repeats == 2 and ok.median_s > 0
+    assert ok.peak_bytes >= 4 * 2**20
+
+    def fail() -> None:
+        raise RuntimeError("out of memory, tried to allocate")
+
+    failed = harness.measure(fail, CPU)
+    assert failed.status.startswith("error: RuntimeError") and "," not in failed.status
+    assert math.isnan(failed.median_s)
+
+
+def test_attention_scaling_csv_covers_every_kind(tmp_path):
+    argv = ["--out", str(tmp_path), "--min-n", "32", "--max-n", "32", "--d-model", "32", "--heads", "4",
+            "--linformer-k", "8", "--lsh-bucket", "8", "--repeats", "1", "--timing-budget-s", "0.05"]
+    rows = attention_scaling.main(argv)
+    folder = tmp_path / harness.machine_label(CPU)
+    written = harness.read_csv(folder / "attention_scaling.csv")
+    assert (folder / "attention_scaling.png").stat().st_size > 0
+    assert len(written) == len(rows)
+
+    settings = attention_scaling.settings_from_args(attention_scaling.parse_args(argv), CPU)
+    labels = [v.label for v in attention_scaling.variants(settings)]
+    assert {v.kind for v in attention_scaling.variants(settings)} == set(ATTENTION_KINDS)
+    assert {(r["variant"], int(r["n"])) for r in written} == {(label, 32) for label in labels}
+    for column in ("fwd_median_s", "fwdbwd_median_s", "fwd_peak_mb", "fwdbwd_peak_mb", "fwd_speedup_vs_mha",
+                   "fwdbwd_speedup_vs_mha", "fwd_mem_ratio_vs_mha", "fwdbwd_mem_ratio_vs_mha",
+                   "fwd_speedup_vs_mha_math"):
+        assert column in written[0]
+    ok = [r for r in written if r["fwd_status"] == "ok" and r["fwdbwd_status"] == "ok"]
+    assert len(ok) == len(written), [r["fwd_status"] for r in written if r not in ok]
+    for column in ("fwd_speedup_vs_mha", "fwdbwd_speedup_vs_mha", "fwd_mem_ratio_vs_mha", "fwdbwd_mem_ratio_vs_mha"):
+        values = _floats(ok, column)
+        assert all(math.isfinite(v) and v > 0 for v in values), column
+    assert all(float(r["fwd_speedup_vs_mha"]) == 1.0 for r in ok if r["variant"] == "mha")
+    assert "| 32 |" in attention_scaling.paper_comparison(rows, [8], "mha")
+
+
+def test_attention_scaling_records_budget_stops(tmp_path):
+    argv = ["--out", str(tmp_path), "--min-n", "32", "--max-n", "64", "--d-model", "16", "--heads", "2",
+            "--kinds", "mha", "--call-budget-s", "0", "--max-materialised-gb", "0"]
+    rows = attention_scaling.main(argv)
+    by_key = {(r["variant"], r["n"]): r for r in rows}
+    assert by_key[("mha", 32)]["fwd_status"] == "over_budget"
+    assert by_key[("mha", 64)]["fwd_status"] == "skipped: over_budget at n=32"
+    assert by_key[("mha-math", 32)]["fwd_status"].startswith("skipped: about")
+    assert math.isnan(by_key[("mha", 64)]["fwd_speedup_vs_mha"])
+
+
+def test_throughput_compares_same_size_models(tmp_path):
+    pytest.importorskip("transformers", reason="the bench extra (transformers) is not installed")
+    size = throughput.Size("test", d_model=32, layers=1, heads=2, ffn=64, vocab=100, seq_len=16, batch=2)
+    rows = throughput.run([size], warmup=1, repeats=2, device=CPU)
+    path = harness.write_csv(rows, tmp_path / "throughput.csv")
+    (row,) = harness.read_csv(path)
+    for column in ("ours_tokens_per_s", "bert_tokens_per_s", "ours_over_bert_tokens_per_s", "ours_peak_mb"):
+        value = float(row[column])
+        assert math.isfinite(value) and value > 0, column
+    # Same architecture numbers: parameter counts within a few percent (BERT adds its head transform).
+    assert abs(int(row["ours_params"]) / int(row["bert_params"]) - 1) < 0.15
+
+
+def test_ray_overhead_plain_loop_windows(tmp_path):
+    scale = ray_overhead.Scale(d_model=16, layers=1, heads=2, ffn=32, seq_len=16, batch_size=4, vocab_size=60,
+                               train_sentences=120, max_steps=6, log_every=2, cpus=1)
+    spec = validate_spec(ray_overhead.bench_spec("bench-test", scale, tmp_path / "runs", "sqlite:///unused.db"))
+    threads = torch.get_num_threads()
+    try:
+        result = ray_overhead.plain_loop(spec, tmp_path / "cache")
+    finally:
+        torch.set_num_threads(threads)
+    assert [step for step, _ in result.windows] == [2, 4, 6]
+    assert all(math.isfinite(v) and v > 0 for _, v in result.windows)
+    assert 0 < result.first_window_s < 60
+    assert ray_overhead.steady(result.windows, scale.max_steps) > 0
