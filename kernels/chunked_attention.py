@@ -11,11 +11,13 @@ from types import ModuleType
 import torch
 
 from kernels.flash_attention import (
+    backward_delta,
     cdiv,
     check_triton_inputs,
     dot_options,
     interpreter_enabled,
     next_power_of_two,
+    strides,
 )
 from kernels.reference import check_chunked_inputs
 
@@ -24,10 +26,6 @@ def _kernels() -> ModuleType:
     from kernels import k_chunked_attention
 
     return k_chunked_attention
-
-
-def _strides(x: torch.Tensor) -> tuple[int, ...]:
-    return tuple(x.stride())
 
 
 class _Layout:
@@ -58,9 +56,9 @@ class _Layout:
             pos_BHT = torch.arange(seq, device=q.device).expand(batch, heads, seq)
         # Dummy pointers (never read: the constexpr flags are off) keep one kernel signature.
         self.pos = pos_BHT if needs_positions else q
-        self.pos_strides = _strides(pos_BHT) if needs_positions else (0, 0, 0)
+        self.pos_strides = strides(pos_BHT) if needs_positions else (0, 0, 0)
         self.pad = pad_BHT.to(torch.uint8) if pad_BHT is not None else q
-        self.pad_strides = _strides(self.pad) if pad_BHT is not None else (0, 0, 0)
+        self.pad_strides = strides(self.pad) if pad_BHT is not None else (0, 0, 0)
         self.scalars = (heads, seq, head_dim, chunk, self.n_chunks, self.n_look)
         self.scale = scale
         self.constexprs = dict(
@@ -88,7 +86,7 @@ def _forward(
     grid, blocks_per_chunk = lay.grid(lay.cfg["BLOCK_M"])
     kern._chunked_fwd[grid](
         q, k, v, out, lse, lay.pos, lay.pad,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *lay.mask_args,
+        *strides(q), *strides(k), *strides(v), *strides(out), *lay.mask_args,
         *lay.scalars, blocks_per_chunk, lay.scale * math.log2(math.e),
         **lay.constexprs,
     )  # fmt: skip
@@ -106,28 +104,24 @@ def _backward(
     lay: _Layout,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kern = _kernels()
-    # The lse gradient folds into delta exactly as in kernels/flash_attention.py (docs/kernels.md).
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    delta = backward_delta(out, dout, dlse)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    inputs_strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+    inputs_strides = (*strides(q), *strides(k), *strides(v), *strides(dout))
     scales = (lay.scale * math.log2(math.e), lay.scale)
 
     grid, blocks_per_chunk = lay.grid(lay.cfg["BLOCK_N"])
     kern._chunked_bwd_dkdv[grid](
         q, k, v, dout, lse, delta, dk, dv, lay.pos, lay.pad,
-        *inputs_strides, *_strides(dk), *lay.mask_args,
+        *inputs_strides, *strides(dk), *lay.mask_args,
         *lay.scalars, blocks_per_chunk, *scales,
         **lay.constexprs,
     )  # fmt: skip
     grid, blocks_per_chunk = lay.grid(lay.cfg["BLOCK_M"])
     kern._chunked_bwd_dq[grid](
         q, k, v, dout, lse, delta, dq, lay.pos, lay.pad,
-        *inputs_strides, *_strides(dq), *lay.mask_args,
+        *inputs_strides, *strides(dq), *lay.mask_args,
         *lay.scalars, blocks_per_chunk, *scales,
         **lay.constexprs,
     )  # fmt: skip

@@ -58,8 +58,17 @@ def _kernels() -> ModuleType:
     return k_flash_attention
 
 
-def _strides(x: torch.Tensor) -> tuple[int, ...]:
+def strides(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(x.stride())
+
+
+def backward_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """delta_i = sum_d dO_id O_id - dlse_i, fp32 [B, H, M]: FA2's Delta with the lse gradient folded in, so
+    that dS = P * (dP - delta) (docs/kernels.md)."""
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    return delta.contiguous()
 
 
 def _mask_args(mask_BN: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -85,7 +94,7 @@ def _forward(
     grid = (cdiv(seq_q, cfg["BLOCK_M"]), batch * heads)
     kern._flash_fwd[grid](
         q, k, v, out, lse, kpm,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        *strides(q), *strides(k), *strides(v), *strides(out),
         stride_kpm_b, stride_kpm_n,
         heads, seq_q, seq_k, head_dim, scale * kern.LOG2E.value,
         CAUSAL=causal, HAS_KPM=mask_BN is not None, **dot_options(q.dtype),
@@ -112,11 +121,7 @@ def _backward(
     seq_k = k.shape[2]
     block_d = next_power_of_two(head_dim)
     cfg = kern.launch_config(block_d, q.element_size(), interpreter_enabled(), backward=True)
-    # delta_i = sum_d dO_id O_id - dlse_i: the lse gradient enters dS = P * (dP - delta) (docs/kernels.md).
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    delta = backward_delta(out, dout, dlse)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -126,14 +131,14 @@ def _backward(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    qkv_strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+    qkv_strides = (*strides(q), *strides(k), *strides(v), *strides(dout))
     sizes = (heads, seq_q, seq_k, head_dim, scale * kern.LOG2E.value, scale)
     kern._flash_bwd_dkdv[(cdiv(seq_k, cfg["BLOCK_N"]), batch * heads)](
-        q, k, v, dout, lse, delta, dk, dv, kpm, *qkv_strides, *_strides(dk), stride_kpm_b, stride_kpm_n,
+        q, k, v, dout, lse, delta, dk, dv, kpm, *qkv_strides, *strides(dk), stride_kpm_b, stride_kpm_n,
         *sizes, **common,
     )  # fmt: skip
     kern._flash_bwd_dq[(cdiv(seq_q, cfg["BLOCK_M"]), batch * heads)](
-        q, k, v, dout, lse, delta, dq, kpm, *qkv_strides, *_strides(dq), stride_kpm_b, stride_kpm_n,
+        q, k, v, dout, lse, delta, dq, kpm, *qkv_strides, *strides(dq), stride_kpm_b, stride_kpm_n,
         *sizes, **common,
     )  # fmt: skip
     return dq, dk, dv
