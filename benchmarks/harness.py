@@ -126,9 +126,9 @@ def measure(
 
     The first call runs under the memory measurement and counts as the first warmup call. If it takes
     longer than `call_budget_s` the case ends as "over_budget"; otherwise repeats are cut so the timed
-    calls take about `timing_budget_s` (default: `call_budget_s`) in all, at least one, which keeps the
-    largest sizes affordable on a CPU. Exceptions (out of memory, an unsupported size) are returned as an
-    "error: ..." status instead of being raised.
+    calls take about `timing_budget_s` (default: `call_budget_s`) in all, which keeps the largest sizes
+    affordable on a CPU; when not even one fits, the first call's time is reported with repeats = 0.
+    Exceptions (out of memory, an unsupported size) are returned as an "error: ..." status, not raised.
     """
     try:
         start = time.perf_counter()
@@ -139,13 +139,15 @@ def measure(
         for _ in range(warmup - 1):
             fn()
         timing_budget_s = call_budget_s if timing_budget_s is None else timing_budget_s
-        n_timed = max(1, min(repeats, int(timing_budget_s // max(first, 1e-9))))
+        n_timed = min(repeats, int(timing_budget_s // max(first, 1e-9)))
         times = [timed_call(fn, device) for _ in range(n_timed)]
     except (RuntimeError, ValueError, MemoryError, NotImplementedError) as err:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return Measurement(describe_error(err))
-    return Measurement("ok", statistics.median(times), len(times), peak, first)
+    # A first call longer than the whole timing budget is the measurement (repeats = 0): at such sizes the
+    # compute dwarfs the profiler's per-op cost and the first-touch page faults.
+    return Measurement("ok", statistics.median(times) if times else first, len(times), peak, first)
 
 
 def interleaved_medians(
