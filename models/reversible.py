@@ -11,10 +11,11 @@ with F = the attention branch and G = the feed-forward branch of a layer. `rever
 stack under one autograd function that keeps only the last layer's outputs; in the backward pass each block's
 inputs are rebuilt from its outputs, so the memory of saved activations does not grow with depth.
 
-Two properties make the recomputation exact:
+Three properties make the recomputation exact:
 - Randomness replays: the CPU (and CUDA) RNG state before each branch is recorded in the forward pass and
   restored, inside `torch.random.fork_rng`, when the branch is recomputed, so dropout masks and
   HyperAttention's samples are the same. LSH rotations are a fixed function of the layer's seed anyway.
+- Autocast replays: the forward's autocast mode is re-entered for the recomputation.
 - Parameters are inputs of the autograd function and their gradients are returned from its backward, so
   they reach `.grad` through the normal accumulation path: `torch.autograd.grad` and DDP's gradient hooks
   see them (the RevTorch / lucidrains pattern writes `.grad` behind autograd's back, which breaks DDP).
@@ -37,6 +38,20 @@ class ReversibleBlock(Protocol):
     ) -> torch.Tensor: ...
 
     def feed_forward_branch(self, x_BTD: torch.Tensor) -> torch.Tensor: ...
+
+
+class _AutocastState:
+    """The autocast mode of the forward pass; the backward runs outside it, so recomputation re-enters it
+    (as torch.utils.checkpoint does), otherwise a bf16 forward would be recomputed in fp32 and the rebuilt
+    inputs would be off by bf16 rounding."""
+
+    def __init__(self, device: torch.device):
+        self.device_type = device.type
+        self.enabled = torch.is_autocast_enabled(self.device_type)
+        self.dtype = torch.get_autocast_dtype(self.device_type)
+
+    def replay(self) -> torch.autocast:
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 
 
 class _RNGState:
@@ -75,6 +90,7 @@ class _ReversibleFunction(torch.autograd.Function):
             x1_BTD, x2_BTD = y1_BTD, y2_BTD
             rng.append((f_state, g_state))
         ctx.blocks, ctx.mask_BT, ctx.rng, ctx.params = blocks, mask_BT, rng, params
+        ctx.autocast = _AutocastState(x1_BTD.device)
         ctx.save_for_backward(x1_BTD, x2_BTD)
         return x1_BTD, x2_BTD
 
@@ -89,7 +105,7 @@ class _ReversibleFunction(torch.autograd.Function):
             # G: y2 = x2 + G(y1)  ->  x2 = y2 - G(y1); dL/dy1 gains dL/dy2 * dG/dy1.
             with torch.enable_grad():
                 y1_req = y1_BTD.detach().requires_grad_()
-                with g_state.replay():
+                with g_state.replay(), ctx.autocast.replay():
                     g_BTD = block.feed_forward_branch(y1_req)
                 d_y1, *g_grads = torch.autograd.grad(g_BTD, (y1_req, *params), dy2_BTD, allow_unused=True)
             x2_BTD = y2_BTD - g_BTD.detach()
@@ -97,7 +113,7 @@ class _ReversibleFunction(torch.autograd.Function):
             # F: y1 = x1 + F(x2)  ->  x1 = y1 - F(x2); dL/dx2 = dL/dy2 + dL/dx1 * dF/dx2.
             with torch.enable_grad():
                 x2_req = x2_BTD.detach().requires_grad_()
-                with f_state.replay():
+                with f_state.replay(), ctx.autocast.replay():
                     f_BTD = block.attention_branch(x2_req, key_padding_mask_BT=ctx.mask_BT)
                 d_x2, *f_grads = torch.autograd.grad(f_BTD, (x2_req, *params), dx1_BTD, allow_unused=True)
             x1_BTD = y1_BTD - f_BTD.detach()
