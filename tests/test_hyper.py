@@ -71,15 +71,21 @@ def test_blocks_alone_are_worse_than_blocks_plus_samples():
     assert err[512] < err[0], err
 
 
-def test_causal_version_leaks_nothing_from_the_future():
-    T = 40  # min_seq_len 8: three levels of halving, odd pieces padded, off-diagonal blocks approximated
+def test_causal_version_leaks_nothing_from_the_future_nor_from_padding():
+    T, real = 44, 37  # min_seq_len 8: 44 -> 22 -> 11 (odd: padded to 12) -> 6, off-diagonal blocks approximated
     q, k, v = qkv(T, seed=5, requires_grad=True)
-    out = hyper(block_size=4, sample_size=6, min_seq_len=8, lsh_bits=2).train()(q, k, v, causal=True)
-    for i in (0, 9, 10, 21, 39):
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[1, real:] = True
+    out = hyper(block_size=4, sample_size=6, min_seq_len=8, lsh_bits=2).train()(
+        q, k, v, causal=True, key_padding_mask_BS=mask
+    )
+    for i in (0, 9, 10, 21, 30, 43):
         grads = torch.autograd.grad(out[:, :, i].sum(), (q, k, v), retain_graph=True)
         for g in grads:
             assert torch.count_nonzero(g[:, :, i + 1 :]) == 0
         assert grads[2][:, :, : i + 1].abs().sum() > 0
+    _, gk, gv = torch.autograd.grad(out[1, :, :real].sum(), (q, k, v))
+    assert torch.count_nonzero(gk[1, :, real:]) == 0 and torch.count_nonzero(gv[1, :, real:]) == 0
 
 
 def test_causal_matches_exact_where_the_recursion_is_exact():
