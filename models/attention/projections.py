@@ -138,9 +138,9 @@ class HeadEmbeddingProjection(ProjectionScheme):
 class SharedQKProjection(ProjectionScheme):
     """lsh: one W for queries and keys (Reformer, Kitaev et al., 2020, arXiv 2001.04451, Sec. 2.2).
 
-    Keys are the queries unit-normalised per head: LSH hashes the shared vector, so a query lands in the
-    bucket of its own key, and normalising the keys keeps a long query from dominating its bucket through the
-    norm alone (Reformer's remark on shared-QK attention). Queries keep their norm, which acts as a temperature.
+    Keys are the queries unit-normalised per head (k_j = q_j / |q_j|, Sec. 2.2): hashing is angular, so a
+    query lands in its own key's bucket, and with unit keys a logit depends only on the query's norm and the
+    angle, the quantity angular LSH groups by. The paper reports shared QK costs no accuracy.
     """
 
     def __init__(self, cfg: _AttentionConfig):
