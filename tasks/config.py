@@ -26,11 +26,15 @@ class BuiltinCorpusConfig(_Config):
     """Sentences or pairs in each of the validation and test splits."""
     seed: int = 1234
     """Seed of the generator; fixed apart from the run seed so every trial sees the same data."""
+    lexicon_size: int = 60
+    """Nouns per language (verbs, adjectives and adverbs scale with it); small values make a quick smoke task."""
 
     @model_validator(mode="after")
     def _check(self) -> "BuiltinCorpusConfig":
         if self.train_sentences < 1 or self.eval_sentences < 1:
             raise ValueError("task.builtin.train_sentences and task.builtin.eval_sentences must be >= 1")
+        if self.lexicon_size < 6:
+            raise ValueError(f"task.builtin.lexicon_size={self.lexicon_size} must be >= 6 (one noun per semantic class)")
         return self
 
 

@@ -48,15 +48,15 @@ class _Lexicon:
     prepositions: tuple[list[str], list[str]]
 
 
-def _lexicon(seed: int) -> _Lexicon:
+def _lexicon(seed: int, size: int) -> _Lexicon:
     rng = random.Random(seed)
     taken: set[str] = set()
 
     def pair(n: int) -> tuple[list[str], list[str]]:
         return _words(rng, n, "ptkbdgmnlr", "aeiou", taken), _words(rng, n, "fvszhjwc", "aeiouy", taken)
 
-    return _Lexicon(nouns=pair(60), verbs=pair(30), adjectives=pair(24), adverbs=pair(12),
-                    determiners=pair(3), prepositions=pair(6))
+    return _Lexicon(nouns=pair(size), verbs=pair(max(_N_CLASSES, size // 2)), adjectives=pair(max(2, 2 * size // 5)),
+                    adverbs=pair(max(2, size // 5)), determiners=pair(3), prepositions=pair(max(2, size // 10)))
 
 
 # A tree is nested tuples of word indices:
@@ -66,8 +66,8 @@ def _lexicon(seed: int) -> _Lexicon:
 class SyntheticGrammar:
     """Samples sentence trees and renders them in language xa or xb."""
 
-    def __init__(self, seed: int):
-        self.lex = _lexicon(seed)
+    def __init__(self, seed: int, lexicon_size: int = 60):
+        self.lex = _lexicon(seed, lexicon_size)
         n_nouns, n_verbs = len(self.lex.nouns[0]), len(self.lex.verbs[0])
         self.noun_class = [i % _N_CLASSES for i in range(n_nouns)]
         self.verb_object_class = [i % _N_CLASSES for i in range(n_verbs)]
@@ -121,7 +121,7 @@ def _split_sizes(cfg: BuiltinCorpusConfig) -> dict[str, int]:
 
 def builtin_lm_corpus(cfg: BuiltinCorpusConfig) -> dict[str, list[str]]:
     """Language-model text per split: lines of 1-4 xa sentences (a line is one document)."""
-    grammar = SyntheticGrammar(cfg.seed)
+    grammar = SyntheticGrammar(cfg.seed, cfg.lexicon_size)
     out: dict[str, list[str]] = {}
     for i, (split, n) in enumerate(_split_sizes(cfg).items()):
         rng = random.Random(cfg.seed * 1000 + i + 1)
@@ -141,7 +141,7 @@ def builtin_parallel_corpus(cfg: BuiltinCorpusConfig, source_lang: str, target_l
         if lang not in BUILTIN_LANGUAGES:
             raise ValueError(f"task.{field}={lang!r}: the builtin pair has languages {BUILTIN_LANGUAGES}; "
                              "use those codes or point task.files at real parallel data")
-    grammar = SyntheticGrammar(cfg.seed)
+    grammar = SyntheticGrammar(cfg.seed, cfg.lexicon_size)
     out: dict[str, tuple[list[str], list[str]]] = {}
     for i, (split, n) in enumerate(_split_sizes(cfg).items()):
         rng = random.Random(cfg.seed * 1000 + 100 + i)

@@ -1,0 +1,137 @@
+"""Batched beam search and greedy decoding for an encoder-decoder with `encode` / `decode`.
+
+Beam search follows the fairseq SequenceGenerator (Ott et al., 2019, arXiv 1904.01038): every step expands the
+K live hypotheses of each sentence, takes the best 2K continuations (so K survive even when some end), moves a
+continuation that ends in eos to the finished list only when it ranks among the top K, and stops a sentence as
+soon as it has K finished hypotheses. Finished hypotheses are ranked by log p / length**length_penalty (Wu et
+al., 2016 use a similar normalisation), where length counts the generated pieces including eos. At the length
+limit max_len_a * source_length + max_len_b only eos is allowed, so every sentence finishes.
+
+Greedy decoding is beam search with K = 1 (the eos rule then means "stop when eos is the argmax"); the
+separate `greedy_decode` is kept as a simple reference that the tests compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class DecodeSpecials:
+    """Token ids the decoder must know: start, end, and ids that may never be generated."""
+
+    bos: int
+    eos: int
+    forbidden: tuple[int, ...]
+
+
+def max_lengths(src_lengths_B: torch.Tensor, max_len_a: float, max_len_b: int, cap: int) -> torch.Tensor:
+    """Per-sentence limit on generated pieces (eos included), at most `cap` (the model's position table)."""
+    return (src_lengths_B.float() * max_len_a + max_len_b).long().clamp(1, cap)
+
+
+def _step_log_probs(model: nn.Module, tokens_NT: torch.Tensor, memory_NSD: torch.Tensor,
+                    src_padding_mask_NS: torch.Tensor | None, specials: DecodeSpecials,
+                    force_eos_N: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities [N, V] of the next piece; forbidden ids get -inf, and only eos where force_eos."""
+    logits_NV = model.decode(tokens_NT, memory_NSD, src_padding_mask_NS)[:, -1].float()
+    logp_NV = torch.log_softmax(logits_NV, dim=-1)
+    logp_NV[:, list(specials.forbidden)] = -torch.inf
+    if force_eos_N.any():
+        eos_col_N = logp_NV[:, specials.eos].clone()
+        logp_NV[force_eos_N] = -torch.inf
+        # forcing keeps the model's own eos probability so finished scores stay true log-probabilities
+        logp_NV[force_eos_N, specials.eos] = eos_col_N[force_eos_N]
+    return logp_NV
+
+
+@torch.no_grad()
+def greedy_decode(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: torch.Tensor | None,
+                  max_len_B: torch.Tensor, specials: DecodeSpecials) -> list[list[int]]:
+    """Argmax piece by piece until eos or the length limit; returns pieces without bos/eos."""
+    B = src_BS.shape[0]
+    memory_BSD = model.encode(src_BS, src_padding_mask_BS)
+    tokens_BT = torch.full((B, 1), specials.bos, dtype=torch.long, device=src_BS.device)
+    finished_B = torch.zeros(B, dtype=torch.bool, device=src_BS.device)
+    for t in range(int(max_len_B.max())):
+        logp_BV = _step_log_probs(model, tokens_BT, memory_BSD, src_padding_mask_BS, specials, t + 1 >= max_len_B)
+        next_B = logp_BV.argmax(-1).masked_fill(finished_B, specials.eos)
+        tokens_BT = torch.cat([tokens_BT, next_B[:, None]], dim=1)
+        finished_B |= next_B == specials.eos
+        if finished_B.all():
+            break
+    out = []
+    for row in tokens_BT[:, 1:].tolist():
+        out.append(row[: row.index(specials.eos)] if specials.eos in row else row)
+    return out
+
+
+@torch.no_grad()
+def beam_search(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: torch.Tensor | None,
+                max_len_B: torch.Tensor, specials: DecodeSpecials, *, beam_size: int,
+                length_penalty: float) -> tuple[list[list[int]], list[float]]:
+    """Best hypothesis per sentence (pieces without bos/eos) and its normalised score."""
+    B, K, device = src_BS.shape[0], beam_size, src_BS.device
+    memory_NSD = model.encode(src_BS, src_padding_mask_BS).repeat_interleave(K, dim=0)  # N = B * K
+    mask_NS = None if src_padding_mask_BS is None else src_padding_mask_BS.repeat_interleave(K, dim=0)
+    max_len_N = max_len_B.repeat_interleave(K)
+    tokens_NT = torch.full((B * K, 1), specials.bos, dtype=torch.long, device=device)
+    scores_BK = torch.full((B, K), -torch.inf, device=device)
+    scores_BK[:, 0] = 0.0  # all beams start identical: keep one alive so the first step has K distinct picks
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+    done_B = torch.zeros(B, dtype=torch.bool, device=device)
+    rank_2K = torch.arange(2 * K, device=device)
+
+    for t in range(int(max_len_B.max())):
+        logp_NV = _step_log_probs(model, tokens_NT, memory_NSD, mask_NS, specials, t + 1 >= max_len_N)
+        V = logp_NV.shape[-1]
+        cand_BKV = scores_BK[:, :, None] + logp_NV.view(B, K, V)
+        top_scores_B2K, top_index_B2K = cand_BKV.view(B, K * V).topk(min(2 * K, K * V), dim=-1)
+        origin_B2K, piece_B2K = top_index_B2K // V, top_index_B2K % V
+
+        is_eos_B2K = piece_B2K == specials.eos
+        ends_B2K = is_eos_B2K & (rank_2K[: is_eos_B2K.shape[1]] < K) & torch.isfinite(top_scores_B2K) & ~done_B[:, None]
+        for b, j in ends_B2K.nonzero().tolist():
+            if len(finished[b]) < K:
+                raw = float(top_scores_B2K[b, j])
+                seq = tokens_NT[b * K + int(origin_B2K[b, j]), 1:].tolist()
+                finished[b].append((raw / float(t + 1) ** length_penalty, seq))
+
+        # the K best continuations that do not end: candidates are sorted, so mask eos and take the top K
+        live_scores_B2K = top_scores_B2K.masked_fill(is_eos_B2K, -torch.inf)
+        keep_scores_BK, keep_BK = live_scores_B2K.topk(K, dim=-1)
+        origin_BK = origin_B2K.gather(1, keep_BK)
+        piece_BK = piece_B2K.gather(1, keep_BK)
+
+        done_B |= torch.tensor([len(f) >= K for f in finished], device=device)
+        done_B |= t + 1 >= max_len_B  # the limit forced eos on every live beam
+        if bool(done_B.all()):
+            break
+        scores_BK = keep_scores_BK.masked_fill(done_B[:, None], -torch.inf)
+        rows_N = (torch.arange(B, device=device)[:, None] * K + origin_BK).view(-1)
+        tokens_NT = torch.cat([tokens_NT[rows_N], piece_BK.view(-1, 1)], dim=1)
+
+    hypotheses, best_scores = [], []
+    for b in range(B):
+        if not finished[b]:  # only reachable if every beam died at once; fall back to the best live one
+            finished[b].append((float(scores_BK[b, 0]), tokens_NT[b * K, 1:].tolist()))
+        score, seq = max(finished[b], key=lambda item: item[0])
+        hypotheses.append(seq)
+        best_scores.append(score)
+    return hypotheses, best_scores
+
+
+def sequence_log_prob(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: torch.Tensor | None,
+                      hypothesis: list[int], row: int, specials: DecodeSpecials) -> float:
+    """Log p(hypothesis + eos | source `row`) under the model: the quantity beam search maximises."""
+    src_1S = src_BS[row: row + 1]
+    mask_1S = None if src_padding_mask_BS is None else src_padding_mask_BS[row: row + 1]
+    tgt = [specials.bos, *hypothesis, specials.eos]
+    tgt_1T = torch.tensor([tgt], dtype=torch.long, device=src_BS.device)
+    with torch.no_grad():
+        logits_1TV = model.decode(tgt_1T[:, :-1], model.encode(src_1S, mask_1S), mask_1S).float()
+        logp_1TV = torch.log_softmax(logits_1TV, dim=-1)
+    return float(logp_1TV[0].gather(1, tgt_1T[0, 1:, None]).sum())
