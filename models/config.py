@@ -137,7 +137,7 @@ class ModelConfig(BaseModel):
     positional: Literal["learned", "sinusoidal"] = "learned"
     """Absolute position embeddings: a learned table or fixed sinusoids (Vaswani et al., 2017)."""
     attention: AttentionConfig = Field(default_factory=MHAConfig)
-    """The attention block: {kind: mha | sha | mqa | gqa | skv | el_att | mhe | linformer, heads, knobs...}."""
+    """The attention block: {kind: mha | sha | mqa | gqa | skv | el_att | mhe | linformer | lsh | hyper, heads, ...}."""
     embedding: EmbeddingConfig = Field(default_factory=StandardEmbeddingConfig)
     """Token embedding: {kind: standard}, {kind: define, input_dim, width, depth, ...} or {kind: adaptive, cutoffs}."""
     tie_output: bool = True
