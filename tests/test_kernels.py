@@ -144,7 +144,7 @@ def test_lse_gradient_matches_derivation() -> None:
     q, k, v = (torch.randn(1, 2, 9, 16, dtype=torch.float64) for _ in range(3))
     g = torch.randn(1, 2, 9, dtype=torch.float64)
     scale = 0.3
-    out, lse, (dq, dk, dv) = outputs_and_grads(
+    _, _, (dq, dk, dv) = outputs_and_grads(
         exact_attention_reference, q, k, v, torch.zeros_like(q), g, causal=True, scale=scale
     )
     s = scale * q @ k.transpose(-1, -2)
