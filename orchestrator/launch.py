@@ -46,8 +46,15 @@ def ray_runtime_env() -> dict[str, Any]:
 def connect() -> None:
     """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), else start a local one."""
     os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # read when ray.train is first imported
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, runtime_env=ray_runtime_env())
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        # A cluster (e.g. under `ray job submit`): the job's own runtime_env applies; nodes have the project
+        # installed (cluster.yaml setup_commands) and Train V2 is Ray 2.60's default.
+        ray.init(address=address)
+    else:
+        ray.init(runtime_env=ray_runtime_env())
 
 
 def _check_cluster(spec: ExperimentSpec) -> dict[str, float]:
@@ -236,7 +243,13 @@ def _tune_config(study: Study, resources: Mapping[str, float]):
         search_alg = OptunaSearch(seed=spec.optim.seed)
     return tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler, search_alg=search_alg,
                            num_samples=settings.num_samples,
-                           max_concurrent_trials=max_concurrent_trials(spec, resources))
+                           max_concurrent_trials=max_concurrent_trials(spec, resources),
+                           trial_name_creator=_trial_name, trial_dirname_creator=_trial_name)
+
+
+def _trial_name(trial: Any) -> str:
+    """`trial_<id>`: the id alone names a trial everywhere (Tune folder, Train run, MLflow child run)."""
+    return f"trial_{trial.trial_id}"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import sys
 import time
 import warnings
 from collections import deque
@@ -211,10 +212,16 @@ class ConsoleLogger:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         parts = [f"{k} {v:.4g}" for k, v in metrics.items()]
-        print(f"[{self.label}] step {step}/{self.max_steps} | " + " | ".join(parts), flush=True)
+        self._write(f"[{self.label}] step {step}/{self.max_steps} | " + " | ".join(parts))
 
     def close(self, status: str = "FINISHED") -> None:
-        print(f"[{self.label}] {status.lower()}", flush=True)
+        self._write(f"[{self.label}] {status.lower()}")
+
+    @staticmethod
+    def _write(line: str) -> None:
+        # Not print(): Ray Train patches print on workers to tee into its logger, which shows every line twice.
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 class MlflowLogger:

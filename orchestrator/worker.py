@@ -13,6 +13,7 @@ import math
 import random
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -168,7 +169,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         else (MetricsLogger(), None, run_id)
     )
     if rank == 0 and checkpoint is not None:
-        print(f"[{spec.name}] resumed from step {step} (MLflow run {run_id})", flush=True)
+        sys.stdout.write(f"[{spec.name}] resumed from step {step} (MLflow run {run_id})\n")
 
     fail_at_step = config.get("fail_at_step")
     batches = task.train_batches(position)

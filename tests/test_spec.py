@@ -168,3 +168,12 @@ def test_cli_fails_fast_without_starting_ray(tmp_path):
     help_run = subprocess.run([sys.executable, "-m", "orchestrator", "--help"], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
     assert help_run.returncode == 0 and all(c in help_run.stdout for c in ("validate", "sweep", "resume", "report"))
+
+
+def test_report_and_ui_subcommands_delegate(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["report", "--help"])
+    assert done.value.code == 0 and "orchestrator report" in capsys.readouterr().out
+    assert main(["ui", str(REPO / "configs" / "smoke.yaml"), "tracking.uri=http://head:5000"]) == 0
+    out = capsys.readouterr().out
+    assert "http://head:5000" in out and "ray attach cluster.yaml -p 5000" in out
