@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Config(BaseModel):
@@ -40,7 +42,8 @@ class BuiltinCorpusConfig(_Config):
 
 class DataFiles(_Config):
     """Local files per split. LM: plain text paths (gzipped or not). Translation: path prefixes, read as
-    `<prefix>.<lang>` or `<prefix>.<lang>.gz`. Relative paths are resolved against the working directory."""
+    `<prefix>.<lang>` or `<prefix>.<lang>.gz`. Relative paths are made absolute against the working directory
+    where the spec is validated, because Ray workers may run elsewhere."""
 
     train: str
     """Training split (file for LM, prefix for translation)."""
@@ -48,6 +51,11 @@ class DataFiles(_Config):
     """Validation split; needed when task.eval_split is "validation"."""
     test: str | None = None
     """Test split; needed when task.eval_split is "test"."""
+
+    @field_validator("train", "validation", "test")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        return None if value is None else str(Path(value).expanduser().resolve())
 
 
 class _TaskConfig(_Config):
