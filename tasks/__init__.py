@@ -19,6 +19,8 @@ from tasks.config import (
     TaskConfig,
     TranslationTaskConfig,
 )
+from tasks.lm import CausalLMTask, MaskedLMTask
+from tasks.translation import TranslationTask
 
 
 def _supports_causal(model_cfg: ModelConfig) -> bool:
@@ -50,15 +52,9 @@ def build_task(task_cfg: TaskConfig, model_cfg: ModelConfig, ctx: WorkerContext)
     """The task of a spec on one worker: model builder, sharded batches, loss, evaluation."""
     check_compatible(task_cfg, model_cfg)
     if isinstance(task_cfg, MLMTaskConfig):
-        from tasks.lm import MaskedLMTask
-
         return MaskedLMTask(task_cfg, model_cfg, ctx)
     if isinstance(task_cfg, CausalLMTaskConfig):
-        from tasks.lm import CausalLMTask
-
         return CausalLMTask(task_cfg, model_cfg, ctx)
-    from tasks.translation import TranslationTask
-
     return TranslationTask(task_cfg, model_cfg, ctx)
 
 

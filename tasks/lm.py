@@ -131,6 +131,7 @@ class _LanguageModelTask:
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Token-weighted loss over the evaluation split (or its first task.eval_batches batches)."""
+        model = getattr(model, "module", model)  # a DDP wrapper: score the module itself, on this rank alone
         was_training = model.training
         model.eval()
         device = _model_device(model)

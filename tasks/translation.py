@@ -182,6 +182,9 @@ class TranslationTask:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Token-weighted unsmoothed loss over the split, then beam search + sacrebleu on (the first
+        task.eval_max_sentences of) its sources; the hypotheses are written for artifacts()."""
+        model = getattr(model, "module", model)  # a DDP wrapper has no encode/decode: use the module itself
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
