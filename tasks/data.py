@@ -170,10 +170,17 @@ def _cached_arrays(path: Path, build: Callable[[], dict[str, np.ndarray]]) -> di
         return {k: data[k] for k in data.files}
 
 
-def _flatten(seqs: list[list[int]]) -> dict[str, np.ndarray]:
-    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
-    flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(lengths.sum()))
-    return {"flat": flat, "offsets": np.concatenate([[0], np.cumsum(lengths)])}
+def _encode_flat(tokenizer: Tokenizer, texts: list[str], chunk: int = 20000) -> dict[str, np.ndarray]:
+    """Token ids of every line as one int32 array plus offsets; encoded in chunks so that a large corpus
+    never sits in memory as Python lists of ints (about 30x the size of the array)."""
+    flats, lengths = [], []
+    for start in range(0, len(texts), chunk):
+        seqs = tokenizer.encode(texts[start:start + chunk])
+        lengths.append(np.fromiter((len(x) for x in seqs), dtype=np.int64, count=len(seqs)))
+        flats.append(np.fromiter((t for x in seqs for t in x), dtype=np.int32, count=int(lengths[-1].sum())))
+    length = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    flat = np.concatenate(flats) if flats else np.zeros(0, np.int32)
+    return {"flat": flat, "offsets": np.concatenate([[0], np.cumsum(length)])}
 
 
 def _unflatten(arrays: dict[str, np.ndarray], prefix: str) -> list[np.ndarray]:
@@ -196,7 +203,7 @@ def prepare_lm(cfg: LMConfig, splits: Sequence[str], cache_dir: Path) -> tuple[T
     for split in splits:
         key = cache_key(tokenizer=tokenizer.model_path.name, data=_fingerprint(cfg, split))
         arrays = _cached_arrays(Path(cache_dir) / "prepared" / f"lm-{split}-{key}.npz",
-                                lambda: _flatten(tokenizer.encode(texts()[split])))
+                                lambda: _encode_flat(tokenizer, texts()[split]))
         out[split] = token_stream(arrays["flat"], arrays["offsets"], EOS_ID)
     return tokenizer, hit, out
 
@@ -222,7 +229,7 @@ def prepare_parallel(cfg: TranslationTaskConfig, splits: Sequence[str], cache_di
 
         def build(split: str = split) -> dict[str, np.ndarray]:
             src, tgt = texts()[split]
-            s, t = _flatten(tokenizer.encode(src)), _flatten(tokenizer.encode(tgt))
+            s, t = _encode_flat(tokenizer, src), _encode_flat(tokenizer, tgt)
             refs = np.frombuffer(json.dumps(tgt).encode(), dtype=np.uint8)
             return {"src_flat": s["flat"], "src_offsets": s["offsets"], "tgt_flat": t["flat"],
                     "tgt_offsets": t["offsets"], "references": refs}

@@ -54,22 +54,29 @@ def length_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, order: np.n
 
 def collate_pairs(src: list[np.ndarray], tgt: list[np.ndarray]) -> Batch:
     """src [B, S] + mask, decoder input bos + tgt [B, T] + mask, targets tgt + eos with padding ignored."""
-    B, S, T = len(src), max(len(s) for s in src), max(len(t) for t in tgt) + 1
-    src_BS = np.full((B, S), PAD_ID, dtype=np.int64)
+    B, T = len(src), max(len(t) for t in tgt) + 1
+    src_BS, src_padding_mask_BS = pad_sources(src)
     tgt_in_BT = np.full((B, T), PAD_ID, dtype=np.int64)
     tgt_out_BT = np.full((B, T), IGNORE, dtype=np.int64)
-    for b, (s, t) in enumerate(zip(src, tgt)):
-        src_BS[b, : len(s)] = s
+    for b, t in enumerate(tgt):
         tgt_in_BT[b, : len(t) + 1] = np.concatenate([[BOS_ID], t])
         tgt_out_BT[b, : len(t) + 1] = np.concatenate([t, [EOS_ID]])
     tensors = {
-        "src": torch.from_numpy(src_BS),
-        "src_padding_mask": torch.from_numpy(src_BS == PAD_ID),
+        "src": src_BS,
+        "src_padding_mask": src_padding_mask_BS,
         "tgt_in": torch.from_numpy(tgt_in_BT),
         "tgt_padding_mask": torch.from_numpy(tgt_out_BT == IGNORE),
         "tgt_out": torch.from_numpy(tgt_out_BT),
     }
     return Batch(tensors, int((tgt_out_BT != IGNORE).sum()))
+
+
+def pad_sources(src: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sources as [B, S] ids padded with PAD_ID, and the padding mask (True = padding)."""
+    src_BS = np.full((len(src), max(len(s) for s in src)), PAD_ID, dtype=np.int64)
+    for b, s in enumerate(src):
+        src_BS[b, : len(s)] = s
+    return torch.from_numpy(src_BS), torch.from_numpy(src_BS == PAD_ID)
 
 
 def corpus_scores(hypotheses: list[str], references: list[str]) -> dict[str, float]:
@@ -166,10 +173,11 @@ class TranslationTask:
         batches = length_batches(src_len, src_len, order, max(self.cfg.max_tokens // self.cfg.beam_size, 1))
         out: list[list[int]] = [[] for _ in sources]
         for indices in batches:
-            batch = collate_pairs([sources[i] for i in indices], [sources[i] for i in indices]).to(device)
+            src_BS, mask_BS = pad_sources([sources[i] for i in indices])
+            src_BS, mask_BS = src_BS.to(device), mask_BS.to(device)
             limit_B = max_lengths(torch.as_tensor(src_len[indices], device=device), self.cfg.max_len_a,
                                   self.cfg.max_len_b, self.model_cfg.max_seq_len - 1)
-            hyps, _ = beam_search(model, batch.tensors["src"], batch.tensors["src_padding_mask"], limit_B,
+            hyps, _ = beam_search(model, src_BS, mask_BS, limit_B,
                                   self.specials, beam_size=self.cfg.beam_size, length_penalty=self.cfg.length_penalty)
             for i, hyp in zip(indices, hyps):
                 out[i] = hyp
