@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
-from tasks.config import MLMTaskConfig, CausalLMTaskConfig, TranslationTaskConfig
+from tasks.config import CausalLMTaskConfig, MLMTaskConfig, TranslationTaskConfig
 from tasks.corpora import builtin_lm_corpus, builtin_parallel_corpus
 from tasks.tokenizer import EOS_ID, Tokenizer, atomic_write, cache_key, file_fingerprint, locked, train_or_load
 
