@@ -232,8 +232,11 @@ def _tune_config(study: Study, resources: Mapping[str, float]):
     settings = spec.tune
     if settings.scheduler == "asha":
         # One ASHA time unit = one report = one evaluation; max_t is the last one.
+        # stop_last_trials=False: a trial that reaches max_t ends by itself. Stopping it from Tune at its last
+        # report would kill its driver while the Train run is still shutting down (cf. ray#54305).
         scheduler = ASHAScheduler(time_attr="training_iteration", max_t=_report_steps(spec),
-                                  grace_period=settings.grace_period, reduction_factor=settings.reduction_factor)
+                                  grace_period=settings.grace_period, reduction_factor=settings.reduction_factor,
+                                  stop_last_trials=False)
     else:
         scheduler = FIFOScheduler()
     search_alg = None
