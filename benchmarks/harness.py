@@ -99,6 +99,8 @@ class Measurement:
 
     status: str
     median_s: float = math.nan
+    min_s: float = math.nan
+    """Fastest timed call: on a machine shared with other jobs, the least disturbed one."""
     repeats: int = 0
     peak_bytes: float = math.nan
     first_call_s: float = math.nan
@@ -107,6 +109,7 @@ class Measurement:
         return {
             f"{prefix}_status": self.status,
             f"{prefix}_median_s": self.median_s,
+            f"{prefix}_min_s": self.min_s,
             f"{prefix}_repeats": self.repeats,
             f"{prefix}_peak_mb": self.peak_bytes / 2**20,
         }
@@ -147,7 +150,8 @@ def measure(
         return Measurement(describe_error(err))
     # A first call longer than the whole timing budget is the measurement (repeats = 0): at such sizes the
     # compute dwarfs the profiler's per-op cost and the first-touch page faults.
-    return Measurement("ok", statistics.median(times) if times else first, len(times), peak, first)
+    times = times or [first]
+    return Measurement("ok", statistics.median(times), min(times), n_timed, peak, first)
 
 
 def interleaved_medians(
