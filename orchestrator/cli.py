@@ -12,10 +12,19 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from orchestrator.spec import SpecError, Study, check_gpus, load_spec, load_study, local_gpu_count, spec_to_yaml
 from orchestrator.search_space import grid_points
+from orchestrator.spec import (
+    SpecError,
+    Study,
+    check_gpus,
+    load_spec,
+    load_study,
+    local_gpu_count,
+    spec_to_yaml,
+)
 
 DEFAULT_STORAGE = "runs"
 DEFAULT_UI_PORT = 5000
@@ -92,6 +101,10 @@ def _print_run(outcome: Any, spec_path: str | None, tracking_uri: str, experimen
 
 def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str, metric: str) -> None:
     print(f"sweep {outcome.name}: {len(outcome.trials)} trials, {outcome.errors} errored ({outcome.path})")
+    if outcome.interrupted:
+        storage = str(Path(outcome.path).parent) if "://" not in outcome.path else outcome.path.rsplit("/", 1)[0]
+        print(f"interrupted before every trial ended; continue with "
+              f"`orchestrator resume {outcome.name} --storage-path {storage}`")
     for trial in outcome.trials:
         value = trial["metrics"].get(metric)
         shown = f"{metric}={value:.4g}" if isinstance(value, float) else f"{metric}=-"
@@ -140,10 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcome = resume(args.name, args.storage_path)
             print(f"resumed {args.name}")
             if isinstance(outcome, SweepOutcome):
-                print(f"sweep {outcome.name}: {len(outcome.trials)} trials, {outcome.errors} errored")
-            else:
-                print(f"run {outcome.name}: {outcome.metrics.get('step')} steps, MLflow run {outcome.mlflow_run_id}")
-            return 0 if not isinstance(outcome, SweepOutcome) or not outcome.errors else 1
+                print(f"sweep {outcome.name}: {len(outcome.trials)} trials, {outcome.errors} errored"
+                      + (" (interrupted again)" if outcome.interrupted else ""))
+                return 1 if outcome.errors or outcome.interrupted else 0
+            print(f"run {outcome.name}: {outcome.metrics.get('step')} steps, MLflow run {outcome.mlflow_run_id}")
+            return 0
         if args.command == "train":
             spec = load_spec(args.spec, args.overrides)
             study = Study(raw={}, domains=[], base=spec)
@@ -165,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         outcome = run_sweep(study)
         _print_sweep(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment or spec.name, spec.metric)
-        return 1 if outcome.errors else 0
+        return 1 if outcome.errors or outcome.interrupted else 0
     except SpecError as err:
         print(f"orchestrator: invalid spec: {err}", file=sys.stderr)
         return 2

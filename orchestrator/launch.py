@@ -18,9 +18,25 @@ from typing import Any
 import pyarrow.fs
 import ray
 
-from orchestrator.spec import ExperimentSpec, SpecError, Study, check_gpus, study_from_raw, validate_spec
-from orchestrator.search_space import resolve, to_param_space
-from orchestrator.tracking import COMMIT_TAG, KIND_TAG, PARENT_TAG, ROLE_TAG, TRIAL_TAG, MlflowTracker, flatten, git_commit
+from orchestrator.search_space import grid_points, resolve, to_param_space
+from orchestrator.spec import (
+    ExperimentSpec,
+    SpecError,
+    Study,
+    check_gpus,
+    study_from_raw,
+    validate_spec,
+)
+from orchestrator.tracking import (
+    COMMIT_TAG,
+    KIND_TAG,
+    PARENT_TAG,
+    ROLE_TAG,
+    TRIAL_TAG,
+    MlflowTracker,
+    flatten,
+    git_commit,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 META_FILE = "orchestrator.json"
@@ -264,6 +280,8 @@ class SweepOutcome:
     """Per trial: id, config, status, last metrics."""
     best: dict[str, Any] | None
     errors: int
+    interrupted: bool = False
+    """Tuner.fit returned before every trial ended (Ctrl-C); `orchestrator resume NAME` continues it."""
 
 
 def _trainable(study: Study, parent_run_id: str | None, commit: str):
@@ -325,7 +343,9 @@ def run_sweep(study: Study, *, resume: bool = False) -> SweepOutcome:
                        "error": repr(result.error) if result.error else None,
                        "metrics": {k: v for k, v in metrics.items() if "/" in k or k in ("step", "training_iteration")}})
     _close_children(tracker, spec, trials)
-    if parent_run_id:
+    # Ctrl-C (or a lost driver) makes Tuner.fit return early: fewer trials ended than the sweep holds.
+    interrupted = grid.num_terminated + grid.num_errors < max(len(grid), expected_trials(study))
+    if parent_run_id and not interrupted:
         tracker.end_run(parent_run_id, "FAILED" if grid.num_errors else "FINISHED")
     best = None
     try:
@@ -334,7 +354,14 @@ def run_sweep(study: Study, *, resume: bool = False) -> SweepOutcome:
     except RuntimeError:
         best = None  # no trial reported the metric
     return SweepOutcome(name=spec.name, path=grid.experiment_path, parent_run_id=parent_run_id, trials=trials,
-                        best=best, errors=grid.num_errors)
+                        best=best, errors=grid.num_errors, interrupted=interrupted)
+
+
+def expected_trials(study: Study) -> int:
+    """Trials the sweep runs: every grid combination num_samples times, or num_samples draws."""
+    settings = study.base.tune
+    per_sample = len(grid_points(study.domains)) if settings.search == "grid" else 1
+    return per_sample * settings.num_samples
 
 
 def _close_children(tracker: MlflowTracker, spec: ExperimentSpec, trials: list[dict[str, Any]]) -> None:

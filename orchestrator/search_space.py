@@ -70,7 +70,9 @@ class Domain:
 
     def to_tune(self, grid_as_choice: bool = False) -> Any:
         """The `ray.tune` object for this domain."""
-        from ray import tune  # imported here: validation must not pay for (or depend on) Ray
+        from ray import (
+            tune,  # imported here: validation must not pay for (or depend on) Ray
+        )
 
         if self.kind == "grid" and not grid_as_choice:
             return tune.grid_search(list(self.values))

@@ -15,10 +15,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from models import ModelConfig
-from orchestrator.search_space import Domain, SearchSpaceError, find_domains, resolve, set_path, validation_points
+from orchestrator.search_space import (
+    Domain,
+    SearchSpaceError,
+    find_domains,
+    resolve,
+    set_path,
+    validation_points,
+)
 from tasks import check_compatible
 from tasks.config import TaskConfig
 
@@ -57,7 +71,7 @@ class OptimConfig(_Section):
     """Seeds model init, dropout and data order; the same seed on CPU gives the same loss curve."""
 
     @model_validator(mode="after")
-    def _check(self) -> "OptimConfig":
+    def _check(self) -> OptimConfig:
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be > 0 (got {self.lr})")
         if self.max_steps < 1 or self.grad_accum < 1:
@@ -105,7 +119,7 @@ class RunSettings(_Section):
         return value if "://" in value else str(Path(value).expanduser().resolve())
 
     @model_validator(mode="after")
-    def _check(self) -> "RunSettings":
+    def _check(self) -> RunSettings:
         for name in ("workers", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name} must be >= 1 (got {getattr(self, name)})")
@@ -145,7 +159,7 @@ class TuneSettings(_Section):
     """Retries of a failed trial; a retried trial resumes its Train run from its last checkpoint."""
 
     @model_validator(mode="after")
-    def _check(self) -> "TuneSettings":
+    def _check(self) -> TuneSettings:
         if self.num_samples < 1 or self.grace_period < 1:
             raise ValueError("tune.num_samples and tune.grace_period must be >= 1")
         if self.reduction_factor < 2:
@@ -177,7 +191,7 @@ class TrackingSettings(_Section):
         return value
 
     @model_validator(mode="after")
-    def _check(self) -> "TrackingSettings":
+    def _check(self) -> TrackingSettings:
         if self.retries < 1 or self.timeout_s <= 0:
             raise ValueError("tracking.retries must be >= 1 and tracking.timeout_s > 0")
         return self
@@ -208,7 +222,7 @@ class ExperimentSpec(_Section):
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> "ExperimentSpec":
+    def _check(self) -> ExperimentSpec:
         check_compatible(self.task, self.model)
         metrics = tuple(self.task.metrics)
         if self.tune.metric is not None and self.tune.metric not in metrics:

@@ -26,9 +26,15 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
-from orchestrator.checkpoint import TrainingState, capture_rng, read_checkpoint, restore_rng, write_checkpoint
+from orchestrator.checkpoint import (
+    TrainingState,
+    capture_rng,
+    read_checkpoint,
+    restore_rng,
+    write_checkpoint,
+)
 from orchestrator.spec import ExperimentSpec, OptimConfig, spec_to_yaml
 from orchestrator.tracking import (
     COMMIT_TAG,
