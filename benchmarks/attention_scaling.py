@@ -1,14 +1,14 @@
 """Attention time and peak memory against sequence length, for every kind in the registry.
 
 One attention layer (batch 1, d_model 512, 8 heads by default) runs forward-only under `no_grad` (the
-inference setting of the Linformer paper's Table 3, Wang et al., 2020, arXiv 2006.04768, section 5) and
+inference setting of the Linformer paper's Table 3, Wang et al., 2020, arXiv 2006.04768) and
 forward + backward (a training step's attention cost) at n = 512 ... 16k on a CPU, up to 64k on a GPU.
 Each variant's time and memory are divided into `mha`'s at the same n in the same run: `fwd_speedup_vs_mha`
 is the paper's "time saved", `fwd_mem_ratio_vs_mha` our counterpart of its "memory saved" (the paper
 measures the largest batch that fits in 16 GB instead; see benchmarks/RESULTS.md).
 
     python -m benchmarks.attention_scaling --out benchmarks/results            # full
-    python -m benchmarks.attention_scaling --quick --out benchmarks/results    # < 1 minute
+    python -m benchmarks.attention_scaling --quick --out benchmarks/results    # about 30 s of CPU time
 
 A variant that fails (not implemented, out of memory) is recorded with its error; one whose single call
 exceeds `--call-budget-s` is recorded as over_budget and its larger n as skipped, never silently dropped.
