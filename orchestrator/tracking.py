@@ -35,6 +35,7 @@ ROLE_TAG = "orchestrator.role"
 _MAX_PARAM_CHARS = 500
 _BATCH = 100  # log_batch takes at most 100 params (and 1000 metrics) per call
 _COOLDOWN_S = 30.0
+_MAX_COOLDOWN_S = 600.0
 _MAX_BUFFERED_METRICS = 20_000
 
 T = TypeVar("T")
@@ -84,6 +85,7 @@ class MlflowTracker:
         self.cooldown_s = cooldown_s
         self._client = MlflowClient(tracking_uri=uri)
         self._down_until = 0.0
+        self._failures = 0  # consecutive failed calls: each doubles the cool-down, up to _MAX_COOLDOWN_S
         self._pending: deque[tuple[str, Metric]] = deque(maxlen=_MAX_BUFFERED_METRICS)
 
     @property
@@ -96,15 +98,22 @@ class MlflowTracker:
         error: Exception | None = None
         for attempt in range(self.retries):
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
             except Exception as err:  # noqa: BLE001 - any tracking failure must stay a warning
                 error = err
                 if attempt + 1 < self.retries:
                     time.sleep(min(self.backoff_s * 2**attempt, 4.0))
-        self._down_until = time.monotonic() + self.cooldown_s
+            else:
+                self._failures = 0
+                return result
+        # A server that stays down costs one round of timeouts per cool-down; doubling it keeps that share of
+        # training time shrinking instead of fixed.
+        cooldown = min(self.cooldown_s * 2**self._failures, _MAX_COOLDOWN_S)
+        self._failures += 1
+        self._down_until = time.monotonic() + cooldown
         warnings.warn(
             f"MLflow {what} at {self.uri} failed after {self.retries} attempts ({type(error).__name__}: "
-            f"{str(error)[:200]}); training continues, tracking retries in {self.cooldown_s:.0f}s",
+            f"{str(error)[:200]}); training continues, tracking retries in {cooldown:.0f}s",
             TrackingWarning,
             stacklevel=3,
         )

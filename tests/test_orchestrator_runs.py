@@ -15,9 +15,6 @@ from orchestrator.launch import LaunchError, resume, run_sweep, run_training
 from orchestrator.spec import study_from_raw, validate_spec
 from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, TrackingWarning
 
-pytestmark = pytest.mark.slow
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> dict[str, str]:
     """One storage folder and one SQLite store for the module: the tokenizer cache and the store's schema
@@ -49,6 +46,7 @@ def loss_curve(client: MlflowClient, run_id: str) -> dict[int, float]:
     return {m.step: m.value for m in history}
 
 
+@pytest.mark.slow
 def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
     raw = tiny_spec("sweep2", workspace,
                     model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "mhe", "heads": 2, "mode": "mul"}]}},
@@ -77,6 +75,7 @@ def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
         run_sweep(study_from_raw(raw))
 
 
+@pytest.mark.slow
 def test_resume_continues_run_id_and_loss_curve(ray_cluster, workspace):
     optim = {"max_steps": 6}
     run = {"checkpoint_every": 2}
@@ -100,6 +99,7 @@ def test_resume_continues_run_id_and_loss_curve(ray_cluster, workspace):
     assert loss_curve(client, run_id) == loss_curve(client, reference.mlflow_run_id)
 
 
+@pytest.mark.slow
 def test_two_worker_ddp_run_trains_with_tracking_server_down(ray_cluster, workspace, unused_port):
     """Two gloo DDP ranks train to the end while every MLflow call fails: logging warns, never stops training.
     (One run checks both, to keep the suite's Ray time small.)"""
@@ -125,3 +125,53 @@ def unused_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# --- pieces of a run, without Ray ---------------------------------------------------------------------
+
+
+def test_tracker_with_dead_server_warns_then_skips_quickly(unused_port):
+    from orchestrator.tracking import MlflowTracker
+
+    tracker = MlflowTracker(f"http://127.0.0.1:{unused_port}", retries=2, timeout_s=1, backoff_s=0.01)
+    with pytest.warns(TrackingWarning, match=f"127.0.0.1:{unused_port}.*retries in 30s"):
+        assert tracker.open_run("exp", "run", {}) is None
+    assert not tracker.available
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # cooling down: calls are skipped silently and metrics are kept
+        for step in range(3):
+            tracker.log_metrics("some-run", {"train/loss": 1.0}, step)
+        tracker.end_run("some-run")
+    assert len(tracker._pending) == 3
+
+
+def test_checkpoint_roundtrip_restores_rng(tmp_path):
+    import random
+
+    from orchestrator.checkpoint import TrainingState, capture_rng, restore_rng, write_checkpoint
+
+    rng = capture_rng()
+    expected = (random.random(), torch.rand(3))
+    state = TrainingState(step=7, model={"w": torch.ones(2)}, optimizer={}, scheduler={}, scaler={},
+                          data_positions=[{"epoch": 0, "step": 7}], rng=[rng], mlflow_run_id="abc", spec={"name": "x"})
+    path = write_checkpoint(tmp_path, state, "name: x\n")
+    assert path.name == "checkpoint_000000007" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    loaded = read_checkpoint(path)
+    assert (loaded.step, loaded.mlflow_run_id, loaded.data_positions) == (7, "abc", [{"epoch": 0, "step": 7}])
+    restore_rng(loaded.rng[0])
+    assert random.random() == expected[0] and torch.equal(torch.rand(3), expected[1])
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "inverse_sqrt", "constant"])
+def test_lr_schedules_warm_up_then_decay(schedule):
+    from orchestrator.spec import OptimConfig
+    from orchestrator.worker import lr_lambda
+
+    factor = lr_lambda(OptimConfig(schedule=schedule, warmup_steps=4, max_steps=20))
+    assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    tail = [factor(s) for s in range(4, 20)]
+    assert all(a >= b for a, b in zip(tail, tail[1:])) and 0.0 <= tail[-1] <= 1.0
+    if schedule == "constant":
+        assert set(tail) == {1.0}
+    if schedule in ("cosine", "linear"):
+        assert tail[-1] < 0.1
