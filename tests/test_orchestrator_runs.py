@@ -3,6 +3,7 @@ DDP run and a dead tracking server. Tiny MLM models on the built-in corpus; one 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from orchestrator.checkpoint import read_checkpoint
 from orchestrator.launch import LaunchError, resume, run_sweep, run_training
 from orchestrator.spec import study_from_raw, validate_spec
 from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, TrackingWarning
+
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> dict[str, str]:
@@ -148,7 +150,12 @@ def test_tracker_with_dead_server_warns_then_skips_quickly(unused_port):
 def test_checkpoint_roundtrip_restores_rng(tmp_path):
     import random
 
-    from orchestrator.checkpoint import TrainingState, capture_rng, restore_rng, write_checkpoint
+    from orchestrator.checkpoint import (
+        TrainingState,
+        capture_rng,
+        restore_rng,
+        write_checkpoint,
+    )
 
     rng = capture_rng()
     expected = (random.random(), torch.rand(3))
@@ -170,7 +177,7 @@ def test_lr_schedules_warm_up_then_decay(schedule):
     factor = lr_lambda(OptimConfig(schedule=schedule, warmup_steps=4, max_steps=20))
     assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     tail = [factor(s) for s in range(4, 20)]
-    assert all(a >= b for a, b in zip(tail, tail[1:])) and 0.0 <= tail[-1] <= 1.0
+    assert all(a >= b for a, b in itertools.pairwise(tail)) and 0.0 <= tail[-1] <= 1.0
     if schedule == "constant":
         assert set(tail) == {1.0}
     if schedule in ("cosine", "linear"):
