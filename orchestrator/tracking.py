@@ -83,7 +83,8 @@ class MlflowTracker:
         self.retries = retries
         self.backoff_s = backoff_s
         self.cooldown_s = cooldown_s
-        self._client = MlflowClient(tracking_uri=uri)
+        # Created on first use, inside the guard: for a SQLite URI the constructor already opens the store.
+        self._client: MlflowClient | None = None
         self._down_until = 0.0
         self._failures = 0  # consecutive failed calls: each doubles the cool-down, up to _MAX_COOLDOWN_S
         self._pending: deque[tuple[str, Metric]] = deque(maxlen=_MAX_BUFFERED_METRICS)
@@ -92,13 +93,16 @@ class MlflowTracker:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    def _call(self, what: str, fn: Callable[[MlflowClient], T]) -> T | None:
+        """`fn(client)` with bounded retries; on failure a TrackingWarning, a cool-down, and None."""
         if not self.available:
             return None
         error: Exception | None = None
         for attempt in range(self.retries):
             try:
-                result = fn(*args, **kwargs)
+                if self._client is None:
+                    self._client = MlflowClient(tracking_uri=self.uri)
+                result = fn(self._client)
             except Exception as err:  # noqa: BLE001 - any tracking failure must stay a warning
                 error = err
                 if attempt + 1 < self.retries:
@@ -122,16 +126,16 @@ class MlflowTracker:
     # --- experiments and runs ------------------------------------------------------------------------
 
     def experiment_id(self, name: str) -> str | None:
-        def get_or_create() -> str:
-            found = self._client.get_experiment_by_name(name)
-            return found.experiment_id if found else self._client.create_experiment(name)
+        def get_or_create(client: MlflowClient) -> str:
+            found = client.get_experiment_by_name(name)
+            return found.experiment_id if found else client.create_experiment(name)
 
         return self._call(f"experiment {name!r}", get_or_create)
 
     def find_run(self, experiment_id: str, tag: str, value: str) -> str | None:
         """The newest run of the experiment whose `tag` equals `value` (e.g. a trial's child run)."""
-        def search() -> str | None:
-            runs = self._client.search_runs(
+        def search(client: MlflowClient) -> str | None:
+            runs = client.search_runs(
                 [experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=1,
                 order_by=["attributes.start_time DESC"],
             )
@@ -142,7 +146,7 @@ class MlflowTracker:
     def create_run(self, experiment_id: str, run_name: str, tags: Mapping[str, str]) -> str | None:
         return self._call(
             f"run creation ({run_name})",
-            lambda: self._client.create_run(experiment_id, run_name=run_name, tags=dict(tags)).info.run_id,
+            lambda client: client.create_run(experiment_id, run_name=run_name, tags=dict(tags)).info.run_id,
         )
 
     def open_run(self, experiment: str, run_name: str, tags: Mapping[str, str], *,
@@ -150,7 +154,7 @@ class MlflowTracker:
         """Reopen `run_id`, else the run tagged `find_by`, else a new run: a resumed run or a retried trial
         keeps its MLflow run instead of starting a duplicate."""
         if run_id:
-            self._call("run reopen", self._client.update_run, run_id, status="RUNNING")
+            self._call("run reopen", lambda client: client.update_run(run_id, status="RUNNING"))
             return run_id
         experiment_id = self.experiment_id(experiment)
         if experiment_id is None:
@@ -158,28 +162,29 @@ class MlflowTracker:
         if find_by is not None:
             found = self.find_run(experiment_id, *find_by)
             if found:
-                self._call("run reopen", self._client.update_run, found, status="RUNNING")
+                self._call("run reopen", lambda client: client.update_run(found, status="RUNNING"))
                 return found
         return self.create_run(experiment_id, run_name, tags)
 
     def run_status(self, run_id: str) -> str | None:
         """RUNNING, FINISHED, FAILED or KILLED (None when the server cannot be asked)."""
-        return self._call("run lookup", lambda: self._client.get_run(run_id).info.status)
+        return self._call("run lookup", lambda client: client.get_run(run_id).info.status)
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.flush(run_id)
-        self._call("run end", self._client.set_terminated, run_id, status=status)
+        self._call("run end", lambda client: client.set_terminated(run_id, status=status))
 
     # --- params, tags, metrics, artifacts ------------------------------------------------------------
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
         for i in range(0, len(items), _BATCH):
-            self._call("param logging", self._client.log_batch, run_id, params=items[i : i + _BATCH])
+            chunk = items[i : i + _BATCH]
+            self._call("param logging", lambda client, chunk=chunk: client.log_batch(run_id, params=chunk))
 
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         items = [RunTag(k, str(v)) for k, v in tags.items()]
-        self._call("tag logging", self._client.log_batch, run_id, tags=items)
+        self._call("tag logging", lambda client: client.log_batch(run_id, tags=items))
 
     def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int) -> None:
         now_ms = int(time.time() * 1000)
@@ -194,13 +199,15 @@ class MlflowTracker:
         batch = [m for rid, m in self._pending if rid == run_id][:1000]
         if not batch:
             return
-        if self._call("metric logging", self._client.log_batch, run_id, metrics=batch) is None and not self.available:
+        if self._call("metric logging", lambda client: client.log_batch(run_id, metrics=batch)) is None \
+                and not self.available:
             return
         sent = {id(m) for m in batch}
         self._pending = deque((p for p in self._pending if id(p[1]) not in sent), maxlen=_MAX_BUFFERED_METRICS)
 
     def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
-        self._call(f"artifact upload ({Path(path).name})", self._client.log_artifact, run_id, str(path), artifact_path)
+        self._call(f"artifact upload ({Path(path).name})",
+                   lambda client: client.log_artifact(run_id, str(path), artifact_path))
 
 
 # --- metrics fan-out ----------------------------------------------------------------------------------
@@ -234,17 +241,36 @@ class ConsoleLogger:
 
 
 class MlflowLogger:
-    """Metrics of one MLflow run, through a guarded tracker."""
+    """Metrics of one MLflow run, through a guarded tracker.
 
-    def __init__(self, tracker: MlflowTracker, run_id: str):
+    The run is opened through `open_run` (which also logs params); when the server is down at the start,
+    metrics wait in a bounded backlog and the run is opened as soon as the server answers, so a run that
+    started during an outage still ends up complete in MLflow.
+    """
+
+    def __init__(self, tracker: MlflowTracker, open_run: Callable[[], str | None]):
         self.tracker = tracker
-        self.run_id = run_id
+        self._open_run = open_run
+        self._backlog: deque[tuple[dict[str, float], int]] = deque(maxlen=_MAX_BUFFERED_METRICS)
+        self.run_id: str | None = open_run()
+
+    def _ensure_run(self) -> bool:
+        if self.run_id is None and self.tracker.available:
+            self.run_id = self._open_run()
+            while self.run_id is not None and self._backlog:
+                metrics, step = self._backlog.popleft()
+                self.tracker.log_metrics(self.run_id, metrics, step)
+        return self.run_id is not None
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self.tracker.log_metrics(self.run_id, metrics, step)
+        if self._ensure_run():
+            self.tracker.log_metrics(self.run_id, metrics, step)
+        else:
+            self._backlog.append((dict(metrics), step))
 
     def close(self, status: str = "FINISHED") -> None:
-        self.tracker.end_run(self.run_id, status)
+        if self._ensure_run():
+            self.tracker.end_run(self.run_id, status)
 
 
 class MetricsLogger:

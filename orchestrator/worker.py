@@ -106,29 +106,29 @@ def _is_report_step(step: int, spec: ExperimentSpec) -> bool:
 
 
 def _open_logger(spec: ExperimentSpec, config: dict[str, Any], run_id: str | None, resumed: bool,
-                 counts: dict[str, int]) -> tuple[MetricsLogger, MlflowTracker, str | None]:
+                 counts: dict[str, int]) -> tuple[MetricsLogger, MlflowTracker, MlflowLogger]:
     """Rank 0's console + MLflow logger; the run is reopened (resume) or found by trial id, never duplicated."""
     tracker = MlflowTracker(spec.tracking.uri, retries=spec.tracking.retries, timeout_s=spec.tracking.timeout_s)
     trial_id = config.get("trial_id")
     tags = {KIND_TAG: spec.model.attention.kind, COMMIT_TAG: config.get("commit", "unknown"), **config.get("tags", {})}
-    run_id = tracker.open_run(
-        spec.tracking.experiment or spec.name, config.get("run_name", spec.name), tags,
-        run_id=run_id, find_by=(TRIAL_TAG, trial_id) if trial_id else None,
-    )
-    label = spec.name if not trial_id else f"{spec.name} {trial_id}"
-    loggers: list = [ConsoleLogger(label, spec.optim.max_steps)]
-    if run_id is not None:
-        if not resumed:
+
+    def open_run() -> str | None:
+        opened = tracker.open_run(spec.tracking.experiment or spec.name, config.get("run_name", spec.name), tags,
+                                  run_id=run_id, find_by=(TRIAL_TAG, trial_id) if trial_id else None)
+        if opened is not None and not (resumed and run_id):  # a run first opened now gets its params
             params = flatten(spec.model_dump(mode="json"))
             params.update({"params.attention": counts["attention"], "params.total": counts["total"]})
-            tracker.log_params(run_id, params)
-            tracker.set_tags(run_id, tags)
+            tracker.log_params(opened, params)
+            tracker.set_tags(opened, tags)
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "spec.yaml"
                 path.write_text(spec_to_yaml(spec))
-                tracker.log_artifact(run_id, path)
-        loggers.append(MlflowLogger(tracker, run_id))
-    return MetricsLogger(loggers), tracker, run_id
+                tracker.log_artifact(opened, path)
+        return opened
+
+    label = spec.name if not trial_id else f"{spec.name} {trial_id}"
+    mlflow_logger = MlflowLogger(tracker, open_run)
+    return MetricsLogger([ConsoleLogger(label, spec.optim.max_steps), mlflow_logger]), tracker, mlflow_logger
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -170,12 +170,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             position = state.data_positions[rank]
             restore_rng(state.rng[rank])
 
-    logger, tracker, run_id = (
+    logger, tracker, mlflow_logger = (
         _open_logger(spec, config, run_id, checkpoint is not None, counts) if rank == 0
-        else (MetricsLogger(), None, run_id)
+        else (MetricsLogger(), None, None)
     )
-    if rank == 0 and checkpoint is not None:
-        sys.stdout.write(f"[{spec.name}] resumed from step {step} (MLflow run {run_id})\n")
+    if mlflow_logger is not None and checkpoint is not None:
+        sys.stdout.write(f"[{spec.name}] resumed from step {step} (MLflow run {mlflow_logger.run_id})\n")
 
     fail_at_step = config.get("fail_at_step")
     batches = task.train_batches(position)
@@ -227,16 +227,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         val_metrics = task.evaluate(_unwrap(model))
                     model.train()
                 logger.log({**train_metrics, **val_metrics}, step)
+                # The run id may appear late (tracking server down at the start): store the current one.
+                current_run_id = mlflow_logger.run_id if mlflow_logger is not None else run_id
                 _report(spec, config, step, {**train_metrics, **val_metrics}, model, optimizer, scheduler, scaler,
-                        position, run_id, rank, world_size)
+                        position, current_run_id, rank, world_size)
                 window_start = time.perf_counter()  # evaluation time is not training throughput
             if fail_at_step is not None and step == fail_at_step:
                 raise InjectedFailure(f"injected failure after step {step} (launch.run_training fail_at_step)")
         status = "FINISHED"
-        if rank == 0 and tracker is not None and run_id is not None:
+        if mlflow_logger is not None and mlflow_logger.run_id is not None:
             for name, path in task.artifacts().items():
                 if Path(path).exists():
-                    tracker.log_artifact(run_id, Path(path), artifact_path=f"task/{name}")
+                    tracker.log_artifact(mlflow_logger.run_id, Path(path), artifact_path=f"task/{name}")
     finally:
         logger.close(status)
 

@@ -182,3 +182,25 @@ def test_lr_schedules_warm_up_then_decay(schedule):
         assert set(tail) == {1.0}
     if schedule in ("cosine", "linear"):
         assert tail[-1] < 0.1
+
+
+def test_run_opened_during_an_outage_gets_its_backlog(tmp_path):
+    """The store is unreachable at the start (a file stands where its folder must be), then comes up: the run
+    is opened then, and the metrics logged meanwhile arrive in order."""
+    from orchestrator.tracking import MlflowLogger, MlflowTracker
+
+    store = tmp_path / "late"
+    store.write_text("not a folder")
+    tracker = MlflowTracker(f"sqlite:///{store / 'mlflow.db'}", retries=1, timeout_s=1, cooldown_s=0.0)
+    with pytest.warns(TrackingWarning):
+        logger = MlflowLogger(tracker, lambda: tracker.open_run("late", "run", {"k": "v"}))
+    assert logger.run_id is None
+    with pytest.warns(TrackingWarning):
+        logger.log({"train/loss": 3.0}, 1)  # still down: kept in the backlog
+    store.unlink()
+    store.mkdir()
+    logger.log({"train/loss": 2.0}, 2)
+    logger.close()
+    client = MlflowClient(tracker.uri)
+    assert loss_curve(client, logger.run_id) == {1: 3.0, 2: 2.0}
+    assert client.get_run(logger.run_id).info.status == "FINISHED"
