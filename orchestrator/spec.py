@@ -26,6 +26,7 @@ from pydantic import (
 
 from models import ModelConfig
 from orchestrator.search_space import (
+    DOMAIN_KINDS,
     Domain,
     SearchSpaceError,
     find_domains,
@@ -275,11 +276,26 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
             parsed = yaml.safe_load(value) if value else ""
         except yaml.YAMLError as err:
             raise SpecError(f"override {item!r}: value is not valid YAML: {err}") from err
+        _refuse_path_through_domain(out, key, item)
         try:
             out = set_path(out, key, parsed)
         except SearchSpaceError as err:
             raise SpecError(f"override {item!r}: {err}") from err
     return out
+
+
+def _refuse_path_through_domain(raw: Mapping[str, Any], key: str, item: str) -> None:
+    """`model.attention.kind=mha` on a spec whose model.attention is a grid would silently break the grid."""
+    node: Any = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        node = node.get(part) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping) and len(node) == 1 and next(iter(node)) in DOMAIN_KINDS:
+            prefix = ".".join(parts[: i + 1])
+            raise SpecError(
+                f"override {item!r}: {prefix} is a search domain ({{{next(iter(node))}: ...}}); override it whole, "
+                f"e.g. {prefix}=<value> or {prefix}={{grid: [...]}}"
+            )
 
 
 def _field_path(loc: Sequence[Any], raw: Any) -> str:

@@ -177,3 +177,10 @@ def test_report_and_ui_subcommands_delegate(capsys):
     assert main(["ui", str(REPO / "configs" / "smoke.yaml"), "tracking.uri=http://head:5000"]) == 0
     out = capsys.readouterr().out
     assert "http://head:5000" in out and "ray attach cluster.yaml -p 5000" in out
+
+
+def test_override_inside_a_search_domain_is_refused(tmp_path):
+    path = write(tmp_path, base_raw(model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "sha"}]}}))
+    with pytest.raises(SpecError, match=r"model.attention is a search domain .*override it whole"):
+        load_study(path, ["model.attention.heads=4"])
+    assert load_spec(path, ["model.attention={kind: sha, heads: 4}"]).model.attention.heads == 4
