@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.add_argument("spec", help="YAML spec, e.g. configs/smoke.yaml")
         cmd.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides of spec fields")
+        cmd.add_argument("--scale", help="apply the spec's named `scales:` overrides first (e.g. tiny); "
+                                         "the study is renamed <name>-<scale>")
         return cmd
 
     with_spec("validate", "check a spec (every trial of a sweep) and print the resolved spec and trial grid")
@@ -51,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     ui = sub.add_parser("ui", help="start the MLflow UI on the spec's tracking store")
     ui.add_argument("spec", nargs="?", help="spec whose tracking.uri to browse (default: sqlite:///mlflow.db)")
     ui.add_argument("overrides", nargs="*", metavar="key.path=value")
+    ui.add_argument("--scale", help="the spec's named scale, as for sweep")
     ui.add_argument("--port", type=int, default=DEFAULT_UI_PORT)
     return parser
 
@@ -119,7 +122,7 @@ def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experim
 def _ui(args: argparse.Namespace) -> int:
     from orchestrator.spec import TrackingSettings
 
-    uri = load_study(args.spec, args.overrides).base.tracking.uri if args.spec else TrackingSettings().uri
+    uri = load_study(args.spec, args.overrides, args.scale).base.tracking.uri if args.spec else TrackingSettings().uri
     if uri.startswith(("http://", "https://")):
         print(f"tracking server already serves the UI at {uri}")
         print("on a cluster, forward it first: `ray attach cluster.yaml -p 5000` or "
@@ -159,10 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"run {outcome.name}: {outcome.metrics.get('step')} steps, MLflow run {outcome.mlflow_run_id}")
             return 0
         if args.command == "train":
-            spec = load_spec(args.spec, args.overrides)
+            spec = load_spec(args.spec, args.overrides, args.scale)
             study = Study(raw={}, domains=[], base=spec)
         else:
-            study = load_study(args.spec, args.overrides)
+            study = load_study(args.spec, args.overrides, args.scale)
         spec = study.base
         if args.command == "validate":
             try:

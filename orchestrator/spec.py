@@ -276,15 +276,44 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
             parsed = yaml.safe_load(value) if value else ""
         except yaml.YAMLError as err:
             raise SpecError(f"override {item!r}: value is not valid YAML: {err}") from err
-        _refuse_path_through_domain(out, key, item)
-        try:
-            out = set_path(out, key, parsed)
-        except SearchSpaceError as err:
-            raise SpecError(f"override {item!r}: {err}") from err
+        out = _assign(out, key, parsed, f"override {item!r}")
     return out
 
 
-def _refuse_path_through_domain(raw: Mapping[str, Any], key: str, item: str) -> None:
+def _assign(raw: Mapping[str, Any], key: str, value: Any, label: str) -> dict[str, Any]:
+    _refuse_path_through_domain(raw, key, label)
+    try:
+        return set_path(raw, key, value)
+    except SearchSpaceError as err:
+        raise SpecError(f"{label}: {err}") from err
+
+
+def apply_scale(raw: Mapping[str, Any], scale: str | None) -> dict[str, Any]:
+    """Drop the spec's `scales:` block and, with `scale`, apply that named set of dotted overrides.
+
+    A study keeps its full size in the body and smaller sizes as overrides (`scales: {tiny: {model.d_model: 64,
+    ...}}`), so the CPU version cannot drift from the real one. A scale also renames the study to
+    `<name>-<scale>` (unless it sets `name` itself): its runs get their own storage folder and MLflow experiment
+    instead of mixing into the full study's.
+    """
+    out = dict(raw)
+    scales = out.pop("scales", None) or {}
+    if not isinstance(scales, Mapping) or not all(isinstance(v, Mapping) for v in scales.values()):
+        raise SpecError("scales must map a scale name to dotted overrides, e.g. scales: {tiny: {model.d_model: 64}}")
+    if scale is None:
+        return out
+    if scale not in scales:
+        known = ", ".join(sorted(scales)) or "none"
+        raise SpecError(f"--scale {scale}: this spec defines no such scale (its scales: {known}); "
+                        "pick one of them or add it under scales:")
+    for key, value in scales[scale].items():
+        out = _assign(out, str(key), value, f"scales.{scale}.{key}")
+    if "name" not in scales[scale] and isinstance(out.get("name"), str):
+        out["name"] = f"{out['name']}-{scale}"
+    return out
+
+
+def _refuse_path_through_domain(raw: Mapping[str, Any], key: str, label: str) -> None:
     """`model.attention.kind=mha` on a spec whose model.attention is a grid would silently break the grid."""
     node: Any = raw
     parts = key.split(".")
@@ -293,7 +322,7 @@ def _refuse_path_through_domain(raw: Mapping[str, Any], key: str, item: str) -> 
         if isinstance(node, Mapping) and len(node) == 1 and next(iter(node)) in DOMAIN_KINDS:
             prefix = ".".join(parts[: i + 1])
             raise SpecError(
-                f"override {item!r}: {prefix} is a search domain ({{{next(iter(node))}: ...}}); override it whole, "
+                f"{label}: {prefix} is a search domain ({{{next(iter(node))}: ...}}); override it whole, "
                 f"e.g. {prefix}=<value> or {prefix}={{grid: [...]}}"
             )
 
@@ -385,14 +414,14 @@ def study_from_raw(raw: Mapping[str, Any]) -> Study:
     return Study(raw=raw, domains=domains, base=base)
 
 
-def load_study(path: str | Path, overrides: Sequence[str] = ()) -> Study:
-    """Read a spec file, apply CLI overrides and validate every trial it describes."""
-    return study_from_raw(apply_overrides(read_yaml(path), overrides))
+def load_study(path: str | Path, overrides: Sequence[str] = (), scale: str | None = None) -> Study:
+    """Read a spec file, apply its `scale` and the CLI overrides, and validate every trial it describes."""
+    return study_from_raw(apply_overrides(apply_scale(read_yaml(path), scale), overrides))
 
 
-def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentSpec:
+def load_spec(path: str | Path, overrides: Sequence[str] = (), scale: str | None = None) -> ExperimentSpec:
     """Read and validate a single-run spec (no search domains)."""
-    return validate_spec(apply_overrides(read_yaml(path), overrides), where=str(path))
+    return validate_spec(apply_overrides(apply_scale(read_yaml(path), scale), overrides), where=str(path))
 
 
 # --- resources --------------------------------------------------------------------------------------

@@ -184,3 +184,24 @@ def test_override_inside_a_search_domain_is_refused(tmp_path):
     with pytest.raises(SpecError, match=r"model.attention is a search domain .*override it whole"):
         load_study(path, ["model.attention.heads=4"])
     assert load_spec(path, ["model.attention={kind: sha, heads: 4}"]).model.attention.heads == 4
+
+
+def test_named_scale_applies_its_overrides_and_renames_the_study(tmp_path):
+    raw = base_raw(model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "sha", "heads": 2}]}})
+    raw["scales"] = {"tiny": {"model.d_model": 8, "optim.max_steps": 3, "task.builtin": {"train_sentences": 50}}}
+    path = write(tmp_path, raw)
+    study = load_study(path, ["optim.max_steps=5"], scale="tiny")  # CLI overrides come after the scale
+    assert study.base.name == "unit-tiny" and study.base.model.d_model == 8 and study.base.optim.max_steps == 5
+    assert study.base.task.builtin.train_sentences == 50 and "scales" not in study.raw
+    assert load_study(path).base.name == "unit" and load_study(path).base.model.d_model == 16  # block dropped
+    with pytest.raises(SpecError, match=r"--scale big: .*its scales: tiny"):
+        load_study(path, scale="big")
+    assert main(["validate", str(path), "--scale", "tiny"]) == 0
+
+
+def test_every_study_spec_validates_at_every_scale():
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        scales = [None, *(yaml.safe_load(path.read_text()).get("scales") or {})]
+        for scale in scales:
+            study = load_study(path, scale=scale)
+            assert study.base.name, (path, scale)
