@@ -155,3 +155,20 @@ def test_tiny_translation_model_improves_bleu(tmp_path):
     assert after["val/chrf"] > before["val/chrf"] + 15.0
     hypotheses = task.artifacts()["hypotheses"].read_text().splitlines()
     assert len(hypotheses) == 60 and hypotheses == task.last_hypotheses
+
+
+def test_evaluate_accepts_a_data_parallel_wrapper(tmp_path):
+    """The worker may hand over its DDP-wrapped model; evaluation must use the module's encode/decode."""
+
+    class Wrapper(nn.Module):  # what DistributedDataParallel exposes: forward and .module, no encode/decode
+        def __init__(self, module: nn.Module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            return self.module(*args)
+
+    task = _task(tmp_path, eval_max_sentences=4, eval_batches=1)
+    torch.manual_seed(0)
+    model = task.build_model()
+    assert task.evaluate(Wrapper(model)) == task.evaluate(model)
