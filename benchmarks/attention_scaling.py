@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.harness import (
-    Measurement, Row, add_ratios, describe_error, measure, plot_loglog, results_dir, write_csv,
+    Measurement, Row, add_ratios, describe_error, measure, plot_loglog, read_csv, results_dir, write_csv,
 )
 from models import ModelConfig
 from models.attention import ATTENTION_KINDS, build_attention
@@ -219,6 +219,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--linformer-k", type=int, nargs="*", default=[128, 256])
     parser.add_argument("--lsh-bucket", type=int, default=64)
     parser.add_argument("--name", default="attention_scaling", help="file stem of the CSV and PNG")
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the existing CSV; measure nothing")
     return parser.parse_args(argv)
 
 
@@ -242,20 +243,41 @@ def settings_from_args(args: argparse.Namespace, device: torch.device) -> Settin
     )
 
 
+def plot(rows: Sequence[Row], path: Path, settings_line: str) -> Path:
+    return plot_loglog(
+        rows, path, x="n", series="variant", group="kind",
+        panels={"fwd_median_s": "forward time (s)", "fwdbwd_median_s": "forward+backward time (s)",
+                "fwd_peak_mb": "forward peak memory (MiB)", "fwdbwd_peak_mb": "forward+backward peak memory (MiB)"},
+        title=f"Attention scaling on {path.parent.name}: {settings_line}",
+    )
+
+
+def _numeric(row: dict[str, str]) -> Row:
+    """A CSV row with its numbers parsed back (for --replot)."""
+    out: Row = {}
+    for key, value in row.items():
+        try:
+            out[key] = int(value) if key in ("n", "batch", "d_model", "heads") else float(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     device = torch.device(args.device)
     settings = settings_from_args(args, device)
-    rows = run(settings, device)
     folder = results_dir(args.out, device)
-    csv_path = write_csv(rows, folder / f"{args.name}.csv")
-    plot_loglog(
-        rows, folder / f"{args.name}.png", x="n", series="variant",
-        panels={"fwd_median_s": "forward time (s)", "fwdbwd_median_s": "forward+backward time (s)",
-                "fwd_peak_mb": "forward peak memory (MiB)", "fwdbwd_peak_mb": "forward+backward peak memory (MiB)"},
-        title=f"Attention scaling on {folder.name}: batch {settings.batch}, d_model {settings.d_model}, "
-              f"{settings.heads} heads, {str(settings.dtype).removeprefix('torch.')}",
-    )
+    csv_path = folder / f"{args.name}.csv"
+    settings_line = (f"batch {settings.batch}, d_model {settings.d_model}, {settings.heads} heads, "
+                     f"{str(settings.dtype).removeprefix('torch.')}")
+    if args.replot:
+        rows = [_numeric(row) for row in read_csv(csv_path)]
+        print(f"wrote {plot(rows, folder / f'{args.name}.png', settings_line)}")
+        return rows
+    rows = run(settings, device)
+    write_csv(rows, csv_path)
+    plot(rows, folder / f"{args.name}.png", settings_line)
     print(f"wrote {csv_path}")
     if "linformer" in settings.kinds:
         for suffix in ("mha", "mha_math"):

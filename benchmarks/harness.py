@@ -211,32 +211,51 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def plot_loglog(
-    rows: Sequence[Row], path: Path, *, x: str, panels: Mapping[str, str], series: str, title: str
+    rows: Sequence[Row], path: Path, *, x: str, panels: Mapping[str, str], series: str, title: str,
+    group: str | None = None, columns: int = 2,
 ) -> Path:
-    """One log-log panel per (column -> axis label), one line per value of `series`; failed points are gaps."""
+    """One log-log panel per (column -> axis label), one line per value of `series`; failed points are gaps.
+
+    Lines of the same `group` (e.g. the attention kind) share a colour and differ in dash and marker, so
+    twenty variants stay tellable apart where a plain colour cycle would repeat itself.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on servers
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(row[series] for row in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 2.5, 4.6), squeeze=False)
-    for ax, (column, label) in zip(axes[0], panels.items()):
+    groups = list(dict.fromkeys(row[group] for row in rows)) if group else names
+    palette = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
+    dashes, markers = ["-", "--", ":", "-."], ["o", "s", "^", "v", "D", "x", "+", "*"]
+    styles: dict[str, dict[str, Any]] = {}
+    seen_in_group: dict[str, int] = {}
+    for name in names:
+        owner = next(row[group] for row in rows if row[series] == name) if group else name
+        index = seen_in_group[owner] = seen_in_group.get(owner, -1) + 1
+        styles[name] = {"color": palette(groups.index(owner) % palette.N), "linestyle": dashes[index % len(dashes)],
+                        "marker": markers[index % len(markers)]}
+    n_rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(n_rows, columns, figsize=(5.0 * columns + 2.6, 3.6 * n_rows), squeeze=False)
+    for ax, (column, label) in zip(axes.flat, panels.items()):
         for name in names:
             points = [(row[x], row[column]) for row in rows if row[series] == name]
             points = [(a, b) for a, b in points if isinstance(b, float | int) and math.isfinite(b) and b > 0]
             if points:
-                ax.plot(*zip(*points), marker="o", markersize=3, linewidth=1.2, label=name)
+                ax.plot(*zip(*points), markersize=3, linewidth=1.1, label=name, **styles[name])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(x)
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center right")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1 - 2.4 / (5.0 * columns + 2.6), 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
 
