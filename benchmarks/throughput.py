@@ -166,6 +166,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--sizes", nargs="*", default=None, help=f"subset of {[s.name for s in FULL_SIZES]}")
     parser.add_argument("--profile", action="store_true", help="also write the top ops of each model's step")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--name", default="throughput", help="file stem of the CSV")
     return parser.parse_args(argv)
 
@@ -173,6 +174,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     device = torch.device("cpu")  # the comparison is CPU fp32 by design
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sizes = QUICK_SIZES if args.quick else tuple(s for s in FULL_SIZES if args.sizes is None or s.name in args.sizes)
     if not sizes:
         raise SystemExit(f"--sizes {args.sizes} matches none of {[s.name for s in FULL_SIZES]}")
