@@ -6,6 +6,18 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Unit tests use tiny tensors: on a 2-core machine intra-op thread hand-offs cost far more than
+    they save (several times slower with two threads). Ray workers are separate processes and keep
+    their own setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 from pydantic import TypeAdapter, ValidationError
 
 from models import ModelConfig
@@ -19,15 +18,6 @@ from tasks.tokenizer import EOS_ID, train_or_load
 
 TASK = TypeAdapter(TaskConfig)
 SMALL = {"train_sentences": 300, "eval_sentences": 20, "lexicon_size": 12}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Two threads on a shared 2-core box spin against each other; one is several times faster."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_builtin_corpora_are_seeded_and_aligned():

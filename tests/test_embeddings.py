@@ -14,15 +14,6 @@ V, D = 40, 32
 N_IN, WIDTH, DEPTH, G_MAX = 16, 64, 3, 4  # linear spacing 16 -> 64 in 3 steps is exact: no rounding
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: on a shared CPU, intra-op thread hand-offs cost far more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def define_cfg(**knobs) -> ModelConfig:
     block = {"kind": "define", "input_dim": N_IN, "width": WIDTH, "depth": DEPTH, "g_max": G_MAX, **knobs}
     return ModelConfig(d_model=D, layers=1, ffn=2 * D, max_seq_len=32, attention={"kind": "mha", "heads": 2},

@@ -14,15 +14,6 @@ from models.attention.lse import exact_attention, merge_lse
 B, H, E = 2, 2, 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: on a shared CPU, intra-op thread hand-offs cost far more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def hyper(**knobs) -> HyperMechanism:
     return HyperMechanism(HyperMechanismConfig(**knobs), E, layer_index=0).eval()
 

@@ -18,15 +18,6 @@ MODEL = ModelConfig(d_model=32, layers=1, ffn=64, max_seq_len=32, dropout=0.0, p
                     attention={"kind": "mha", "heads": 2})
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Two threads on a shared 2-core box spin against each other; one is several times faster."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _task(kind: str, cache_dir, *, rank: int = 0, world_size: int = 1, **overrides):
     cfg = TASK.validate_python({"kind": kind, "seq_len": 32, "batch_size": 8, "vocab_size": 96,
                                 "builtin": {"train_sentences": 600, "eval_sentences": 40, "lexicon_size": 12},

@@ -20,15 +20,6 @@ from models.attention.projections import MultiHeadProjection, SharedQKProjection
 B, H, E = 2, 2, 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: on a shared CPU, intra-op thread hand-offs cost far more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def lsh(layer_index: int = 0, **knobs) -> LSHMechanism:
     return LSHMechanism(LSHMechanismConfig(**knobs), E, layer_index).eval()
 

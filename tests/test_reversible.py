@@ -19,15 +19,6 @@ ATTENTION = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: on a shared CPU, intra-op thread hand-offs cost far more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def config(layers: int = 3, attention: str = "mha", **overrides) -> ModelConfig:
     fields = dict(d_model=16, layers=layers, ffn=32, max_seq_len=32, dropout=0.1, reversible=True,
                   attention=ATTENTION[attention])

@@ -18,15 +18,6 @@ TASK = TypeAdapter(TaskConfig)
 SPECIALS = DecodeSpecials(bos=2, eos=3, forbidden=(0, 1, 2, 4))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Two threads on a shared 2-core box spin against each other; one is several times faster."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _task(cache_dir, **overrides):
     cfg = TASK.validate_python({
         "kind": "translation", "vocab_size": 200, "max_tokens": 1200, "max_source_len": 48, "beam_size": 2,
