@@ -101,7 +101,7 @@ class PlainResult:
 
 def plain_loop(spec: ExperimentSpec, cache_dir: Path) -> PlainResult:
     """The worker's training step loop (orchestrator/worker.py) in this process, without Ray or logging."""
-    from orchestrator.worker import lr_lambda
+    from orchestrator.schedules import lr_lambda
 
     start = time.perf_counter()
     optim, run = spec.optim, spec.run

@@ -31,22 +31,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from orchestrator.spec import ExperimentSpec, OptimConfig, load_spec
+from orchestrator.schedules import lr_lambda
+from orchestrator.spec import ExperimentSpec, load_spec
 from tasks import WorkerContext, build_task
 from tasks.data import lm_texts
-
-
-def lr_factor(optim: OptimConfig, step: int) -> float:
-    """Multiplier of optim.lr after `step` optimizer steps: linear warmup, then the spec's decay."""
-    warmup, total = optim.warmup_steps, optim.max_steps
-    if step < warmup:
-        return (step + 1) / warmup
-    if optim.schedule == "constant":
-        return 1.0
-    if optim.schedule == "inverse_sqrt":  # Vaswani et al. (2017), eq. 3, normalised to 1 at the end of warmup
-        return math.sqrt(max(warmup, 1)) / math.sqrt(step + 1)
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 1.0 - progress if optim.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -101,7 +89,7 @@ def train(spec: ExperimentSpec, out: Path, cache_dir: Path, time_limit_s: float 
     task = build_task(spec.task, spec.model, ctx)
     model = task.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(optim, s))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
     out.mkdir(parents=True, exist_ok=True)
     log = _Log(out / "metrics.jsonl")
     ckpt_path, best_path = out / "checkpoint.pt", out / "best.pt"

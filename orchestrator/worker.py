@@ -9,14 +9,12 @@ checkpoint files and logs to MLflow (Ray docs, train/user-guides/checkpoints).
 
 from __future__ import annotations
 
-import math
 import random
 import resource
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,8 @@ from orchestrator.checkpoint import (
     restore_rng,
     write_checkpoint,
 )
-from orchestrator.spec import ExperimentSpec, OptimConfig, spec_to_yaml
+from orchestrator.schedules import lr_lambda
+from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.tracking import (
     COMMIT_TAG,
     KIND_TAG,
@@ -52,26 +51,6 @@ from tasks.base import WorkerContext
 
 class InjectedFailure(RuntimeError):
     """Raised at `fail_at_step` (a fault-injection knob of launch.run_training) to exercise resume."""
-
-
-def lr_lambda(optim: OptimConfig) -> Callable[[int], float]:
-    """Multiplier of optim.lr after `step` optimizer steps: linear warmup, then the chosen decay."""
-    warmup, total = optim.warmup_steps, optim.max_steps
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup  # never 0: the first step already learns
-        if optim.schedule == "constant":
-            return 1.0
-        if optim.schedule == "inverse_sqrt":
-            # Vaswani et al. (2017), eq. 3, normalised to 1 at the end of warmup.
-            return math.sqrt(max(warmup, 1)) / math.sqrt(step + 1)
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if optim.schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def _seed_all(seed: int) -> None:

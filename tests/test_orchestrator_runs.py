@@ -172,7 +172,7 @@ def test_checkpoint_roundtrip_restores_rng(tmp_path):
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "inverse_sqrt", "constant"])
 def test_lr_schedules_warm_up_then_decay(schedule):
     from orchestrator.spec import OptimConfig
-    from orchestrator.worker import lr_lambda
+    from orchestrator.schedules import lr_lambda
 
     factor = lr_lambda(OptimConfig(schedule=schedule, warmup_steps=4, max_steps=20))
     assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
