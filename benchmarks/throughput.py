@@ -135,6 +135,8 @@ def run(sizes: Sequence[Size], warmup: int, repeats: int, device: torch.device) 
             row[f"{name}_step_s_min"] = min(times[name])
             row[f"{name}_peak_mb"] = peak_memory_bytes(step, device) / 2**20
         row["ours_over_bert_tokens_per_s"] = row["ours_tokens_per_s"] / row["bert_tokens_per_s"]
+        # Paired per round (both models ran back to back): robust to load that shifts during the run.
+        row["ours_over_bert_paired_median"] = statistics.median(b / o for o, b in zip(times["ours"], times["bert"]))
         print(f"{size.name}: ours {row['ours_tokens_per_s']:.0f} tok/s, bert {row['bert_tokens_per_s']:.0f} tok/s, "
               f"ratio {row['ours_over_bert_tokens_per_s']:.3f}", flush=True)
         rows.append(row)
