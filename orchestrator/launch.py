@@ -172,6 +172,17 @@ class RunOutcome:
     mlflow_run_id: str | None
 
 
+def _existing_meta(storage: str, name: str, resume: bool) -> dict[str, Any] | None:
+    """The stored metadata of run/sweep `name`, refusing to start a new one over it unless resuming."""
+    meta = read_meta(storage, name)
+    if meta is not None and not resume:
+        raise LaunchError(
+            f"a {meta.get('kind', 'run')} named {name!r} already exists in {storage}; continue it with "
+            f"`orchestrator resume {name} --storage-path {storage}`, or give this one another name (name=...)"
+        )
+    return meta
+
+
 def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: int | None = None) -> RunOutcome:
     """Train one run under Ray Train. `resume=True` continues the run of the same name from its latest
     checkpoint (same RunConfig(name, storage_path), same MLflow run). `fail_at_step` raises inside the
@@ -179,12 +190,7 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
     from ray.train import TrainingFailedError
 
     storage = spec.run.storage_path
-    meta = read_meta(storage, spec.name)
-    if meta is not None and not resume:
-        raise LaunchError(
-            f"a {meta.get('kind', 'run')} named {spec.name!r} already exists in {storage}; continue it with "
-            f"`orchestrator resume {spec.name} --storage-path {storage}`, or give this one another name (name=...)"
-        )
+    meta = _existing_meta(storage, spec.name, resume)
     if meta is None and resume:
         raise LaunchError(f"no run named {spec.name!r} in {storage}; start it with `orchestrator train`")
     connect()
@@ -299,12 +305,7 @@ def run_sweep(study: Study, *, resume: bool = False) -> SweepOutcome:
 
     spec = study.base
     storage = spec.run.storage_path
-    meta = read_meta(storage, spec.name)
-    if meta is not None and not resume:
-        raise LaunchError(
-            f"a {meta.get('kind', 'run')} named {spec.name!r} already exists in {storage}; continue it with "
-            f"`orchestrator resume {spec.name} --storage-path {storage}`, or give this one another name (name=...)"
-        )
+    meta = _existing_meta(storage, spec.name, resume)
     connect()
     resources = _check_cluster(spec)
     commit = (meta or {}).get("commit") or git_commit()

@@ -205,3 +205,19 @@ def test_every_study_spec_validates_at_every_scale():
         for scale in scales:
             study = load_study(path, scale=scale)
             assert study.base.name, (path, scale)
+
+
+def test_train_and_sweep_refuse_to_overwrite_an_existing_run(tmp_path):
+    """A name already used in the storage path is refused before Ray starts, with the resume command."""
+    import ray
+
+    from orchestrator.launch import LaunchError, run_sweep, run_training, write_meta
+
+    storage = tmp_path / "runs"
+    raw = base_raw(run={"storage_path": str(storage)})
+    write_meta(str(storage), "unit", {"kind": "run"})
+    with pytest.raises(LaunchError, match=r"a run named 'unit' already exists .*`orchestrator resume unit"):
+        run_training(load_spec(write(tmp_path, raw)))
+    with pytest.raises(LaunchError, match=r"already exists"):
+        run_sweep(load_study(write(tmp_path, raw)))
+    assert not ray.is_initialized()
