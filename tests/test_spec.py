@@ -213,6 +213,7 @@ def test_train_and_sweep_refuse_to_overwrite_an_existing_run(tmp_path):
 
     from orchestrator.launch import LaunchError, run_sweep, run_training, write_meta
 
+    ray_was_running = ray.is_initialized()  # another module's session fixture may have started it
     storage = tmp_path / "runs"
     raw = base_raw(run={"storage_path": str(storage)})
     write_meta(str(storage), "unit", {"kind": "run"})
@@ -220,4 +221,4 @@ def test_train_and_sweep_refuse_to_overwrite_an_existing_run(tmp_path):
         run_training(load_spec(write(tmp_path, raw)))
     with pytest.raises(LaunchError, match=r"already exists"):
         run_sweep(load_study(write(tmp_path, raw)))
-    assert not ray.is_initialized()
+    assert ray.is_initialized() == ray_was_running
