@@ -137,3 +137,81 @@ def test_linformer_mean_pooling_matches_manual_average():
     pooled, empty = E(k_BHSE, None)
     torch.testing.assert_close(pooled, k_BHSE.view(1, HEADS, 4, 4, -1).mean(3))
     assert not empty.any()
+
+
+def _linformer_reference(lin, x, mask):
+    """Project K and V from every position, then compress them (the mechanism's own forward)."""
+    q_BHTE, k_BHSE, v_BHSE = lin.projection.qkv(x, x)
+    return lin.projection.output(lin.mechanism(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS=mask))
+
+
+def _outputs_and_grads(module, params, run, x, grad):
+    for p in params:
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    out = run(module, x)
+    out.backward(grad)
+    return out.detach(), x.grad, [p.grad.clone() for p in params]
+
+
+COMPRESSED_FIRST = [(kind, projection, sharing) for projection in ("linear", "mean")
+                    for sharing in ("headwise", "kv", "layerwise") for kind in ("linformer", "gqa")]
+
+
+@pytest.mark.parametrize("kind,projection,sharing", COMPRESSED_FIRST)
+def test_linformer_compressing_the_input_first_equals_projecting_first(kind, projection, sharing):
+    """E (X W^T) = (E X) W^T: the layer's input-compressing path equals the mechanism's own, values and gradients.
+
+    fp64 and padding that empties whole pooled slots (row 1 keeps 5 of 13 positions, stride 16 / 4 = 4).
+    """
+    shared = nn.ModuleDict()
+    knobs = {"k": 4, "max_len": 16, "projection": projection, "sharing": sharing}
+    if kind == "gqa":  # a grouped scheme with the Linformer mechanism: K/V heads are broadcast after projection
+        knobs = {"groups": 2, "mechanism": {"kind": "linformer", "k": 4, "projection": projection, "sharing": sharing},
+                 "max_len": 16}
+    lin = make_attention(kind, shared_state=shared, **knobs).double().train()
+    shared.double()
+    assert lin.compresses_context
+    params = list(lin.parameters()) + list(shared.parameters())
+    torch.manual_seed(5)
+    x = torch.randn(2, 13, D_MODEL, dtype=torch.float64)
+    mask = torch.zeros(2, 13, dtype=torch.bool)
+    mask[1, 5:] = True
+    grad = torch.randn(2, 13, D_MODEL, dtype=torch.float64)
+    fast = _outputs_and_grads(lin, params, lambda m, x: m(x, key_padding_mask_BS=mask), x, grad)
+    reference = _outputs_and_grads(lin, params, lambda m, x: _linformer_reference(m, x, mask), x, grad)
+    torch.testing.assert_close(fast[0], reference[0], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(fast[1], reference[1], atol=1e-12, rtol=1e-10)
+    for got, expected in zip(fast[2], reference[2]):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+    # The path adds no parameters: W^Q, W^O (d^2 each), W^K, W^V (d x kv_heads·d_head), and k x n per linear E
+    # or F in the layer (a layerwise E belongs to the model; pooling has none).
+    kv_width = D_MODEL // HEADS * (2 if kind == "gqa" else HEADS)
+    extras = {"headwise": 2 * 4 * 16, "kv": 4 * 16, "layerwise": 0}[sharing] if projection == "linear" else 0
+    assert lin.attention_parameters() == 2 * D_MODEL * D_MODEL + 2 * D_MODEL * kv_width + extras
+
+
+@pytest.mark.parametrize("projection", ["linear", "mean"])
+def test_linformer_compressed_input_carries_the_bias_of_valid_positions_only(projection):
+    """With biased W^K, W^V: E (X W^T + 1 b^T) = (E X) W^T + (E 1_valid) b^T, padded positions carrying no bias."""
+    lin = make_attention("linformer", k=4, max_len=16, projection=projection, sharing="headwise").double()
+    torch.manual_seed(6)
+    for name in ("k", "v"):
+        biased = nn.Linear(D_MODEL, D_MODEL, bias=True).double()
+        with torch.no_grad():
+            biased.weight.copy_(getattr(lin.projection, name).weight)
+            biased.bias.normal_()
+        setattr(lin.projection, name, biased)
+    x = torch.randn(2, 13, D_MODEL, dtype=torch.float64)
+    mask = torch.zeros(2, 13, dtype=torch.bool)
+    mask[0, 10:] = True
+    mask[1, 5:] = True
+    torch.testing.assert_close(lin(x, key_padding_mask_BS=mask), _linformer_reference(lin, x, mask),
+                               atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("projection,sharing", [("linear", "none"), ("mean", "none"), ("max", "headwise"),
+                                                ("conv", "headwise"), ("conv", "layerwise")])
+def test_linformer_keeps_projecting_first_where_compression_does_not_commute(projection, sharing):
+    """Max pooling is not linear, a conv mixes each head's features after W^K, and per-head E_i saves nothing."""
+    assert not make_attention("linformer", k=4, max_len=16, projection=projection, sharing=sharing).compresses_context

@@ -8,6 +8,14 @@ Padding: padded keys and values are zeroed *before* the projection, so they cont
 compressed keys/values (fairseq ignores the padding mask here; appending padding changes its outputs).
 For pooling and conv projections, compressed slots made only of padding are masked out of the softmax.
 
+Compress first, project after: for a projection scheme whose K and V are affine maps of each position
+(mha, gqa, mqa) and an E that is one map along the sequence for every head (sharing headwise/kv/layerwise,
+linear or mean), E (X W^T + 1 b^T) = (E X) W^T + (E 1) b^T. The layer then compresses its input X and runs
+W^K, W^V over k rows instead of n, as fairseq's Linformer does (`compress_context`; models/attention/module.py).
+Zeroing padded rows of X and taking E 1 over valid positions only keeps the padding rule above exactly.
+Not for max pooling (it does not commute with W), conv (its kernel mixes each head's features after W^K),
+or sharing=none (one E_i per head would compress X once per head, saving nothing).
+
 Causal use is refused: every compressed key mixes all positions, so query i would see tokens after i.
 A causal-safe variant would need a different projection; see docs/attention.md.
 """
@@ -22,6 +30,7 @@ import torch.nn.functional as F
 
 from models.attention.config import LinformerMechanismConfig
 from models.attention.exact import ExactMechanism
+from models.attention.projections import CompressedContext
 
 
 def _linear_projection(heads: int | None, k: int, n: int) -> nn.Parameter:
@@ -117,15 +126,41 @@ class LinformerMechanism(nn.Module):
         return E, getattr(self, "F", E)
 
     def forward(self, q_BHTE, k_BHSE, v_BHSE, *, key_padding_mask_BS=None, causal=False):
+        E, F_ = self._projections()
+        k_BHKE, empty_BK = E(k_BHSE, key_padding_mask_BS)
+        v_BHKE, _ = F_(v_BHSE, key_padding_mask_BS)
+        return self.attend_compressed(q_BHTE, k_BHKE, v_BHKE, empty_BK=empty_BK, causal=causal)
+
+    @property
+    def compresses_context(self) -> bool:
+        """Whether E and F may compress the layer input before the K/V projections (see the module docstring)."""
+        E, _ = self._projections()
+        return E.heads is None and E.kind in ("linear", "mean")
+
+    def compress_context(self, ctx_BSD: torch.Tensor, key_padding_mask_BS: torch.Tensor | None) -> CompressedContext:
+        """E X and F X of the context [B, S, D], and E 1, F 1 over its valid positions (for the K/V biases)."""
+        assert self.compresses_context
+        E, F_ = self._projections()
+        B, S, _ = ctx_BSD.shape
+        # The projections act on [B, H, S, E]: the context is one "head" of width D, and E 1 is E of a column of ones.
+        ctx_B1SD, ones_B1S1 = ctx_BSD[:, None], ctx_BSD.new_ones(B, 1, S, 1)
+        keys_B1KD, empty_BK = E(ctx_B1SD, key_padding_mask_BS)
+        key_mass_B1K1, _ = E(ones_B1S1, key_padding_mask_BS)
+        if F_ is E:  # kv and layerwise sharing: one compression serves keys and values
+            values_B1KD, value_mass_B1K1 = keys_B1KD, key_mass_B1K1
+        else:
+            values_B1KD, _ = F_(ctx_B1SD, key_padding_mask_BS)
+            value_mass_B1K1, _ = F_(ones_B1S1, key_padding_mask_BS)
+        return CompressedContext(keys_B1KD[:, 0], key_mass_B1K1[:, 0], values_B1KD[:, 0], value_mass_B1K1[:, 0], empty_BK)
+
+    def attend_compressed(self, q_BHTE, k_BHKE, v_BHKE, *, empty_BK=None, causal=False):
+        """Exact attention of the queries over the k compressed slots; slots made only of padding are masked."""
         if causal:
             raise ValueError(
                 "model.attention.kind=linformer cannot run causal attention: its sequence projection mixes "
                 "future tokens into every compressed key. Use it for masked LM / encoders, or choose a "
                 "causal-capable kind (mha, mhe, lsh, hyper, ...) for causal LM and decoders"
             )
-        E, F_ = self._projections()
-        k_BHKE, empty_BK = E(k_BHSE, key_padding_mask_BS)
-        v_BHKE, _ = F_(v_BHSE, key_padding_mask_BS)
         return self.exact(q_BHTE, k_BHKE, v_BHKE, key_padding_mask_BS=empty_BK)
 
     def attention_parameters(self) -> int:

@@ -21,6 +21,11 @@ class Attention(nn.Module):
         self.kind = kind
         self.projection = projection
         self.mechanism = mechanism
+        # A mechanism that compresses the sequence linearly (Linformer with a shared E) and a scheme whose K/V
+        # are affine per position commute: compress the input first, then project k rows instead of n.
+        self.compresses_context = projection.projects_compressed_context and bool(
+            getattr(mechanism, "compresses_context", False)
+        )
 
     @property
     def supports_causal(self) -> bool:
@@ -39,6 +44,13 @@ class Attention(nn.Module):
                 f"key_padding_mask has shape {tuple(key_padding_mask_BS.shape)} but keys are "
                 f"{tuple(ctx_BSD.shape[:2])} (batch, seq); it must be bool with True at padded key positions"
             )
+        if self.compresses_context:
+            compressed = self.mechanism.compress_context(ctx_BSD, key_padding_mask_BS)
+            q_BHTE, k_BHKE, v_BHKE = self.projection.qkv_compressed(x_BTD, compressed)
+            o_BHTE = self.mechanism.attend_compressed(
+                q_BHTE, k_BHKE, v_BHKE, empty_BK=compressed.empty_BK, causal=causal
+            )
+            return self.projection.output(o_BHTE)
         q_BHTE, k_BHSE, v_BHSE = self.projection.qkv(x_BTD, ctx_BSD)
         o_BHTE = self.mechanism(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS=key_padding_mask_BS, causal=causal)
         return self.projection.output(o_BHTE)

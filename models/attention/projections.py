@@ -10,6 +10,8 @@ know about grouped or shared heads: grouped K/V heads are broadcast to their que
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -38,8 +40,35 @@ def _broadcast_heads(x_BGSE: torch.Tensor, heads: int) -> torch.Tensor:
     return x_BGSE[:, :, None].expand(B, G, heads // G, S, E).reshape(B, heads, S, E)
 
 
+@dataclass
+class CompressedContext:
+    """The context compressed along the sequence by a mechanism, before any K/V projection.
+
+    keys_BKD = E X and values_BKD = F X (the same tensor when E = F), with padded rows of X zeroed.
+    `*_mass_BK1` is E 1 over the valid positions only: how much of an affine projection's bias each
+    compressed row carries, since E (X W^T + 1 b^T) = (E X) W^T + (E 1) b^T and padded rows carry none.
+    `empty_BK` marks slots made only of padding (None when every slot holds a valid position).
+    """
+
+    keys_BKD: torch.Tensor
+    key_mass_BK1: torch.Tensor
+    values_BKD: torch.Tensor
+    value_mass_BK1: torch.Tensor
+    empty_BK: torch.Tensor | None
+
+
+def _project_compressed(linear: nn.Linear, rows_BKD: torch.Tensor, mass_BK1: torch.Tensor) -> torch.Tensor:
+    """(E X) W^T + (E 1) b^T, which equals E applied to linear(X) row by row."""
+    y_BKX = F.linear(rows_BKD, linear.weight)
+    return y_BKX if linear.bias is None else y_BKX + mass_BK1 * linear.bias
+
+
 class ProjectionScheme(nn.Module):
     """Base: Q from x, K/V from the context (x itself for self-attention), W^O back to d_model."""
+
+    projects_compressed_context = False
+    """True when K and V are affine maps of each context position alone, so a mechanism that compresses
+    the sequence linearly may compress the context before them (`qkv_compressed`)."""
 
     def __init__(self, cfg: _AttentionConfig):
         super().__init__()
@@ -49,6 +78,12 @@ class ProjectionScheme(nn.Module):
 
     def qkv(self, x_BTD: torch.Tensor, ctx_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def qkv_compressed(
+        self, x_BTD: torch.Tensor, ctx: CompressedContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q from x; k, v of the compressed slots projected from `ctx` (needs projects_compressed_context)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot project a compressed context")
 
     def output(self, o_BHTE: torch.Tensor) -> torch.Tensor:
         B, H, T, E = o_BHTE.shape
@@ -61,12 +96,23 @@ class ProjectionScheme(nn.Module):
 class MultiHeadProjection(ProjectionScheme):
     """mha (kv_heads = heads), gqa (kv_heads = groups) and mqa (kv_heads = 1)."""
 
+    projects_compressed_context = True
+
     def __init__(self, cfg: _AttentionConfig, kv_heads: int):
         super().__init__(cfg)
         self.kv_heads = kv_heads
         self.q = nn.Linear(self.d_model, self.d_model, bias=False)
         self.k = nn.Linear(self.d_model, kv_heads * self.head_dim, bias=False)
         self.v = nn.Linear(self.d_model, kv_heads * self.head_dim, bias=False)
+
+    def qkv_compressed(self, x_BTD, ctx):
+        # W^K and W^V run over the k compressed rows instead of the n positions: n / k times fewer FLOPs.
+        q_BHTE = _split_heads(self.q(x_BTD), self.heads)
+        k_BKX = _project_compressed(self.k, ctx.keys_BKD, ctx.key_mass_BK1)
+        v_BKX = _project_compressed(self.v, ctx.values_BKD, ctx.value_mass_BK1)
+        k_BHKE = _broadcast_heads(_split_heads(k_BKX, self.kv_heads), self.heads)
+        v_BHKE = _broadcast_heads(_split_heads(v_BKX, self.kv_heads), self.heads)
+        return q_BHTE, k_BHKE, v_BHKE
 
     def qkv(self, x_BTD, ctx_BSD):
         q_BHTE = _split_heads(self.q(x_BTD), self.heads)
