@@ -7,6 +7,10 @@ unless `model.tie_output` is false. Masks follow the attention contract: bool, T
 With `model.reversible` the same layers run as RevNet blocks (models/reversible.py, as in Reformer): the input
 is duplicated into two streams, y1 = x1 + Attention(LN(x2)), y2 = x2 + FFN(LN(y1)), and the final LayerNorm
 sees the mean of the two streams. The parameters (and their names) are those of the ordinary stack.
+
+The translation decoder also runs one position at a time (`start_decoding` / `decode_step`) over a
+key/value cache (models/kv_cache.py) when every decoder attention can cache; decoding (tasks/beam_search.py)
+otherwise reruns `decode` over the whole prefix.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from models.attention import build_attention
 from models.config import ModelConfig
 from models.embeddings import build_positions, build_token_embedding
+from models.kv_cache import DecoderCache, LayerKV
 from models.reversible import reversible_stack
 
 
@@ -69,6 +74,19 @@ class TransformerLayer(nn.Module):
             )
         return x_BTD + self.feed_forward_branch(x_BTD)
 
+    def decode_step(self, x_N1D: torch.Tensor, kv: LayerKV, memory_padding_mask_NS: torch.Tensor | None) -> torch.Tensor:
+        """`forward` for the newest position of a causal decoder, its prefix's keys/values read from `kv`.
+
+        The new position sees every cached key and its own, which is the causal mask's row for it.
+        """
+        assert self.cross is not None, "decode_step is for the translation decoder"
+        h_N1D = self.ln_attn(x_N1D)
+        k_NGTE, v_NGTE = kv.append(*self.attn.keys_values(h_N1D))
+        x_N1D = x_N1D + self.dropout(self.attn.attend(h_N1D, k_NGTE, v_NGTE))
+        cross_N1D = self.cross.attend(self.ln_cross(x_N1D), kv.cross_k_NGSE, kv.cross_v_NGSE, memory_padding_mask_NS)
+        x_N1D = x_N1D + self.dropout(cross_N1D)
+        return x_N1D + self.feed_forward_branch(x_N1D)
+
     def attention_parameters(self) -> int:
         return self.attn.attention_parameters() + (self.cross.attention_parameters() if self.cross else 0)
 
@@ -112,12 +130,13 @@ class EmbeddingInput(nn.Module):
         self.positions = build_positions(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        T = tokens_BT.shape[1]
-        if T > self.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.max_seq_len}; "
+    def forward(self, tokens_BT: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """`offset`: position of the first token (> 0 when a decoder feeds one position at a time)."""
+        end = offset + tokens_BT.shape[1]
+        if end > self.max_seq_len:
+            raise ValueError(f"sequence length {end} exceeds model.max_seq_len={self.max_seq_len}; "
                              "raise model.max_seq_len or shorten the task's seq_len")
-        return self.dropout(self.tokens(tokens_BT) + self.positions(T))
+        return self.dropout(self.tokens(tokens_BT) + self.positions(end)[offset:])
 
 
 class OutputHead(nn.Module):
@@ -201,3 +220,32 @@ class Seq2SeqTransformer(_CountsMixin, nn.Module):
     def forward(self, src_BS, tgt_in_BT, src_padding_mask_BS=None, tgt_padding_mask_BT=None) -> torch.Tensor:
         memory_BSD = self.encode(src_BS, src_padding_mask_BS)
         return self.decode(tgt_in_BT, memory_BSD, src_padding_mask_BS, tgt_padding_mask_BT)
+
+    # --- incremental decoding -----------------------------------------------------------------------------
+
+    def incremental_decoding_unsupported_reasons(self) -> list[str]:
+        """Why `start_decoding` / `decode_step` cannot be used; empty when they can."""
+        reasons = ["model.reversible=true: RevNet blocks recompute whole sequences"] if self.cfg.reversible else []
+        for layer in self.decoder.layers:
+            reasons += layer.attn.kv_cache_unsupported_reasons() + layer.cross.kv_cache_unsupported_reasons()
+        return list(dict.fromkeys(reasons))
+
+    def start_decoding(self, memory_NSD: torch.Tensor, src_padding_mask_NS: torch.Tensor | None = None) -> DecoderCache:
+        """An empty-prefix cache holding each layer's cross-attention keys/values of the encoder output."""
+        reasons = self.incremental_decoding_unsupported_reasons()
+        if reasons:
+            raise ValueError("this model cannot decode incrementally: " + "; ".join(reasons)
+                             + ". Decode by rerunning `decode` over the prefix (beam_search(..., incremental=False))")
+        layers = [LayerKV(*layer.cross.keys_values(memory_NSD)) for layer in self.decoder.layers]
+        return DecoderCache(layers, src_padding_mask_NS)
+
+    def decode_step(self, tokens_N1: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        """Logits [N, V] of the piece after `tokens_N1`, the prefix's newest token; extends `cache` by it.
+
+        Equals decode(prefix)[:, -1] up to floating-point rounding, at the cost of running one position.
+        """
+        x_N1D = self.embed(tokens_N1, offset=cache.length)
+        for layer, kv in zip(self.decoder.layers, cache.layers):
+            x_N1D = layer.decode_step(x_N1D, kv, cache.memory_padding_mask_NS)
+        cache.length += 1
+        return self.head(self.decoder.ln_final(x_N1D))[:, 0]

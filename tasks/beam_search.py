@@ -9,14 +9,23 @@ limit max_len_a * source_length + max_len_b only eos is allowed, so every senten
 
 Greedy decoding is beam search with K = 1 (the eos rule then means "stop when eos is the argmax"); the
 separate `greedy_decode` is kept as a simple reference that the tests compare against.
+
+Each step needs the next-piece logits of every live prefix. A model with `start_decoding` / `decode_step` whose
+decoder attention can cache keys/values (exact mechanism, no reversible stack) runs only the newest position
+per step over a cache that beam reselection reorders (`_IncrementalDecoder`); any other model reruns `decode`
+over the whole prefix (`_FullRecomputeDecoder`). `incremental=None` picks automatically and says which at debug
+level; both give the same tokens and scores up to floating-point rounding (tests/test_decoding.py).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,12 +42,61 @@ def max_lengths(src_lengths_B: torch.Tensor, max_len_a: float, max_len_b: int, c
     return (src_lengths_B.float() * max_len_a + max_len_b).long().clamp(1, cap)
 
 
-def _step_log_probs(model: nn.Module, tokens_NT: torch.Tensor, memory_NSD: torch.Tensor,
-                    src_padding_mask_NS: torch.Tensor | None, specials: DecodeSpecials,
-                    force_eos_N: torch.Tensor) -> torch.Tensor:
+class _FullRecomputeDecoder:
+    """Next-piece logits by running `decode` over the whole prefix: O(T^2) decoder work, any model."""
+
+    def __init__(self, model: nn.Module, memory_NSD: torch.Tensor, src_padding_mask_NS: torch.Tensor | None):
+        self.model, self.memory_NSD, self.src_padding_mask_NS = model, memory_NSD, src_padding_mask_NS
+
+    def next_logits(self, tokens_NT: torch.Tensor) -> torch.Tensor:
+        return self.model.decode(tokens_NT, self.memory_NSD, self.src_padding_mask_NS)[:, -1]
+
+    def reorder_beams(self, origin_BK: torch.Tensor) -> None:
+        """Nothing to do: the prefixes themselves are reordered by the caller."""
+
+
+class _IncrementalDecoder:
+    """Next-piece logits from the newest token and a key/value cache of the prefix (models/kv_cache.py)."""
+
+    def __init__(self, model: nn.Module, memory_NSD: torch.Tensor, src_padding_mask_NS: torch.Tensor | None):
+        self.model = model
+        self.cache = model.start_decoding(memory_NSD, src_padding_mask_NS)
+
+    def next_logits(self, tokens_NT: torch.Tensor) -> torch.Tensor:
+        assert tokens_NT.shape[1] == self.cache.length + 1, "feed every prefix position exactly once"
+        return self.model.decode_step(tokens_NT[:, -1:], self.cache)
+
+    def reorder_beams(self, origin_BK: torch.Tensor) -> None:
+        self.cache.reorder_beams(origin_BK)
+
+
+def incremental_unsupported_reasons(model: nn.Module) -> list[str]:
+    """Why `model` must decode by full recomputation; empty when it can use a key/value cache."""
+    if not hasattr(model, "incremental_decoding_unsupported_reasons"):
+        return [f"{type(model).__name__} has no start_decoding / decode_step"]
+    return model.incremental_decoding_unsupported_reasons()
+
+
+def _prefix_decoder(model: nn.Module, memory_NSD: torch.Tensor, src_padding_mask_NS: torch.Tensor | None,
+                    incremental: bool | None) -> _FullRecomputeDecoder | _IncrementalDecoder:
+    """The incremental decoder when asked for (or, with None, when the model supports it), else full recompute."""
+    reasons = incremental_unsupported_reasons(model)
+    if incremental and reasons:
+        raise ValueError("incremental decoding is not possible: " + "; ".join(reasons)
+                         + ". Pass incremental=None (choose automatically) or False")
+    if incremental is None:
+        incremental = not reasons
+        if incremental:
+            logger.debug("decoding incrementally with a key/value cache")
+        else:
+            logger.debug("decoding by rerunning the decoder over the whole prefix: %s", "; ".join(reasons))
+    cls = _IncrementalDecoder if incremental else _FullRecomputeDecoder
+    return cls(model, memory_NSD, src_padding_mask_NS)
+
+
+def _step_log_probs(logits_NV: torch.Tensor, specials: DecodeSpecials, force_eos_N: torch.Tensor) -> torch.Tensor:
     """Log-probabilities [N, V] of the next piece; forbidden ids get -inf, and only eos where force_eos."""
-    logits_NV = model.decode(tokens_NT, memory_NSD, src_padding_mask_NS)[:, -1].float()
-    logp_NV = torch.log_softmax(logits_NV, dim=-1)
+    logp_NV = torch.log_softmax(logits_NV.float(), dim=-1)
     logp_NV[:, list(specials.forbidden)] = -torch.inf
     if force_eos_N.any():
         eos_col_N = logp_NV[:, specials.eos].clone()
@@ -50,14 +108,15 @@ def _step_log_probs(model: nn.Module, tokens_NT: torch.Tensor, memory_NSD: torch
 
 @torch.no_grad()
 def greedy_decode(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: torch.Tensor | None,
-                  max_len_B: torch.Tensor, specials: DecodeSpecials) -> list[list[int]]:
+                  max_len_B: torch.Tensor, specials: DecodeSpecials, *, incremental: bool | None = None) -> list[list[int]]:
     """Argmax piece by piece until eos or the length limit; returns pieces without bos/eos."""
     B = src_BS.shape[0]
     memory_BSD = model.encode(src_BS, src_padding_mask_BS)
+    decoder = _prefix_decoder(model, memory_BSD, src_padding_mask_BS, incremental)
     tokens_BT = torch.full((B, 1), specials.bos, dtype=torch.long, device=src_BS.device)
     finished_B = torch.zeros(B, dtype=torch.bool, device=src_BS.device)
     for t in range(int(max_len_B.max())):
-        logp_BV = _step_log_probs(model, tokens_BT, memory_BSD, src_padding_mask_BS, specials, t + 1 >= max_len_B)
+        logp_BV = _step_log_probs(decoder.next_logits(tokens_BT), specials, t + 1 >= max_len_B)
         next_B = logp_BV.argmax(-1).masked_fill(finished_B, specials.eos)
         tokens_BT = torch.cat([tokens_BT, next_B[:, None]], dim=1)
         finished_B |= next_B == specials.eos
@@ -72,11 +131,16 @@ def greedy_decode(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: t
 @torch.no_grad()
 def beam_search(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: torch.Tensor | None,
                 max_len_B: torch.Tensor, specials: DecodeSpecials, *, beam_size: int,
-                length_penalty: float) -> tuple[list[list[int]], list[float]]:
-    """Best hypothesis per sentence (pieces without bos/eos) and its normalised score."""
+                length_penalty: float, incremental: bool | None = None) -> tuple[list[list[int]], list[float]]:
+    """Best hypothesis per sentence (pieces without bos/eos) and its normalised score.
+
+    `incremental`: True decodes with a key/value cache (an error if the model cannot), False reruns the decoder
+    over the prefix, None chooses the cache whenever the model supports it.
+    """
     B, K, device = src_BS.shape[0], beam_size, src_BS.device
     memory_NSD = model.encode(src_BS, src_padding_mask_BS).repeat_interleave(K, dim=0)  # N = B * K
     mask_NS = None if src_padding_mask_BS is None else src_padding_mask_BS.repeat_interleave(K, dim=0)
+    decoder = _prefix_decoder(model, memory_NSD, mask_NS, incremental)
     max_len_N = max_len_B.repeat_interleave(K)
     tokens_NT = torch.full((B * K, 1), specials.bos, dtype=torch.long, device=device)
     scores_BK = torch.full((B, K), -torch.inf, device=device)
@@ -86,7 +150,7 @@ def beam_search(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: tor
     rank_2K = torch.arange(2 * K, device=device)
 
     for t in range(int(max_len_B.max())):
-        logp_NV = _step_log_probs(model, tokens_NT, memory_NSD, mask_NS, specials, t + 1 >= max_len_N)
+        logp_NV = _step_log_probs(decoder.next_logits(tokens_NT), specials, t + 1 >= max_len_N)
         V = logp_NV.shape[-1]
         cand_BKV = scores_BK[:, :, None] + logp_NV.view(B, K, V)
         top_scores_B2K, top_index_B2K = cand_BKV.view(B, K * V).topk(min(2 * K, K * V), dim=-1)
@@ -113,6 +177,7 @@ def beam_search(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: tor
         scores_BK = keep_scores_BK.masked_fill(done_B[:, None], -torch.inf)
         rows_N = (torch.arange(B, device=device)[:, None] * K + origin_BK).view(-1)
         tokens_NT = torch.cat([tokens_NT[rows_N], piece_BK.view(-1, 1)], dim=1)
+        decoder.reorder_beams(origin_BK)
 
     hypotheses, best_scores = [], []
     for b in range(B):

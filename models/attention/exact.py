@@ -35,6 +35,8 @@ class ExactMechanism(nn.Module):
     """softmax(q k^T / sqrt(d)) v through torch's scaled_dot_product_attention."""
 
     supports_causal = True
+    supports_kv_cache = True
+    """A new query's output depends on past keys/values only through themselves, so they can be cached."""
 
     def __init__(self, dropout: float = 0.0):
         super().__init__()

@@ -31,6 +31,32 @@ class Attention(nn.Module):
     def supports_causal(self) -> bool:
         return bool(getattr(self.mechanism, "supports_causal", False))
 
+    def kv_cache_unsupported_reasons(self) -> list[str]:
+        """Why `keys_values` + `attend` cannot decode step by step; empty when they can.
+
+        Only the exact mechanism qualifies: approximate ones (linformer, lsh, hyper) mix a query with keys
+        compressed, hashed or sampled from the whole sequence, which changes as the sequence grows.
+        """
+        reasons = []
+        if not getattr(self.mechanism, "supports_kv_cache", False):
+            reasons.append(f"{self.kind}: mechanism {type(self.mechanism).__name__} is not exact attention")
+        if not self.projection.supports_kv_cache:
+            reasons.append(f"{self.kind}: projection {type(self.projection).__name__} cannot cache keys/values")
+        return reasons
+
+    def keys_values(self, ctx_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact keys and values [B, G, S, E] of the context, the form a decoder caches."""
+        return self.projection.keys_values(ctx_BSD)
+
+    def attend(self, x_BTD: torch.Tensor, k_BGSE: torch.Tensor, v_BGSE: torch.Tensor,
+               key_padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """x's queries over given compact keys/values (from `keys_values`), without a causal mask: an
+        incremental decoder passes exactly the keys its new position may see."""
+        q_BHTE = self.projection.queries(x_BTD)
+        k_BHSE, v_BHSE = self.projection.expand_heads(k_BGSE, v_BGSE)
+        o_BHTE = self.mechanism(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS=key_padding_mask_BS, causal=False)
+        return self.projection.output(o_BHTE)
+
     def forward(
         self,
         x_BTD: torch.Tensor,

@@ -6,6 +6,11 @@ weights including the output projection, no biases (our projections have none, s
 
 Every scheme returns q_BHTE and k_BHSE / v_BHSE with the same head count H, so mechanisms never need to
 know about grouped or shared heads: grouped K/V heads are broadcast to their query heads here.
+
+Keys and values come in two steps: `keys_values` gives them compact (G <= H stored heads, e.g. G = 1 for
+mqa, the shared seed head for mhe), each position from its own input row only, and `expand_heads` turns them
+into the H heads the mechanism sees. The compact form is what an incremental decoder caches (models/kv_cache.py):
+it is appended one position at a time and is as small as the scheme allows.
 """
 
 from __future__ import annotations
@@ -70,14 +75,28 @@ class ProjectionScheme(nn.Module):
     """True when K and V are affine maps of each context position alone, so a mechanism that compresses
     the sequence linearly may compress the context before them (`qkv_compressed`)."""
 
+    supports_kv_cache = True
+    """Keys/values of a position depend on that position alone, so a decoder may cache them."""
+
     def __init__(self, cfg: _AttentionConfig):
         super().__init__()
         assert cfg.d_model is not None
         self.d_model, self.heads, self.head_dim = cfg.d_model, cfg.heads, cfg.head_dim
         self.out = nn.Linear(self.d_model, self.d_model, bias=False)
 
-    def qkv(self, x_BTD: torch.Tensor, ctx_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def queries(self, x_BTD: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def keys_values(self, ctx_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact keys and values k_BGSE, v_BGSE (G stored heads)."""
+        raise NotImplementedError
+
+    def expand_heads(self, k_BGSE: torch.Tensor, v_BGSE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact keys and values to the H heads of the queries (identity when G = H)."""
+        return k_BGSE, v_BGSE
+
+    def qkv(self, x_BTD: torch.Tensor, ctx_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (self.queries(x_BTD), *self.expand_heads(*self.keys_values(ctx_BSD)))
 
     def qkv_compressed(
         self, x_BTD: torch.Tensor, ctx: CompressedContext
@@ -114,11 +133,14 @@ class MultiHeadProjection(ProjectionScheme):
         v_BHKE = _broadcast_heads(_split_heads(v_BKX, self.kv_heads), self.heads)
         return q_BHTE, k_BHKE, v_BHKE
 
-    def qkv(self, x_BTD, ctx_BSD):
-        q_BHTE = _split_heads(self.q(x_BTD), self.heads)
-        k_BHSE = _broadcast_heads(_split_heads(self.k(ctx_BSD), self.kv_heads), self.heads)
-        v_BHSE = _broadcast_heads(_split_heads(self.v(ctx_BSD), self.kv_heads), self.heads)
-        return q_BHTE, k_BHSE, v_BHSE
+    def queries(self, x_BTD):
+        return _split_heads(self.q(x_BTD), self.heads)
+
+    def keys_values(self, ctx_BSD):
+        return _split_heads(self.k(ctx_BSD), self.kv_heads), _split_heads(self.v(ctx_BSD), self.kv_heads)
+
+    def expand_heads(self, k_BGSE, v_BGSE):
+        return _broadcast_heads(k_BGSE, self.heads), _broadcast_heads(v_BGSE, self.heads)
 
 
 class SharedKVProjection(ProjectionScheme):
@@ -129,9 +151,12 @@ class SharedKVProjection(ProjectionScheme):
         self.q = nn.Linear(self.d_model, self.d_model, bias=False)
         self.kv = nn.Linear(self.d_model, self.d_model, bias=False)
 
-    def qkv(self, x_BTD, ctx_BSD):
+    def queries(self, x_BTD):
+        return _split_heads(self.q(x_BTD), self.heads)
+
+    def keys_values(self, ctx_BSD):
         kv_BHSE = _split_heads(self.kv(ctx_BSD), self.heads)
-        return _split_heads(self.q(x_BTD), self.heads), kv_BHSE, kv_BHSE
+        return kv_BHSE, kv_BHSE
 
 
 class ELAttProjection(ProjectionScheme):
@@ -141,9 +166,12 @@ class ELAttProjection(ProjectionScheme):
         super().__init__(cfg)
         self.q = nn.Linear(self.d_model, self.d_model, bias=False)
 
-    def qkv(self, x_BTD, ctx_BSD):
+    def queries(self, x_BTD):
+        return _split_heads(self.q(x_BTD), self.heads)
+
+    def keys_values(self, ctx_BSD):
         ctx_BHSE = _split_heads(ctx_BSD, self.heads)
-        return _split_heads(self.q(x_BTD), self.heads), ctx_BHSE, ctx_BHSE
+        return ctx_BHSE, ctx_BHSE
 
 
 class HeadEmbeddingProjection(ProjectionScheme):
@@ -168,17 +196,22 @@ class HeadEmbeddingProjection(ProjectionScheme):
             self.e_k = nn.Parameter(torch.randn(self.heads, self.head_dim) * cfg.init_std)
             self.e_v = nn.Parameter(torch.randn(self.heads, self.head_dim) * cfg.init_std)
 
-    def _per_head(self, a_BTE: torch.Tensor, e_HE: torch.Tensor | None) -> torch.Tensor:
-        a_B1TE = a_BTE[:, None]
+    def _per_head(self, a_B1TE: torch.Tensor, e_HE: torch.Tensor | None) -> torch.Tensor:
         if e_HE is None:
             return a_B1TE.expand(-1, self.heads, -1, -1)
         e_1H1E = e_HE[None, :, None, :]
         return a_B1TE + e_1H1E if self.mode == "add" else a_B1TE * (1 + e_1H1E)
 
-    def qkv(self, x_BTD, ctx_BSD):
-        embeddings = (self.e_q, self.e_k, self.e_v) if self.mode else (None, None, None)
-        q, k, v = self.q(x_BTD), self.k(ctx_BSD), self.v(ctx_BSD)
-        return tuple(self._per_head(a, e) for a, e in zip((q, k, v), embeddings))  # type: ignore[return-value]
+    def queries(self, x_BTD):
+        return self._per_head(self.q(x_BTD)[:, None], self.e_q if self.mode else None)
+
+    def keys_values(self, ctx_BSD):
+        # the stored "head" is the shared seed (G = 1): the head embeddings are applied in expand_heads
+        return self.k(ctx_BSD)[:, None], self.v(ctx_BSD)[:, None]
+
+    def expand_heads(self, k_B1SE, v_B1SE):
+        e_k, e_v = (self.e_k, self.e_v) if self.mode else (None, None)
+        return self._per_head(k_B1SE, e_k), self._per_head(v_B1SE, e_v)
 
 
 class SharedQKProjection(ProjectionScheme):
@@ -188,6 +221,8 @@ class SharedQKProjection(ProjectionScheme):
     query lands in its own key's bucket, and with unit keys a logit depends only on the query's norm and the
     angle, the quantity angular LSH groups by. The paper reports shared QK costs no accuracy.
     """
+
+    supports_kv_cache = False  # only ever paired with LSH, which hashes the whole sequence at once
 
     def __init__(self, cfg: _AttentionConfig):
         super().__init__(cfg)
