@@ -219,7 +219,7 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
 
 
 def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_run_id: str | None,
-                  commit: str) -> None:
+                  commit: str, fail_at_step: int | None = None) -> None:
     """One Tune trial: resolve its spec, open its child MLflow run, build and fit its TorchTrainer."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
@@ -233,7 +233,8 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     # Found by trial id first: a retried or restored trial keeps its child run.
     run_id = _tracker(spec).open_run(spec.tracking.experiment or spec.name, run_name, tags, find_by=(TRIAL_TAG, trial_id))
     loop_config = {"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id, "run_name": run_name,
-                   "trial_id": trial_id, "commit": commit, "tags": tags, "cache_dir": _cache_dir(spec)}
+                   "trial_id": trial_id, "commit": commit, "tags": tags, "cache_dir": _cache_dir(spec),
+                   "fail_at_step": fail_at_step}
     trainer = build_trainer(spec, run_name=f"train-{trial_id}",
                             storage_path=_join(spec.run.storage_path, spec.name, TRIALS_DIR),
                             loop_config=loop_config, callbacks=[TuneReportCallback()])
@@ -290,17 +291,21 @@ class SweepOutcome:
     """Tuner.fit returned before every trial ended (Ctrl-C); `orchestrator resume NAME` continues it."""
 
 
-def _trainable(study: Study, parent_run_id: str | None, commit: str):
+def _trainable(study: Study, parent_run_id: str | None, commit: str, fail_at_step: int | None = None):
     from ray import tune
 
-    driver = tune.with_parameters(_trial_driver, study_raw=study.raw, parent_run_id=parent_run_id, commit=commit)
+    driver = tune.with_parameters(_trial_driver, study_raw=study.raw, parent_run_id=parent_run_id, commit=commit,
+                                  fail_at_step=fail_at_step)
     # The driver only waits on its Train run; its 1 CPU is the "+1" of max_concurrent_trials.
     return tune.with_resources(driver, {"CPU": 1})
 
 
-def run_sweep(study: Study, *, resume: bool = False) -> SweepOutcome:
+def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = None) -> SweepOutcome:
     """A Tune sweep: one driver trial per configuration, a parent MLflow run with a child per trial.
-    `resume=True` restores the Tuner (unfinished trials resume, errored ones restart from their checkpoints)."""
+    `resume=True` restores the Tuner: unfinished and errored trials resume under their own trial ids, so each
+    driver reopens its child MLflow run and its Train run restores from its own latest checkpoint.
+    `fail_at_step` makes every trial's worker raise after that step, as in run_training: a fault-injection
+    hook for testing resume. The trainable is rebuilt on restore, so a resumed sweep runs without it."""
     from ray import tune
 
     spec = study.base
@@ -323,10 +328,12 @@ def run_sweep(study: Study, *, resume: bool = False) -> SweepOutcome:
     write_meta(storage, spec.name, {"kind": "sweep", "name": spec.name, "raw": study.raw,
                                     "parent_run_id": parent_run_id, "commit": commit})
 
-    trainable = _trainable(study, parent_run_id, commit)
+    trainable = _trainable(study, parent_run_id, commit, fail_at_step)
     sweep_path = _join(storage, spec.name)
     if resume and tune.Tuner.can_restore(sweep_path):
-        tuner = tune.Tuner.restore(sweep_path, trainable, resume_unfinished=True, restart_errored=True)
+        # resume_errored, not restart_errored: a restarted trial is reset to a new trial id, which would start a
+        # new Train run from scratch under a new child MLflow run.
+        tuner = tune.Tuner.restore(sweep_path, trainable, resume_unfinished=True, resume_errored=True)
     else:
         tuner = tune.Tuner(
             trainable,

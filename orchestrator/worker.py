@@ -212,7 +212,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         position, current_run_id, rank, world_size)
                 window_start = time.perf_counter()  # evaluation time is not training throughput
             if fail_at_step is not None and step == fail_at_step:
-                raise InjectedFailure(f"injected failure after step {step} (launch.run_training fail_at_step)")
+                raise InjectedFailure(f"injected failure after step {step} (the fail_at_step hook of launch.run_training and run_sweep)")
         status = "FINISHED"
         if mlflow_logger is not None and mlflow_logger.run_id is not None:
             for name, path in task.artifacts().items():

@@ -3,6 +3,7 @@ DDP run and a dead tracking server. Tiny MLM models on the built-in corpus; one 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import warnings
 from pathlib import Path
@@ -99,6 +100,32 @@ def test_resume_continues_run_id_and_loss_curve(ray_cluster, workspace):
     assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
     # Steps 3..6 after resuming from step 2 reproduce the uninterrupted run exactly (same seed, CPU).
     assert loss_curve(client, run_id) == loss_curve(client, reference.mlflow_run_id)
+
+
+@pytest.mark.slow
+def test_resumed_sweep_restarts_a_failed_trial_from_its_checkpoint(ray_cluster, workspace):
+    raw = tiny_spec("sweep-resume", workspace, optim={"max_steps": 6}, run={"checkpoint_every": 2},
+                    tune={"scheduler": "fifo"})
+    failed = run_sweep(study_from_raw(raw), fail_at_step=3)  # the trial dies after step 3; checkpoint at 2
+    assert failed.errors == 1 and len(failed.trials) == 1
+    client = MlflowClient(workspace["uri"])
+    parent = client.get_run(failed.parent_run_id)
+    assert parent.info.status == "FAILED"
+    child_id = failed.trials[0]["mlflow_run_id"]
+    assert max(loss_curve(client, child_id)) == 3
+
+    resumed = resume("sweep-resume", workspace["storage"])  # what `orchestrator resume` calls
+    assert resumed.errors == 0 and not resumed.interrupted
+    assert resumed.parent_run_id == failed.parent_run_id
+    assert [t["mlflow_run_id"] for t in resumed.trials] == [child_id]  # the trial kept its child run
+    assert resumed.trials[0]["metrics"]["step"] == 6
+    assert client.get_run(failed.parent_run_id).info.status == "FINISHED"
+    assert client.get_run(child_id).info.status == "FINISHED"
+    assert sorted(loss_curve(client, child_id)) == [1, 2, 3, 4, 5, 6]
+    # The restarted trial began from its step-2 checkpoint, not from scratch: steps 1-2 were logged once,
+    # step 3 twice (by the failed attempt and again after the restore).
+    logged = collections.Counter(m.step for m in client.get_metric_history(child_id, "train/loss"))
+    assert logged == {1: 1, 2: 1, 3: 2, 4: 1, 5: 1, 6: 1}
 
 
 @pytest.mark.slow
