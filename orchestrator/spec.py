@@ -8,11 +8,12 @@ search domain (`{grid: [...]}`, see orchestrator/search_space.py); such a spec i
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -339,13 +340,63 @@ def _field_path(loc: Sequence[Any], raw: Any) -> str:
     return ".".join(parts)
 
 
+# Fields that other tools (or an older layout) spell differently; named in the unknown-field error.
+_MOVED_FIELDS = {
+    "warmup": "optim.warmup_steps",
+    "batch_tokens": "task.batch_size (LM tasks: sequences per worker micro-batch) or task.max_tokens (translation: "
+                    "tokens per worker micro-batch), times optim.grad_accum and run.workers per step",
+    "batch_size": "task.batch_size",
+    "max_tokens": "task.max_tokens",
+    "lr_schedule": "optim.schedule",
+    "num_heads": "model.attention.heads",
+}
+
+
+def _model_classes(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation may hold (through Optional, unions and Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [cls for arg in get_args(annotation) for cls in _model_classes(arg)]
+
+
+def _known_fields(loc: Sequence[Any]) -> list[str]:
+    """The field names valid next to the last item of `loc`, walking ExperimentSpec's models; a discriminated
+    union's tag (e.g. 'linformer' in model.attention.linformer.k) narrows the union to its member."""
+    classes: list[type[BaseModel]] = [ExperimentSpec]
+    for item in loc[:-1]:
+        inside = [c for cls in classes if item in cls.model_fields
+                  for c in _model_classes(cls.model_fields[item].annotation)]
+        if not inside:  # a union tag: keep the members whose `kind` is this literal
+            inside = [cls for cls in classes
+                      if "kind" in cls.model_fields and item in get_args(cls.model_fields["kind"].annotation)]
+        classes = inside
+        if not classes:
+            return []
+    return sorted({name for cls in classes for name in cls.model_fields})
+
+
+def _unknown_field_message(loc: Sequence[Any]) -> str:
+    name = str(loc[-1])
+    hints = []
+    if name in _MOVED_FIELDS:
+        hints.append(f"this spec calls it {_MOVED_FIELDS[name]}")
+    known = _known_fields(loc)
+    close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+    if close and not hints:
+        hints.append("did you mean " + " or ".join(close) + "?")
+    if known and not close:
+        hints.append("valid fields here: " + ", ".join(known))
+    hint = ("; " + "; ".join(hints)) if hints else ""
+    return f"unknown field{hint} (docs/orchestrator.md lists every block's fields)"
+
+
 def _describe(err: ValidationError, raw: Mapping[str, Any]) -> str:
     lines = []
     for item in err.errors():
         path = _field_path(item["loc"], raw)
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            msg = "unknown field; check its spelling and block against docs/orchestrator.md, or remove it"
+            msg = _unknown_field_message(item["loc"])
         elif item["type"] == "missing":
             msg = "required field is missing; add it to the spec"
         lines.append(f"  {path}: {msg}" if path else f"  {msg}")

@@ -79,7 +79,11 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["model.attention.kind=linformr"], ["model.attention", "'mha'", "'linformer'"]),
         (["model.attention={kind: linformer, heads: 2, k: 64}"], ["model.attention", "k=64", "choose k <= max_seq_len"]),
         (["model.attention.head=2"], ["model.attention.head", "unknown field"]),
-        (["optim.schedul=cosine"], ["optim.schedul", "unknown field"]),
+        (["optim.schedul=cosine"], ["optim.schedul", "unknown field", "did you mean schedule?"]),
+        (["model.attention={kind: linformer, heads: 2, k: 8, shareing: kv}"],
+         ["model.attention.shareing", "did you mean sharing?"]),
+        (["optim.batch_tokens=65536"], ["optim.batch_tokens", "task.batch_size", "task.max_tokens"]),
+        (["task.colour=1"], ["task.colour", "valid fields here: batch_size, builtin"]),
         (["tune.metric=val/bleu"], ["tune.metric='val/bleu'", "task.kind=mlm", "val/ppl"]),
         (["task.seq_len=64"], ["task.seq_len=64", "model.max_seq_len=32"]),
         (["run.precision=bf16"], ["run.precision=bf16", "gpus_per_worker"]),
@@ -87,7 +91,8 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["model.d_model=abc"], ["model.d_model", "integer"]),
         (["name=has space"], ["name"]),
     ],
-    ids=["unknown-kind", "k-over-seq-len", "typo-attention", "typo-optim", "metric-not-produced", "seq-len",
+    ids=["unknown-kind", "k-over-seq-len", "typo-attention", "typo-optim", "typo-union-member", "moved-field",
+         "no-close-name", "metric-not-produced", "seq-len",
          "bf16-cpu", "warmup", "type", "name"],
 )
 def test_errors_name_the_field_and_the_fix(tmp_path, overrides, expected):
