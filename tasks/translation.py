@@ -165,8 +165,12 @@ class TranslationTask:
             count += batch.n_tokens
         return total / max(count, 1)
 
-    def translate(self, model: nn.Module, sources: list[np.ndarray], device: torch.device) -> list[list[int]]:
-        """Beam search over sources in length-sorted batches; pieces in the input order."""
+    def translate(self, model: nn.Module, sources: list[np.ndarray], device: torch.device, *,
+                  incremental: bool | None = None) -> list[list[int]]:
+        """Beam search over sources in length-sorted batches; pieces in the input order.
+
+        `incremental` (beam_search's): None uses the decoder's key/value cache whenever the model has one.
+        """
         src_len = np.array([len(s) for s in sources])
         order = np.argsort(src_len, kind="stable")
         # the beam multiplies every source by beam_size, so the budget is shared among the beams
@@ -178,7 +182,8 @@ class TranslationTask:
             limit_B = max_lengths(torch.as_tensor(src_len[indices], device=device), self.cfg.max_len_a,
                                   self.cfg.max_len_b, self.model_cfg.max_seq_len - 1)
             hyps, _ = beam_search(model, src_BS, mask_BS, limit_B,
-                                  self.specials, beam_size=self.cfg.beam_size, length_penalty=self.cfg.length_penalty)
+                                  self.specials, beam_size=self.cfg.beam_size, length_penalty=self.cfg.length_penalty,
+                                  incremental=incremental)
             for i, hyp in zip(indices, hyps):
                 out[i] = hyp
         return out
