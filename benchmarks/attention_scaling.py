@@ -10,6 +10,11 @@ measures the largest batch that fits in 16 GB instead; see benchmarks/RESULTS.md
     python -m benchmarks.attention_scaling --out benchmarks/results            # full
     python -m benchmarks.attention_scaling --quick --out benchmarks/results    # about 30 s of CPU time
 
+A focused run (Linformer and its mha baselines at n <= 2048, one thread, its own CSV and PNG):
+
+    python -m benchmarks.attention_scaling --kinds linformer --max-n 2048 --threads 1 --name attention_scaling_linformer
+    python -m benchmarks.attention_scaling --linformer-paths --max-n 2048 --threads 1 --name attention_scaling_linformer
+
 A variant that fails (not implemented, out of memory) is recorded with its error; one whose single call
 exceeds `--call-budget-s` is recorded as over_budget and its larger n as skipped, never silently dropped.
 """
@@ -19,7 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +34,8 @@ import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.harness import (
-    Measurement, Row, add_ratios, describe_error, measure, plot_loglog, read_csv, results_dir, write_csv,
+    Measurement, Row, add_ratios, describe_error, interleaved_medians, measure, peak_memory_bytes, plot_loglog,
+    read_csv, results_dir, write_csv,
 )
 from models import ModelConfig
 from models.attention import ATTENTION_KINDS, build_attention
@@ -115,7 +122,8 @@ def build_layer(variant: Variant, n: int, settings: Settings) -> tuple[nn.Module
     return layer, shared_state
 
 
-def _calls(layer: nn.Module, shared_state: nn.ModuleDict, x_BTD: torch.Tensor, math_sdpa: bool):
+def _calls(layer: nn.Module, shared_state: nn.ModuleDict, x_BTD: torch.Tensor, math_sdpa: bool,
+           apply: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda layer, x_BTD: layer(x_BTD)):
     """Forward under no_grad (inference), and forward + backward from a fixed upstream gradient."""
     grad_BTD = torch.randn_like(x_BTD)
     x_grad_BTD = x_BTD.detach().clone().requires_grad_(True)
@@ -125,7 +133,7 @@ def _calls(layer: nn.Module, shared_state: nn.ModuleDict, x_BTD: torch.Tensor, m
 
     def forward() -> None:
         with torch.no_grad(), backend():
-            layer(x_BTD)
+            apply(layer, x_BTD)
 
     def forward_backward() -> None:
         # Drop old gradients so every call allocates them afresh, as the first step of training does.
@@ -133,18 +141,21 @@ def _calls(layer: nn.Module, shared_state: nn.ModuleDict, x_BTD: torch.Tensor, m
         shared_state.zero_grad(set_to_none=True)
         x_grad_BTD.grad = None
         with backend():
-            layer(x_grad_BTD).backward(grad_BTD)
+            apply(layer, x_grad_BTD).backward(grad_BTD)
 
     return forward, forward_backward
 
 
 def run(settings: Settings, device: torch.device) -> list[Row]:
     rows: list[Row] = []
+    # The first memory-profiled call of a process starts the profiler (seconds on a loaded CPU); pay that here,
+    # not in the first case, whose single slow call would otherwise be its whole measurement.
+    peak_memory_bytes(lambda: None, device)
     for variant in variants(settings):
         stopped: str | None = None  # why larger n are skipped for this variant
         for n in settings.lengths:
             row: Row = {"variant": variant.label, "kind": variant.kind, "n": n, "batch": settings.batch,
-                        "d_model": settings.d_model, "heads": settings.heads}
+                        "d_model": settings.d_model, "heads": settings.heads, "threads": torch.get_num_threads()}
             if stopped is not None:
                 skipped = Measurement(f"skipped: {stopped}")
                 rows.append({**row, **skipped.as_row("fwd"), **skipped.as_row("fwdbwd")})
@@ -185,6 +196,48 @@ def run(settings: Settings, device: torch.device) -> list[Row]:
     return rows
 
 
+def _project_first(layer: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
+    """Linformer in the paper's order: K, V projected at all n positions, then compressed by the mechanism."""
+    q_BHTE, k_BHSE, v_BHSE = layer.projection.qkv(x_BTD, x_BTD)
+    return layer.projection.output(layer.mechanism(q_BHTE, k_BHSE, v_BHSE))
+
+
+def linformer_paths(settings: Settings, device: torch.device) -> list[Row]:
+    """Linformer layers that compress their input first, timed against the project-first order, paired.
+
+    Same layer, weights and input; the two orders alternate call by call (harness.interleaved_medians), so
+    load from other processes hits both alike. `*_paired_speedup` is the median over rounds of
+    project-first time / compress-first time.
+    """
+    rows: list[Row] = []
+    for n in settings.lengths:
+        for k in settings.linformer_k:
+            for sharing in ("headwise", "kv", "layerwise"):
+                torch.manual_seed(0)
+                layer, shared_state = build_layer(Variant("", "linformer", {"k": k, "sharing": sharing}), n, settings)
+                layer = layer.to(device=device, dtype=settings.dtype).eval()
+                shared_state = shared_state.to(device=device, dtype=settings.dtype)
+                assert layer.compresses_context
+                x_BTD = torch.randn(settings.batch, n, settings.d_model, device=device, dtype=settings.dtype)
+                compress = dict(zip(("fwd", "fwdbwd"), _calls(layer, shared_state, x_BTD, False)))
+                project = dict(zip(("fwd", "fwdbwd"), _calls(layer, shared_state, x_BTD, False, _project_first)))
+                calls = {f"{mode} {order}": fns[mode] for order, fns in (("compress", compress), ("project", project))
+                         for mode in ("fwd", "fwdbwd")}
+                times = interleaved_medians(calls, device, warmup=settings.warmup, repeats=settings.repeats)
+                row: Row = {"variant": f"linformer k={k} {sharing}", "n": n, "k": k, "sharing": sharing,
+                            "batch": settings.batch, "d_model": settings.d_model, "heads": settings.heads,
+                            "threads": torch.get_num_threads(), "repeats": settings.repeats}
+                for mode in ("fwd", "fwdbwd"):
+                    first, later = times[f"{mode} project"], times[f"{mode} compress"]
+                    row[f"{mode}_project_first_s"] = statistics.median(first)
+                    row[f"{mode}_compress_first_s"] = statistics.median(later)
+                    row[f"{mode}_paired_speedup"] = statistics.median(p / c for p, c in zip(first, later))
+                print(f"{row['variant']:28s} n={n:6d}  fwd {row['fwd_paired_speedup']:.2f}x  "
+                      f"fwd+bwd {row['fwdbwd_paired_speedup']:.2f}x", flush=True)
+                rows.append(row)
+    return rows
+
+
 def paper_comparison(rows: Sequence[Row], ks: Sequence[int], suffix: str) -> str:
     """Markdown: forward speed-up and memory ratio of layerwise Linformer vs the baseline `suffix`, per n and k."""
     lines = ["| n | " + " | ".join(f"k={k} time | k={k} memory" for k in ks) + " |",
@@ -212,6 +265,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timing-budget-s", type=float, default=30.0)
     parser.add_argument("--max-materialised-gb", type=float, default=6.0,
                         help="skip mha-math calls whose n x n buffers would exceed this")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's); 1 is steadier on a loaded shared CPU")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--kinds", nargs="*", default=list(ATTENTION_KINDS), help="subset of the registry's kinds")
     parser.add_argument("--d-model", type=int, default=512)
@@ -220,6 +275,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lsh-bucket", type=int, default=64)
     parser.add_argument("--name", default="attention_scaling", help="file stem of the CSV and PNG")
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the existing CSV; measure nothing")
+    parser.add_argument("--linformer-paths", action="store_true",
+                        help="instead: Linformer's compress-first layer against project-first, paired (<name>_paths.csv)")
     return parser.parse_args(argv)
 
 
@@ -257,7 +314,7 @@ def _numeric(row: dict[str, str]) -> Row:
     out: Row = {}
     for key, value in row.items():
         try:
-            out[key] = int(value) if key in ("n", "batch", "d_model", "heads") else float(value)
+            out[key] = int(value) if key in ("n", "batch", "d_model", "heads", "threads") else float(value)
         except ValueError:
             out[key] = value
     return out
@@ -266,6 +323,8 @@ def _numeric(row: dict[str, str]) -> Row:
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     settings = settings_from_args(args, device)
     folder = results_dir(args.out, device)
     csv_path = folder / f"{args.name}.csv"
@@ -273,11 +332,17 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
                      f"{str(settings.dtype).removeprefix('torch.')}")
     if args.replot:
         rows = [_numeric(row) for row in read_csv(csv_path)]
+        if "threads" in rows[0]:  # CSVs written before the column existed do not say
+            settings_line += f", {rows[0]['threads']} threads"
         print(f"wrote {plot(rows, folder / f'{args.name}.png', settings_line)}")
+        return rows
+    if args.linformer_paths:
+        rows = linformer_paths(settings, device)
+        print(f"wrote {write_csv(rows, folder / f'{args.name}_paths.csv')}")
         return rows
     rows = run(settings, device)
     write_csv(rows, csv_path)
-    plot(rows, folder / f"{args.name}.png", settings_line)
+    plot(rows, folder / f"{args.name}.png", f"{settings_line}, {torch.get_num_threads()} threads")
     print(f"wrote {csv_path}")
     if "linformer" in settings.kinds:
         for suffix in ("mha", "mha_math"):
