@@ -188,9 +188,13 @@ class LanguageModel(_CountsMixin, nn.Module):
         _init_weights(self.stack)
         self.head = OutputHead(cfg, vocab_size, self.embed.tokens)
 
-    def forward(self, tokens_BT: torch.Tensor, key_padding_mask_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V]."""
-        return self.head(self.stack(self.embed(tokens_BT), key_padding_mask_BT))
+    def forward(self, tokens_BT: torch.Tensor, key_padding_mask_BT: torch.Tensor | None = None,
+                scored_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V]; with `scored_BT` (bool, True = scored) only those positions' logits, [N, V] in
+        row-major order. Masked LM scores ~15% of positions, so the vocabulary projection and its softmax then
+        run on those alone (as fairseq's RoBERTa head does)."""
+        h_BTD = self.stack(self.embed(tokens_BT), key_padding_mask_BT)
+        return self.head(h_BTD if scored_BT is None else h_BTD[scored_BT])
 
 
 class Seq2SeqTransformer(_CountsMixin, nn.Module):

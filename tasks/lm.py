@@ -7,7 +7,8 @@ a split can be short; it is padded and masked. Evaluation runs over the whole sp
 token equally (sum of losses / number of targets), so perplexity does not depend on the batch size.
 
 Masked LM follows BERT (Devlin et al., 2019, arXiv 1810.04805): mask_prob of the tokens are selected; of those
-80% become <mask>, 10% a random token and 10% stay unchanged, and the loss is over the selected tokens only.
+80% become <mask>, 10% a random token and 10% stay unchanged, and the loss is over the selected tokens only:
+only their hidden states go through the output layer (as fairseq's RoBERTa head does), which skips ~85% of its work.
 The masking of a training batch is seeded by its position in the stream, so a resumed run masks identically;
 evaluation uses one fixed seed, so masked-LM perplexities are comparable across runs.
 """
@@ -87,6 +88,8 @@ class _LanguageModelTask:
     causal: bool
     overlap: int
     metrics: tuple[str, ...] = ("val/loss", "val/ppl")
+    scores_targets_only: bool = False
+    """Project only the positions with a target onto the vocabulary (worth it when few have one)."""
 
     def __init__(self, cfg: MLMTaskConfig | CausalLMTaskConfig, model_cfg: ModelConfig, ctx: WorkerContext):
         self.cfg, self.model_cfg, self.ctx = cfg, model_cfg, ctx
@@ -124,8 +127,14 @@ class _LanguageModelTask:
 
     def _loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         t = batch.tensors
+        targets_BT = t["targets"]
+        if self.scores_targets_only:
+            # The same sum as below without computing logits nobody scores (cross_entropy would ignore them).
+            scored_BT = targets_BT != IGNORE
+            logits_NV = model(t["tokens"], t.get("padding_mask"), scored_BT)
+            return F.cross_entropy(logits_NV.float(), targets_BT[scored_BT], reduction="sum")
         logits_BTV = model(t["tokens"], t.get("padding_mask"))
-        return F.cross_entropy(logits_BTV.flatten(0, 1).float(), t["targets"].flatten(), ignore_index=IGNORE,
+        return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(), ignore_index=IGNORE,
                                reduction="sum")
 
     @torch.no_grad()
@@ -162,6 +171,7 @@ class MaskedLMTask(_LanguageModelTask):
 
     causal = False
     overlap = 0
+    scores_targets_only = True  # mask_prob (~15%) of the tokens: the output layer skips the other ~85%
 
     def __init__(self, cfg: MLMTaskConfig, model_cfg: ModelConfig, ctx: WorkerContext):
         super().__init__(cfg, model_cfg, ctx)

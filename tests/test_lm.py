@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from pydantic import TypeAdapter
 
 from models import ModelConfig
 from tasks import WorkerContext, build_task
 from tasks.config import TaskConfig
 from tasks.lm import IGNORE, apply_bert_masking, num_blocks, pack_blocks
-from tasks.tokenizer import MASK_ID
+from tasks.tokenizer import MASK_ID, PAD_ID
 
 TASK = TypeAdapter(TaskConfig)
 MODEL = ModelConfig(d_model=32, layers=1, ffn=64, max_seq_len=32, dropout=0.0, positional="sinusoidal",
@@ -142,3 +143,33 @@ def test_tiny_language_model_learns(tmp_path, kind):
         assert after["val/loss"] < _unigram_entropy(task) - 0.5
     assert after["val/ppl"] == pytest.approx(np.exp(after["val/loss"]))
     assert task.artifacts()["tokenizer"].exists()
+
+
+def test_masked_loss_projects_only_the_masked_positions(tmp_path):
+    """Scoring the masked positions' states alone gives the loss and gradients of full [B, T, V] logits."""
+    task = _task("mlm", tmp_path)
+    tokens, lengths = pack_blocks(task.train_stream, np.arange(4), 32, 0)
+    tokens[1, 20:], lengths[1] = PAD_ID, 20  # a padded row: its padding is neither attended to nor scored
+    batch = task._make_batch(tokens, lengths, np.random.default_rng(0))
+    t = batch.tensors
+    scored = t["targets"] != IGNORE
+    assert "padding_mask" in t and 0 < scored.sum() < scored.numel() // 4
+    torch.manual_seed(0)
+    model = task.build_model()
+
+    def loss_and_grads(loss_fn):
+        model.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    full_logits = lambda: F.cross_entropy(model(t["tokens"], t["padding_mask"]).flatten(0, 1), t["targets"].flatten(),
+                                          ignore_index=IGNORE, reduction="sum") / batch.n_tokens
+    expected, expected_grads = loss_and_grads(full_logits)
+    got, got_grads = loss_and_grads(lambda: task.loss(model, batch))
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+    assert batch.n_tokens == int(scored.sum())
+    logits_NV = model(t["tokens"], t["padding_mask"], scored)
+    torch.testing.assert_close(logits_NV, model(t["tokens"], t["padding_mask"])[scored])
