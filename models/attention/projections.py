@@ -126,12 +126,9 @@ class MultiHeadProjection(ProjectionScheme):
 
     def qkv_compressed(self, x_BTD, ctx):
         # W^K and W^V run over the k compressed rows instead of the n positions: n / k times fewer FLOPs.
-        q_BHTE = _split_heads(self.q(x_BTD), self.heads)
-        k_BKX = _project_compressed(self.k, ctx.keys_BKD, ctx.key_mass_BK1)
-        v_BKX = _project_compressed(self.v, ctx.values_BKD, ctx.value_mass_BK1)
-        k_BHKE = _broadcast_heads(_split_heads(k_BKX, self.kv_heads), self.heads)
-        v_BHKE = _broadcast_heads(_split_heads(v_BKX, self.kv_heads), self.heads)
-        return q_BHTE, k_BHKE, v_BHKE
+        k_BGKE = _split_heads(_project_compressed(self.k, ctx.keys_BKD, ctx.key_mass_BK1), self.kv_heads)
+        v_BGKE = _split_heads(_project_compressed(self.v, ctx.values_BKD, ctx.value_mass_BK1), self.kv_heads)
+        return (self.queries(x_BTD), *self.expand_heads(k_BGKE, v_BGKE))
 
     def queries(self, x_BTD):
         return _split_heads(self.q(x_BTD), self.heads)
