@@ -7,8 +7,12 @@ neither triton nor CUDA, and TRITON_INTERPRET=1 may be set any time before the f
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import ModuleType
 
 import torch
@@ -18,6 +22,7 @@ from kernels.reference import check_attention_inputs, check_key_padding_mask
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM = 16  # tl.dot needs tiles of at least 16 along every dimension
 MAX_HEAD_DIM = 128  # register budget of the q, k, v, accumulator tiles at the chosen block sizes
+LOG2E = math.log2(math.e)  # the kernels' logits are in base 2 (exp2 is one instruction)
 
 
 def interpreter_enabled() -> bool:
@@ -80,27 +85,127 @@ def _mask_args(mask_BN: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.
     return mask_u8, mask_u8.stride(0), mask_u8.stride(1)
 
 
-def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask_BN: torch.Tensor | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+# ---- launch configuration: fixed (interpreter, or forced), else autotuned ------------------------------
+
+KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")
+_FIXED_CONFIG: ContextVar[dict[str, int] | None] = ContextVar("flash_attention_fixed_config", default=None)
+
+
+@contextmanager
+def fixed_launch_config(block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2) -> Iterator[None]:
+    """Run the flash_attention calls made inside the block, and their backward, with one configuration for
+    all three kernels instead of autotuning (CUDA) or the interpreter's 16 x 16 blocks. For tests of block
+    shapes (BLOCK_M != BLOCK_N moves the causal band's boundaries) and for timing one configuration.
+    Under the interpreter num_warps and num_stages do nothing.
+
+        with fixed_launch_config(32, 16):
+            out, lse = flash_attention(q, k, v, causal=True)
+    """
+    for name, block in (("block_m", block_m), ("block_n", block_n)):
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile); got {block}")
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    token = _FIXED_CONFIG.set(cfg)
+    try:
+        yield
+    finally:
+        _FIXED_CONFIG.reset(token)
+
+
+def autotune_enabled() -> bool:
+    """Autotune compiled launches only: the interpreter would run every candidate as Python, slowly."""
+    return not interpreter_enabled()
+
+
+def _current_fixed_config() -> dict[str, int] | None:
+    """The configuration this call runs with, or None for the autotuner's choice. Read once in the forward
+    and kept for the backward, which autograd may run on another thread (where the ContextVar is unset)."""
+    forced = _FIXED_CONFIG.get()
+    if forced is not None:
+        return forced
+    if autotune_enabled():
+        return None
+    return dict(_kernels().INTERPRETER_CONFIG)
+
+
+def _launch(
+    name: str,
+    grid: Callable[[int, int], tuple[int, int]],
+    args: tuple,
+    constexprs: dict,
+    cfg: dict[str, int] | None,
+) -> None:
+    """Launch kernel `name` with a fixed configuration, or through its autotuner (the grid then depends on
+    the block sizes the tuner tries)."""
     kern = _kernels()
+    if cfg is None:
+        tuned = getattr(kern, f"_flash_{name}_tuned")
+        tuned[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **constexprs)
+    else:
+        plain = getattr(kern, f"_flash_{name}")
+        plain[grid(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **constexprs, **cfg)
+
+
+def _tuning_sizes(seq_q: int, seq_k: int) -> tuple[int, int]:
+    """The autotune key's sequence lengths (kernel arguments n_q_key, n_k_key): rounded up to a power of two."""
+    return next_power_of_two(seq_q), next_power_of_two(seq_k)
+
+
+def tuned_launch_configs(
+    q: torch.Tensor, k: torch.Tensor, causal: bool = False, key_padding_mask: torch.Tensor | None = None
+) -> dict[str, dict[str, int] | None]:
+    """The configuration each kernel ("fwd", "bwd_dkdv", "bwd_dq") runs with for inputs like these:
+    BLOCK_M, BLOCK_N, num_warps, num_stages. On CUDA, the autotuner's choice, or None for a kernel not yet
+    tuned at this key (the backward is tuned at the first backward). Under the interpreter, or inside
+    fixed_launch_config, the fixed configuration."""
+    fixed = _current_fixed_config()
+    if fixed is not None:
+        return {name: dict(fixed) for name in KERNEL_NAMES}
+    kern = _kernels()
+    n_q_key, n_k_key = _tuning_sizes(q.shape[2], k.shape[2])
+    configs: dict[str, dict[str, int] | None] = {}
+    for name in KERNEL_NAMES:
+        tuned = getattr(kern, f"_flash_{name}_tuned")
+        # The tuner's key (triton.runtime.autotuner.Autotuner.run): the AUTOTUNE_KEY values, then the dtype of
+        # every tensor argument in order. The kernels take their tensors first, up to the first stride.
+        dtypes = []
+        for arg in itertools.takewhile(lambda name: not name.startswith("stride_"), tuned.arg_names):
+            if arg in ("Lse", "Delta"):
+                dtypes.append(torch.float32)
+            elif arg == "Kpm":
+                dtypes.append(torch.uint8 if key_padding_mask is not None else q.dtype)
+            else:
+                dtypes.append(q.dtype)
+        key = (n_q_key, n_k_key, q.shape[-1], causal, *map(str, dtypes))
+        best = tuned.cache.get(key)
+        configs[name] = None if best is None else {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+    return configs
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    mask_BN: torch.Tensor | None,
+    scale: float,
+    cfg: dict[str, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
-    block_d = next_power_of_two(head_dim)
-    cfg = kern.launch_config(block_d, q.element_size(), interpreter_enabled(), backward=False)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
     kpm, stride_kpm_b, stride_kpm_n = _mask_args(mask_BN, q)
-    grid = (cdiv(seq_q, cfg["BLOCK_M"]), batch * heads)
-    kern._flash_fwd[grid](
+    args = (
         q, k, v, out, lse, kpm,
         *strides(q), *strides(k), *strides(v), *strides(out),
         stride_kpm_b, stride_kpm_n,
-        heads, seq_q, seq_k, head_dim, scale * kern.LOG2E.value,
-        CAUSAL=causal, HAS_KPM=mask_BN is not None, **dot_options(q.dtype),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        heads, seq_q, seq_k, head_dim, scale * LOG2E, *_tuning_sizes(seq_q, seq_k),
     )  # fmt: skip
+    constexprs = dict(
+        CAUSAL=causal, HAS_KPM=mask_BN is not None, **dot_options(q.dtype), BLOCK_D=next_power_of_two(head_dim)
+    )
+    _launch("fwd", lambda block_m, block_n: (cdiv(seq_q, block_m), batch * heads), args, constexprs, cfg)
     return out, lse
 
 
@@ -115,32 +220,24 @@ def _backward(
     causal: bool,
     mask_BN: torch.Tensor | None,
     scale: float,
+    cfg: dict[str, int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kern = _kernels()
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
-    block_d = next_power_of_two(head_dim)
-    cfg = kern.launch_config(block_d, q.element_size(), interpreter_enabled(), backward=True)
     delta = backward_delta(out, dout, dlse)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     kpm, stride_kpm_b, stride_kpm_n = _mask_args(mask_BN, q)
-    common = dict(
-        CAUSAL=causal, HAS_KPM=mask_BN is not None, **dot_options(q.dtype),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    constexprs = dict(
+        CAUSAL=causal, HAS_KPM=mask_BN is not None, **dot_options(q.dtype), BLOCK_D=next_power_of_two(head_dim)
+    )
     qkv_strides = (*strides(q), *strides(k), *strides(v), *strides(dout))
-    sizes = (heads, seq_q, seq_k, head_dim, scale * kern.LOG2E.value, scale)
-    kern._flash_bwd_dkdv[(cdiv(seq_k, cfg["BLOCK_N"]), batch * heads)](
-        q, k, v, dout, lse, delta, dk, dv, kpm, *qkv_strides, *strides(dk), stride_kpm_b, stride_kpm_n,
-        *sizes, **common,
-    )  # fmt: skip
-    kern._flash_bwd_dq[(cdiv(seq_q, cfg["BLOCK_M"]), batch * heads)](
-        q, k, v, dout, lse, delta, dq, kpm, *qkv_strides, *strides(dq), stride_kpm_b, stride_kpm_n,
-        *sizes, **common,
-    )  # fmt: skip
+    sizes = (heads, seq_q, seq_k, head_dim, scale * LOG2E, scale, *_tuning_sizes(seq_q, seq_k))
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, kpm, *qkv_strides, *strides(dk), stride_kpm_b, stride_kpm_n, *sizes)
+    _launch("bwd_dkdv", lambda block_m, block_n: (cdiv(seq_k, block_n), batch * heads), dkdv_args, constexprs, cfg)
+    dq_args = (q, k, v, dout, lse, delta, dq, kpm, *qkv_strides, *strides(dq), stride_kpm_b, stride_kpm_n, *sizes)
+    _launch("bwd_dq", lambda block_m, block_n: (cdiv(seq_q, block_m), batch * heads), dq_args, constexprs, cfg)
     return dq, dk, dv
 
 
@@ -157,8 +254,10 @@ class FlashAttentionFunction(torch.autograd.Function):
         mask_BN: torch.Tensor | None,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _forward(q, k, v, causal, mask_BN, scale)
+        cfg = _current_fixed_config()
+        out, lse = _forward(q, k, v, causal, mask_BN, scale, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = cfg
         ctx.mask_BN = mask_BN
         ctx.causal = causal
         ctx.scale = scale
@@ -173,7 +272,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.causal, ctx.mask_BN, ctx.scale)
+        dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.causal, ctx.mask_BN, ctx.scale, ctx.cfg)
         return dq, dk, dv, None, None, None
 
 

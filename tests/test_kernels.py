@@ -1,17 +1,26 @@
 """Parity of the Triton attention kernels with the PyTorch references, forward and backward (through both
 ``out`` and ``lse``), on the CPU through the Triton interpreter; plus checks of the references themselves
-against dense oracles, and of the backend dispatch.
+against dense oracles, of the kernels' loop boundaries, and of the backend dispatch.
 
-The interpreter runs the kernels with 16 x 16 blocks (kernels.k_flash_attention.launch_config), so the
-small shapes below still cover several blocks, sequence tails and causal block skipping.
+The interpreter runs the kernels with 16 x 16 blocks (kernels.k_flash_attention.INTERPRETER_CONFIG), so the
+small shapes below still cover several blocks, sequence tails and causal block skipping; the block-shape
+tests force 32 x 16 and 16 x 32 through kernels.flash_attention.fixed_launch_config.
+
+``KERNEL_TESTS_DEVICE=cuda`` runs the same parity tests compiled on a GPU instead (no interpreter),
+through the autotuner, with every sequence length (and chunk) SEQ_SCALE = 8 times longer and the
+block-shape tests at 128 x 64 and 64 x 128.
 """
 
 from __future__ import annotations
 
 import os
 
-# Must precede the first import of the @triton.jit modules (kernels.k_*), which happens on first launch.
-os.environ["TRITON_INTERPRET"] = "1"
+KERNEL_DEVICE = os.environ.get("KERNEL_TESTS_DEVICE", "cpu")
+if KERNEL_DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"KERNEL_TESTS_DEVICE must be cpu or cuda; got {KERNEL_DEVICE!r}")
+if KERNEL_DEVICE == "cpu":
+    # Must precede the first import of the @triton.jit modules (kernels.k_*), which happens on first launch.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib.util  # noqa: E402
 import math  # noqa: E402
@@ -25,7 +34,7 @@ import torch  # noqa: E402
 
 from kernels import chunked_attention, exact_attention, select_backend  # noqa: E402
 from kernels.chunked_attention import chunked_flash_attention  # noqa: E402
-from kernels.flash_attention import flash_attention  # noqa: E402
+from kernels.flash_attention import fixed_launch_config, flash_attention, tuned_launch_configs  # noqa: E402
 from kernels.reference import (  # noqa: E402
     SELF_LOGIT,
     chunk_neighbours,
@@ -33,9 +42,16 @@ from kernels.reference import (  # noqa: E402
     exact_attention_reference,
 )
 
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed; the kernels cannot run"
-)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed; the kernels cannot run")
+if KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():
+    needs_triton = pytest.mark.skip(reason="KERNEL_TESTS_DEVICE=cuda but no CUDA GPU is visible")
+DEVICE = torch.device(KERNEL_DEVICE)
+# Longer sequences on a GPU, where they cost nothing, so that the production block sizes (64, 128) still
+# leave several blocks, tails and a diagonal band.
+SEQ_SCALE = 8 if KERNEL_DEVICE == "cuda" else 1
+# Block shapes with BLOCK_M != BLOCK_N, which move the causal band's boundaries off the diagonal.
+UNEQUAL_BLOCKS = [(128, 64), (64, 128)] if KERNEL_DEVICE == "cuda" else [(32, 16), (16, 32)]
 
 # Max abs error allowed, relative to max(1, max |reference|). fp16/bf16 kernels round P and dS to the input
 # dtype before the matrix products (as FlashAttention does), the references keep them in fp32.
@@ -64,8 +80,8 @@ def outputs_and_grads(fn, q, k, v, dout, dlse, **kwargs):
 def compare_with_reference(kernel, reference, q, k, v, **kwargs):
     torch.manual_seed(1)
     shape_out = q.shape[:3] + (v.shape[-1],)
-    dout = torch.randn(shape_out, dtype=q.dtype)
-    dlse = torch.randn(q.shape[:3])
+    dout = torch.randn(shape_out, dtype=q.dtype).to(q.device)
+    dlse = torch.randn(q.shape[:3]).to(q.device)
     out, lse, grads = outputs_and_grads(kernel, q, k, v, dout, dlse, **kwargs)
     out_ref, lse_ref, grads_ref = outputs_and_grads(reference, q, k, v, dout, dlse, **kwargs)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
@@ -93,6 +109,10 @@ class ExactCase:
 
 EXACT_CASES = [
     ExactCase("d16-len37", 1, 2, 37, 37, 16),
+    # Lengths that are block multiples and head_dim == BLOCK_D: every bounds mask is compiled out.
+    ExactCase("even-causal-q64-k48-d32", 1, 2, 64, 48, 32, causal=True),
+    ExactCase("even-causal-padded-q32-k64-d16", 3, 1, 32, 64, 16, causal=True, padded=True),
+    ExactCase("even-len48-d32", 1, 2, 48, 48, 32),
     ExactCase("causal-d32-len50", 1, 2, 50, 50, 32),
     ExactCase("cross-causal-q45-k30-d64", 2, 1, 45, 30, 64, causal=True),
     ExactCase("cross-causal-padded-q20-k45-d24", 3, 1, 20, 45, 24, causal=True, padded=True),
@@ -104,21 +124,24 @@ EXACT_CASES = [
 
 def make_exact_inputs(case: ExactCase):
     torch.manual_seed(0)
+    seq_q, seq_k = case.seq_q * SEQ_SCALE, case.seq_k * SEQ_SCALE
 
     def tensor(seq: int) -> torch.Tensor:
         if case.transposed:
-            return torch.randn(case.batch, seq, case.heads, case.head_dim, dtype=case.dtype).transpose(1, 2)
-        return torch.randn(case.batch, case.heads, seq, case.head_dim, dtype=case.dtype)
+            x = torch.randn(case.batch, seq, case.heads, case.head_dim, dtype=case.dtype)
+            return x.to(DEVICE).transpose(1, 2)
+        return torch.randn(case.batch, case.heads, seq, case.head_dim, dtype=case.dtype).to(DEVICE)
 
-    q, k, v = tensor(case.seq_q), tensor(case.seq_k), tensor(case.seq_k)
+    q, k, v = tensor(seq_q), tensor(seq_k), tensor(seq_k)
     mask = None
     if case.padded:
         # Batch 0: leading keys padded, so under causal the first queries see nothing (zeros, lse = -inf).
         # Batch 1: every key padded. Batch 2: trailing half padded.
-        mask = torch.zeros(case.batch, case.seq_k, dtype=torch.bool)
+        mask = torch.zeros(case.batch, seq_k, dtype=torch.bool)
         mask[0, :3] = True
         mask[1, :] = True
-        mask[2, case.seq_k // 2 :] = True
+        mask[2, seq_k // 2 :] = True
+        mask = mask.to(DEVICE)
     return q, k, v, mask
 
 
@@ -155,12 +178,184 @@ def test_lse_gradient_matches_derivation() -> None:
     torch.testing.assert_close(dv, torch.zeros_like(v))
 
 
+# Causal cases whose diagonal band crosses block edges in every way: n_q > n_k, n_q < n_k, lengths that are
+# and are not block multiples, padding; run with BLOCK_M != BLOCK_N. A band that starts or ends one block
+# late lets queries see later keys (or keeps keys from the queries that see them) and fails parity.
+BAND_CASES = [
+    ExactCase("causal-len70-d16", 1, 2, 70, 70, 16, causal=True),
+    ExactCase("causal-q80-k48-d16", 1, 1, 80, 48, 16, causal=True),
+    ExactCase("causal-padded-q40-k96-d16", 3, 1, 40, 96, 16, causal=True, padded=True),
+    ExactCase("even-causal-q64-k96-d32", 1, 1, 64, 96, 32, causal=True),
+    ExactCase("padded-q36-k50-d24", 3, 1, 36, 50, 24, padded=True),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("blocks", UNEQUAL_BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("case", BAND_CASES, ids=lambda c: c.name)
+def test_flash_attention_block_shapes_match_reference(case: ExactCase, blocks: tuple[int, int]) -> None:
+    q, k, v, mask = make_exact_inputs(case)
+    with fixed_launch_config(*blocks):
+        assert tuned_launch_configs(q, k, case.causal)["bwd_dq"]["BLOCK_N"] == blocks[1]
+        compare_with_reference(
+            flash_attention, exact_attention_reference, q, k, v, causal=case.causal, key_padding_mask=mask
+        )
+
+
+def test_fixed_launch_config_rejects_blocks_tl_dot_cannot_take() -> None:
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        with fixed_launch_config(32, 24):
+            pass
+
+
+def expected_splits(n_q: int, n_k: int, causal: bool, block_m: int, block_n: int):
+    """The loop ranges, as sets of block starts, written from their definition (the dense causal mask)
+    rather than from the kernels' arithmetic. Key loop of query block m (rows m .. m + BLOCK_M - 1, tail
+    rows included, as the kernel computes them): `full` = key blocks inside n_k that every row sees whole,
+    `masked` = the other key blocks inside n_k that some row sees. Query loop of key block n: `band` = query
+    blocks where some row sees part of the keys, `full` = rows that see them all inside n_q, `tail` = the
+    block that does so past n_q."""
+
+    def sees(row: int, key: int) -> bool:
+        return not causal or key <= row
+
+    key_loops = {}
+    for m in range(0, n_q, block_m):
+        rows = range(m, m + block_m)
+        full, masked = set(), set()
+        for n in range(0, n_k, block_n):
+            keys = range(n, n + block_n)
+            if n + block_n <= n_k and all(sees(r, j) for r in rows for j in keys):
+                full.add(n)
+            elif any(sees(r, j) for r in rows for j in keys if j < n_k):
+                masked.add(n)
+        key_loops[m] = (full, masked)
+    query_loops = {}
+    for n in range(0, n_k, block_n):
+        keys = range(n, n + block_n)
+        band, full, tail = set(), set(), set()
+        for m in range(0, n_q, block_m):
+            rows = range(m, m + block_m)
+            if all(sees(r, j) for r in rows for j in keys):
+                (full if m + block_m <= n_q else tail).add(m)
+            elif any(sees(r, j) for r in rows for j in keys):
+                band.add(m)
+        query_loops[n] = (band, full, tail)
+    return key_loops, query_loops
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from kernels.k_flash_attention import _key_split, _query_split
+
+    @triton.jit
+    def _split_probe(
+        Out, Nq, Nk, CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """Program (shape, block): the kernels' loop bounds for query block `block` and key block `block`."""
+        shape = tl.program_id(0)
+        block = tl.program_id(1)
+        n_q = tl.load(Nq + shape)
+        n_k = tl.load(Nk + shape)
+        full_hi, hi = _key_split(block * BLOCK_M, n_k, CAUSAL, EVEN_N, BLOCK_M, BLOCK_N)
+        band_lo, band_hi, q_full_hi = _query_split(block * BLOCK_N, n_q, CAUSAL, EVEN_M, BLOCK_M, BLOCK_N)
+        out = Out + (shape * tl.num_programs(1) + block) * 5
+        tl.store(out, full_hi)
+        tl.store(out + 1, hi)
+        tl.store(out + 2, band_lo)
+        tl.store(out + 3, band_hi)
+        tl.store(out + 4, q_full_hi)
+
+
+@needs_triton
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 16), (16, 32), (64, 16)], ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_loop_splits_are_tight(causal: bool, blocks: tuple[int, int]) -> None:
+    """The kernels' unmasked and masked loop ranges are exactly the blocks that need no mask and the
+    blocks that do: a band that starts or ends one block late fails here even where parity cannot see it
+    (an extra masked block is slower, not wrong)."""
+    block_m, block_n = blocks
+    lengths = (1, 15, 16, 17, 32, 33, 48, 50, 64, 70)
+    for even_m in (False, True):
+        for even_n in (False, True):
+            shapes = [
+                (n_q, n_k) for n_q in lengths for n_k in lengths
+                if (n_q % block_m == 0) == even_m and (n_k % block_n == 0) == even_n
+            ]  # fmt: skip
+            if not shapes:
+                continue
+            n_q_s = torch.tensor([s[0] for s in shapes], dtype=torch.int32, device=DEVICE)
+            n_k_s = torch.tensor([s[1] for s in shapes], dtype=torch.int32, device=DEVICE)
+            n_blocks = max(max(-(-n_q // block_m), -(-n_k // block_n)) for n_q, n_k in shapes)
+            out = torch.full((len(shapes), n_blocks, 5), -1, dtype=torch.int32, device=DEVICE)
+            _split_probe[(len(shapes), n_blocks)](
+                out, n_q_s, n_k_s, CAUSAL=causal, EVEN_M=even_m, EVEN_N=even_n, BLOCK_M=block_m, BLOCK_N=block_n
+            )
+            out = out.cpu().tolist()
+            for (n_q, n_k), bounds in zip(shapes, out):
+                key_loops, query_loops = expected_splits(n_q, n_k, causal, block_m, block_n)
+                where = f"n_q={n_q} n_k={n_k}"
+                for m, (full, masked) in key_loops.items():
+                    full_hi, hi = bounds[m // block_m][:2]
+                    assert set(range(0, full_hi, block_n)) == full, f"{where} query block {m}: unmasked keys"
+                    assert set(range(full_hi, hi, block_n)) == masked, f"{where} query block {m}: masked keys"
+                for n, (band, full, tail) in query_loops.items():
+                    band_lo, band_hi, q_full_hi = bounds[n // block_n][2:]
+                    got_band = set(range(band_lo, band_hi, block_m)) if causal else set()
+                    assert got_band == band, f"{where} key block {n}: causal band"
+                    assert set(range(band_hi, q_full_hi, block_m)) == full, f"{where} key block {n}: unmasked"
+                    got_tail = set(range(max(band_hi, q_full_hi), n_q, block_m)) if not even_m else set()
+                    assert got_tail == tail, f"{where} key block {n}: query tail"
+
+
+@needs_triton
+def test_autotuned_launch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA launch path: triton.autotune over the heuristics-wrapped kernels, grids that follow the
+    tuned block sizes, the backward tuned on its own, and tuned_launch_configs reading the tuner's cache.
+    Without a GPU it runs under the interpreter with a stand-in timer that ranks later candidates faster,
+    over three small candidates (the first, the fallback, is pruned away)."""
+    from kernels import k_flash_attention as kf
+
+    flash_module = sys.modules["kernels.flash_attention"]
+    timings = iter(range(1000, 0, -1))
+
+    def later_is_faster(kernel_call, quantiles):
+        kernel_call()
+        t = float(next(timings))
+        return [t, t, t]
+
+    def config(block_m: int, block_n: int):
+        return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4, num_stages=2)
+
+    winners = {"fwd": (32, 16), "bwd_dkdv": (16, 32), "bwd_dq": (32, 16)}
+    for name, winner in winners.items():
+        candidates = [config(16, 16), config(16, 16), config(*winner)]
+        plain = getattr(kf, f"_flash_{name}")
+        monkeypatch.setattr(kf, f"_flash_{name}_tuned", kf.autotuned(name, plain, candidates, later_is_faster))
+    monkeypatch.setattr(flash_module, "autotune_enabled", lambda: True)
+
+    case = ExactCase("causal-padded-q40-k50-d24", 3, 1, 40, 50, 24, causal=True, padded=True)
+    q, k, v, mask = make_exact_inputs(case)
+    assert all(c is None for c in tuned_launch_configs(q, k, True, mask).values())
+    compare_with_reference(flash_attention, exact_attention_reference, q, k, v, causal=True, key_padding_mask=mask)
+    chosen = tuned_launch_configs(q, k, True, mask)
+    for name, (block_m, block_n) in winners.items():
+        assert chosen[name] == {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}, name
+    # Lengths in the same power-of-two octave share the tuning; no padding mask is another key.
+    q2, k2 = q[:, :, : 33 * SEQ_SCALE], k[:, :, : 63 * SEQ_SCALE]
+    assert tuned_launch_configs(q2, k2, True, mask) == chosen
+    assert tuned_launch_configs(q, k, True)["fwd"] is None
+
+
 @needs_triton
 def test_flash_attention_gradient_through_lse_only() -> None:
     """Only lse feeds the loss: the backward receives dout = None and must still give dq, dk (and dv = 0)."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 1, 21, 16, requires_grad=True) for _ in range(3))
-    g = torch.randn(1, 1, 21)
+    q, k, v = (torch.randn(1, 1, 21 * SEQ_SCALE, 16).to(DEVICE).requires_grad_() for _ in range(3))
+    g = torch.randn(1, 1, 21 * SEQ_SCALE).to(DEVICE)
     grads = torch.autograd.grad((flash_attention(q, k, v, causal=True)[1] * g).sum(), (q, k, v))
     loss_ref = (exact_attention_reference(q, k, v, causal=True)[1] * g).sum()
     dq_ref, dk_ref = torch.autograd.grad(loss_ref, (q, k))  # lse does not depend on v
@@ -225,19 +420,25 @@ CHUNKED_CASES = [
 ]  # fmt: skip
 
 
-def make_chunked_inputs(case: ChunkedCase, batch: int = 2, heads: int = 2):
+def make_chunked_inputs(
+    case: ChunkedCase, batch: int = 2, heads: int = 2, device: torch.device = torch.device("cpu"), scale: int = 1
+):
+    """Inputs of a chunked case, with its sequence and chunk `scale` times longer."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, case.seq, case.head_dim, dtype=case.dtype) for _ in range(3))
+    seq = case.seq * scale
+    q, k, v = (torch.randn(batch, heads, seq, case.head_dim, dtype=case.dtype).to(device) for _ in range(3))
     positions = None
     if case.permuted:
-        positions = torch.stack([torch.randperm(case.seq) for _ in range(batch * heads)]).view(batch, heads, -1)
+        positions = torch.stack([torch.randperm(seq) for _ in range(batch * heads)]).view(batch, heads, -1)
+        positions = positions.to(device)
     mask = None
     if case.padded:
-        mask = torch.zeros(batch, case.seq, dtype=torch.bool)
+        mask = torch.zeros(batch, seq, dtype=torch.bool)
         mask[0, :5] = True
-        mask[1, case.seq // 2 :] = True
+        mask[1, seq // 2 :] = True
+        mask = mask.to(device)
     kwargs = dict(
-        chunk=case.chunk, lookback=case.lookback, positions=positions, causal=case.causal,
+        chunk=case.chunk * scale, lookback=case.lookback, positions=positions, causal=case.causal,
         self_mask=case.self_mask, key_padding_mask=mask, wrap=case.wrap,
     )  # fmt: skip
     return q, k, v, kwargs
@@ -262,7 +463,7 @@ def test_chunked_reference_matches_dense_oracle(case: ChunkedCase) -> None:
 @needs_triton
 @pytest.mark.parametrize("case", CHUNKED_CASES, ids=lambda c: c.name)
 def test_chunked_flash_attention_matches_reference(case: ChunkedCase) -> None:
-    q, k, v, kwargs = make_chunked_inputs(case)
+    q, k, v, kwargs = make_chunked_inputs(case, device=DEVICE, scale=SEQ_SCALE)
     compare_with_reference(chunked_flash_attention, chunked_attention_reference, q, k, v, **kwargs)
 
 
@@ -315,7 +516,7 @@ def test_dropout_goes_to_the_reference_and_keeps_lse(monkeypatch: pytest.MonkeyP
 @needs_triton
 def test_dispatch_forced_triton_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATTN_BACKEND", "triton")
-    q = torch.randn(1, 1, 20, 16)
+    q = torch.randn(1, 1, 20, 16).to(DEVICE)
     assert select_backend(q, q, q).name == "triton"
     out, lse = exact_attention(q, q, q, causal=True)
     assert_matches(lse, exact_attention_reference(q, q, q, causal=True)[1], torch.float32, "lse")
@@ -364,32 +565,60 @@ def test_chunked_attention_rejects_bad_arguments() -> None:
         chunked_attention(q, q, q, 4, positions=torch.zeros(1, 3, 8, dtype=torch.long))
 
 
-# Compiles every kernel for an H100/H200 (sm_90) with Triton's bundled ptxas, no GPU needed: the interpreter
-# runs the kernels as Python and so misses errors only the compiler sees (types across branches, layouts,
-# shared-memory limits). Runs in a fresh process because this one has TRITON_INTERPRET=1.
+# Compiles every kernel for GPUs with Triton's bundled ptxas, no GPU needed: the interpreter runs the kernels
+# as Python and so misses errors only the compiler sees (types across branches, layouts, shared-memory
+# limits). Arguments are specialised as a launch on contiguous tensors specialises them (head-dim strides of
+# 1 become constants, pointers and other strides divisible by 16), without which Triton does not pipeline the
+# loads and the shared memory checked would be a single stage's. Checked: each flash kernel at the largest
+# candidate that prune_configs keeps on an H100/H200 (sm_90) at head dim 128, bf16, against the limit and
+# against shared_memory_estimate (which must bound the compiler's figure); each flash kernel with the
+# opposite masking constexprs on an A100 (sm_80), same check; the chunked kernels on sm_90.
+# Runs in a fresh process because this one has TRITON_INTERPRET=1.
 _COMPILE_SCRIPT = """
 import os
 os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import k_chunked_attention, k_flash_attention
+from kernels import k_chunked_attention, k_flash_attention as kf
 
 TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32", "Kpm": "*u8", "Pad": "*u8",
          "Pos": "*i64"}
-common = dict(HAS_KPM=True, DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64)
-kernels = [(fn, dict(CAUSAL=True, **common)) for fn in
-           (k_flash_attention._flash_fwd, k_flash_attention._flash_bwd_dkdv, k_flash_attention._flash_bwd_dq)]
-kernels += [(fn, dict(WRAP=True, CAUSAL=True, SELF_MASK=True, **common)) for fn in
-            (k_chunked_attention._chunked_fwd, k_chunked_attention._chunked_bwd_dkdv,
-             k_chunked_attention._chunked_bwd_dq)]
-for fn, constexprs in kernels:
+
+def compile_shared(fn, constexprs, num_warps, num_stages, arch):
+    if isinstance(fn, triton.runtime.autotuner.Heuristics):
+        fn = fn.fn  # the @triton.jit function under @triton.heuristics
+    constexprs = {**constexprs, **{n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d")}}
     # Tensors named in capitals are bf16 unless listed; every other argument is an int32 size or stride.
     signature = {name: "constexpr" if name in constexprs else TYPES.get(name, "*bf16" if name[0].isupper() else "i32")
                  for name in fn.arg_names}
-    source = ASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in constexprs.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-    assert compiled.metadata.shared <= 227 * 1024, (fn.__name__, compiled.metadata.shared)
+    aligned = [i for i, n in enumerate(fn.arg_names) if signature[n] != "constexpr" and signature[n] != "fp32"
+               and (n[0].isupper() or n.startswith("stride_"))]
+    source = ASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in constexprs.items()},
+                       {(i,): [["tt.divisibility", 16]] for i in aligned})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    return compiled.metadata.shared
+
+flash = {"fwd": kf._flash_fwd, "bwd_dkdv": kf._flash_bwd_dkdv, "bwd_dq": kf._flash_bwd_dq}
+base = dict(DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_D=128)
+for arch, masks in ((90, dict(CAUSAL=True, HAS_KPM=False, EVEN_M=True, EVEN_N=True, EVEN_D=True)),
+                    (80, dict(CAUSAL=False, HAS_KPM=True, EVEN_M=False, EVEN_N=False, EVEN_D=False))):
+    limit = kf.SHARED_MEMORY_BY_ARCH[arch]
+    for name, fn in flash.items():
+        def estimate(c):
+            return kf.shared_memory_estimate(name, {**c.kwargs, "num_stages": c.num_stages}, 128, 2)
+        kept = kf.prune_configs(name, kf.CONFIGS[name], 128, 2, limit)
+        cfg = max(kept, key=estimate) if arch == 90 else kf.CONFIGS[name][1]
+        shared = compile_shared(fn, {**base, **masks, **cfg.kwargs}, cfg.num_warps, cfg.num_stages, arch)
+        assert shared <= min(limit, estimate(cfg)), (name, arch, str(cfg), shared, estimate(cfg), limit)
+        print(name, f"sm_{arch}", str(cfg), "shared", shared, "estimate", estimate(cfg), "compiled")
+common = dict(HAS_KPM=True, DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
+              WRAP=True, CAUSAL=True, SELF_MASK=True)
+for fn in (k_chunked_attention._chunked_fwd, k_chunked_attention._chunked_bwd_dkdv,
+           k_chunked_attention._chunked_bwd_dq):
+    shared = compile_shared(fn, common, 4, 2, 90)
+    assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], (fn.__name__, shared)
     print(fn.__name__, "compiled")
 """
 
@@ -403,10 +632,31 @@ def test_kernels_compile_for_gpu() -> None:
     root = Path(__file__).resolve().parents[1]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=600
+        [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 6
+    assert result.stdout.count("compiled") == 9, result.stdout
+
+
+def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:
+    """Every supported (head dim, dtype) keeps at least one candidate per kernel, within the device's shared
+    memory by the estimate, on A100 (163 KB), sm_86/89 (99 KB) and H100/H200 (227 KB); and the largest
+    tiles survive where they fit (128 x 128, 3 stages, on sm_90 at head dim 128 in bf16)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from kernels import k_flash_attention as kf
+
+    for name, configs in kf.CONFIGS.items():
+        for limit in kf.SHARED_MEMORY_BY_ARCH.values():
+            for block_d in (16, 32, 64, 128):
+                for elem_bytes in (2, 4):
+                    kept = kf.prune_configs(name, configs, block_d, elem_bytes, limit)
+                    assert kept, (name, limit, block_d, elem_bytes)
+                    for c in kept:
+                        cfg = {**c.kwargs, "num_stages": c.num_stages}
+                        assert kf.shared_memory_estimate(name, cfg, block_d, elem_bytes) <= limit, (name, str(c))
+    kept = kf.prune_configs("fwd", kf.CONFIGS["fwd"], 128, 2, kf.SHARED_MEMORY_BY_ARCH[90])
+    assert any(c.kwargs == {"BLOCK_M": 128, "BLOCK_N": 128} and c.num_stages == 3 for c in kept)
 
 
 def test_import_needs_neither_triton_nor_cuda() -> None:
