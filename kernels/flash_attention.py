@@ -1,5 +1,7 @@
 """Exact attention with the Triton FlashAttention-2 kernels (Dao, 2023, arXiv 2307.08691) as an
-autograd.Function: launch grids, dtype and layout checks, and the lse-aware backward.
+autograd.Function: launch grids, dtype and layout checks, the lse-aware backward, and the choice of
+launch configuration (autotuned on CUDA, fixed under the interpreter or inside fixed_launch_config;
+tuned_launch_configs says which one a shape got).
 
 The kernels (kernels/k_flash_attention.py) are imported on first use, so importing this module needs
 neither triton nor CUDA, and TRITON_INTERPRET=1 may be set any time before the first call.
@@ -178,7 +180,10 @@ def tuned_launch_configs(
                 dtypes.append(q.dtype)
         key = (n_q_key, n_k_key, q.shape[-1], causal, *map(str, dtypes))
         best = tuned.cache.get(key)
-        configs[name] = None if best is None else {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+        if best is None:
+            configs[name] = None
+        else:
+            configs[name] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
     return configs
 
 

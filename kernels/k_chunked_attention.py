@@ -29,7 +29,7 @@ SELF_LOGIT2: tl.constexpr = tl.constexpr(-1e5 * 1.4426950408889634)
 
 def launch_config(block_d: int, elem_bytes: int, chunk: int, interpret: bool) -> dict[str, int]:
     """Blocks no larger than the chunk (rounded up to a power of two, at least the 16 that tl.dot needs);
-    fp32 gets half the tile size, as in k_flash_attention.launch_config."""
+    fp32 (twice the bytes per element) gets half the tile size."""
     if interpret:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
     block = min(64 if elem_bytes < 4 else 32, max(16, triton.next_power_of_2(chunk)))

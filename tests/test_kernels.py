@@ -203,9 +203,8 @@ def test_flash_attention_block_shapes_match_reference(case: ExactCase, blocks: t
 
 
 def test_fixed_launch_config_rejects_blocks_tl_dot_cannot_take() -> None:
-    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
-        with fixed_launch_config(32, 24):
-            pass
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"), fixed_launch_config(32, 24):
+        pass
 
 
 def expected_splits(n_q: int, n_k: int, causal: bool, block_m: int, block_n: int):
@@ -421,9 +420,9 @@ CHUNKED_CASES = [
 
 
 def make_chunked_inputs(
-    case: ChunkedCase, batch: int = 2, heads: int = 2, device: torch.device = torch.device("cpu"), scale: int = 1
+    case: ChunkedCase, batch: int = 2, heads: int = 2, device: str | torch.device = "cpu", scale: int = 1
 ):
-    """Inputs of a chunked case, with its sequence and chunk `scale` times longer."""
+    """Inputs of a chunked case on `device`, with its sequence and chunk `scale` times longer."""
     torch.manual_seed(0)
     seq = case.seq * scale
     q, k, v = (torch.randn(batch, heads, seq, case.head_dim, dtype=case.dtype).to(device) for _ in range(3))
