@@ -171,7 +171,7 @@ def tuned_launch_configs(
         # The tuner's key (triton.runtime.autotuner.Autotuner.run): the AUTOTUNE_KEY values, then the dtype of
         # every tensor argument in order. The kernels take their tensors first, up to the first stride.
         dtypes = []
-        for arg in itertools.takewhile(lambda name: not name.startswith("stride_"), tuned.arg_names):
+        for arg in itertools.takewhile(lambda arg: not arg.startswith("stride_"), tuned.arg_names):
             if arg in ("Lse", "Delta"):
                 dtypes.append(torch.float32)
             elif arg == "Kpm":
