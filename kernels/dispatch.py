@@ -1,12 +1,14 @@
-"""Pick the attention backend for a call: the Triton kernels on CUDA, else the PyTorch reference.
+"""Pick the attention backend for a call: the Triton kernels on CUDA, else PyTorch: the blockwise exact
+attention (no M x N tensor kept for the backward) for large inputs, the reference for small ones and for
+attention dropout.
 
 Each backend declares what it supports as class attributes and explains itself through
 ``not_supported_reasons``; ``select_backend`` walks an explicit priority list and, when nothing fits, says
 why each backend was rejected (after xFormers' ``ops/fmha/dispatch.py``).
 
-``ATTN_BACKEND=reference|triton`` forces one backend. It is also the only way CPU tensors reach the Triton
-kernels, through the interpreter (TRITON_INTERPRET=1): automatic dispatch would otherwise send every CPU
-test of the models through an interpreter that is orders of magnitude slower than the reference.
+``ATTN_BACKEND=triton|blockwise|reference`` forces one backend. It is also the only way CPU tensors reach
+the Triton kernels, through the interpreter (TRITON_INTERPRET=1): automatic dispatch would otherwise send
+every CPU test of the models through an interpreter that is orders of magnitude slower than PyTorch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from kernels.blockwise import BLOCK_ELEMENTS, exact_attention_blockwise
 from kernels.chunked_attention import chunked_flash_attention
 from kernels.flash_attention import MAX_HEAD_DIM, MIN_HEAD_DIM, TRITON_DTYPES, flash_attention, interpreter_enabled
 from kernels.reference import SUPPORTED_DTYPES, chunked_attention_reference, exact_attention_reference
@@ -98,10 +101,33 @@ class ReferenceBackend(BaseAttentionBackend):
     chunked = staticmethod(chunked_attention_reference)
 
 
+class BlockwiseBackend(BaseAttentionBackend):
+    """Exact attention a block of query rows at a time with a recomputing backward (kernels/blockwise.py);
+    chunked attention is the reference's, whose memory is already linear in the sequence."""
+
+    name = "blockwise"
+    devices = frozenset({"cpu", "cuda", "mps"})
+    dtypes = SUPPORTED_DTYPES
+    exact = staticmethod(exact_attention_blockwise)
+    chunked = staticmethod(chunked_attention_reference)
+
+    def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inputs)
+        batch, heads, seq_q, _ = inputs.q.shape
+        logits = batch * heads * seq_q * inputs.k.shape[2]
+        if logits <= BLOCK_ELEMENTS and not inputs.forced:
+            # One block would hold every row: the reference does the same work and keeps P instead of
+            # recomputing it in the backward, so it is faster for the same memory.
+            reasons.append(f"{logits} logits fit in one block of {BLOCK_ELEMENTS}; the reference is faster there")
+        return reasons
+
+
 TRITON = TritonBackend()
+BLOCKWISE = BlockwiseBackend()
 REFERENCE = ReferenceBackend()
-# Priority order: first backend without objections wins.
-PRIORITY: tuple[BaseAttentionBackend, ...] = (TRITON, REFERENCE)
+# Priority order: first backend without objections wins. The reference comes last: it keeps the M x N
+# probabilities for autograd, so it gets what fits in one block, attention dropout, or a forced call.
+PRIORITY: tuple[BaseAttentionBackend, ...] = (TRITON, BLOCKWISE, REFERENCE)
 
 
 def select_backend(

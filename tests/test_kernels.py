@@ -488,8 +488,9 @@ def test_self_mask_used_only_when_nothing_else_is_visible() -> None:
 # ---- dispatch and input checks ------------------------------------------------------------------------------
 
 
-def test_dispatch_picks_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dispatch_on_cpu_blockwise_for_large_inputs_reference_for_small(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ATTN_BACKEND", raising=False)
+    torch.manual_seed(0)
     q = torch.randn(1, 2, 10, 16)
     assert select_backend(q, q, q).name == "reference"
     out, lse = exact_attention(q, q, q, causal=True)
@@ -497,6 +498,14 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Non
     assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
     out, _ = chunked_attention(q, q, q, 4, self_mask=True)
     assert torch.equal(out, chunked_attention_reference(q, q, q, 4, self_mask=True)[0])
+    # Past one block of logits (B * H * M * N > 2^24) the dense probabilities would be kept for autograd.
+    big_q, big_k = torch.empty(1, 16, 1100, 16), torch.empty(1, 16, 1000, 16)
+    assert select_backend(big_q, big_k, big_k).name == "blockwise"
+    assert select_backend(big_q, big_k, big_k, dropout_p=0.1).name == "reference"
+    monkeypatch.setenv("ATTN_BACKEND", "blockwise")
+    out, lse = exact_attention(q, q, q, causal=True)
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(lse, lse_ref)
 
 
 def test_dropout_goes_to_the_reference_and_keeps_lse(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -526,7 +535,7 @@ def test_dispatch_forced_triton_runs_the_kernel(monkeypatch: pytest.MonkeyPatch)
 def test_dispatch_errors_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.randn(1, 1, 8, 8)
     monkeypatch.setenv("ATTN_BACKEND", "cudnn")
-    with pytest.raises(ValueError, match="valid names: triton, reference"):
+    with pytest.raises(ValueError, match="valid names: triton, blockwise, reference"):
         exact_attention(q, q, q)
     monkeypatch.setenv("ATTN_BACKEND", "triton")
     with pytest.raises(NotImplementedError, match=r"triton: .*head_dim 8 outside 16\.\.128"):
