@@ -320,6 +320,10 @@ def _numeric(row: dict[str, str]) -> Row:
     return out
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread" if n == 1 else f"{n} threads"
+
+
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -333,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     if args.replot:
         rows = [_numeric(row) for row in read_csv(csv_path)]
         if "threads" in rows[0]:  # CSVs written before the column existed do not say
-            settings_line += f", {rows[0]['threads']} threads"
+            settings_line += f", {_threads(rows[0]['threads'])}"
         print(f"wrote {plot(rows, folder / f'{args.name}.png', settings_line)}")
         return rows
     if args.linformer_paths:
@@ -342,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         return rows
     rows = run(settings, device)
     write_csv(rows, csv_path)
-    plot(rows, folder / f"{args.name}.png", f"{settings_line}, {torch.get_num_threads()} threads")
+    plot(rows, folder / f"{args.name}.png", f"{settings_line}, {_threads(torch.get_num_threads())}")
     print(f"wrote {csv_path}")
     if "linformer" in settings.kinds:
         for suffix in ("mha", "mha_math"):
