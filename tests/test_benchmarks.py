@@ -12,7 +12,9 @@ import math
 import pytest
 import torch
 
-from benchmarks import attention_scaling, harness, ray_overhead, throughput
+import yaml
+
+from benchmarks import attention_scaling, decoding, harness, ray_overhead, throughput
 from models.attention import ATTENTION_KINDS
 from orchestrator.spec import validate_spec
 
@@ -75,6 +77,42 @@ def test_attention_scaling_records_budget_stops(tmp_path):
     assert by_key[("mha", 64)]["fwd_status"] == "skipped: over_budget at n=32"
     assert by_key[("mha-math", 32)]["fwd_status"].startswith("skipped: about")
     assert math.isnan(by_key[("mha", 64)]["fwd_speedup_vs_mha"])
+
+
+def test_attention_scaling_pairs_the_two_linformer_orders(tmp_path):
+    argv = ["--out", str(tmp_path), "--linformer-paths", "--min-n", "32", "--max-n", "32", "--d-model", "32",
+            "--heads", "4", "--linformer-k", "8", "--repeats", "2", "--timing-budget-s", "0.05"]
+    rows = attention_scaling.main(argv)
+    assert {r["sharing"] for r in rows} == {"headwise", "kv", "layerwise"}
+    written = harness.read_csv(tmp_path / harness.machine_label(CPU) / "attention_scaling_paths.csv")
+    assert len(written) == 3
+    for row in written:
+        for column in ("fwd_paired_speedup", "fwdbwd_paired_speedup", "fwd_project_first_s", "fwd_compress_first_s"):
+            value = float(row[column])
+            assert math.isfinite(value) and value > 0, column
+
+
+def test_decoding_benchmark_compares_cache_with_recompute(tmp_path):
+    spec = {
+        "name": "decoding-test",
+        "task": {"kind": "translation", "vocab_size": 120, "max_tokens": 400, "max_source_len": 24, "beam_size": 2,
+                 "builtin": {"train_sentences": 300, "eval_sentences": 8, "lexicon_size": 8}},
+        "model": {"d_model": 16, "layers": 1, "decoder_layers": 1, "ffn": 32, "max_seq_len": 64,
+                  "attention": {"kind": "mha", "heads": 2}},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    threads = torch.get_num_threads()
+    try:
+        decoding.main([str(path), "--out", str(tmp_path), "--sentences", "4", "--repeats", "1",
+                       "--cache-dir", str(tmp_path / "cache")])
+    finally:
+        torch.set_num_threads(threads)
+    rows = harness.read_csv(tmp_path / harness.machine_label(CPU) / "decoding_random.csv")
+    assert [r["path"] for r in rows] == ["full_recompute", "kv_cache"]
+    for row in rows:
+        assert int(row["sentences"]) == 4 and int(row["same_hypotheses"]) == 4  # the cache changes nothing
+        assert math.isfinite(float(row["speedup_vs_full"])) and float(row["median_s"]) > 0
 
 
 def test_throughput_compares_same_size_models(tmp_path):
