@@ -69,13 +69,23 @@ def strides(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(x.stride())
 
 
+# Rows per program of the delta pre-processing kernel: a memory-bound row reduction, so large blocks.
+DELTA_BLOCK_M = 128
+
+
 def backward_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
     """delta_i = sum_d dO_id O_id - dlse_i, fp32 [B, H, M]: FA2's Delta with the lse gradient folded in, so
-    that dS = P * (dP - delta) (docs/kernels.md)."""
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    return delta.contiguous()
+    that dS = P * (dP - delta) (docs/kernels.md). One Triton pass over O and dO (k_flash_attention._bwd_delta)."""
+    batch, heads, seq_q, head_dim = out.shape
+    delta = torch.empty(batch, heads, seq_q, device=out.device, dtype=torch.float32)
+    # A real pointer is needed even without dlse; the kernel never reads it then.
+    dlse_c = delta if dlse is None else dlse.float().contiguous()
+    block_m = 16 if interpreter_enabled() else DELTA_BLOCK_M
+    _kernels()._bwd_delta[(cdiv(seq_q, block_m), batch * heads)](
+        out, dout, dlse_c, delta, *strides(out), *strides(dout), heads, seq_q, head_dim,
+        HAS_DLSE=dlse is not None, BLOCK_M=block_m, BLOCK_D=next_power_of_two(head_dim),
+    )  # fmt: skip
+    return delta
 
 
 def _mask_args(mask_BN: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:

@@ -543,3 +543,29 @@ def _flash_bwd_dq(
 _flash_fwd_tuned = autotuned("fwd", _flash_fwd)
 _flash_bwd_dkdv_tuned = autotuned("bwd_dkdv", _flash_bwd_dkdv)
 _flash_bwd_dq_tuned = autotuned("bwd_dq", _flash_bwd_dq)
+
+
+@triton.jit
+def _bwd_delta(
+    Out, DO, DLse, Delta,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    n_heads, n_q, head_dim,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """delta_i = sum_d dO_id O_id - dlse_i in fp32 for one block of rows (FA2's backward pre-processing, with
+    the lse gradient folded in); Delta and DLse are contiguous [B, H, M]. Reads O and dO once, in their own
+    dtype, instead of materialising fp32 copies of both."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_tile(Out + b * stride_ob + h * stride_oh, rows, offs_d, stride_om, stride_od, n_q, head_dim)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh, rows, offs_d, stride_dom, stride_dod, n_q, head_dim)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    row_ptr = pid_bh.to(tl.int64) * n_q + rows
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row_ptr, mask=rows < n_q, other=0.0)
+    tl.store(Delta + row_ptr, delta, mask=rows < n_q)

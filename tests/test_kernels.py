@@ -34,7 +34,12 @@ import torch  # noqa: E402
 
 from kernels import chunked_attention, exact_attention, select_backend  # noqa: E402
 from kernels.chunked_attention import chunked_flash_attention  # noqa: E402
-from kernels.flash_attention import fixed_launch_config, flash_attention, tuned_launch_configs  # noqa: E402
+from kernels.flash_attention import (  # noqa: E402
+    backward_delta,
+    fixed_launch_config,
+    flash_attention,
+    tuned_launch_configs,
+)
 from kernels.reference import (  # noqa: E402
     SELF_LOGIT,
     chunk_neighbours,
@@ -267,6 +272,22 @@ if HAS_TRITON:
         tl.store(out + 2, band_lo)
         tl.store(out + 3, band_hi)
         tl.store(out + 4, q_full_hi)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_backward_delta_kernel(dtype: torch.dtype, with_dlse: bool) -> None:
+    """The pre-processing kernel: rowsum(dO * O) - dlse in fp32, for strided dO, a tail of rows and a head
+    dim below its power-of-two block."""
+    torch.manual_seed(0)
+    out = torch.randn(2, 3, 37, 24, dtype=dtype, device=DEVICE)
+    dout = torch.randn(2, 37, 3, 24, dtype=dtype, device=DEVICE).transpose(1, 2)  # [B, H, M, D] view, strided
+    dlse = torch.randn(2, 3, 37, device=DEVICE) if with_dlse else None
+    expected = (dout.float() * out.float()).sum(-1) - (dlse if with_dlse else 0.0)
+    delta = backward_delta(out, dout, dlse)
+    assert delta.dtype == torch.float32 and delta.is_contiguous()
+    torch.testing.assert_close(delta, expected, atol=1e-5, rtol=1e-5)
 
 
 @needs_triton
