@@ -6,6 +6,9 @@ cache, and cross-attention reads keys/values of the encoder output computed once
 state of fairseq's decoder, Ott et al., 2019, arXiv 1904.01038, passed as an argument instead of kept in the
 modules). Tensors hold the compact heads of `ProjectionScheme.keys_values` ([N, G, T, E], G = 1 for mqa and
 mhe), so an mqa/gqa cache is as small as the scheme promises.
+
+Rows are sentences x beams. Beam reselection moves rows within a sentence (`reorder_beams`); a sentence whose
+beam search is done leaves the batch (`select`), so later steps spend no decoder work on it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ class LayerKV:
             self.self_v_NGTE = torch.cat([self.self_v_NGTE, v_NG1E], dim=2)
         return self.self_k_NGTE, self.self_v_NGTE
 
+    def select(self, rows_N: torch.Tensor) -> None:
+        """Keep rows `rows_N`, in that order, of every tensor (the source's keys/values too)."""
+        self.cross_k_NGSE = self.cross_k_NGSE.index_select(0, rows_N)
+        self.cross_v_NGSE = self.cross_v_NGSE.index_select(0, rows_N)
+        if self.self_k_NGTE is not None and self.self_v_NGTE is not None:
+            self.self_k_NGTE = self.self_k_NGTE.index_select(0, rows_N)
+            self.self_v_NGTE = self.self_v_NGTE.index_select(0, rows_N)
+
 
 @dataclass
 class DecoderCache:
@@ -56,3 +67,14 @@ class DecoderCache:
             if layer.self_k_NGTE is not None and layer.self_v_NGTE is not None:
                 layer.self_k_NGTE = layer.self_k_NGTE.index_select(0, rows_N)
                 layer.self_v_NGTE = layer.self_v_NGTE.index_select(0, rows_N)
+
+    def select(self, rows_N: torch.Tensor) -> None:
+        """Keep rows `rows_N`, in that order: the beams of the sentences still being decoded.
+
+        Unlike `reorder_beams` this moves rows across sentences, so every layer's cross-attention keys/values
+        and the source padding mask are gathered along with the prefixes' keys/values.
+        """
+        for layer in self.layers:
+            layer.select(rows_N)
+        if self.memory_padding_mask_NS is not None:
+            self.memory_padding_mask_NS = self.memory_padding_mask_NS.index_select(0, rows_N)

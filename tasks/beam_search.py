@@ -15,6 +15,11 @@ decoder attention can cache keys/values (exact mechanism, no reversible stack) r
 per step over a cache that beam reselection reorders (`_IncrementalDecoder`); any other model reruns `decode`
 over the whole prefix (`_FullRecomputeDecoder`). `incremental=None` picks automatically and says which at debug
 level; both give the same tokens and scores up to floating-point rounding (tests/test_decoding.py).
+
+A sentence whose search is done leaves the decoding batch (its rows of the prefixes, the cache, the encoder
+output and the source mask), as fairseq's generator drops finalised sentences, so a batch whose sentences end at
+different steps spends no decoder work on the finished ones; `active_A` maps the remaining rows back to input
+order.
 """
 
 from __future__ import annotations
@@ -54,6 +59,12 @@ class _FullRecomputeDecoder:
     def reorder_beams(self, origin_BK: torch.Tensor) -> None:
         """Nothing to do: the prefixes themselves are reordered by the caller."""
 
+    def select(self, rows_N: torch.Tensor) -> None:
+        """Keep the source rows of the prefixes the caller kept (finished sentences left the batch)."""
+        self.memory_NSD = self.memory_NSD.index_select(0, rows_N)
+        if self.src_padding_mask_NS is not None:
+            self.src_padding_mask_NS = self.src_padding_mask_NS.index_select(0, rows_N)
+
 
 class _IncrementalDecoder:
     """Next-piece logits from the newest token and a key/value cache of the prefix (models/kv_cache.py)."""
@@ -68,6 +79,9 @@ class _IncrementalDecoder:
 
     def reorder_beams(self, origin_BK: torch.Tensor) -> None:
         self.cache.reorder_beams(origin_BK)
+
+    def select(self, rows_N: torch.Tensor) -> None:
+        self.cache.select(rows_N)
 
 
 def incremental_unsupported_reasons(model: nn.Module) -> list[str]:
@@ -130,59 +144,77 @@ def greedy_decode(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: t
 
 @torch.no_grad()
 def beam_search(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: torch.Tensor | None,
-                max_len_B: torch.Tensor, specials: DecodeSpecials, *, beam_size: int,
-                length_penalty: float, incremental: bool | None = None) -> tuple[list[list[int]], list[float]]:
-    """Best hypothesis per sentence (pieces without bos/eos) and its normalised score.
+                max_len_B: torch.Tensor, specials: DecodeSpecials, *, beam_size: int, length_penalty: float,
+                incremental: bool | None = None, drop_finished: bool = True) -> tuple[list[list[int]], list[float]]:
+    """Best hypothesis per sentence (pieces without bos/eos) and its normalised score, in the input order.
 
     `incremental`: True decodes with a key/value cache (an error if the model cannot), False reruns the decoder
     over the prefix, None chooses the cache whenever the model supports it.
+    `drop_finished`: a sentence whose search is done leaves the decoding batch, so the decoder and output layer
+    run on unfinished sentences only; False keeps every sentence to the end (same hypotheses and scores, kept
+    as the reference the tests compare against).
     """
     B, K, device = src_BS.shape[0], beam_size, src_BS.device
     memory_NSD = model.encode(src_BS, src_padding_mask_BS).repeat_interleave(K, dim=0)  # N = B * K
     mask_NS = None if src_padding_mask_BS is None else src_padding_mask_BS.repeat_interleave(K, dim=0)
     decoder = _prefix_decoder(model, memory_NSD, mask_NS, incremental)
-    max_len_N = max_len_B.repeat_interleave(K)
+    # The decoding batch holds the A sentences active_A (input indices, ascending), K rows each; every per-
+    # sentence tensor below is indexed by position in active_A, `finished` by input index.
+    active_A = torch.arange(B, device=device)
+    max_len_A = max_len_B
     tokens_NT = torch.full((B * K, 1), specials.bos, dtype=torch.long, device=device)
-    scores_BK = torch.full((B, K), -torch.inf, device=device)
-    scores_BK[:, 0] = 0.0  # all beams start identical: keep one alive so the first step has K distinct picks
+    scores_AK = torch.full((B, K), -torch.inf, device=device)
+    scores_AK[:, 0] = 0.0  # all beams start identical: keep one alive so the first step has K distinct picks
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-    done_B = torch.zeros(B, dtype=torch.bool, device=device)
+    done_A = torch.zeros(B, dtype=torch.bool, device=device)
     rank_2K = torch.arange(2 * K, device=device)
+    beam_K = torch.arange(K, device=device)
 
     for t in range(int(max_len_B.max())):
-        logp_NV = _step_log_probs(decoder.next_logits(tokens_NT), specials, t + 1 >= max_len_N)
+        A, active = active_A.shape[0], active_A.tolist()
+        logp_NV = _step_log_probs(decoder.next_logits(tokens_NT), specials, (t + 1 >= max_len_A).repeat_interleave(K))
         V = logp_NV.shape[-1]
-        cand_BKV = scores_BK[:, :, None] + logp_NV.view(B, K, V)
-        top_scores_B2K, top_index_B2K = cand_BKV.view(B, K * V).topk(min(2 * K, K * V), dim=-1)
-        origin_B2K, piece_B2K = top_index_B2K // V, top_index_B2K % V
+        cand_AKV = scores_AK[:, :, None] + logp_NV.view(A, K, V)
+        top_scores_A2K, top_index_A2K = cand_AKV.view(A, K * V).topk(min(2 * K, K * V), dim=-1)
+        origin_A2K, piece_A2K = top_index_A2K // V, top_index_A2K % V
 
-        is_eos_B2K = piece_B2K == specials.eos
-        ends_B2K = is_eos_B2K & (rank_2K[: is_eos_B2K.shape[1]] < K) & torch.isfinite(top_scores_B2K) & ~done_B[:, None]
-        for b, j in ends_B2K.nonzero().tolist():
-            if len(finished[b]) < K:
-                raw = float(top_scores_B2K[b, j])
-                seq = tokens_NT[b * K + int(origin_B2K[b, j]), 1:].tolist()
-                finished[b].append((raw / float(t + 1) ** length_penalty, seq))
+        is_eos_A2K = piece_A2K == specials.eos
+        ends_A2K = is_eos_A2K & (rank_2K[: is_eos_A2K.shape[1]] < K) & torch.isfinite(top_scores_A2K) & ~done_A[:, None]
+        for a, j in ends_A2K.nonzero().tolist():
+            if len(finished[active[a]]) < K:
+                raw = float(top_scores_A2K[a, j])
+                seq = tokens_NT[a * K + int(origin_A2K[a, j]), 1:].tolist()
+                finished[active[a]].append((raw / float(t + 1) ** length_penalty, seq))
 
         # the K best continuations that do not end: candidates are sorted, so mask eos and take the top K
-        live_scores_B2K = top_scores_B2K.masked_fill(is_eos_B2K, -torch.inf)
-        keep_scores_BK, keep_BK = live_scores_B2K.topk(K, dim=-1)
-        origin_BK = origin_B2K.gather(1, keep_BK)
-        piece_BK = piece_B2K.gather(1, keep_BK)
+        live_scores_A2K = top_scores_A2K.masked_fill(is_eos_A2K, -torch.inf)
+        keep_scores_AK, keep_AK = live_scores_A2K.topk(K, dim=-1)
+        origin_AK = origin_A2K.gather(1, keep_AK)
+        piece_AK = piece_A2K.gather(1, keep_AK)
 
-        done_B |= torch.tensor([len(f) >= K for f in finished], device=device)
-        done_B |= t + 1 >= max_len_B  # the limit forced eos on every live beam
-        if bool(done_B.all()):
+        done_A |= torch.tensor([len(finished[b]) >= K for b in active], device=device)
+        done_A |= t + 1 >= max_len_A  # the limit forced eos on every live beam
+        for a in done_A.nonzero().flatten().tolist():
+            if not finished[active[a]]:  # only if every beam died at once: fall back to the best live one
+                finished[active[a]].append((float(scores_AK[a, 0]), tokens_NT[a * K, 1:].tolist()))
+        if bool(done_A.all()):
             break
-        scores_BK = keep_scores_BK.masked_fill(done_B[:, None], -torch.inf)
-        rows_N = (torch.arange(B, device=device)[:, None] * K + origin_BK).view(-1)
-        tokens_NT = torch.cat([tokens_NT[rows_N], piece_BK.view(-1, 1)], dim=1)
-        decoder.reorder_beams(origin_BK)
+        if drop_finished and bool(done_A.any()):
+            # Leaving the batch only removes rows: each remaining row's computation is unchanged.
+            alive_A = (~done_A).nonzero().flatten()
+            rows_N = (alive_A[:, None] * K + beam_K).view(-1)
+            tokens_NT = tokens_NT[rows_N]
+            decoder.select(rows_N)
+            active_A, max_len_A, done_A = active_A[alive_A], max_len_A[alive_A], done_A[alive_A]
+            keep_scores_AK, origin_AK, piece_AK = keep_scores_AK[alive_A], origin_AK[alive_A], piece_AK[alive_A]
+            A = alive_A.shape[0]
+        scores_AK = keep_scores_AK.masked_fill(done_A[:, None], -torch.inf)
+        rows_N = (torch.arange(A, device=device)[:, None] * K + origin_AK).view(-1)
+        tokens_NT = torch.cat([tokens_NT[rows_N], piece_AK.view(-1, 1)], dim=1)
+        decoder.reorder_beams(origin_AK)
 
     hypotheses, best_scores = [], []
     for b in range(B):
-        if not finished[b]:  # only reachable if every beam died at once; fall back to the best live one
-            finished[b].append((float(scores_BK[b, 0]), tokens_NT[b * K, 1:].tolist()))
         score, seq = max(finished[b], key=lambda item: item[0])
         hypotheses.append(seq)
         best_scores.append(score)

@@ -2,7 +2,8 @@
 
 Random (untrained) fp64 models, a padded source batch, both position kinds; eos gets a bias so sentences end
 at different steps. The reference is the full-recompute path (`incremental=False`), itself tested against
-greedy decoding and a constructed case in tests/test_translation.py.
+greedy decoding and a constructed case in tests/test_translation.py. Dropping finished sentences from the batch
+is checked against keeping every sentence to the end (`drop_finished=False`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,82 @@ def test_incremental_greedy_equals_full_recompute(kind):
     full = greedy_decode(model, src_BS, mask_BS, limit_B, SPECIALS, incremental=False)
     assert greedy_decode(model, src_BS, mask_BS, limit_B, SPECIALS, incremental=True) == full
     assert _finish_at_different_steps(full, limit_B)
+
+
+def _spy_decoder_batch_sizes(monkeypatch) -> list[int]:
+    """Record the rows of every decoder call, on both paths (`decode` over the prefix and `decode_step`)."""
+    rows: list[int] = []
+    decode, decode_step = Seq2SeqTransformer.decode, Seq2SeqTransformer.decode_step
+
+    def spy_decode(self, tgt_in_BT, *args, **kwargs):
+        rows.append(tgt_in_BT.shape[0])
+        return decode(self, tgt_in_BT, *args, **kwargs)
+
+    def spy_decode_step(self, tokens_N1, cache):
+        rows.append(tokens_N1.shape[0])
+        return decode_step(self, tokens_N1, cache)
+
+    monkeypatch.setattr(Seq2SeqTransformer, "decode", spy_decode)
+    monkeypatch.setattr(Seq2SeqTransformer, "decode_step", spy_decode_step)
+    return rows
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["full_recompute", "kv_cache"])
+@pytest.mark.parametrize("kind", ["mha", "gqa", "mhe-mul", "el_att"])
+def test_dropping_finished_sentences_changes_no_hypothesis(kind, incremental, monkeypatch):
+    model = _model(CACHED_KINDS[kind])
+    src_BS, mask_BS, lengths_B = _sources()
+    limit_B = max_lengths(lengths_B, 1.5, 4, cap=23)
+    K = 3
+    rows = _spy_decoder_batch_sizes(monkeypatch)
+    kept, kept_scores = beam_search(model, src_BS, mask_BS, limit_B, SPECIALS, beam_size=K, length_penalty=1.0,
+                                    incremental=incremental, drop_finished=False)
+    assert set(rows) == {8 * K}
+    rows.clear()
+    dropped, dropped_scores = beam_search(model, src_BS, mask_BS, limit_B, SPECIALS, beam_size=K,
+                                          length_penalty=1.0, incremental=incremental)
+    assert dropped == kept
+    assert dropped_scores == pytest.approx(kept_scores, rel=0, abs=1e-12)
+    assert _finish_at_different_steps(kept, limit_B)
+    # the batch shrinks by whole sentences, more than once, and the last steps run only what is left
+    assert rows[0] == 8 * K and rows == sorted(rows, reverse=True) and all(n % K == 0 for n in rows)
+    assert len(set(rows)) >= 3 and rows[-1] < 8 * K
+
+
+def test_dropping_finished_sentences_keeps_the_input_order():
+    """Shuffled rows of the same padded batch give the same hypotheses, shuffled alike, and each equals the
+    sentence decoded on its own: the active-row map puts every output back in its input slot."""
+    model = _model(CACHED_KINDS["gqa"])
+    src_BS, mask_BS, lengths_B = _sources()
+    limit_B = max_lengths(lengths_B, 1.5, 4, cap=23)
+    search = dict(beam_size=3, length_penalty=1.0, incremental=True)
+    hyps, scores = beam_search(model, src_BS, mask_BS, limit_B, SPECIALS, **search)
+    order = torch.tensor([7, 0, 5, 2, 6, 1, 4, 3])  # interleave early and late finishers
+    shuffled, shuffled_scores = beam_search(model, src_BS[order], mask_BS[order], limit_B[order], SPECIALS, **search)
+    assert shuffled == [hyps[i] for i in order.tolist()]
+    assert shuffled_scores == pytest.approx([scores[i] for i in order.tolist()], rel=0, abs=1e-12)
+    for b in (0, 4, 7):
+        alone, alone_scores = beam_search(model, src_BS[b: b + 1], mask_BS[b: b + 1], limit_B[b: b + 1], SPECIALS,
+                                          **search)
+        assert alone == [hyps[b]]
+        assert alone_scores == pytest.approx([scores[b]], rel=0, abs=1e-9)
+
+
+def test_cache_select_keeps_rows_of_every_tensor():
+    model = _model(CACHED_KINDS["mqa"])
+    src_BS, mask_BS, _ = _sources()
+    with torch.no_grad():
+        memory_BSD = model.encode(src_BS, mask_BS)
+        cache = model.start_decoding(memory_BSD, mask_BS)
+        model.decode_step(torch.full((8, 1), SPECIALS.bos), cache)
+        rows_R = torch.tensor([6, 1, 3])
+        reference = model.start_decoding(memory_BSD[rows_R], mask_BS[rows_R])
+        model.decode_step(torch.full((3, 1), SPECIALS.bos), reference)
+        cache.select(rows_R)
+    assert cache.memory_padding_mask_NS is not None and torch.equal(cache.memory_padding_mask_NS, mask_BS[rows_R])
+    for layer, ref in zip(cache.layers, reference.layers):
+        for name in ("cross_k_NGSE", "cross_v_NGSE", "self_k_NGTE", "self_v_NGTE"):
+            torch.testing.assert_close(getattr(layer, name), getattr(ref, name), rtol=0, atol=1e-12)
 
 
 def test_float32_beam_search_matches_to_rounding():
