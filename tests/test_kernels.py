@@ -519,7 +519,7 @@ def test_dispatch_on_cpu_blockwise_for_large_inputs_reference_for_small(monkeypa
     assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
     out, _ = chunked_attention(q, q, q, 4, self_mask=True)
     assert torch.equal(out, chunked_attention_reference(q, q, q, 4, self_mask=True)[0])
-    # Past one block of logits (B * H * M * N > 2^24) the dense probabilities would be kept for autograd.
+    # Past one block of logits (B * H * M * N > 2^22) the dense probabilities would be kept for autograd.
     big_q, big_k = torch.empty(1, 16, 1100, 16), torch.empty(1, 16, 1000, 16)
     assert select_backend(big_q, big_k, big_k).name == "blockwise"
     assert select_backend(big_q, big_k, big_k, dropout_p=0.1).name == "reference"
