@@ -7,6 +7,8 @@ length-sorted batches, beam size and length limits), once with `incremental=Fals
 step reruns the decoder and the output layer over the whole prefix) and once with `incremental=True` (one
 position per step over the cache). The two alternate (harness.interleaved_medians), so load from other jobs on
 a shared machine hits both alike. Rows also say whether the two gave the same hypotheses and their BLEU.
+Both paths drop a sentence from its batch once its beam search is done; `--keep-finished` decodes every sentence
+until its whole batch is done (the behaviour before that change, same hypotheses) and writes `*_keep_finished.csv`.
 
     python -m benchmarks.decoding configs/multi30k.yaml --out benchmarks/results --sentences 200 --threads 1
     python -m benchmarks.decoding configs/multi30k.yaml --out benchmarks/results --sentences 200 --threads 1 \\
@@ -32,7 +34,7 @@ PATHS = {"full_recompute": False, "kv_cache": True}
 
 
 def run(spec_path: str, overrides: list[str], *, sentences: int, repeats: int, checkpoint: Path | None,
-        cache_dir: Path, seed: int = 0) -> list[Row]:
+        cache_dir: Path, seed: int = 0, drop_finished: bool = True) -> list[Row]:
     spec = load_spec(spec_path, overrides)
     if spec.task.kind != "translation":
         raise SystemExit(f"{spec_path}: task.kind={spec.task.kind}; decoding speed needs a translation spec")
@@ -51,7 +53,8 @@ def run(spec_path: str, overrides: list[str], *, sentences: int, repeats: int, c
     def translate(name: str):
         def call() -> None:
             with torch.no_grad():
-                outputs[name] = task.translate(model, sources, device, incremental=PATHS[name])
+                outputs[name] = task.translate(model, sources, device, incremental=PATHS[name],
+                                               drop_finished=drop_finished)
         return call
 
     times = interleaved_medians({name: translate(name) for name in PATHS}, device, warmup=0, repeats=repeats)
@@ -63,6 +66,7 @@ def run(spec_path: str, overrides: list[str], *, sentences: int, repeats: int, c
         rows.append({
             "spec": spec.name, "weights": "checkpoint" if checkpoint else "random", "sentences": len(sources),
             "beam": spec.task.beam_size, "threads": torch.get_num_threads(), "path": name,
+            "drop_finished": drop_finished,
             "median_s": statistics.median(seconds), "min_s": min(seconds), "repeats": len(seconds),
             "sentences_per_s": len(sources) / statistics.median(seconds),
             "speedup_vs_full": base_s / statistics.median(seconds),
@@ -81,12 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", type=Path, default=None, help="trained weights; random weights if absent")
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache"), help="tokenizer and prepared-data cache")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--keep-finished", action="store_true",
+                        help="decode finished sentences until their batch is done (the reference for dropping them)")
     args = parser.parse_intermixed_args(argv)
     torch.set_num_threads(args.threads)
     rows = run(args.spec, args.overrides, sentences=args.sentences, repeats=args.repeats,
-               checkpoint=args.checkpoint, cache_dir=args.cache_dir)
+               checkpoint=args.checkpoint, cache_dir=args.cache_dir, drop_finished=not args.keep_finished)
     weights = "checkpoint" if args.checkpoint else "random"
-    suffix = "" if args.threads == 1 else f"_{args.threads}threads"
+    suffix = ("" if args.threads == 1 else f"_{args.threads}threads") + ("_keep_finished" if args.keep_finished else "")
     path = write_csv(rows, results_dir(args.out, torch.device("cpu")) / f"decoding_{weights}{suffix}.csv")
     for row in rows:
         print(f"{row['path']:>15}: median {row['median_s']:.1f} s (min {row['min_s']:.1f}, {row['repeats']} rounds), "

@@ -166,10 +166,11 @@ class TranslationTask:
         return total / max(count, 1)
 
     def translate(self, model: nn.Module, sources: list[np.ndarray], device: torch.device, *,
-                  incremental: bool | None = None) -> list[list[int]]:
+                  incremental: bool | None = None, drop_finished: bool = True) -> list[list[int]]:
         """Beam search over sources in length-sorted batches; pieces in the input order.
 
-        `incremental` (beam_search's): None uses the decoder's key/value cache whenever the model has one.
+        `incremental`, `drop_finished` (beam_search's): None uses the decoder's key/value cache whenever the model
+        has one; a sentence leaves its batch once its search is done unless drop_finished is False.
         """
         src_len = np.array([len(s) for s in sources])
         order = np.argsort(src_len, kind="stable")
@@ -183,7 +184,7 @@ class TranslationTask:
                                   self.cfg.max_len_b, self.model_cfg.max_seq_len - 1)
             hyps, _ = beam_search(model, src_BS, mask_BS, limit_B,
                                   self.specials, beam_size=self.cfg.beam_size, length_penalty=self.cfg.length_penalty,
-                                  incremental=incremental)
+                                  incremental=incremental, drop_finished=drop_finished)
             for i, hyp in zip(indices, hyps):
                 out[i] = hyp
         return out
