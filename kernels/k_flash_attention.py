@@ -300,6 +300,22 @@ def _mask_logits(
 
 
 @triton.jit
+def _key_block(
+    q, k_ptr, v_ptr, kpm_ptr, rows, cols, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_kpm_n,
+    n_k, head_dim, qk_scale,
+    CAUSAL_MASK: tl.constexpr, KEYS_IN_BOUNDS: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):  # fmt: skip
+    """The K and V tiles of one key block and the query block's masked base-2 logits against it: the step the
+    forward and dQ loops share."""
+    k = _load_tile(k_ptr, cols, offs_d, stride_kn, stride_kd, n_k, head_dim, KEYS_IN_BOUNDS, EVEN_D)
+    v = _load_tile(v_ptr, cols, offs_d, stride_vn, stride_vd, n_k, head_dim, KEYS_IN_BOUNDS, EVEN_D)
+    s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+    s = _mask_logits(s, rows, cols, n_k, kpm_ptr, stride_kpm_n, CAUSAL_MASK, KEYS_IN_BOUNDS, HAS_KPM)
+    return k, v, s
+
+
+@triton.jit
 def _fwd_key_loop(
     acc, l_i, m_i, q, k_ptr, v_ptr, kpm_ptr, rows, offs_n, offs_d, lo, hi,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_kpm_n, n_k, head_dim, qk_scale,
@@ -308,10 +324,10 @@ def _fwd_key_loop(
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_tile(k_ptr, cols, offs_d, stride_kn, stride_kd, n_k, head_dim, KEYS_IN_BOUNDS, EVEN_D)
-        v = _load_tile(v_ptr, cols, offs_d, stride_vn, stride_vd, n_k, head_dim, KEYS_IN_BOUNDS, EVEN_D)
-        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
-        s = _mask_logits(s, rows, cols, n_k, kpm_ptr, stride_kpm_n, CAUSAL_MASK, KEYS_IN_BOUNDS, HAS_KPM)
+        _, v, s = _key_block(
+            q, k_ptr, v_ptr, kpm_ptr, rows, cols, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_kpm_n,
+            n_k, head_dim, qk_scale, CAUSAL_MASK, KEYS_IN_BOUNDS, HAS_KPM, EVEN_D, DOT_PRECISION, DOT_UPCAST,
+        )  # fmt: skip
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST, MAY_BE_EMPTY)
     return acc, l_i, m_i
 
@@ -475,10 +491,10 @@ def _dq_key_loop(
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_tile(k_ptr, cols, offs_d, stride_kn, stride_kd, n_k, head_dim, KEYS_IN_BOUNDS, EVEN_D)
-        v = _load_tile(v_ptr, cols, offs_d, stride_vn, stride_vd, n_k, head_dim, KEYS_IN_BOUNDS, EVEN_D)
-        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
-        s = _mask_logits(s, rows, cols, n_k, kpm_ptr, stride_kpm_n, CAUSAL_MASK, KEYS_IN_BOUNDS, HAS_KPM)
+        k, v, s = _key_block(
+            q, k_ptr, v_ptr, kpm_ptr, rows, cols, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_kpm_n,
+            n_k, head_dim, qk_scale, CAUSAL_MASK, KEYS_IN_BOUNDS, HAS_KPM, EVEN_D, DOT_PRECISION, DOT_UPCAST,
+        )  # fmt: skip
         # P recomputed from the saved lse (FA2 Algorithm 2); masked logits are -inf, so P is 0 there.
         p = tl.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST)
