@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention.config import HyperMechanismConfig
+from models.attention.exact import ExactMechanism
 from models.attention.lse import exact_attention, merge_lse
 
 _LAYER_SEED_STRIDE = 1_000_003
@@ -55,6 +56,7 @@ class HyperMechanism(nn.Module):
         if dropout:
             raise ValueError(f"model.attention.dropout={dropout} is not supported by the hyper mechanism (its "
                              "parts are merged through their log-sum-exp); set model.attention.dropout to 0")
+        self.exact = ExactMechanism()
         self.block_size, self.sample_size = cfg.block_size, cfg.sample_size
         self.min_seq_len, self.bits = cfg.min_seq_len, cfg.lsh_bits
         layer_seed = cfg.seed + _LAYER_SEED_STRIDE * layer_index
@@ -77,6 +79,12 @@ class HyperMechanism(nn.Module):
         if T != S:
             raise ValueError(f"hyper attention needs queries and keys of the same length (got {T} and {S}); "
                              "cross-attention is built with cross=True, which mixes exactly")
+        n_longest = T if key_padding_mask_BS is None else int((~key_padding_mask_BS).sum(-1).max().item())
+        if (T <= self.min_seq_len) if causal else (n_longest < self.min_seq_len):
+            # All exact, and no lse to merge at the top level: torch's fused SDPA (a flash kernel on CPU and
+            # GPU) is faster than the lse-returning path and never holds the T x T scores. The thresholds are
+            # those of causal() and non_causal().
+            return self.exact(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS=key_padding_mask_BS, causal=causal)
         if causal:
             return self.causal(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS)[0]
         return self.non_causal(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS, key_padding_mask_BS)[0]
