@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from pydantic import ValidationError
 
 from models import LanguageModel, ModelConfig
 from models.embeddings import AdaptiveInput, DeFINEEmbedding, GroupLinear, split_mix
+from tests.training import fit, next_token_loss
 
 V, D = 40, 32
 N_IN, WIDTH, DEPTH, G_MAX = 16, 64, 3, 4  # linear spacing 16 -> 64 in 3 steps is exact: no rounding
@@ -104,14 +104,7 @@ def test_tiny_model_with_define_learns_a_repeat_task():
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     half = torch.randint(0, V, (16, 8))
     tokens = torch.cat([half, half], dim=1)
-    losses = []
-    for _ in range(30):
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fit(lambda _: next_token_loss(model, tokens), opt, steps=30)
     assert losses[-1] < 0.7 * losses[0], losses
 
 

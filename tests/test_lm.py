@@ -13,6 +13,7 @@ from tasks import WorkerContext, build_task
 from tasks.config import TaskConfig
 from tasks.lm import IGNORE, apply_bert_masking, num_blocks, pack_blocks
 from tasks.tokenizer import MASK_ID, PAD_ID
+from tests.training import fit_task
 
 TASK = TypeAdapter(TaskConfig)
 MODEL = ModelConfig(d_model=32, layers=1, ffn=64, max_seq_len=32, dropout=0.0, positional="sinusoidal",
@@ -130,13 +131,7 @@ def test_tiny_language_model_learns(tmp_path, kind):
     model = task.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     before = task.evaluate(model)["val/loss"]
-    for step, (batch, _) in enumerate(task.train_batches()):
-        loss = task.loss(model, batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step == 80:
-            break
+    fit_task(task, model, optimizer, steps=81)
     after = task.evaluate(model)
     assert after["val/loss"] < before - 0.5
     if kind == "clm":  # beyond word frequencies: the grammar's order and selection are being learned

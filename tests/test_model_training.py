@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from models import LanguageModel, ModelConfig, Seq2SeqTransformer
 from models.attention import ATTENTION_KINDS
 from tests.attention_cases import TINY_KNOBS, causal_kinds
+from tests.training import fit, next_token_loss
 
 VOCAB, T, STEPS = 24, 16, 40
 
@@ -34,14 +35,7 @@ def _cfg(kind: str) -> ModelConfig:
 
 def _train(model, batch_fn, steps: int = STEPS) -> tuple[float, float]:
     torch.manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(steps):
-        loss = batch_fn(step)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fit(batch_fn, torch.optim.AdamW(model.parameters(), lr=3e-3), steps)
     return sum(losses[:5]) / 5, sum(losses[-5:]) / 5
 
 
@@ -67,9 +61,7 @@ def test_causal_lm_loss_falls(kind):
     model = LanguageModel(_cfg(kind), VOCAB, causal=True)
 
     def batch(step):
-        x = _walks(16, torch.Generator().manual_seed(step))
-        logits = model(x[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        return next_token_loss(model, _walks(16, torch.Generator().manual_seed(step)))
 
     first, last = _train(model, batch)
     assert last < 0.8 * first, f"{kind}: causal-LM loss {first:.3f} -> {last:.3f}"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from models import LanguageModel, ModelConfig, Seq2SeqTransformer
 from models.reversible import irreversible_stack, reversible_stack
+from tests.training import fit, next_token_loss
 
 VOCAB = 23
 ATTENTION = {
@@ -102,14 +102,7 @@ def test_reversible_language_model_trains():
     model = LanguageModel(config(layers=2, attention="lsh", dropout=0.0), VOCAB, causal=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, VOCAB, (4, 12))
-    losses = []
-    for _ in range(10):
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fit(lambda _: next_token_loss(model, tokens), opt, steps=10)
     assert losses[-1] < 0.8 * losses[0]
 
 

@@ -13,6 +13,7 @@ from tasks import WorkerContext, build_task
 from tasks.beam_search import DecodeSpecials, beam_search, greedy_decode, max_lengths, sequence_log_prob
 from tasks.config import TaskConfig
 from tasks.translation import IGNORE, collate_pairs, length_batches
+from tests.training import fit_task
 
 TASK = TypeAdapter(TaskConfig)
 SPECIALS = DecodeSpecials(bos=2, eos=3, forbidden=(0, 1, 2, 4))
@@ -132,14 +133,7 @@ def test_tiny_translation_model_improves_bleu(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 50))
     before = task.evaluate(model)
-    for step, (batch, _) in enumerate(task.train_batches()):
-        loss = task.loss(model, batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        warmup.step()
-        if step == 400:
-            break
+    fit_task(task, model, optimizer, steps=401, scheduler=warmup)
     after = task.evaluate(model)
     assert after["val/loss"] < before["val/loss"] - 2.0
     assert after["val/bleu"] > before["val/bleu"] + 3.0
