@@ -37,13 +37,17 @@ class LayerKV:
             self.self_v_NGTE = torch.cat([self.self_v_NGTE, v_NG1E], dim=2)
         return self.self_k_NGTE, self.self_v_NGTE
 
+    def select_prefix(self, rows_N: torch.Tensor) -> None:
+        """Keep rows `rows_N`, in that order, of the prefix's keys/values."""
+        if self.self_k_NGTE is not None and self.self_v_NGTE is not None:
+            self.self_k_NGTE = self.self_k_NGTE.index_select(0, rows_N)
+            self.self_v_NGTE = self.self_v_NGTE.index_select(0, rows_N)
+
     def select(self, rows_N: torch.Tensor) -> None:
         """Keep rows `rows_N`, in that order, of every tensor (the source's keys/values too)."""
         self.cross_k_NGSE = self.cross_k_NGSE.index_select(0, rows_N)
         self.cross_v_NGSE = self.cross_v_NGSE.index_select(0, rows_N)
-        if self.self_k_NGTE is not None and self.self_v_NGTE is not None:
-            self.self_k_NGTE = self.self_k_NGTE.index_select(0, rows_N)
-            self.self_v_NGTE = self.self_v_NGTE.index_select(0, rows_N)
+        self.select_prefix(rows_N)
 
 
 @dataclass
@@ -64,9 +68,7 @@ class DecoderCache:
         B, K = origin_BK.shape
         rows_N = (torch.arange(B, device=origin_BK.device)[:, None] * K + origin_BK).view(-1)
         for layer in self.layers:
-            if layer.self_k_NGTE is not None and layer.self_v_NGTE is not None:
-                layer.self_k_NGTE = layer.self_k_NGTE.index_select(0, rows_N)
-                layer.self_v_NGTE = layer.self_v_NGTE.index_select(0, rows_N)
+            layer.select_prefix(rows_N)
 
     def select(self, rows_N: torch.Tensor) -> None:
         """Keep rows `rows_N`, in that order: the beams of the sentences still being decoded.
