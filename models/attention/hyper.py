@@ -46,6 +46,11 @@ def gray_rank(code: torch.Tensor, bits: int) -> torch.Tensor:
     return rank
 
 
+def longest_real_row(key_padding_BN: torch.Tensor | None, N: int) -> int:
+    """Real (unpadded) keys of the batch's longest row."""
+    return N if key_padding_BN is None else int((~key_padding_BN).sum(-1).max().item())
+
+
 class HyperMechanism(nn.Module):
     """HyperAttention over per-head q [B, H, T, E], k, v [B, H, S, E]."""
 
@@ -79,22 +84,22 @@ class HyperMechanism(nn.Module):
         if T != S:
             raise ValueError(f"hyper attention needs queries and keys of the same length (got {T} and {S}); "
                              "cross-attention is built with cross=True, which mixes exactly")
-        n_longest = T if key_padding_mask_BS is None else int((~key_padding_mask_BS).sum(-1).max().item())
-        if (T <= self.min_seq_len) if causal else (n_longest < self.min_seq_len):
-            # All exact, and no lse to merge at the top level: torch's fused SDPA (a flash kernel on CPU and
-            # GPU) is faster than the lse-returning path and never holds the T x T scores. The thresholds are
-            # those of causal() and non_causal().
-            return self.exact(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS=key_padding_mask_BS, causal=causal)
+        # An input that is exact all through (the thresholds of causal() and non_causal()) has no lse to merge at
+        # the top level: torch's fused SDPA (a flash kernel on CPU and GPU) is faster than the lse-returning
+        # path and never holds the T x T scores.
         if causal:
+            if T <= self.min_seq_len:
+                return self.exact(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS=key_padding_mask_BS, causal=True)
             return self.causal(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS)[0]
+        if longest_real_row(key_padding_mask_BS, T) < self.min_seq_len:
+            return self.exact(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS=key_padding_mask_BS)
         return self.non_causal(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS, key_padding_mask_BS)[0]
 
     def non_causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN, query_padding_BN):
         """(out [B, H, N, E], lse [B, H, N]); `query_padding_BN` only moves padded queries to the end."""
         B, H, N, E = q_BHNE.shape
         # The longest real row decides, so appending padding never switches a batch to the approximation.
-        n_longest = N if key_padding_BN is None else int((~key_padding_BN).sum(-1).max().item())
-        if n_longest < self.min_seq_len:
+        if longest_real_row(key_padding_BN, N) < self.min_seq_len:
             return exact_attention(q_BHNE, k_BHNE, v_BHNE, key_padding_mask=key_padding_BN)
         b = self.block_size
         nb = -(-N // b)
