@@ -7,7 +7,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from models.attention.config import AttentionConfig, LinformerConfig, MHAConfig, _ProjectionKindConfig
+from models.attention.config import LinformerConfig, MHAConfig, _ProjectionKindConfig
+from models.attention.registry import AttentionConfig
 
 
 class StandardEmbeddingConfig(BaseModel):

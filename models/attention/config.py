@@ -1,8 +1,9 @@
 """Typed configs for every attention kind.
 
-One pydantic model per kind, joined in a discriminated union on ``kind``: a misspelt kind fails with
-pydantic's "does not match any of the expected tags" message, which lists every valid name. ``d_model``
-and Linformer's ``max_seq_len`` are filled in by the model config, so a spec writes them once.
+One pydantic model per kind; models/attention/registry.py joins them in the discriminated union on
+``kind`` (``AttentionConfig``): a misspelt kind fails with pydantic's "does not match any of the expected
+tags" message, which lists every valid name. ``d_model`` and Linformer's ``max_seq_len`` are filled in by
+the model config, so a spec writes them once.
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ class HyperMechanismConfig(_Config):
 MechanismConfig = Annotated[
     Union[ExactMechanismConfig, LinformerMechanismConfig, HyperMechanismConfig], Field(discriminator="kind")
 ]
+"""What a projection kind's `mechanism:` block may name (not lsh: see LSHMechanismConfig). Each of these
+configs is built into its mechanism by the registry's MECHANISMS table (models/attention/registry.py)."""
 
 
 # --- attention kinds: a projection scheme (and optionally a mechanism) ----------------------------
@@ -265,14 +268,3 @@ class HyperConfig(HyperMechanismConfig, _AttentionConfig):
     def mechanism(self) -> HyperMechanismConfig:
         fields = HyperMechanismConfig.model_fields.keys() - {"kind"}
         return HyperMechanismConfig(**{f: getattr(self, f) for f in fields})
-
-
-AttentionConfig = Annotated[
-    Union[
-        MHAConfig, SHAConfig, MQAConfig, GQAConfig, SKVConfig, ELAttConfig, MHEConfig, LinformerConfig,
-        LSHConfig, HyperConfig,
-    ],
-    Field(discriminator="kind"),
-]
-
-ATTENTION_KINDS: tuple[str, ...] = ("mha", "sha", "mqa", "gqa", "skv", "el_att", "mhe", "linformer", "lsh", "hyper")

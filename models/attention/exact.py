@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.attention.config import ExactMechanismConfig, _AttentionConfig
+
 
 def exact_attention_bias(
     key_padding_mask_BS: torch.Tensor | None, causal: bool, T: int, S: int, dtype: torch.dtype, device: torch.device
@@ -37,10 +39,18 @@ class ExactMechanism(nn.Module):
     supports_causal = True
     supports_kv_cache = True
     """A new query's output depends on past keys/values only through themselves, so they can be cached."""
+    config_cls = ExactMechanismConfig
 
     def __init__(self, dropout: float = 0.0):
         super().__init__()
         self.dropout = dropout
+
+    @classmethod
+    def from_config(
+        cls, cfg: ExactMechanismConfig, attention: _AttentionConfig, layer_index: int, shared_state: nn.ModuleDict
+    ) -> ExactMechanism:
+        """The registry's builder (models/attention/registry.py): no knobs beyond the block's dropout."""
+        return cls(attention.dropout)
 
     def forward(self, q_BHTE, k_BHSE, v_BHSE, *, key_padding_mask_BS=None, causal=False):
         T, S = q_BHTE.shape[-2], k_BHSE.shape[-2]

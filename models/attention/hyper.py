@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention.config import HyperMechanismConfig
+from models.attention.config import HyperMechanismConfig, _AttentionConfig
 from models.attention.exact import ExactMechanism
 from models.attention.lse import exact_attention, merge_lse
 
@@ -55,6 +55,7 @@ class HyperMechanism(nn.Module):
     """HyperAttention over per-head q [B, H, T, E], k, v [B, H, S, E]."""
 
     supports_causal = True
+    config_cls = HyperMechanismConfig
 
     def __init__(self, cfg: HyperMechanismConfig, head_dim: int, layer_index: int, dropout: float = 0.0):
         super().__init__()
@@ -69,6 +70,13 @@ class HyperMechanism(nn.Module):
         gen = torch.Generator().manual_seed(layer_seed)
         # Fixed per layer, not a parameter: a buffer follows .to(device) but is not trained or saved.
         self.register_buffer("hyperplanes", torch.randn(head_dim, self.bits, generator=gen), persistent=False)
+
+    @classmethod
+    def from_config(
+        cls, cfg: HyperMechanismConfig, attention: _AttentionConfig, layer_index: int, shared_state: nn.ModuleDict
+    ) -> HyperMechanism:
+        """The registry's builder (models/attention/registry.py)."""
+        return cls(cfg, attention.head_dim, layer_index, attention.dropout)
 
     def bucket_rank(self, x_BHTE: torch.Tensor, padding_BT: torch.Tensor | None) -> torch.Tensor:
         """Gray-ordered bucket [B, H, T]; padded rows get 2^bits, after every real bucket."""

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention.config import LinformerMechanismConfig
+from models.attention.config import LinformerMechanismConfig, _AttentionConfig
 from models.attention.exact import ExactMechanism
 from models.attention.projections import CompressedContext
 
@@ -100,6 +100,7 @@ class LinformerMechanism(nn.Module):
     """Projects keys with E and values with F, then runs exact attention over the k compressed slots."""
 
     supports_causal = False
+    config_cls = LinformerMechanismConfig
 
     def __init__(
         self, cfg: LinformerMechanismConfig, heads: int, head_dim: int, layer_index: int,
@@ -120,6 +121,17 @@ class LinformerMechanism(nn.Module):
             if cfg.sharing != "kv":
                 self.F = SequenceProjection(cfg.projection, k, n, head_dim, per_head)
         self.exact = ExactMechanism(dropout)
+
+    @classmethod
+    def from_config(
+        cls, cfg: LinformerMechanismConfig, attention: _AttentionConfig, layer_index: int,
+        shared_state: nn.ModuleDict,
+    ) -> LinformerMechanism:
+        """The registry's builder (models/attention/registry.py)."""
+        if cfg.max_seq_len is None:
+            raise ValueError("model.attention.max_seq_len is unset: build attention through ModelConfig, "
+                             "which fills it from model.max_seq_len")
+        return cls(cfg, attention.heads, attention.head_dim, layer_index, shared_state, attention.dropout)
 
     def _projections(self) -> tuple[SequenceProjection, SequenceProjection]:
         E = getattr(self, "_layerwise_E", None) or self.E

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from models.attention.config import LSHMechanismConfig
+from models.attention.config import LSHMechanismConfig, _AttentionConfig
 from models.attention.lse import chunked_attention, merge_lse_many
 
 _LAYER_SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for realistic depths
@@ -39,6 +39,7 @@ class LSHMechanism(nn.Module):
     """LSH attention over per-head q, k (= normalised q), v of shape [B, H, T, E]."""
 
     supports_causal = True
+    config_cls = LSHMechanismConfig
 
     def __init__(self, cfg: LSHMechanismConfig, head_dim: int, layer_index: int, dropout: float = 0.0):
         super().__init__()
@@ -46,6 +47,13 @@ class LSHMechanism(nn.Module):
         self.head_dim, self.dropout = head_dim, dropout
         self.layer_seed = cfg.seed + _LAYER_SEED_STRIDE * layer_index
         self._rotation_columns: list[torch.Tensor] = []  # a cache, not state: rebuilt from the seed on demand
+
+    @classmethod
+    def from_config(
+        cls, cfg: LSHMechanismConfig, attention: _AttentionConfig, layer_index: int, shared_state: nn.ModuleDict
+    ) -> LSHMechanism:
+        """The registry's builder (models/attention/registry.py)."""
+        return cls(cfg, attention.head_dim, layer_index, attention.dropout)
 
     def rotations(self, n_half: int, device: torch.device) -> torch.Tensor:
         """R [n_hashes, E, n_half]: column c depends only on (seed, layer, c), so rows of a batch with fewer

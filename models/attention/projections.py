@@ -237,27 +237,16 @@ class SharedQKProjection(ProjectionScheme):
         return q_BHTE, k_BHTE, _split_heads(self.v(x_BTD), self.heads)
 
 
-def build_projection(cfg: _AttentionConfig, *, cross: bool = False) -> ProjectionScheme:
-    """The explicit kind -> projection scheme table.
+def mha_projection(cfg: _AttentionConfig) -> MultiHeadProjection:
+    """mha: one K/V head per query head (also linformer's and hyper's scheme, and lsh's in cross-attention)."""
+    return MultiHeadProjection(cfg, kv_heads=cfg.heads)
 
-    `cross` (encoder-decoder attention) only changes lsh: queries and keys come from different sequences,
-    so a shared-QK matrix has no meaning there and plain mha projections are used.
-    """
-    kind = getattr(cfg, "kind")
-    if kind == "lsh":
-        return MultiHeadProjection(cfg, kv_heads=cfg.heads) if cross else SharedQKProjection(cfg)
-    if kind in ("mha", "linformer", "hyper"):
-        return MultiHeadProjection(cfg, kv_heads=cfg.heads)
-    if kind == "gqa":
-        assert isinstance(cfg, GQAConfig)
-        return MultiHeadProjection(cfg, kv_heads=cfg.groups)
-    if kind == "mqa":
-        assert isinstance(cfg, MQAConfig)
-        return MultiHeadProjection(cfg, kv_heads=1)
-    if kind == "skv":
-        return SharedKVProjection(cfg)  # type: ignore[arg-type]
-    if kind == "el_att":
-        return ELAttProjection(cfg)  # type: ignore[arg-type]
-    if kind in ("mhe", "sha"):
-        return HeadEmbeddingProjection(cfg)  # type: ignore[arg-type]
-    raise ValueError(f"model.attention.kind={kind!r} has no projection scheme")
+
+def gqa_projection(cfg: GQAConfig) -> MultiHeadProjection:
+    """gqa: `groups` K/V heads."""
+    return MultiHeadProjection(cfg, kv_heads=cfg.groups)
+
+
+def mqa_projection(cfg: MQAConfig) -> MultiHeadProjection:
+    """mqa: one K/V head for every query head."""
+    return MultiHeadProjection(cfg, kv_heads=1)

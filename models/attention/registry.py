@@ -1,37 +1,118 @@
-"""`build_attention`: the one explicit table from a config block to an attention module."""
+"""The attention registry: one table from each `kind` to its config class, projection scheme and mechanism.
+
+`ATTENTION_KINDS`, the pydantic union `AttentionConfig` (the type of `model.attention`), the mechanism table
+and `build_attention` are all derived from `ATTENTION_REGISTRY`. Adding a kind is one new file (its config
+class, subclassing `_ProjectionKindConfig` or a mechanism config and `_AttentionConfig`, plus its projection
+scheme or mechanism) and one line below; docs/attention.md, "Adding a kind", walks through it.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Protocol, Union
+
 import torch.nn as nn
+from pydantic import BaseModel, Field
 
 from models.attention.config import (
-    ATTENTION_KINDS,
+    ELAttConfig,
     ExactMechanismConfig,
-    HyperMechanismConfig,
-    LinformerMechanismConfig,
-    LSHMechanismConfig,
+    GQAConfig,
+    HyperConfig,
+    LinformerConfig,
+    LSHConfig,
+    MHAConfig,
+    MHEConfig,
+    MQAConfig,
+    SHAConfig,
+    SKVConfig,
+    _AttentionConfig,
 )
 from models.attention.exact import ExactMechanism
 from models.attention.hyper import HyperMechanism
 from models.attention.linformer import LinformerMechanism
 from models.attention.lsh import LSHMechanism
 from models.attention.module import Attention
-from models.attention.projections import build_projection
+from models.attention.projections import (
+    ELAttProjection,
+    HeadEmbeddingProjection,
+    ProjectionScheme,
+    SharedKVProjection,
+    SharedQKProjection,
+    gqa_projection,
+    mha_projection,
+    mqa_projection,
+)
 
 
-def _build_mechanism(cfg, mechanism_cfg, layer_index: int, shared_state: nn.ModuleDict) -> nn.Module:
-    if isinstance(mechanism_cfg, ExactMechanismConfig):
-        return ExactMechanism(cfg.dropout)
-    if isinstance(mechanism_cfg, LinformerMechanismConfig):
-        if mechanism_cfg.max_seq_len is None:
-            raise ValueError("model.attention.max_seq_len is unset: build attention through ModelConfig, "
-                             "which fills it from model.max_seq_len")
-        return LinformerMechanism(mechanism_cfg, cfg.heads, cfg.head_dim, layer_index, shared_state, cfg.dropout)
-    if isinstance(mechanism_cfg, LSHMechanismConfig):
-        return LSHMechanism(mechanism_cfg, cfg.head_dim, layer_index, cfg.dropout)
-    if isinstance(mechanism_cfg, HyperMechanismConfig):
-        return HyperMechanism(mechanism_cfg, cfg.head_dim, layer_index, cfg.dropout)
-    raise ValueError(f"model.attention.mechanism.kind={mechanism_cfg.kind!r} is not known")
+class MechanismClass(Protocol):
+    """What the registry needs of a mechanism class; mechanism modules match it without importing it."""
+
+    config_cls: type[BaseModel]
+    """The mechanism's config class, whose `kind` literal names it in a `mechanism:` block."""
+
+    def from_config(
+        self, cfg: Any, attention: _AttentionConfig, layer_index: int, shared_state: nn.ModuleDict
+    ) -> nn.Module:
+        """Build the mechanism of layer `layer_index` from its config and the attention block around it."""
+        ...
+
+
+ProjectionBuilder = Callable[[Any], ProjectionScheme]
+"""Builds a projection scheme from an attention config: a ProjectionScheme subclass or a small function."""
+
+
+def _tag(config_cls: type[BaseModel]) -> str:
+    """The `kind` literal of a config class (its default, which is also its only allowed value)."""
+    return config_cls.model_fields["kind"].default
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """One row of the registry."""
+
+    name: str
+    """The `kind:` of an attention block; equals the `kind` literal of `config_cls`."""
+    config_cls: type[_AttentionConfig]
+    """The block's pydantic config."""
+    projection: ProjectionBuilder
+    """Makes per-head q, k, v and the output projection."""
+    mechanism: MechanismClass
+    """Mixes the heads; kinds with a `mechanism:` field (mha to mhe) take the one their block names, if any."""
+    cross_projection: ProjectionBuilder | None = None
+    """Projection scheme for cross-attention when `projection` needs one sequence (lsh's shared QK)."""
+
+    def __post_init__(self) -> None:
+        if _tag(self.config_cls) != self.name:
+            raise TypeError(f"registry row {self.name!r} holds {self.config_cls.__name__}, whose kind is "
+                            f"{_tag(self.config_cls)!r}: the row's name and the config's kind literal must match")
+
+
+ATTENTION_REGISTRY: tuple[AttentionKind, ...] = (
+    AttentionKind("mha", MHAConfig, projection=mha_projection, mechanism=ExactMechanism),
+    AttentionKind("sha", SHAConfig, projection=HeadEmbeddingProjection, mechanism=ExactMechanism),
+    AttentionKind("mqa", MQAConfig, projection=mqa_projection, mechanism=ExactMechanism),
+    AttentionKind("gqa", GQAConfig, projection=gqa_projection, mechanism=ExactMechanism),
+    AttentionKind("skv", SKVConfig, projection=SharedKVProjection, mechanism=ExactMechanism),
+    AttentionKind("el_att", ELAttConfig, projection=ELAttProjection, mechanism=ExactMechanism),
+    AttentionKind("mhe", MHEConfig, projection=HeadEmbeddingProjection, mechanism=ExactMechanism),
+    AttentionKind("linformer", LinformerConfig, projection=mha_projection, mechanism=LinformerMechanism),
+    AttentionKind("lsh", LSHConfig, projection=SharedQKProjection, mechanism=LSHMechanism,
+                  cross_projection=mha_projection),
+    AttentionKind("hyper", HyperConfig, projection=mha_projection, mechanism=HyperMechanism),
+)
+
+ATTENTION_KINDS: tuple[str, ...] = tuple(kind.name for kind in ATTENTION_REGISTRY)
+
+AttentionConfig = Annotated[Union[tuple(kind.config_cls for kind in ATTENTION_REGISTRY)], Field(discriminator="kind")]
+"""`model.attention`: the kinds' configs, told apart by `kind` (an unknown kind lists the valid ones)."""
+
+MECHANISMS: tuple[MechanismClass, ...] = tuple(dict.fromkeys(kind.mechanism for kind in ATTENTION_REGISTRY))
+"""Every mechanism, each once, in registry order: a `mechanism:` block (models/attention/config.py's
+MechanismConfig) and cross-attention (always exact) pick from these by config class."""
+
+_KIND_BY_NAME: dict[str, AttentionKind] = {kind.name: kind for kind in ATTENTION_REGISTRY}
+_MECHANISM_BY_CONFIG: dict[type[BaseModel], MechanismClass] = {m.config_cls: m for m in MECHANISMS}
 
 
 def build_attention(cfg, layer_index: int, shared_state: nn.ModuleDict, *, cross: bool = False) -> Attention:
@@ -44,11 +125,18 @@ def build_attention(cfg, layer_index: int, shared_state: nn.ModuleDict, *, cross
     derive their hash seeds from their config seed and `layer_index`, so each layer hashes differently
     and a reversible backward pass recomputes the same buckets.
     """
-    kind = getattr(cfg, "kind", None)
-    if kind not in ATTENTION_KINDS:
-        raise ValueError(f"model.attention.kind={kind!r} is not known; valid kinds: {', '.join(ATTENTION_KINDS)}")
+    name = getattr(cfg, "kind", None)
+    if name not in _KIND_BY_NAME:
+        raise ValueError(f"model.attention.kind={name!r} is not known; valid kinds: {', '.join(ATTENTION_KINDS)}")
+    kind = _KIND_BY_NAME[name]
     if cfg.d_model is None:
         raise ValueError("model.attention.d_model is unset: build attention through ModelConfig")
     mechanism_cfg = ExactMechanismConfig() if cross else cfg.mechanism
-    mechanism = _build_mechanism(cfg, mechanism_cfg, layer_index, shared_state)
-    return Attention(kind, build_projection(cfg, cross=cross), mechanism)
+    mechanism_cls = _MECHANISM_BY_CONFIG.get(type(mechanism_cfg))
+    if mechanism_cls is None:
+        raise ValueError(f"model.attention.mechanism.kind={mechanism_cfg.kind!r} is not known; valid "
+                         f"mechanisms: {', '.join(_tag(m.config_cls) for m in MECHANISMS)}")
+    # The mechanism is built before the projection: seeded models keep their parameter creation order.
+    mechanism = mechanism_cls.from_config(mechanism_cfg, cfg, layer_index, shared_state)
+    projection = (kind.cross_projection or kind.projection) if cross else kind.projection
+    return Attention(kind.name, projection(cfg), mechanism)
