@@ -57,6 +57,9 @@ class TrainingState:
     """Per rank: RNG states, so dropout and masking continue as in an uninterrupted run."""
     mlflow_run_id: str | None
     spec: dict[str, Any] = field(default_factory=dict)
+    best: dict[str, Any] = field(default_factory=dict)
+    """The compared metric's best value so far and its step ({metric, value, step}); empty before the first
+    evaluation (and in checkpoints written before it was kept)."""
 
 
 def write_checkpoint(parent: Path, state: TrainingState, spec_yaml: str) -> Path:

@@ -1,4 +1,4 @@
-"""`orchestrator validate | train | sweep | resume | report | ui`.
+"""`orchestrator validate | train | sweep | resume | evaluate | report | ui`.
 
 Every command that takes a SPEC also takes dotted overrides after it (`model.attention.k=64`); new knobs
 belong in the spec models, not in new flags (STYLE.md section 3). Specs are validated completely, every
@@ -48,6 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="continue a run or sweep from its latest checkpoints")
     resume.add_argument("name", help="the spec's name (its folder under the storage path)")
     resume.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
+    evaluate = sub.add_parser("evaluate", help="score a finished run (every trial of a sweep) on a split again",
+                              description="score a finished run (every trial of a sweep) on all of a split, log "
+                                          "<split>/* metrics to its MLflow run, outputs to <run>/evaluation/")
+    evaluate.add_argument("name", help="the run's or sweep's name (its folder under the storage path)")
+    evaluate.add_argument("--split", choices=("test", "validation"), default="test")
+    evaluate.add_argument("--checkpoint", choices=("best", "latest"), default="best",
+                          help="best by the spec's metric (tune.metric), or the latest")
+    evaluate.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
     sub.add_parser("report", help="PRR / PEoP tables and plots from MLflow (see `orchestrator report -h`)",
                    add_help=False)
     ui = sub.add_parser("ui", help="start the MLflow UI on the spec's tracking store")
@@ -161,6 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1 if outcome.errors or outcome.interrupted else 0
             print(f"run {outcome.name}: {outcome.metrics.get('step')} steps, MLflow run {outcome.mlflow_run_id}")
             return 0
+        if args.command == "evaluate":
+            from orchestrator.finalize import evaluate_stored
+
+            storage = args.storage_path if "://" in args.storage_path else str(Path(args.storage_path).resolve())
+            scored = evaluate_stored(args.name, storage, split=args.split, which=args.checkpoint)
+            for item in scored:
+                print(f"{item['label']}: outputs in {item['outputs']}")
+            return 0 if scored else 1
         if args.command == "train":
             spec = load_spec(args.spec, args.overrides, args.scale)
             study = Study(raw={}, domains=[], base=spec)

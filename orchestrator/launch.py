@@ -27,16 +27,21 @@ from orchestrator.spec import (
     study_from_raw,
     validate_spec,
 )
+from orchestrator.finalize import final_evaluation
+from orchestrator.spec import spec_to_yaml
 from orchestrator.tracking import (
     COMMIT_TAG,
-    KIND_TAG,
-    PARENT_TAG,
     ROLE_TAG,
+    RUN_KEY_TAG,
     TRIAL_TAG,
     MlflowTracker,
+    RunHandle,
     flatten,
     git_commit,
+    run_handle,
 )
+from orchestrator.trainer import Cadence
+from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 META_FILE = "orchestrator.json"
@@ -135,9 +140,10 @@ def _tracker(spec: ExperimentSpec) -> MlflowTracker:
 # --- one run -------------------------------------------------------------------------------------------
 
 
-def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, loop_config: dict[str, Any],
+def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, worker: WorkerConfig,
                   callbacks: list | None = None):
-    """The TorchTrainer of one run (DDP over `run.workers` ranks, checkpoints kept per `run.keep_checkpoints`)."""
+    """The TorchTrainer of one run: DDP over `run.workers` ranks; Ray keeps the `run.keep_checkpoints` best
+    checkpoints by the spec's metric plus always the latest (for resume)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -148,17 +154,44 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, loo
         resources["GPU"] = spec.run.gpus_per_worker
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config={WORKER_CONFIG: worker},
         scaling_config=ScalingConfig(num_workers=spec.run.workers, use_gpu=spec.run.gpus_per_worker > 0,
                                      resources_per_worker=resources),
         run_config=RunConfig(
             name=run_name,
             storage_path=storage_path,
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=spec.run.keep_checkpoints),
+            # Every checkpoint step is an evaluation step (trainer.Cadence), so every checkpoint has the score.
+            checkpoint_config=CheckpointConfig(num_to_keep=spec.run.keep_checkpoints,
+                                               checkpoint_score_attribute=spec.metric,
+                                               checkpoint_score_order=spec.mode),
             callbacks=callbacks or [],
         ),
     )
+
+
+def _handle(spec: ExperimentSpec, *, run_name: str, role: str, commit: str, key: tuple[str, str],
+            parent_run_id: str | None = None) -> RunHandle:
+    return run_handle(spec.model_dump(mode="json"), spec_to_yaml(spec), experiment=spec.tracking.experiment or spec.name,
+                      run_name=run_name, role=role, kind=spec.model.attention.kind, commit=commit, key=key,
+                      parent_run_id=parent_run_id)
+
+
+def _fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracker: MlflowTracker,
+                    cache_dir: str) -> tuple[Any, str | None, dict[str, float]]:
+    """Fit, score the best checkpoint on the test split, and end the MLflow run (FAILED if anything raised).
+    The run id is looked up again: the worker may have created the run after an outage at launch."""
+    status = "FAILED"
+    try:
+        result = trainer.fit()
+        run_id = tracker.ensure_run(handle)
+        final = final_evaluation(spec, result, cache_dir=cache_dir, run_id=run_id, run_path=result.path)
+        status = "FINISHED"
+        return result, run_id, final
+    finally:
+        run_id = tracker.ensure_run(handle)
+        if run_id is not None:
+            tracker.end_run(run_id, status)
 
 
 @dataclass(frozen=True)
@@ -196,22 +229,23 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
     connect()
     _check_cluster(spec)
     commit = (meta or {}).get("commit") or git_commit()
-    tags = {ROLE_TAG: "run", KIND_TAG: spec.model.attention.kind, COMMIT_TAG: commit}
-    run_id = (meta or {}).get("mlflow_run_id") or _tracker(spec).open_run(
-        spec.tracking.experiment or spec.name, spec.name, tags)
+    tracker = _tracker(spec)
+    handle = _handle(spec, run_name=spec.name, role="run", commit=commit,
+                     key=(RUN_KEY_TAG, _join(storage, spec.name))).with_run_id((meta or {}).get("mlflow_run_id"))
+    handle = handle.with_run_id(tracker.ensure_run(handle))
     write_meta(storage, spec.name, {"kind": "run", "name": spec.name, "spec": spec.model_dump(mode="json"),
-                                    "mlflow_run_id": run_id, "commit": commit})
-    loop_config = {"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id, "run_name": spec.name,
-                   "commit": commit, "tags": tags, "cache_dir": _cache_dir(spec), "fail_at_step": fail_at_step}
-    trainer = build_trainer(spec, run_name=spec.name, storage_path=storage, loop_config=loop_config)
+                                    "mlflow_run_id": handle.run_id, "commit": commit})
+    worker = WorkerConfig(spec=spec.model_dump(mode="json"), run=handle, label=spec.name,
+                          cache_dir=_cache_dir(spec), fail_at_step=fail_at_step)
+    trainer = build_trainer(spec, run_name=spec.name, storage_path=storage, worker=worker)
     try:
-        result = trainer.fit()
+        result, run_id, final = _fit_and_finish(spec, trainer, handle, tracker, _cache_dir(spec))
     except TrainingFailedError as err:
         raise LaunchError(
             f"run {spec.name!r} failed after {spec.run.max_failures} restart(s): {err}\n"
             f"continue it from its last checkpoint with `orchestrator resume {spec.name} --storage-path {storage}`"
         ) from err
-    return RunOutcome(name=spec.name, path=result.path, metrics=dict(result.metrics or {}),
+    return RunOutcome(name=spec.name, path=result.path, metrics={**dict(result.metrics or {}), **final},
                       checkpoint=result.checkpoint.path if result.checkpoint else None, mlflow_run_id=run_id)
 
 
@@ -226,25 +260,18 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
 
     trial_id = tune.get_context().get_trial_id()
     spec = validate_spec(resolve(study_raw, config), where=f"trial {trial_id}")
-    tags = {TRIAL_TAG: trial_id, KIND_TAG: spec.model.attention.kind, COMMIT_TAG: commit, ROLE_TAG: "trial"}
-    if parent_run_id:
-        tags[PARENT_TAG] = parent_run_id
     run_name = f"{spec.name}-{trial_id}"
+    tracker = _tracker(spec)
     # Found by trial id first: a retried or restored trial keeps its child run.
-    run_id = _tracker(spec).open_run(spec.tracking.experiment or spec.name, run_name, tags, find_by=(TRIAL_TAG, trial_id))
-    loop_config = {"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id, "run_name": run_name,
-                   "trial_id": trial_id, "commit": commit, "tags": tags, "cache_dir": _cache_dir(spec),
-                   "fail_at_step": fail_at_step}
+    handle = _handle(spec, run_name=run_name, role="trial", commit=commit, key=(TRIAL_TAG, trial_id),
+                     parent_run_id=parent_run_id)
+    handle = handle.with_run_id(tracker.ensure_run(handle))
+    worker = WorkerConfig(spec=spec.model_dump(mode="json"), run=handle, label=f"{spec.name} {trial_id}",
+                          cache_dir=_cache_dir(spec), fail_at_step=fail_at_step)
     trainer = build_trainer(spec, run_name=f"train-{trial_id}",
                             storage_path=_join(spec.run.storage_path, spec.name, TRIALS_DIR),
-                            loop_config=loop_config, callbacks=[TuneReportCallback()])
-    trainer.fit()
-
-
-def _report_steps(spec: ExperimentSpec) -> int:
-    steps = range(1, spec.optim.max_steps + 1)
-    run = spec.run
-    return sum(1 for s in steps if s % run.eval_every == 0 or s % run.checkpoint_every == 0 or s == spec.optim.max_steps)
+                            worker=worker, callbacks=[TuneReportCallback()])
+    _fit_and_finish(spec, trainer, handle, tracker, _cache_dir(spec))
 
 
 def _tune_config(study: Study, resources: Mapping[str, float]):
@@ -257,7 +284,7 @@ def _tune_config(study: Study, resources: Mapping[str, float]):
         # One ASHA time unit = one report = one evaluation; max_t is the last one.
         # stop_last_trials=False: a trial that reaches max_t ends by itself. Stopping it from Tune at its last
         # report would kill its driver while the Train run is still shutting down (cf. ray#54305).
-        scheduler = ASHAScheduler(time_attr="training_iteration", max_t=_report_steps(spec),
+        scheduler = ASHAScheduler(time_attr="training_iteration", max_t=Cadence.of(spec).report_count(),
                                   grace_period=settings.grace_period, reduction_factor=settings.reduction_factor,
                                   stop_last_trials=False)
     else:

@@ -16,10 +16,12 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -39,6 +41,39 @@ _MAX_COOLDOWN_S = 600.0
 _MAX_BUFFERED_METRICS = 20_000
 
 T = TypeVar("T")
+
+
+RUN_KEY_TAG = "orchestrator.run"
+"""Storage path + name of a single run: finds its MLflow run again (a trial is found by TRIAL_TAG)."""
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """What identifies and describes one MLflow run. The launcher builds it (the one place tags are made);
+    `MlflowTracker.ensure_run` turns it into a run id, in the launcher or, after an outage, in the worker."""
+
+    experiment: str
+    run_name: str
+    key: tuple[str, str]
+    """(tag, value) unique to this run, so a retried trial or a restarted launcher finds it again."""
+    tags: Mapping[str, str] = field(default_factory=dict)
+    params: Mapping[str, str] = field(default_factory=dict)
+    """The flattened, resolved spec (logged once, when the run is created)."""
+    spec_yaml: str = ""
+    run_id: str | None = None
+
+    def with_run_id(self, run_id: str | None) -> RunHandle:
+        return replace(self, run_id=run_id) if run_id else self
+
+
+def run_handle(spec_json: Mapping[str, Any], spec_yaml: str, *, experiment: str, run_name: str, role: str,
+               kind: str, commit: str, key: tuple[str, str], parent_run_id: str | None = None) -> RunHandle:
+    """The handle of a run or trial: tags (role, method family, commit, parent, key) and the spec's params."""
+    tags = {ROLE_TAG: role, KIND_TAG: kind, COMMIT_TAG: commit, key[0]: key[1]}
+    if parent_run_id:
+        tags[PARENT_TAG] = parent_run_id
+    return RunHandle(experiment=experiment, run_name=run_name, key=key, tags=tags, params=flatten(spec_json),
+                     spec_yaml=spec_yaml)
 
 
 class TrackingWarning(UserWarning):
@@ -166,6 +201,28 @@ class MlflowTracker:
                 return found
         return self.create_run(experiment_id, run_name, tags)
 
+    def ensure_run(self, handle: RunHandle) -> str | None:
+        """The run `handle` describes: its run id reopened, else the run carrying its key tag, else a new run
+        with its tags, params and spec. The only way runs are created, so a run started during an outage and
+        opened later by the worker, or found again by the launcher after training, is the same run."""
+        if handle.run_id:
+            return self.open_run(handle.experiment, handle.run_name, handle.tags, run_id=handle.run_id)
+        experiment_id = self.experiment_id(handle.experiment)
+        if experiment_id is None:
+            return None
+        found = self.find_run(experiment_id, *handle.key)
+        if found:
+            self._call("run reopen", lambda client: client.update_run(found, status="RUNNING"))
+            return found
+        run_id = self.create_run(experiment_id, handle.run_name, handle.tags)
+        if run_id is not None:
+            self.log_params(run_id, handle.params)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "spec.yaml"
+                path.write_text(handle.spec_yaml)
+                self.log_artifact(run_id, path)
+        return run_id
+
     def run_status(self, run_id: str) -> str | None:
         """RUNNING, FINISHED, FAILED or KILLED (None when the server cannot be asked)."""
         return self._call("run lookup", lambda client: client.get_run(run_id).info.status)
@@ -208,6 +265,11 @@ class MlflowTracker:
     def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
         self._call(f"artifact upload ({Path(path).name})",
                    lambda client: client.log_artifact(run_id, str(path), artifact_path))
+
+    def log_artifacts(self, run_id: str, directory: Path, artifact_path: str | None = None) -> None:
+        """Every file under `directory`, as the artifact folder `artifact_path`."""
+        self._call(f"artifact upload ({Path(directory).name}/)",
+                   lambda client: client.log_artifacts(run_id, str(directory), artifact_path))
 
 
 # --- metrics fan-out ----------------------------------------------------------------------------------
@@ -269,8 +331,9 @@ class MlflowLogger:
             self._backlog.append((dict(metrics), step))
 
     def close(self, status: str = "FINISHED") -> None:
+        """Send what is buffered; the run itself is ended by its owner, the launcher."""
         if self._ensure_run():
-            self.tracker.end_run(self.run_id, status)
+            self.tracker.flush(self.run_id)
 
 
 class MetricsLogger:

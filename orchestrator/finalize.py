@@ -1,0 +1,173 @@
+"""After training: choose a run's checkpoint, score it on the test split, export the model, log it all.
+
+`orchestrator train` (and every sweep trial) ends here: the best checkpoint by the spec's metric (kept by
+Ray's CheckpointConfig score attribute next to the latest) is scored on all of the test split in a Ray task
+with one worker's resources (a GPU node on a cluster), the `test/*` metrics and outputs (hypotheses, the
+exported model) go to the run's MLflow run and to `<run folder>/evaluation/` in storage.
+`orchestrator evaluate NAME` runs the same scoring again on a finished run, for any split and checkpoint.
+
+Selecting on the split being scored would leak it into the score: when the spec evaluates on the test split
+during training (task.eval_split: test, e.g. WikiText-2 here, which has no other held-out split), the latest
+checkpoint is scored instead of the best, and the result says so.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow.fs
+
+from orchestrator.evaluation import Evaluation, evaluate_checkpoint, split_task_config
+from orchestrator.spec import ExperimentSpec
+from orchestrator.tracking import MlflowTracker
+
+Which = Literal["best", "latest"]
+EVALUATION_DIR = "evaluation"
+"""Sub-folder of a run's storage folder with the outputs of its final evaluation."""
+
+
+@dataclass(frozen=True)
+class ChosenCheckpoint:
+    path: str
+    """The checkpoint folder (local path or URI under the storage path)."""
+    which: Which
+    """What was actually taken (latest when best was asked but selection would see the scored split)."""
+    metrics: dict[str, Any]
+    """The report that came with it."""
+    note: str = ""
+
+
+def choose_checkpoint(result: Any, spec: ExperimentSpec, which: Which, split: str) -> ChosenCheckpoint | None:
+    """From a ray.train.Result: its best checkpoint by spec.metric, or its latest. None without checkpoints."""
+    if result.checkpoint is None:
+        return None
+    note = ""
+    if which == "best" and spec.task.eval_split == split:
+        which, note = "latest", (f"task.eval_split is {split!r}: the best checkpoint was chosen on that split, "
+                                 "so the latest is scored instead")
+    if which == "best":
+        scored = [(c, m) for c, m in (result.best_checkpoints or []) if m.get(spec.metric) is not None]
+        if scored:
+            pick = (min if spec.mode == "min" else max)(scored, key=lambda cm: cm[1][spec.metric])
+            return ChosenCheckpoint(pick[0].path, "best", dict(pick[1]), note)
+        which, note = "latest", f"no checkpoint reported {spec.metric}; the latest is scored"
+    return ChosenCheckpoint(result.checkpoint.path, which, dict(result.metrics or {}), note)
+
+
+def _upload(local_dir: Path, destination: str) -> None:
+    """Copy a local folder to `destination` (a local path or a storage URI such as s3://...)."""
+    fs, path = pyarrow.fs.FileSystem.from_uri(destination) if "://" in destination else (
+        pyarrow.fs.LocalFileSystem(), str(Path(destination).resolve()))
+    fs.create_dir(path, recursive=True)
+    pyarrow.fs.copy_files(str(local_dir), path, source_filesystem=pyarrow.fs.LocalFileSystem(),
+                          destination_filesystem=fs)
+
+
+def _checkpoint_dir(path: str):
+    """A local folder with the checkpoint's files (downloaded first when it lives in remote storage)."""
+    from ray.train import Checkpoint
+
+    return Checkpoint(path).as_directory()
+
+
+def score_and_log(spec: ExperimentSpec, chosen: ChosenCheckpoint, split: str, *, cache_dir: str,
+                  run_id: str | None, destination: str | None, export: bool) -> dict[str, float]:
+    """Score `chosen` on `split`, log metrics and files to the MLflow run, copy files to `destination`."""
+    with _checkpoint_dir(chosen.path) as directory, tempfile.TemporaryDirectory(prefix="evaluation-") as out:
+        evaluation: Evaluation = evaluate_checkpoint(Path(directory), split, cache_dir=Path(cache_dir),
+                                                     out_dir=Path(out), export=export)
+        metrics = dict(evaluation.metrics)
+        if run_id is not None:
+            tracking = spec.tracking
+            tracker = MlflowTracker(tracking.uri, retries=tracking.retries, timeout_s=tracking.timeout_s)
+            tracker.log_metrics(run_id, metrics, step=evaluation.step)
+            tracker.set_tags(run_id, {f"{split}.checkpoint": f"{chosen.which} (step {evaluation.step})"})
+            for name, path in evaluation.files.items():
+                if path.is_dir():
+                    tracker.log_artifacts(run_id, path, artifact_path=name)
+                else:
+                    tracker.log_artifact(run_id, path, artifact_path=EVALUATION_DIR)
+        if destination is not None:
+            _upload(Path(out), destination)
+    return metrics
+
+
+def final_evaluation(spec: ExperimentSpec, result: Any, *, cache_dir: str, run_id: str | None,
+                     run_path: str) -> dict[str, float]:
+    """The end of a run: the best checkpoint on the test split, exported, logged; {} when switched off or
+    when the data has no test split. Runs as a Ray task with one training worker's resources."""
+    import ray
+
+    if not spec.run.final_eval:
+        return {}
+    if split_task_config(spec.task, "test") is None:
+        print(f"[{spec.name}] no test split in task.files: final evaluation skipped")
+        return {}
+    chosen = choose_checkpoint(result, spec, "best", "test")
+    if chosen is None:
+        return {}
+    if chosen.note:
+        print(f"[{spec.name}] {chosen.note}")
+    print(f"[{spec.name}] final evaluation: {chosen.which} checkpoint {Path(chosen.path).name} on the test split")
+    resources: dict[str, float] = {"num_cpus": spec.run.cpus_per_worker}
+    if spec.run.gpus_per_worker:
+        resources["num_gpus"] = min(1.0, spec.run.gpus_per_worker)
+    task = ray.remote(**resources)(score_and_log)
+    metrics = ray.get(task.remote(spec, chosen, "test", cache_dir=cache_dir, run_id=run_id,
+                                  destination=f"{run_path.rstrip('/')}/{EVALUATION_DIR}", export=True))
+    print(f"[{spec.name}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+    return metrics
+
+
+
+def _stored_runs(storage: str, name: str) -> list[tuple[str, str]]:
+    """(label, Train run folder) of a stored run, or of every trial of a stored sweep."""
+    from orchestrator.launch import TRIALS_DIR, LaunchError, _join, read_meta
+
+    meta = read_meta(storage, name)
+    if meta is None:
+        raise LaunchError(f"nothing named {name!r} in {storage}; check the name and --storage-path")
+    if meta["kind"] == "run":
+        return [(name, _join(storage, name))]
+    trials = _join(storage, name, TRIALS_DIR)
+    fs, path = pyarrow.fs.FileSystem.from_uri(trials) if "://" in trials else (pyarrow.fs.LocalFileSystem(), trials)
+    folders = sorted(info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
+                     if info.type == pyarrow.fs.FileType.Directory)
+    return [(f"{name} {folder.removeprefix('train-')}", _join(trials, folder)) for folder in folders]
+
+
+def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Which = "best",
+                    cache_dir: str | None = None) -> list[dict[str, Any]]:
+    """`orchestrator evaluate`: score a finished run (or every trial of a sweep) again, in this process, and
+    log the metrics to its MLflow run. One dict per run: label, checkpoint, which, metrics."""
+    import os
+
+    from orchestrator.checkpoint import read_checkpoint
+
+    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # before ray.train is imported: Result.from_path reads V2 storage
+    from ray.train import Result
+
+    out = []
+    for label, run_path in _stored_runs(storage, name):
+        result = Result.from_path(run_path)
+        if result.checkpoint is None:
+            print(f"[{label}] no checkpoint yet: skipped")
+            continue
+        with _checkpoint_dir(result.checkpoint.path) as directory:
+            state = read_checkpoint(Path(directory))
+        spec = ExperimentSpec.model_validate(state.spec)
+        chosen = choose_checkpoint(result, spec, which, split)
+        if chosen.note:
+            print(f"[{label}] {chosen.note}")
+        print(f"[{label}] scoring the {chosen.which} checkpoint {Path(chosen.path).name} on the {split} split")
+        cache = cache_dir or (str(Path(storage) / ".cache") if "://" not in storage else
+                              str(Path.home() / ".cache" / "attention-orchestrator"))
+        metrics = score_and_log(spec, chosen, split, cache_dir=cache, run_id=state.mlflow_run_id,
+                                destination=f"{run_path}/{EVALUATION_DIR}", export=False)
+        print(f"[{label}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        out.append({"label": label, "checkpoint": chosen.path, "which": chosen.which, "metrics": metrics,
+                    "outputs": f"{run_path}/{EVALUATION_DIR}"})
+    return out

@@ -1,0 +1,326 @@
+"""The training core: the one loop that trains a spec's task and model, without Ray or MLflow.
+
+Shape of a step (nanoGPT's train.py): `grad_accum` micro-batches -> bf16 autocast on GPU -> backward of
+loss / grad_accum (DDP all-reduces on the last micro-batch only) -> clip -> AdamW -> LR schedule. Around the
+steps, `Cadence` says when to log, evaluate, report and checkpoint; `Best` keeps the best value of the spec's
+metric; `checkpoint_state` captures what resumes the run exactly (model, optimizer, schedule, scaler, every
+rank's data position and RNG states incl. CUDA, best so far).
+
+Who drives it: the Ray Train worker (orchestrator/worker.py: rank, DDP, ray.train.report, checkpoints in Ray
+storage), the Ray-free runner (orchestrator/local_run.py: checkpoints in a folder; the benchmarks and the
+golden-loss test), and the throughput benchmark (`train_step` alone). What differs between them goes through
+`TrainerHooks`; nothing else is allowed to step an optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import resource
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from orchestrator.checkpoint import TrainingState, capture_rng, restore_rng
+from orchestrator.schedules import lr_lambda
+from orchestrator.spec import ExperimentSpec, OptimConfig
+from tasks import Batch, Task, WorkerContext, build_task
+
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+"""Mean loss over a batch's `n_tokens` target tokens (Task.loss)."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module under a DDP (or any `.module`) wrapper: what checkpoints and evaluation see."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    # On CPU: the process's peak resident set (ru_maxrss is in KiB on Linux).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+# --- when things happen ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When a step logs, evaluates and checkpoints: the one definition (launch.py counts ASHA's rungs with it).
+
+    Every checkpoint step is also an evaluation step, so every checkpoint carries the metric that ranks it
+    (Ray's CheckpointConfig score attribute); the last step always checkpoints.
+    """
+
+    max_steps: int
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+
+    @classmethod
+    def of(cls, spec: ExperimentSpec) -> Cadence:
+        run = spec.run
+        return cls(spec.optim.max_steps, run.log_every, run.eval_every, run.checkpoint_every)
+
+    def checkpoints(self, step: int) -> bool:
+        return step % self.checkpoint_every == 0 or step == self.max_steps
+
+    def reports(self, step: int) -> bool:
+        """Evaluate and report (to Ray: one Tune iteration, one ASHA time unit)."""
+        return step % self.eval_every == 0 or self.checkpoints(step)
+
+    def logs(self, step: int) -> bool:
+        """train/* metrics close a window here."""
+        return step % self.log_every == 0 or self.reports(step)
+
+    def report_count(self) -> int:
+        return sum(1 for step in range(1, self.max_steps + 1) if self.reports(step))
+
+
+# --- accounting ----------------------------------------------------------------------------------------
+
+
+class LossMeter:
+    """Token-weighted training loss and throughput over a logging window.
+
+    The loss is summed on the device as `loss * n_tokens` and read once per window, so a step never waits
+    for the device to say its loss (no host sync per micro-batch).
+    """
+
+    def __init__(self) -> None:
+        self._weighted: torch.Tensor | None = None
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, n_tokens: int) -> None:
+        # float64: a long window of float32 sums would round away the last digits the golden-loss test compares
+        term = loss.detach().double() * n_tokens
+        self._weighted = term if self._weighted is None else self._weighted + term
+        self.tokens += n_tokens
+
+    def restart_clock(self) -> None:
+        """Evaluation and checkpointing are not training throughput: the window's clock starts again."""
+        self.started = time.perf_counter()
+
+    def read(self, world_size: int = 1) -> dict[str, float]:
+        """`train/loss` (mean over this rank's target tokens) and `train/tokens_per_s` (every rank consumes
+        about as many tokens, so this rank's rate x world size); then a new window starts."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        loss = self._weighted.item() / max(self.tokens, 1) if self._weighted is not None else math.nan
+        out = {"train/loss": loss, "train/tokens_per_s": self.tokens * world_size / elapsed}
+        self._weighted, self.tokens = None, 0
+        self.restart_clock()
+        return out
+
+
+@dataclass
+class Best:
+    """The best value of the compared metric so far, and the step that reached it."""
+
+    metric: str
+    mode: str
+    value: float | None = None
+    step: int | None = None
+
+    def update(self, metrics: Mapping[str, float], step: int) -> bool:
+        """Take `metrics[self.metric]` if it beats the best; True when it did. NaN never wins."""
+        value = metrics.get(self.metric)
+        if value is None or math.isnan(value):
+            return False
+        better = self.value is None or (value < self.value if self.mode == "min" else value > self.value)
+        if better:
+            self.value, self.step = float(value), step
+        return better
+
+    def as_metrics(self) -> dict[str, float]:
+        return {} if self.value is None else {f"best/{self.metric}": self.value, "best/step": float(self.step)}
+
+
+# --- one optimizer step ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Optimization:
+    """AdamW, its warmup + decay schedule and the (disabled until fp16) gradient scaler of `optim`."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    grad_accum: int
+    grad_clip: float | None
+    autocast_dtype: torch.dtype | None
+    """bf16 autocast on CUDA; None trains in fp32."""
+
+    @classmethod
+    def build(cls, model: nn.Module, optim: OptimConfig, device: torch.device, precision: str = "fp32") -> Optimization:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
+                                      weight_decay=optim.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
+        # bf16 keeps fp32's exponent range, so no loss scaling; the disabled scaler keeps the checkpoint format
+        # ready for fp16.
+        scaler = torch.amp.GradScaler(device.type, enabled=False)
+        dtype = torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
+        return cls(optimizer, scheduler, scaler, optim.grad_accum, optim.grad_clip, dtype)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return self.scheduler.get_last_lr()[0]
+
+
+def train_step(model: nn.Module, micro_batches: Iterator[Batch], loss_fn: LossFn, opt: Optimization,
+               device: torch.device, meter: LossMeter | None = None) -> float:
+    """One optimizer step over `opt.grad_accum` micro-batches; returns the learning rate it used.
+
+    The loss of each micro-batch is its mean over its own target tokens, scaled by 1 / grad_accum (each
+    micro-batch weighs the same in the gradient, as in nanoGPT); the meter weights by tokens for logging.
+    """
+    is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    for micro in range(opt.grad_accum):
+        batch = next(micro_batches).to(device)
+        # Gradients are all-reduced once, on the last micro-batch (DDP's no_sync on the others).
+        sync = model.no_sync() if is_ddp and micro < opt.grad_accum - 1 else nullcontext()
+        autocast = (torch.autocast(device.type, dtype=opt.autocast_dtype) if opt.autocast_dtype is not None
+                    else nullcontext())
+        with sync, autocast:
+            loss = loss_fn(model, batch)
+        (loss / opt.grad_accum).backward()
+        if meter is not None:
+            meter.add(loss, batch.n_tokens)
+    if opt.grad_clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+    opt.optimizer.step()
+    opt.optimizer.zero_grad(set_to_none=True)
+    lr = opt.lr
+    opt.scheduler.step()
+    return lr
+
+
+# --- the loop ---------------------------------------------------------------------------------------------
+
+
+class TrainerHooks(Protocol):
+    """What a driver of the core does at the loop's events (every rank calls them)."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """train/* metrics of a logging step that is not a report step."""
+
+    def report(self, trainer: Trainer, step: int, metrics: Mapping[str, float], checkpoint: bool) -> None:
+        """Evaluation step: metrics (val/* on rank 0 only), and `trainer.checkpoint_state()` when `checkpoint`."""
+
+    def after_step(self, step: int) -> None:
+        """After every step's logging and reporting (fault injection, time limits)."""
+
+
+@dataclass
+class Trainer:
+    """A task, its model (possibly DDP-wrapped) and its optimization, stepped to `optim.max_steps`."""
+
+    spec: ExperimentSpec
+    task: Task
+    model: nn.Module
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    gather: Callable[[Any], list[Any]] = field(default=lambda obj: [obj])
+    """Every rank's object on every rank (torch.distributed.all_gather_object under DDP)."""
+    step: int = 0
+    position: dict[str, Any] | None = None
+    """The training stream's position after the last consumed batch."""
+
+    def __post_init__(self) -> None:
+        self.opt = Optimization.build(self.model, self.spec.optim, self.device, self.spec.run.precision)
+        self.cadence = Cadence.of(self.spec)
+        self.best = Best(self.spec.metric, self.spec.mode)
+
+    @classmethod
+    def create(cls, spec: ExperimentSpec, ctx: WorkerContext, *, wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
+               gather: Callable[[Any], list[Any]] | None = None) -> Trainer:
+        """Build the task and model with the same initial weights on every rank (the spec's seed), wrap the
+        model (DDP, device placement), then give each rank its own stream for dropout and masking."""
+        seed_everything(spec.optim.seed)
+        task = build_task(spec.task, spec.model, ctx)
+        model = wrap(task.build_model())
+        seed_everything(spec.optim.seed + 1000 * ctx.rank)
+        return cls(spec, task, model, ctx.device, ctx.rank, ctx.world_size, gather or (lambda obj: [obj]))
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    def restore(self, state: TrainingState) -> None:
+        """Continue from a checkpoint of this run: weights, optimizer, schedule, step, best, and this rank's
+        data position and RNG (a run resumed on fewer ranks keeps the positions it has)."""
+        unwrap(self.model).load_state_dict(state.model)
+        self.opt.optimizer.load_state_dict(state.optimizer)
+        self.opt.scheduler.load_state_dict(state.scheduler)
+        self.opt.scaler.load_state_dict(state.scaler)
+        self.step = state.step
+        if state.best:
+            self.best.value, self.best.step = state.best.get("value"), state.best.get("step")
+        if self.rank < len(state.data_positions):
+            self.position = state.data_positions[self.rank]
+            restore_rng(state.rng[self.rank])
+
+    def checkpoint_state(self, mlflow_run_id: str | None) -> TrainingState | None:
+        """The resumable state on rank 0 (None elsewhere); every rank must call it (positions and RNG
+        states are gathered)."""
+        positions, rngs = self.gather(self.position), self.gather(capture_rng())
+        if self.rank != 0:
+            return None
+        return TrainingState(
+            step=self.step, model=unwrap(self.model).state_dict(), optimizer=self.opt.optimizer.state_dict(),
+            scheduler=self.opt.scheduler.state_dict(), scaler=self.opt.scaler.state_dict(),
+            data_positions=positions, rng=rngs, mlflow_run_id=mlflow_run_id,
+            spec=self.spec.model_dump(mode="json"),
+            best={"metric": self.best.metric, "value": self.best.value, "step": self.best.step},
+        )
+
+    # --- evaluation and the loop ---------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """The task's validation metrics on rank 0 ({} elsewhere: Task.evaluate scores the whole split by
+        itself). The unwrapped module, because DDP's forward would wait for the other ranks."""
+        if self.rank != 0:
+            return {}
+        self.model.eval()
+        with torch.no_grad():
+            metrics = self.task.evaluate(unwrap(self.model))
+        self.model.train()
+        return metrics
+
+    def _batches(self) -> Iterator[Batch]:
+        for batch, self.position in self.task.train_batches(self.position):
+            yield batch
+
+    def fit(self, hooks: TrainerHooks) -> None:
+        """Train from `self.step` to optim.max_steps."""
+        meter, batches = LossMeter(), self._batches()
+        self.model.train()
+        while self.step < self.spec.optim.max_steps:
+            lr = train_step(self.model, batches, self.task.loss, self.opt, self.device, meter)
+            self.step += 1
+            step = self.step
+            train_metrics: dict[str, float] = {}
+            if self.cadence.logs(step):
+                train_metrics = {**meter.read(self.world_size), "lr": lr, "memory/peak_gb": peak_memory_gb(self.device)}
+            if self.cadence.reports(step):
+                val_metrics = self.evaluate()
+                self.best.update(val_metrics, step)
+                hooks.report(self, step, {**train_metrics, **val_metrics, **self.best.as_metrics()},
+                             self.cadence.checkpoints(step))
+                meter.restart_clock()
+            elif train_metrics:
+                hooks.log(train_metrics, step)
+            hooks.after_step(step)

@@ -1,0 +1,28 @@
+"""The typed configuration the launcher hands to every Ray Train worker (no Ray import: launch.py builds it
+before `ray.train` may be imported, which must wait until Train V2 is switched on)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.tracking import RunHandle
+
+WORKER_CONFIG = "worker"
+"""The one key of Ray's train_loop_config: a `WorkerConfig`."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs besides Ray's context; built by the launcher."""
+
+    spec: dict[str, Any]
+    """The resolved spec (JSON), validated again on the worker."""
+    run: RunHandle
+    """The MLflow run to log to (its id, or how to find or create it after an outage at launch)."""
+    label: str
+    """Console prefix: the run name, or the study name and trial id."""
+    cache_dir: str
+    """Tokenizers and prepared data, shared by the runs of this storage."""
+    fail_at_step: int | None = None
+    """Raise InjectedFailure after this step (tests of resume)."""
