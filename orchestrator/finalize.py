@@ -115,7 +115,8 @@ def final_evaluation(spec: ExperimentSpec, result: Any, *, cache_dir: str, run_i
     resources: dict[str, float] = {"num_cpus": spec.run.cpus_per_worker}
     if spec.run.gpus_per_worker:
         resources["num_gpus"] = min(1.0, spec.run.gpus_per_worker)
-    task = ray.remote(**resources)(score_and_log)
+    # "DEFAULT" scheduling: outside a sweep trial's placement group, which reserves only its driver's CPU.
+    task = ray.remote(**resources)(score_and_log).options(scheduling_strategy="DEFAULT")
     metrics = ray.get(task.remote(spec, chosen, "test", cache_dir=cache_dir, run_id=run_id,
                                   destination=f"{run_path.rstrip('/')}/{EVALUATION_DIR}", export=True))
     print(f"[{spec.name}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))

@@ -13,6 +13,7 @@ import torch
 from mlflow import MlflowClient
 
 from orchestrator.checkpoint import read_checkpoint
+from orchestrator.finalize import evaluate_stored
 from orchestrator.launch import LaunchError, resume, run_sweep, run_training
 from orchestrator.spec import study_from_raw, validate_spec
 from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, TrackingWarning
@@ -71,7 +72,7 @@ def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
         assert int(child.data.params["params.attention"]) > 0
         assert int(child.data.params["params.total"]) > int(child.data.params["params.attention"])
         assert child.data.params["tune.metric"] == "val/ppl"
-        assert {"train/loss", "val/loss", "val/ppl", "lr", "train/tokens_per_s"} <= set(child.data.metrics)
+        assert {"train/loss", "val/loss", "val/ppl", "lr", "train/tokens_per_s", "test/ppl"} <= set(child.data.metrics)
         assert sorted(loss_curve(client, child.info.run_id)) == [1, 2, 3, 4]
     # A second sweep of the same name must not silently mix into this one.
     with pytest.raises(LaunchError, match="orchestrator resume sweep2"):
@@ -100,6 +101,17 @@ def test_resume_continues_run_id_and_loss_curve(ray_cluster, workspace):
     assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
     # Steps 3..6 after resuming from step 2 reproduce the uninterrupted run exactly (same seed, CPU).
     assert loss_curve(client, run_id) == loss_curve(client, reference.mlflow_run_id)
+    # So do the best validation score and the final test evaluation of the best checkpoint.
+    got, want = client.get_run(run_id).data.metrics, client.get_run(reference.mlflow_run_id).data.metrics
+    for key in ("best/val/ppl", "best/step", "test/loss", "test/ppl", "test/checkpoint_step"):
+        assert got[key] == want[key], key
+    assert resumed.metrics["test/loss"] == got["test/loss"]
+    # The exported model is a run artifact; `orchestrator evaluate` re-scores the stored run identically.
+    assert {a.path for a in client.list_artifacts(run_id, "model")} >= {"model/model.safetensors", "model/model.json"}
+    scored = evaluate_stored("interrupted", workspace["storage"], split="test", which="best")
+    assert [item["metrics"]["test/loss"] for item in scored] == [got["test/loss"]]
+    validation = evaluate_stored("interrupted", workspace["storage"], split="validation", which="latest")
+    assert validation[0]["metrics"]["validation/checkpoint_step"] == 6
 
 
 @pytest.mark.slow

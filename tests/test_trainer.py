@@ -1,0 +1,140 @@
+"""The training core without Ray: cadence, token-weighted loss, best tracking, exact resume, checkpoint choice
+for the final evaluation, and the exported model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models import LanguageModel, ModelConfig, Seq2SeqTransformer
+from orchestrator.checkpoint import read_checkpoint
+from orchestrator.export import load_model, export_model
+from orchestrator.finalize import choose_checkpoint
+from orchestrator.local_run import LocalHooks, latest_checkpoint, train_locally
+from orchestrator.spec import validate_spec
+from orchestrator.trainer import Best, Cadence, LossMeter, Trainer
+from tasks import WorkerContext
+
+
+def tiny_raw(name: str = "core", **optim) -> dict:
+    return {
+        "name": name,
+        "task": {"kind": "clm", "seq_len": 16, "batch_size": 4, "vocab_size": 120,
+                 "builtin": {"train_sentences": 200, "eval_sentences": 20}},
+        "model": {"d_model": 16, "layers": 1, "ffn": 32, "max_seq_len": 16, "dropout": 0.1,
+                  "attention": {"kind": "mha", "heads": 2}},
+        "optim": {"lr": 3e-3, "max_steps": 6, "warmup_steps": 1, "seed": 3, **optim},
+        "run": {"checkpoint_every": 2, "eval_every": 2, "log_every": 1},
+    }
+
+
+def test_cadence_checkpoints_are_evaluations_and_the_last_step_always_reports():
+    cadence = Cadence(max_steps=10, log_every=3, eval_every=4, checkpoint_every=5)
+    assert [s for s in range(1, 11) if cadence.reports(s)] == [4, 5, 8, 10]
+    assert [s for s in range(1, 11) if cadence.checkpoints(s)] == [5, 10]
+    assert [s for s in range(1, 11) if cadence.logs(s)] == [3, 4, 5, 6, 8, 9, 10]
+    assert all(cadence.reports(s) for s in range(1, 11) if cadence.checkpoints(s))
+    assert cadence.report_count() == 4
+
+
+def test_loss_meter_weights_micro_batches_by_their_tokens():
+    meter = LossMeter()
+    meter.add(torch.tensor(1.0), 30)
+    meter.add(torch.tensor(4.0), 10)
+    read = meter.read()
+    assert read["train/loss"] == pytest.approx((1.0 * 30 + 4.0 * 10) / 40)  # not the mean of means, 2.5
+    assert meter.read()["train/loss"] != meter.read()["train/loss"]  # an empty window is NaN, not a stale value
+
+
+@pytest.mark.parametrize("mode, values, best, step", [("min", [3.0, 2.0, 2.5], 2.0, 2), ("max", [3.0, 2.0, 4.0], 4.0, 3)])
+def test_best_keeps_the_better_value_and_its_step(mode, values, best, step):
+    tracker = Best("val/x", mode)
+    for i, value in enumerate(values, start=1):
+        tracker.update({"val/x": value}, i)
+    tracker.update({"val/x": math.nan}, 9)
+    tracker.update({}, 10)  # a rank without validation metrics
+    assert (tracker.value, tracker.step) == (best, step)
+
+
+class FailAt(LocalHooks):
+    def after_step(self, step: int) -> None:
+        if step == 3:
+            raise RuntimeError("injected")
+
+
+def test_local_resume_continues_the_loss_curve_and_the_best(tmp_path):
+    spec = validate_spec(tiny_raw())
+    _, reference = train_locally(spec, cache_dir=tmp_path / "cache")
+
+    folder = tmp_path / "ckpt"
+    trainer = Trainer.create(spec, WorkerContext(seed=spec.optim.seed, cache_dir=tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.fit(FailAt(spec, folder))
+    assert read_checkpoint(latest_checkpoint(folder)).step == 2
+    restored = Trainer.create(spec, WorkerContext(seed=spec.optim.seed, cache_dir=tmp_path / "cache"))
+    restored.restore(read_checkpoint(latest_checkpoint(folder)))
+    assert (restored.step, restored.best.step) == (2, 2)
+    assert restored.best.value == dict(reference.history)[2]["val/ppl"]
+    resumed_trainer, resumed = train_locally(spec, cache_dir=tmp_path / "cache", folder=folder)
+
+    def curve(hooks, key):
+        return {step: m[key] for step, m in hooks.history if key in m}
+
+    after = {s: v for s, v in curve(reference, "train/loss").items() if s > 2}
+    assert curve(resumed, "train/loss") == after
+    assert curve(resumed, "val/ppl") == {s: v for s, v in curve(reference, "val/ppl").items() if s > 2}
+    assert curve(resumed, "best/val/ppl")[6] == curve(reference, "best/val/ppl")[6]
+    state = read_checkpoint(latest_checkpoint(folder))
+    assert state.best["step"] == resumed_trainer.best.step and state.best["value"] == resumed_trainer.best.value
+
+
+def _result(metric_values: dict[int, float]) -> SimpleNamespace:
+    checkpoints = [(SimpleNamespace(path=f"/runs/x/checkpoint_{s:09d}"), {"step": s, "val/bleu": v})
+                   for s, v in metric_values.items()]
+    return SimpleNamespace(checkpoint=checkpoints[-1][0], metrics=checkpoints[-1][1], best_checkpoints=checkpoints)
+
+
+def _translation_spec(**task):
+    return validate_spec({"name": "t", "task": {"kind": "translation", "max_source_len": 16, **task},
+                          "model": {"d_model": 16, "layers": 1, "ffn": 32, "max_seq_len": 16,
+                                    "attention": {"kind": "mha", "heads": 2}}})
+
+
+def test_final_evaluation_scores_the_best_checkpoint_not_the_latest():
+    chosen = choose_checkpoint(_result({2: 10.0, 4: 30.0, 6: 20.0}), _translation_spec(), "best", "test")
+    assert chosen.which == "best" and chosen.path.endswith("checkpoint_000000004")
+    latest = choose_checkpoint(_result({2: 10.0, 4: 30.0, 6: 20.0}), _translation_spec(), "latest", "test")
+    assert latest.path.endswith("checkpoint_000000006")
+
+
+def test_selection_on_the_scored_split_falls_back_to_the_latest():
+    """A spec that validates on test must not pick its test checkpoint by test score."""
+    chosen = choose_checkpoint(_result({2: 10.0, 4: 30.0, 6: 20.0}), _translation_spec(eval_split="test"),
+                               "best", "test")
+    assert chosen.which == "latest" and chosen.path.endswith("checkpoint_000000006") and "eval_split" in chosen.note
+
+
+@pytest.mark.parametrize("kind", ["clm", "translation"])
+def test_exported_model_loads_without_the_project_state_and_predicts_the_same(tmp_path, kind):
+    cfg = ModelConfig.model_validate({"d_model": 16, "layers": 1, "ffn": 32, "max_seq_len": 16,
+                                      "attention": {"kind": "mhe", "heads": 2, "mode": "mul"}})
+    torch.manual_seed(0)
+    model = (LanguageModel(cfg, 50, causal=True) if kind == "clm" else Seq2SeqTransformer(cfg, 50)).eval()
+    export_model(model, task_kind=kind, model_cfg=cfg, vocab_size=50, out_dir=tmp_path / "model")
+    loaded = load_model(tmp_path / "model")
+    tokens = torch.randint(4, 50, (2, 9))
+    with torch.no_grad():
+        if kind == "clm":
+            assert torch.equal(model(tokens), loaded(tokens))
+        else:
+            assert torch.equal(model(tokens, tokens[:, :7]), loaded(tokens, tokens[:, :7]))
+    assert set(model.state_dict()) == set(loaded.state_dict())
+
+
+def test_export_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.json"):
+        load_model(Path(tmp_path))
