@@ -3,7 +3,8 @@ validation that names the field to fix, all before Ray is started.
 
 A spec file holds `name`, `task`, `model`, `optim`, `run`, `tune` and `tracking`. Any value may be a
 search domain (`{grid: [...]}`, see orchestrator/search_space.py); such a spec is a *study*, run with
-`orchestrator sweep`, and every grid combination is validated as a full spec up front.
+`orchestrator sweep`, and every grid combination is validated as a full spec up front. A spec file may
+also start from another with `base: other.yaml` and give only what differs (`read_yaml`, `merge_base`).
 """
 
 from __future__ import annotations
@@ -252,11 +253,9 @@ class ExperimentSpec(_Section):
 # --- loading --------------------------------------------------------------------------------------
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping in a spec file (a clear error for a missing file or a non-mapping document)."""
-    path = Path(path)
+def _read_mapping(path: Path, missing: str) -> dict[str, Any]:
     if not path.is_file():
-        raise SpecError(f"spec file {str(path)!r} not found; pass the path of a YAML spec such as configs/smoke.yaml")
+        raise SpecError(missing)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
@@ -264,6 +263,100 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a spec is a mapping with name/task/model/... keys, got {type(data).__name__}")
     return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a spec file, with its `base:` chain merged in (see `merge_base`); a clear error for a
+    missing file, a non-mapping document, a missing base file or a cycle of bases."""
+    path = Path(path)
+    return _read_with_bases(
+        path, f"spec file {str(path)!r} not found; pass the path of a YAML spec such as configs/smoke.yaml", ())
+
+
+def _read_with_bases(path: Path, missing: str, chain: tuple[Path, ...]) -> dict[str, Any]:
+    raw = _read_mapping(path, missing)
+    if "base" not in raw:
+        return raw
+    base_name = raw.pop("base")
+    if not isinstance(base_name, str) or not base_name:
+        raise SpecError(f"{path}: base must be the path of another spec file (relative to this one), "
+                        f"e.g. base: mhe.yaml; got {base_name!r}")
+    if "name" not in raw:
+        raise SpecError(f"{path}: name is required in a spec with base: {base_name} (a base's name is never "
+                        "inherited: it names the storage folder and the MLflow experiment); add e.g. "
+                        f"name: {path.stem.replace('_', '-')}")
+    base_path = (path.parent / base_name).resolve()
+    seen = (*chain, path.resolve())
+    if base_path in seen:
+        cycle = " -> ".join(str(p) for p in (*seen[seen.index(base_path):], base_path))
+        raise SpecError(f"{path}: base: {base_name} makes a cycle of bases ({cycle}); remove one of these "
+                        "base: fields")
+    missing = (f"{path}: base: {base_name} not found (looked for {base_path}; a base path is relative to the "
+               "file that names it)")
+    return merge_base(_read_with_bases(base_path, missing, seen), raw)
+
+
+# What makes a study itself: never taken from a base (the child's name also renames its scales, and
+# tracking.experiment then defaults to the child's name).
+_IDENTITY_KEYS = ("name", "tracking.experiment")
+
+
+def _without_identity(base: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in base.items() if k != "name"}
+    if isinstance(out.get("tracking"), Mapping):
+        out["tracking"] = {k: v for k, v in out["tracking"].items() if k != "experiment"}
+    if isinstance(out.get("scales"), Mapping):
+        out["scales"] = {
+            scale: ({k: v for k, v in entries.items() if k not in _IDENTITY_KEYS}
+                    if isinstance(entries, Mapping) else entries)
+            for scale, entries in out["scales"].items()
+        }
+    return out
+
+
+def _is_domain(node: Any) -> bool:
+    return isinstance(node, Mapping) and len(node) == 1 and next(iter(node)) in DOMAIN_KINDS
+
+
+def _merge(base: Any, child: Any) -> Any:
+    if not (isinstance(base, Mapping) and isinstance(child, Mapping)) or _is_domain(base) or _is_domain(child):
+        return child  # scalars, lists, null and search domains replace whole, in either direction
+    if "kind" in child and child["kind"] != base.get("kind"):
+        return child  # another kind: the base's knobs belong to its own kind
+    out = dict(base)
+    for key, value in child.items():
+        out[key] = _merge(base[key], value) if key in base else value
+    return out
+
+
+def merge_base(base: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
+    """The child spec's mapping deep-merged over its base's (both as read, their own `base:` resolved).
+
+    - Mappings merge key by key, recursively; keys the child adds come after the base's.
+    - Scalars, lists and null replace whole, and so do search domains (`{grid: [...]}`) in either direction: a
+      child domain replaces the base's value, and a child value replaces the base's domain.
+    - A child mapping whose `kind` differs from the base mapping's (or where the base's names none) replaces it
+      whole, so `model.attention: {kind: mha, heads: 8}` over a Linformer block keeps no stale `k`.
+    - `scales:` merge per scale name, then per dotted key: the child's value for a key replaces the base's, and
+      the base's other keys still apply.
+    - `name` and `tracking.experiment` (also as scale entries) are never inherited: the child names itself.
+    """
+    base = _without_identity(base)
+    child = dict(child)
+    base_scales, child_scales = base.pop("scales", None), child.pop("scales", None)
+    out = _merge(base, child)
+    if "name" in child:  # first, where a spec file has it
+        out = {"name": child["name"], **out}
+    if isinstance(base_scales, Mapping) and isinstance(child_scales, Mapping):
+        scales = dict(base_scales)
+        for scale, entries in child_scales.items():
+            inherited = scales.get(scale)
+            both = isinstance(inherited, Mapping) and isinstance(entries, Mapping)
+            scales[scale] = {**inherited, **entries} if both else entries
+        out["scales"] = scales
+    elif base_scales is not None or child_scales is not None:
+        out["scales"] = child_scales if child_scales is not None else base_scales
+    return out
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -320,7 +413,7 @@ def _refuse_path_through_domain(raw: Mapping[str, Any], key: str, label: str) ->
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
         node = node.get(part) if isinstance(node, Mapping) else None
-        if isinstance(node, Mapping) and len(node) == 1 and next(iter(node)) in DOMAIN_KINDS:
+        if _is_domain(node):
             prefix = ".".join(parts[: i + 1])
             raise SpecError(
                 f"{label}: {prefix} is a search domain ({{{next(iter(node))}: ...}}); override it whole, "

@@ -18,6 +18,8 @@ from orchestrator.spec import (
     check_gpus,
     load_spec,
     load_study,
+    merge_base,
+    read_yaml,
     study_from_raw,
     validate_spec,
 )
@@ -205,11 +207,110 @@ def test_named_scale_applies_its_overrides_and_renames_the_study(tmp_path):
 
 
 def test_every_study_spec_validates_at_every_scale():
+    """Every spec, its inherited scales included; a study with a base keeps its own name and experiment."""
     for path in sorted((REPO / "configs").rglob("*.yaml")):
-        scales = [None, *(yaml.safe_load(path.read_text()).get("scales") or {})]
+        written = yaml.safe_load(path.read_text())
+        scales = [None, *(read_yaml(path).get("scales") or {})]
         for scale in scales:
             study = load_study(path, scale=scale)
             assert study.base.name, (path, scale)
+            if "base" in written:
+                expected = written["name"] + (f"-{scale}" if scale else "")
+                assert study.base.name == study.base.tracking.experiment == expected, (path, scale)
+
+
+def test_study_files_with_a_base_give_only_what_differs():
+    studies = REPO / "configs" / "studies"
+    assert yaml.safe_load((studies / "mhe_clm.yaml").read_text())["base"] == "mhe.yaml"
+    clm, mlm = load_study(studies / "mhe_clm.yaml"), load_study(studies / "mhe.yaml")
+    assert (clm.base.task.kind, clm.base.optim.schedule, mlm.base.optim.schedule) == ("clm", "cosine", "linear")
+    assert [d.path for d in clm.domains] == [d.path for d in mlm.domains] == ["model.attention", "optim.seed"]
+    define = load_study(studies / "define.yaml", scale="tiny")  # define -> mhe_clm -> mhe
+    assert [d.path for d in define.domains] == ["model.embedding"] and len(define.domains[0].values) == 7
+    assert define.base.task.kind == "clm" and define.base.model.d_model == 64  # mhe's tiny scale, inherited
+
+
+def test_merge_rules():
+    base = {
+        "name": "parent",
+        "task": {"kind": "mlm", "seq_len": 16, "batch_size": 4},
+        "model": {"d_model": 16, "layers": 2, "attention": {"kind": "linformer", "heads": 2, "k": 8},
+                  "embedding": {"grid": [{"kind": "standard"}, {"kind": "define", "width": 64}]}},
+        "optim": {"betas": [0.9, 0.98], "seed": {"grid": [0, 1]}, "lr": 1e-3},
+        "tracking": {"experiment": "parent", "retries": 5},
+        "scales": {"tiny": {"model.d_model": 8, "task.builtin": {"train_sentences": 50}, "name": "p-small"},
+                   "small": {"model.d_model": 12}},
+    }
+    child = {
+        "name": "child",
+        "task": {"seq_len": 32},                               # same kind: merged key by key
+        "model": {"layers": 4,
+                  "attention": {"kind": "mha", "heads": 4},    # another kind: replaced whole (no stale k)
+                  "embedding": {"kind": "standard"},           # a value over a base domain: replaced whole
+                  "dropout": 0.2},                             # new key: after the base's
+        "optim": {"betas": [0.8, 0.9],                         # lists replace whole
+                  "lr": {"loguniform": [1e-4, 1e-3]},          # a domain over a base value: replaced whole
+                  "seed": 3},                                  # a value over a base domain: replaced whole
+        "scales": {"tiny": {"task.builtin": {"eval_sentences": 10}}, "big": {"model.d_model": 1024}},
+    }
+    merged = merge_base(base, child)
+    assert merged["name"] == "child"
+    assert merged["task"] == {"kind": "mlm", "seq_len": 32, "batch_size": 4}
+    assert merged["model"] == {"d_model": 16, "layers": 4, "attention": {"kind": "mha", "heads": 4},
+                               "embedding": {"kind": "standard"}, "dropout": 0.2}
+    assert list(merged["model"]) == ["d_model", "layers", "attention", "embedding", "dropout"]
+    assert merged["optim"] == {"betas": [0.8, 0.9], "seed": 3, "lr": {"loguniform": [1e-4, 1e-3]}}
+    assert merged["tracking"] == {"retries": 5}  # the base's experiment is not inherited: it defaults to name
+    # Scales merge per scale, then per dotted key (the child's value replaces the base's whole); a scale's
+    # name is not inherited either.
+    assert merged["scales"] == {"tiny": {"model.d_model": 8, "task.builtin": {"eval_sentences": 10}},
+                                "small": {"model.d_model": 12}, "big": {"model.d_model": 1024}}
+    # A child block that names a kind where the base's names none replaces it too.
+    assert merge_base({"model": {"attention": {"heads": 2, "groups": 2}}},
+                      {"model": {"attention": {"kind": "mha"}}})["model"]["attention"] == {"kind": "mha"}
+    # A mapping over a base domain replaces the domain, it does not merge into it.
+    assert merge_base(base, {"model": {"embedding": {"grid": [{"kind": "standard"}]}}})["model"]["embedding"] == {
+        "grid": [{"kind": "standard"}]}
+
+
+def test_base_chain_resolves_relative_to_each_file(tmp_path):
+    (tmp_path / "common").mkdir()
+    root = base_raw(model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "sha", "heads": 2}]}})
+    root["scales"] = {"tiny": {"model.d_model": 8}}
+    write(tmp_path / "common", root, "root.yaml")
+    write(tmp_path / "common", {"base": "root.yaml", "name": "middle", "optim": {"lr": 1e-3}}, "middle.yaml")
+    leaf = write(tmp_path, {"base": "common/middle.yaml", "name": "leaf", "optim": {"max_steps": 20}}, "leaf.yaml")
+    study = load_study(leaf, scale="tiny")
+    assert study.base.name == "leaf-tiny" and study.base.tracking.experiment == "leaf-tiny"
+    assert (study.base.optim.lr, study.base.optim.max_steps, study.base.model.d_model) == (1e-3, 20, 8)
+    assert [d.path for d in study.domains] == ["model.attention"] and "base" not in study.raw
+    assert load_spec(leaf, ["model.attention={kind: mha, heads: 2}"]).optim.max_steps == 20
+
+
+def test_base_cycle_is_refused_naming_the_files(tmp_path):
+    write(tmp_path, {"base": "b.yaml", "name": "a"}, "a.yaml")
+    write(tmp_path, {"base": "a.yaml", "name": "b"}, "b.yaml")
+    write(tmp_path, {"base": "self.yaml", "name": "self"}, "self.yaml")
+    with pytest.raises(SpecError, match=r"b.yaml: base: a.yaml makes a cycle of bases \(.*a.yaml -> .*b.yaml -> "
+                                        r".*a.yaml\); remove one"):
+        read_yaml(tmp_path / "a.yaml")
+    with pytest.raises(SpecError, match=r"cycle of bases \(.*self.yaml -> .*self.yaml\)"):
+        load_study(tmp_path / "self.yaml")
+
+
+def test_missing_base_and_missing_name_are_clear_errors(tmp_path, capsys):
+    path = write(tmp_path, {**base_raw(), "base": "nowhere/parent.yaml"})
+    with pytest.raises(SpecError, match=r"base: nowhere/parent.yaml not found \(looked for "
+                                        + str(tmp_path / "nowhere" / "parent.yaml") + r"; .*relative to the file"):
+        load_study(path)
+    assert main(["validate", str(path)]) == 2 and "base: nowhere/parent.yaml not found" in capsys.readouterr().err
+    write(tmp_path, base_raw(), "parent.yaml")
+    nameless = write(tmp_path, {"base": "parent.yaml", "optim": {"max_steps": 5}}, "my_child.yaml")
+    with pytest.raises(SpecError, match=r"my_child.yaml: name is required in a spec with base: parent.yaml .*"
+                                        r"add e.g. name: my-child"):
+        load_study(nameless)
+    with pytest.raises(SpecError, match=r"base must be the path of another spec file"):
+        load_study(write(tmp_path, {"base": ["parent.yaml"], "name": "x"}, "list.yaml"))
 
 
 def test_train_and_sweep_refuse_to_overwrite_an_existing_run(tmp_path):
