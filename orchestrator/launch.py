@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow.fs
 import ray
+import yaml
 
 from orchestrator.search_space import grid_points, resolve, to_param_space
 from orchestrator.spec import (
@@ -30,8 +31,6 @@ from orchestrator.spec import (
 from orchestrator.finalize import final_evaluation
 from orchestrator.spec import spec_to_yaml
 from orchestrator.tracking import (
-    COMMIT_TAG,
-    ROLE_TAG,
     RUN_KEY_TAG,
     TRIAL_TAG,
     MlflowTracker,
@@ -172,7 +171,7 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
 
 def _handle(spec: ExperimentSpec, *, run_name: str, role: str, commit: str, key: tuple[str, str],
             parent_run_id: str | None = None) -> RunHandle:
-    return run_handle(spec.model_dump(mode="json"), spec_to_yaml(spec), experiment=spec.tracking.experiment or spec.name,
+    return run_handle(flatten(spec.model_dump(mode="json")), spec_to_yaml(spec), experiment=spec.tracking.experiment or spec.name,
                       run_name=run_name, role=role, kind=spec.model.attention.kind, commit=commit, key=key,
                       parent_run_id=parent_run_id)
 
@@ -342,16 +341,12 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     resources = _check_cluster(spec)
     commit = (meta or {}).get("commit") or git_commit()
     tracker = _tracker(spec)
-    parent_run_id = (meta or {}).get("parent_run_id")
-    if parent_run_id:
-        tracker.open_run(spec.tracking.experiment or spec.name, spec.name, {}, run_id=parent_run_id)
-    else:
-        parent_run_id = tracker.open_run(spec.tracking.experiment or spec.name, spec.name,
-                                         {ROLE_TAG: "sweep", COMMIT_TAG: commit})
-        if parent_run_id:
-            sweep_params = {f"tune.{k}": v for k, v in flatten(spec.tune.model_dump(mode="json")).items()}
-            sweep_params.update({"sweep.domains": ", ".join(d.path for d in study.domains) or "(none)"})
-            tracker.log_params(parent_run_id, sweep_params)
+    sweep_params = {f"tune.{k}": v for k, v in flatten(spec.tune.model_dump(mode="json")).items()}
+    sweep_params.update({"sweep.domains": ", ".join(d.path for d in study.domains) or "(none)"})
+    parent = run_handle(sweep_params, yaml.safe_dump(study.raw, sort_keys=False),
+                        experiment=spec.tracking.experiment or spec.name, run_name=spec.name, role="sweep",
+                        kind=None, commit=commit, key=(RUN_KEY_TAG, _join(storage, spec.name)))
+    parent_run_id = tracker.ensure_run(parent.with_run_id((meta or {}).get("parent_run_id")))
     write_meta(storage, spec.name, {"kind": "sweep", "name": spec.name, "raw": study.raw,
                                     "parent_run_id": parent_run_id, "commit": commit})
 

@@ -66,14 +66,17 @@ class RunHandle:
         return replace(self, run_id=run_id) if run_id else self
 
 
-def run_handle(spec_json: Mapping[str, Any], spec_yaml: str, *, experiment: str, run_name: str, role: str,
-               kind: str, commit: str, key: tuple[str, str], parent_run_id: str | None = None) -> RunHandle:
-    """The handle of a run or trial: tags (role, method family, commit, parent, key) and the spec's params."""
-    tags = {ROLE_TAG: role, KIND_TAG: kind, COMMIT_TAG: commit, key[0]: key[1]}
+def run_handle(params: Mapping[str, Any], spec_yaml: str, *, experiment: str, run_name: str, role: str,
+               kind: str | None, commit: str, key: tuple[str, str], parent_run_id: str | None = None) -> RunHandle:
+    """The handle of a run, a trial or a sweep's parent: the one place run tags are made (role, method family,
+    commit, parent, key), with the params logged at creation (the flattened spec, or a sweep's tune.*)."""
+    tags = {ROLE_TAG: role, COMMIT_TAG: commit, key[0]: key[1]}
+    if kind is not None:
+        tags[KIND_TAG] = kind
     if parent_run_id:
         tags[PARENT_TAG] = parent_run_id
-    return RunHandle(experiment=experiment, run_name=run_name, key=key, tags=tags, params=flatten(spec_json),
-                     spec_yaml=spec_yaml)
+    return RunHandle(experiment=experiment, run_name=run_name, key=key, tags=tags,
+                     params={k: str(v) for k, v in params.items()}, spec_yaml=spec_yaml)
 
 
 class TrackingWarning(UserWarning):
