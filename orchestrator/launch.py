@@ -184,7 +184,15 @@ def _fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, track
     try:
         result = trainer.fit()
         run_id = tracker.ensure_run(handle)
-        final = final_evaluation(spec, result, cache_dir=cache_dir, run_id=run_id, run_path=result.path)
+        try:
+            final = final_evaluation(spec, result, cache_dir=cache_dir, run_id=run_id, run_path=result.path)
+        except Exception as err:  # noqa: BLE001 - training is done and checkpointed: say how to score it later
+            final = {}
+            message = f"{type(err).__name__}: {str(err)[:500]}"
+            print(f"[{spec.name}] final evaluation failed ({message}); the trained checkpoints are kept: "
+                  f"score them with `orchestrator evaluate {spec.name} --storage-path {spec.run.storage_path}`")
+            if run_id is not None:
+                tracker.set_tags(run_id, {"test.error": message})
         status = "FINISHED"
         return result, run_id, final
     finally:
