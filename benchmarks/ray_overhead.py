@@ -3,11 +3,13 @@
 Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
 
 1. Steady-state tokens/s of a one-worker Ray Train run (`orchestrator.launch.run_training`), read from the
-   `train/tokens_per_s` windows the worker logs every `log_every` steps, against the same loop run in this
-   process without Ray (`plain_loop`: same task, model, AdamW, schedule, clipping and `.item()` calls, same
-   torch thread count as the Ray worker's CPUs). The first window (warm-up) is dropped on both sides.
-2. Start-up of that run: seconds from the launch call to its first logged metric, against the plain loop's
-   seconds from its start to its first window. Both pay the tokenizer training (fresh cache).
+   `train/tokens_per_s` windows the worker logs every `log_every` steps, against the same training core run
+   in this process without Ray (`plain_run`: `orchestrator.local_run.train_locally` on the same spec, so the
+   same `Trainer`, seeds, steps and window accounting as the worker; torch threads = the Ray worker's CPUs).
+   So this measures Ray against the same core without Ray, not against a different loop. The first window
+   (warm-up) is dropped on both sides.
+2. Start-up of that run: seconds from the launch call to its first logged metric, against the plain run's
+   seconds from its start (task build included) to its first window. Both pay the tokenizer training (fresh cache).
 3. Start-up of a sweep (`orchestrator.launch.run_sweep`, two grid trials, one at a time) to its first
    reported metric, with the tokenizer cache already warm.
 
@@ -23,23 +25,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import random
 import sqlite3
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from benchmarks.harness import Row, results_dir, write_csv
+from orchestrator.local_run import train_locally
 from orchestrator.spec import ExperimentSpec, study_from_raw, validate_spec
-from tasks import build_task
-from tasks.base import WorkerContext
 
 TOKENS_PER_S = "train/tokens_per_s"
 
@@ -85,12 +84,6 @@ def bench_spec(name: str, scale: Scale, storage: Path, uri: str) -> dict[str, An
 # --- without Ray -------------------------------------------------------------------------------------
 
 
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 @dataclass(frozen=True)
 class PlainResult:
     windows: list[tuple[int, float]]
@@ -99,42 +92,26 @@ class PlainResult:
     """Seconds from the start (task build included) to the end of the first window."""
 
 
-def plain_loop(spec: ExperimentSpec, cache_dir: Path) -> PlainResult:
-    """The worker's training step loop (orchestrator/worker.py) in this process, without Ray or logging."""
-    from orchestrator.schedules import lr_lambda
-
-    start = time.perf_counter()
-    optim, run = spec.optim, spec.run
-    torch.set_num_threads(max(1, int(run.cpus_per_worker)))  # Ray gives its worker OMP threads = its CPUs
-    _seed_all(optim.seed)
-    task = build_task(spec.task, spec.model, WorkerContext(seed=optim.seed, cache_dir=cache_dir))
-    model = task.build_model()
-    _seed_all(optim.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
-    batches: Iterator = task.train_batches(None)
+def plain_run(spec: ExperimentSpec, cache_dir: Path) -> PlainResult:
+    """The training core (`train_locally`) on `spec` in this process, without Ray: its train/* windows."""
     windows: list[tuple[int, float]] = []
     first_window_s = math.nan
-    loss_sum, tokens, window_start = 0.0, 0, time.perf_counter()
-    model.train()
-    for step in range(1, optim.max_steps + 1):
-        for _ in range(optim.grad_accum):
-            batch, _ = next(batches)
-            loss = task.loss(model, batch)
-            (loss / optim.grad_accum).backward()
-            loss_sum += loss.item()
-            tokens += batch.n_tokens
-        if optim.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if step % run.log_every == 0 or step == optim.max_steps:
-            now = time.perf_counter()
-            windows.append((step, tokens / max(now - window_start, 1e-9)))
-            if math.isnan(first_window_s):
-                first_window_s = now - start
-            loss_sum, tokens, window_start = 0.0, 0, time.perf_counter()
+
+    def on_metrics(metrics: Mapping[str, float], step: int) -> None:
+        nonlocal first_window_s
+        if TOKENS_PER_S not in metrics:
+            return
+        windows.append((step, metrics[TOKENS_PER_S]))
+        if math.isnan(first_window_s):
+            first_window_s = time.perf_counter() - start
+
+    threads = torch.get_num_threads()
+    start = time.perf_counter()
+    torch.set_num_threads(max(1, int(spec.run.cpus_per_worker)))  # Ray gives its worker OMP threads = its CPUs
+    try:
+        train_locally(spec, cache_dir=cache_dir, on_metrics=on_metrics)
+    finally:
+        torch.set_num_threads(threads)
     return PlainResult(windows, first_window_s)
 
 
@@ -186,7 +163,7 @@ def measure(scale: Scale, workdir: Path) -> list[Row]:
     storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
     run_spec = validate_spec(bench_spec("ray-overhead-run", scale, storage, uri))
 
-    plain = plain_loop(run_spec, workdir / "plain-cache")  # its own, cold cache: same start-up work as the run
+    plain = plain_run(run_spec, workdir / "plain-cache")  # its own, cold cache: same start-up work as the run
     launched_ms = time.time() * 1000
     outcome = run_training(run_spec)
     assert outcome.mlflow_run_id is not None, "the benchmark needs the MLflow store to read the run's metrics"

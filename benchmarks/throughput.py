@@ -2,10 +2,12 @@
 
 Both models have the same width, depth, heads, feed-forward size, vocabulary and sequence length, no
 dropout, and train on the very same batch with the same loss code and AdamW; one step is forward,
-cross-entropy over the masked positions, backward and an optimizer step. The two are timed in
-alternation (harness.interleaved_medians) so load from other processes on a shared machine hits both
-alike; the ratio of tokens/s is the number that counts. BERT (Devlin et al., 2019, arXiv 1810.04805) is
-built from a `BertConfig`, so nothing is downloaded; it needs the `bench` extra (`pip install -e ".[bench]"`).
+cross-entropy over the masked positions, backward and an AdamW update, taken by the training core's
+`orchestrator.trainer.train_step` for every model (BERT through a `loss_fn` adapter; constant learning rate,
+no clipping, fp32). The two are timed in alternation (harness.interleaved_medians) so load from other
+processes on a shared machine hits both alike; the ratio of tokens/s is the number that counts. BERT
+(Devlin et al., 2019, arXiv 1810.04805) is built from a `BertConfig`, so nothing is downloaded; it needs the
+`bench` extra (`pip install -e ".[bench]"`).
 
 Ours and BERT both project every position onto the vocabulary. A third model in the same rounds,
 `ours_masked`, is ours trained the way tasks/lm.py trains masked LM: only the masked positions' hidden
@@ -19,8 +21,9 @@ states go through the output layer; `ours_masked_over_ours_paired_median` is the
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,9 +33,17 @@ import torch.nn.functional as F
 
 from benchmarks.harness import Row, interleaved_medians, peak_memory_bytes, results_dir, write_csv
 from models import LanguageModel, ModelConfig
+from orchestrator.spec import OptimConfig
+from orchestrator.trainer import LossFn, Optimization
+from orchestrator.trainer import train_step as core_train_step
+from tasks import Batch
 
 IGNORE = -100
 """Label of positions that are not predicted (the convention of both F.cross_entropy and transformers)."""
+CPU = torch.device("cpu")
+"""The comparison is CPU fp32 by design."""
+LogitsOf = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(model, inputs_BT, labels_BT) -> (logits_NV, labels_N) of the positions the loss scores."""
 
 
 @dataclass(frozen=True)
@@ -90,16 +101,22 @@ def mlm_batch(size: Size, mask_prob: float = 0.15, seed: int = 0) -> tuple[torch
     return inputs_BT, labels_BT
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, logits_of: Callable, batch) -> Callable[[], None]:
-    """A closure running one full training step; the loss is computed by the same code for every model."""
-    inputs_BT, labels_BT = batch
+def mlm_loss(logits_of: LogitsOf) -> LossFn:
+    """The training core's `loss_fn(model, batch)`: cross-entropy of `logits_of`, the same code for every model."""
+
+    def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
+        logits_NV, labels_N = logits_of(model, batch.tensors["inputs"], batch.tensors["labels"])
+        return F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE)
+
+    return loss_fn
+
+
+def step_closure(model: nn.Module, opt: Optimization, loss_fn: LossFn, batch: Batch) -> Callable[[], None]:
+    """A closure running one full training step of the core (`train_step`) on the same batch every time."""
+    batches = itertools.repeat(batch)
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        logits_NV, labels_N = logits_of(model, inputs_BT, labels_BT)
-        loss = F.cross_entropy(logits_NV, labels_N, ignore_index=IGNORE)
-        loss.backward()
-        optimizer.step()
+        core_train_step(model, batches, loss_fn, opt, CPU)
 
     return step
 
@@ -114,18 +131,35 @@ def _ours_masked_logits(model: nn.Module, inputs_BT: torch.Tensor, labels_BT: to
 
 
 def _bert_logits(model: nn.Module, inputs_BT: torch.Tensor, labels_BT: torch.Tensor):
+    """The HF adapter: BertForMaskedLM takes `input_ids` and returns a ModelOutput with `.logits`."""
     return model(input_ids=inputs_BT).logits.flatten(0, 1), labels_BT.flatten()
 
 
-def steps_for(size: Size, lr: float = 1e-4) -> dict[str, tuple[nn.Module, Callable[[], None]]]:
-    batch = mlm_batch(size)
+MODELS: Mapping[str, tuple[Callable[[Size], nn.Module], LogitsOf]] = {
+    "ours": (build_ours, _ours_logits),
+    "bert": (build_bert, _bert_logits),
+    "ours_masked": (build_ours, _ours_masked_logits),
+}
+"""Name -> (builder, logits of the scored positions); every one is timed in the same rounds."""
+
+
+def optim_config(lr: float = 1e-4) -> OptimConfig:
+    """torch.optim.AdamW's default betas and weight decay, constant LR, no clipping: the step is the bare
+    forward, loss, backward and AdamW update for every model."""
+    return OptimConfig(lr=lr, betas=(0.9, 0.999), weight_decay=0.01, schedule="constant", grad_clip=None)
+
+
+def steps_for(size: Size, names: Sequence[str] = tuple(MODELS)) -> dict[str, tuple[nn.Module, Callable[[], None]]]:
+    """Each named model (same seed), its own `Optimization` and a closure of its core training step."""
+    inputs_BT, labels_BT = mlm_batch(size)
+    batch = Batch({"inputs": inputs_BT, "labels": labels_BT}, n_tokens=int((labels_BT != IGNORE).sum()))
+    optim = optim_config()
     out = {}
-    for name, build, logits_of in (("ours", build_ours, _ours_logits), ("bert", build_bert, _bert_logits),
-                                   ("ours_masked", build_ours, _ours_masked_logits)):
+    for name in names:
+        build, logits_of = MODELS[name]
         torch.manual_seed(0)
         model = build(size).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        out[name] = (model, train_step(model, optimizer, logits_of, batch))
+        out[name] = (model, step_closure(model, Optimization.build(model, optim, CPU), mlm_loss(logits_of), batch))
     return out
 
 
@@ -189,7 +223,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
-    device = torch.device("cpu")  # the comparison is CPU fp32 by design
+    device = CPU
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = QUICK_SIZES if args.quick else tuple(s for s in FULL_SIZES if args.sizes is None or s.name in args.sizes)
