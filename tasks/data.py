@@ -19,9 +19,10 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
+from tasks.cache import atomic_write, cache_key, file_fingerprint, locked
 from tasks.config import CausalLMTaskConfig, MLMTaskConfig, TranslationTaskConfig
 from tasks.corpora import builtin_lm_corpus, builtin_parallel_corpus
-from tasks.tokenizer import EOS_ID, Tokenizer, atomic_write, cache_key, file_fingerprint, locked, train_or_load
+from tasks.tokenizer import EOS_ID, Tokenizer, train_or_load
 
 LMConfig = MLMTaskConfig | CausalLMTaskConfig
 T = TypeVar("T")
