@@ -23,13 +23,11 @@ experiments/runs/metrics tables), so that no code outside orchestrator/ imports 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import sqlite3
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import Row, results_dir, write_csv
+from benchmarks.mlflow_store import first_metric_ms, metric_history
 from orchestrator.local_run import train_locally
 from orchestrator.spec import ExperimentSpec, study_from_raw, validate_spec
 
@@ -116,36 +115,6 @@ def plain_run(spec: ExperimentSpec, cache_dir: Path) -> PlainResult:
 
 
 # --- the MLflow store, read-only ---------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _store(uri: str) -> Iterator[sqlite3.Connection]:
-    prefix = "sqlite:///"
-    if not uri.startswith(prefix):
-        raise ValueError(f"tracking.uri={uri!r}: this benchmark reads a local SQLite store (sqlite:///path)")
-    connection = sqlite3.connect(f"file:{uri[len(prefix):]}?mode=ro", uri=True)
-    try:
-        yield connection
-    finally:
-        connection.close()
-
-
-def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float, int]]:
-    """(step, value, timestamp in ms) of one metric of one run, by step."""
-    with _store(uri) as db:
-        rows = db.execute("SELECT step, value, timestamp FROM metrics WHERE run_uuid = ? AND key = ? ORDER BY step",
-                          (run_id, key)).fetchall()
-    return [(int(s), float(v), int(t)) for s, v, t in rows]
-
-
-def first_metric_ms(uri: str, run_ids: Sequence[str]) -> int | None:
-    """Epoch milliseconds of the earliest metric any of the runs logged."""
-    if not run_ids:
-        return None
-    marks = ",".join("?" * len(run_ids))
-    with _store(uri) as db:
-        (value,) = db.execute(f"SELECT MIN(timestamp) FROM metrics WHERE run_uuid IN ({marks})", tuple(run_ids)).fetchone()
-    return None if value is None else int(value)
 
 
 def steady(windows: Sequence[tuple[int, float]], max_steps: int) -> float:

@@ -225,14 +225,17 @@ def test_lr_schedules_warm_up_then_decay(schedule):
 
 def test_run_opened_during_an_outage_gets_its_backlog(tmp_path):
     """The store is unreachable at the start (a file stands where its folder must be), then comes up: the run
-    is opened then, and the metrics logged meanwhile arrive in order."""
-    from orchestrator.tracking import MlflowLogger, MlflowTracker
+    is created then from the launcher's handle (tags and params included), the metrics logged meanwhile arrive
+    in order, and the run is left for its owner, the launcher, to end; the launcher finds the same run."""
+    from orchestrator.tracking import MlflowLogger, MlflowTracker, run_handle
 
     store = tmp_path / "late"
     store.write_text("not a folder")
     tracker = MlflowTracker(f"sqlite:///{store / 'mlflow.db'}", retries=1, timeout_s=1, cooldown_s=0.0)
+    handle = run_handle({"model.d_model": 16}, "name: late\n", experiment="late", run_name="run", role="run",
+                        kind="mha", commit="abc", key=("orchestrator.run", "/runs/late"))
     with pytest.warns(TrackingWarning):
-        logger = MlflowLogger(tracker, lambda: tracker.open_run("late", "run", {"k": "v"}))
+        logger = MlflowLogger(tracker, lambda: tracker.ensure_run(handle))
     assert logger.run_id is None
     with pytest.warns(TrackingWarning):
         logger.log({"train/loss": 3.0}, 1)  # still down: kept in the backlog
@@ -242,4 +245,7 @@ def test_run_opened_during_an_outage_gets_its_backlog(tmp_path):
     logger.close()
     client = MlflowClient(tracker.uri)
     assert loss_curve(client, logger.run_id) == {1: 3.0, 2: 2.0}
-    assert client.get_run(logger.run_id).info.status == "FINISHED"
+    run = client.get_run(logger.run_id)
+    assert run.info.status == "RUNNING"
+    assert run.data.params["model.d_model"] == "16" and run.data.tags["method.family"] == "mha"
+    assert tracker.ensure_run(handle) == logger.run_id  # found again by its key, not duplicated
