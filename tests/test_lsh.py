@@ -31,25 +31,31 @@ def shared_qk_inputs(T: int, seed: int = 0, scale: float = 1.0, requires_grad: b
     return qk, v
 
 
-def exact_shared_qk(q, v, causal=False):
-    """softmax over all keys with k = q / |q|, a token's own logit replaced by SELF_LOGIT (Reformer Sec. 2.2)."""
+def exact_shared_qk(q, v, causal=False, scale=1.0):
+    """softmax over all keys with k = q / |q|, a token's own logit replaced by SELF_LOGIT (Reformer Sec. 2.2);
+    logits q.k with no further scale, as trax and Hugging Face."""
     k = F.normalize(q, dim=-1)
     T = q.shape[2]
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = q @ k.transpose(-1, -2) * scale
     s = torch.where(torch.eye(T, dtype=torch.bool), torch.full_like(s, SELF_LOGIT), s)
     if causal:
         s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     return torch.softmax(s, -1) @ v
 
 
+@pytest.mark.filterwarnings("ignore:lsh with causal_routing=paper")
+@pytest.mark.parametrize("logit_scale", ["none", "rsqrt_head_dim"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("n_hashes", [1, 3])
-def test_one_chunk_equals_exact_shared_qk_attention_with_self_mask(causal, n_hashes):
-    """bucket_size >= seq_len: the whole (short) sequence is one chunk, whatever the buckets."""
+def test_one_chunk_equals_exact_shared_qk_attention_with_self_mask(causal, n_hashes, logit_scale):
+    """bucket_size >= seq_len: the whole (short) sequence is one chunk, whatever the buckets (the paper's
+    routing; the past-only one keeps only the query's bucket, see the oracle in test_causal_routing.py)."""
     T = 11
     q, v = shared_qk_inputs(T)
-    out = lsh(bucket_size=16, n_hashes=n_hashes)(q, F.normalize(q, dim=-1), v, causal=causal)
-    torch.testing.assert_close(out, exact_shared_qk(q, v, causal), atol=1e-5, rtol=1e-4)
+    mech = lsh(bucket_size=16, n_hashes=n_hashes, logit_scale=logit_scale, causal_routing="paper")
+    out = mech(q, F.normalize(q, dim=-1), v, causal=causal)
+    scale = 1.0 if logit_scale == "none" else 1 / math.sqrt(E)
+    torch.testing.assert_close(out, exact_shared_qk(q, v, causal, scale), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("n_buckets", [None, 6])

@@ -90,7 +90,15 @@ class LSHMechanismConfig(_Config):
     n_buckets: int | None = None
     """Buckets per round (even); default 2 * seq_len / bucket_size rounded to an even number >= 2."""
     seed: int = 0
-    """Seed of the random rotations; each layer derives its own from it, fixed for the model's life."""
+    """Seed of the fixed rotations (evaluation, and training with rotations=fixed); each layer derives its own."""
+    rotations: Literal["redraw", "fixed"] = "redraw"
+    """redraw: new rotations every training forward (trax, Hugging Face), replayed in a reversible backward;
+    fixed: one per layer from `seed` for the model's life. Evaluation always uses the fixed ones."""
+    logit_scale: Literal["none", "rsqrt_head_dim"] = "none"
+    """none: logits q.k/|k| (trax, Hugging Face); rsqrt_head_dim: q.k/|k|/sqrt(head_dim) (lucidrains)."""
+    causal_routing: Literal["past_only", "paper"] = "past_only"
+    """Under causal: past_only attends to the last bucket_size earlier keys of the query's own bucket (a
+    function of the past only); paper sorts and chunks the whole sequence, which LEAKS THE FUTURE."""
 
     @model_validator(mode="after")
     def _check(self) -> "LSHMechanismConfig":
@@ -124,6 +132,9 @@ class HyperMechanismConfig(_Config):
     """SimHash hyperplanes r (2^r buckets ordered along a Gray code); the official code uses 7."""
     seed: int = 0
     """Seed of the hyperplanes; each layer derives its own from it, fixed for the model's life."""
+    causal_routing: Literal["past_only", "paper"] = "past_only"
+    """Under causal: past_only places each query in the key order by its own hash (a function of the past
+    only); paper sorts the queries of a block together, which LEAKS THE FUTURE."""
 
     @model_validator(mode="after")
     def _check(self) -> "HyperMechanismConfig":

@@ -9,18 +9,28 @@ their log-sum-exp. Causal masking follows Algorithm 4: two causal diagonal halve
 block (all keys before all queries) is the non-causal algorithm; exact causal attention once a piece is no
 longer than `min_seq_len`. Inputs shorter than `min_seq_len` are exact.
 
+Causal routing (`causal_routing`). In the off-diagonal block every key is earlier than every query, but the
+paper's sortLSH sorts the block's QUERIES together, so a query's block of keys depends on how many later
+queries hash below it: the output leaks the future in value. `past_only` (the default) places each query in
+the sorted key order by its own hash (a search into the sorted key buckets, the middle of its bucket's run)
+and gives it the key block found there; queries are then grouped per key block (ceil(count / b) groups of b
+each, at most n/b + n_blocks groups), so the cost stays O(n b) and every piece is one batched exact attention.
+
 Differences from the official code (insuhan/hyper-attn), all deliberate (see docs/long_attention.md):
 - Buckets are ordered by the inverse Gray code, so neighbouring buckets differ in exactly one bit (the
   official `perm[code]` breaks this for 31 of 127 neighbours at r = 7).
 - The LSE is not detached: gradients flow through the merge weights.
 - Padding to a multiple of `block_size` uses masked keys sorted after every real key (the official zero
   padding adds keys with logit 0); key-padding masks are honoured, padded keys never sampled into a result.
-- Samples are drawn among real keys only, weighted by the real count n / m. Hyperplanes are a fixed function
-  of (seed, layer); in training the samples come from the global torch RNG (which reversible layers save and
-  replay), in evaluation from a per-layer generator, so validation numbers repeat.
+- Samples are drawn among real keys only, weighted by the real count n / m, independently per batch row, head
+  and call (so per recursion level) in training, from the global torch RNG (which reversible layers save and
+  replay). Evaluation draws from a per-(layer, level) generator shared by the rows of a batch, so validation
+  numbers repeat and do not depend on the batch. Hyperplanes are a fixed function of (seed, layer).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn as nn
@@ -31,6 +41,13 @@ from models.attention.exact import ExactMechanism
 from models.attention.lse import exact_attention, merge_lse
 
 _LAYER_SEED_STRIDE = 1_000_003
+_LEVEL_SEED_STRIDE = 7919  # evaluation samples: one generator seed per (layer, recursion level)
+
+PAPER_ROUTING_LEAK = (
+    "hyper with causal_routing=paper under a causal mask leaks the future: sortLSH sorts the queries of an "
+    "off-diagonal block together, so a query's keys depend on later queries and its output changes when later "
+    "inputs change; set model.attention.causal_routing=past_only for a causal model"
+)
 
 
 def gray_rank(code: torch.Tensor, bits: int) -> torch.Tensor:
@@ -65,6 +82,7 @@ class HyperMechanism(nn.Module):
         self.exact = ExactMechanism()
         self.block_size, self.sample_size = cfg.block_size, cfg.sample_size
         self.min_seq_len, self.bits = cfg.min_seq_len, cfg.lsh_bits
+        self.past_only = cfg.causal_routing == "past_only"
         layer_seed = cfg.seed + _LAYER_SEED_STRIDE * layer_index
         self.eval_seed = layer_seed + 1
         gen = torch.Generator().manual_seed(layer_seed)
@@ -98,12 +116,14 @@ class HyperMechanism(nn.Module):
         if causal:
             if T <= self.min_seq_len:
                 return self.exact(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS=key_padding_mask_BS, causal=True)
+            if not self.past_only:
+                warnings.warn(PAPER_ROUTING_LEAK, UserWarning, stacklevel=2)
             return self.causal(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS)[0]
         if longest_real_row(key_padding_mask_BS, T) < self.min_seq_len:
             return self.exact(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS=key_padding_mask_BS)
         return self.non_causal(q_BHTE, k_BHSE, v_BHSE, key_padding_mask_BS, key_padding_mask_BS)[0]
 
-    def non_causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN, query_padding_BN):
+    def non_causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN, query_padding_BN, level: int = 0):
         """(out [B, H, N, E], lse [B, H, N]); `query_padding_BN` only moves padded queries to the end."""
         B, H, N, E = q_BHNE.shape
         # The longest real row decides, so appending padding never switches a batch to the approximation.
@@ -134,42 +154,103 @@ class HyperMechanism(nn.Module):
         )
         out_s, lse_s = o_XbE.reshape(B, H, nb * b, E), lse_Xb.reshape(B, H, nb * b)
 
-        # (2) light part: m keys drawn uniformly, with replacement, from the real keys (sorted first), shared by
-        # the queries of a head; a sample inside the query's own block is already counted by (1), so it is
-        # masked out. Training draws from the global RNG (replayed by reversible layers); evaluation draws from
-        # the layer's own generator, so validation numbers repeat and do not depend on appended padding.
-        m = self.sample_size
-        if m > 0:
-            n_real_B = N - kpad_BHN[:, 0].sum(-1)  # padded keys per row (all heads share the mask)
-            u_BHM = self._uniform(B, H, m, q_BHNE.device)
-            j_BHM = (u_BHM * n_real_B[:, None, None]).long().clamp(max=N - 1)
-            k_J = torch.gather(k_s, 2, j_BHM[..., None].expand(B, H, m, E))
-            v_J = torch.gather(v_s, 2, j_BHM[..., None].expand(B, H, m, E))
-            block_t = torch.arange(nb, device=q_BHNE.device)
-            drop_BHTM = (j_BHM // b)[:, :, None, :] == block_t[None, None, :, None]
-            drop_BHTM = drop_BHTM | torch.gather(kpad_s, 2, j_BHM)[:, :, None, :]
-            o_res, lse_res = exact_attention(
-                q_XbE,
-                k_J[:, :, None].expand(B, H, nb, m, E).reshape(B * H * nb, 1, m, E),
-                v_J[:, :, None].expand(B, H, nb, m, E).reshape(B * H * nb, 1, m, E),
-                key_padding_mask=drop_BHTM.reshape(B * H * nb, m),
-            )
-            # Importance weight n / m of uniform sampling (n real keys of the row), applied in log space.
-            log_w_B11 = torch.log(n_real_B.clamp(min=1).float() / m)[:, None, None]
-            lse_res = lse_res.reshape(B, H, nb * b) + log_w_B11
-            out_s, lse_s = merge_lse(out_s, lse_s, o_res.reshape(B, H, nb * b, E), lse_res)
+        # (2) light part, merged through the LSE; query block t sits next to key block t.
+        if self.sample_size > 0:
+            o_res, lse_res = self.residual(q_s.view(B, H, nb, b, E), torch.arange(nb, device=q_BHNE.device)
+                                           .expand(B, H, nb), k_s, v_s, kpad_s, level)
+            out_s, lse_s = merge_lse(out_s, lse_s, o_res, lse_res)
 
         undo_BHN = torch.argsort(order_q_BHN, dim=-1)
         out = torch.gather(out_s[:, :, :N], 2, undo_BHN[..., None].expand(B, H, N, E))
         return out, torch.gather(lse_s[:, :, :N], 2, undo_BHN)
 
-    def _uniform(self, B: int, H: int, m: int, device: torch.device) -> torch.Tensor:
+    def residual(self, q_BHGbE, block_BHG, k_s, v_s, kpad_s, level: int):
+        """The sampled part (out [B, H, G*b, E], lse [B, H, G*b]) of query groups; group g saw key block
+        block_BHG[g] exactly. m keys drawn uniformly, with replacement, from the real keys (sorted first), per
+        (batch row, head); a sample inside the group's own key block is already counted there, so it is masked.
+        E[exp(lse)] = the row's sum of exp(logit) over the keys outside its block (importance weight n / m)."""
+        B, H, G, b, E = q_BHGbE.shape
+        m, n_keys = self.sample_size, k_s.shape[2]
+        n_real_B = n_keys - kpad_s[:, 0].sum(-1)  # real keys per row (all heads share the mask)
+        j_BHM = (self._uniform(B, H, m, q_BHGbE.device, level) * n_real_B[:, None, None]).long()
+        j_BHM = j_BHM.clamp(max=n_keys - 1)
+        k_J = torch.gather(k_s, 2, j_BHM[..., None].expand(B, H, m, E))
+        v_J = torch.gather(v_s, 2, j_BHM[..., None].expand(B, H, m, E))
+        drop_BHGM = (j_BHM // b)[:, :, None, :] == block_BHG[..., None]
+        drop_BHGM = drop_BHGM | torch.gather(kpad_s, 2, j_BHM)[:, :, None, :]
+        o_res, lse_res = exact_attention(
+            q_BHGbE.reshape(B * H * G, 1, b, E),
+            k_J[:, :, None].expand(B, H, G, m, E).reshape(B * H * G, 1, m, E),
+            v_J[:, :, None].expand(B, H, G, m, E).reshape(B * H * G, 1, m, E),
+            key_padding_mask=drop_BHGM.reshape(B * H * G, m),
+        )
+        # Importance weight n / m of uniform sampling (n real keys of the row), applied in log space.
+        log_w_B11 = torch.log(n_real_B.clamp(min=1).to(lse_res.dtype) / m)[:, None, None]
+        return o_res.reshape(B, H, G * b, E), lse_res.reshape(B, H, G * b) + log_w_B11
+
+    def _uniform(self, B: int, H: int, m: int, device: torch.device, level: int) -> torch.Tensor:
         if self.training:
             return torch.rand(B, H, m, device=device)
-        gen = torch.Generator().manual_seed(self.eval_seed)
+        gen = torch.Generator().manual_seed(self.eval_seed + _LEVEL_SEED_STRIDE * level)
         return torch.rand(1, H, m, generator=gen).to(device).expand(B, H, m)
 
-    def causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN):
+    def placed(self, q_BHME, k_BHNE, v_BHNE, key_padding_BN, level: int):
+        """Past-only routing of an off-diagonal block: (out [B, H, M, E], lse [B, H, M]). Keys are sorted by
+        bucket; a query goes to the key block holding the middle of its own bucket's run in that order (or
+        where its bucket would be), so what it sees depends on its own hash and on the keys only."""
+        B, H, M, E = q_BHME.shape
+        N = k_BHNE.shape[2]
+        if longest_real_row(key_padding_BN, N) < self.min_seq_len:
+            return exact_attention(q_BHME, k_BHNE, v_BHNE, key_padding_mask=key_padding_BN)
+        b, dev = self.block_size, q_BHME.device
+        nb = -(-N // b)
+        rank_k_BHN = self.bucket_rank(k_BHNE, key_padding_BN)
+        order_k_BHN = torch.argsort(rank_k_BHN * N + torch.arange(N, device=dev), dim=-1)
+        rank_ks_BHN = torch.gather(rank_k_BHN, 2, order_k_BHN)
+        k_s, v_s = (F.pad(torch.gather(x, 2, order_k_BHN[..., None].expand(B, H, N, E)), (0, 0, 0, nb * b - N))
+                    for x in (k_BHNE, v_BHNE))
+        kpad_BHN = torch.zeros(B, H, N, dtype=torch.bool, device=dev)
+        if key_padding_BN is not None:
+            kpad_BHN = torch.gather(key_padding_BN[:, None, :].expand(B, H, N), 2, order_k_BHN)
+        kpad_s = F.pad(kpad_BHN, (0, nb * b - N), value=True)
+        n_real_B11 = (N - kpad_BHN[:, 0].sum(-1))[:, None, None]
+
+        rank_q_BHM = self.bucket_rank(q_BHME, None)
+        lo = torch.searchsorted(rank_ks_BHN, rank_q_BHM, side="left")
+        hi = torch.searchsorted(rank_ks_BHN, rank_q_BHM, side="right")
+        block_BHM = torch.minimum((lo + hi) // 2, (n_real_B11 - 1).clamp(min=0)) // b
+        # Group the queries of each key block into ceil(count / b) groups of b slots (position order inside).
+        count_BHn = torch.zeros(B, H, nb, dtype=torch.long, device=dev).scatter_add_(
+            2, block_BHM, torch.ones_like(block_BHM))
+        groups_BHn = -(-count_BHn // b)
+        G = -(-M // b) + nb  # sum of ceil(count / b) <= M / b + nb
+        order_q_BHM = torch.argsort(block_BHM * M + torch.arange(M, device=dev), dim=-1)
+        block_sorted_BHM = torch.gather(block_BHM, 2, order_q_BHM)
+        first_query_BHn = torch.cumsum(count_BHn, -1) - count_BHn
+        first_group_BHn = torch.cumsum(groups_BHn, -1) - groups_BHn
+        rank_in_block = torch.arange(M, device=dev) - torch.gather(first_query_BHn, 2, block_sorted_BHM)
+        slot_sorted = torch.gather(first_group_BHn, 2, block_sorted_BHM) * b + rank_in_block
+        slot_BHM = torch.empty_like(slot_sorted).scatter_(2, order_q_BHM, slot_sorted)
+        block_BHG = torch.searchsorted(torch.cumsum(groups_BHn, -1),
+                                       torch.arange(G, device=dev).expand(B, H, G).contiguous(), right=True)
+        block_BHG = block_BHG.clamp(max=nb - 1)  # unused groups (no queries) read block nb - 1
+
+        q_slots = torch.zeros(B, H, G * b, E, dtype=q_BHME.dtype, device=dev).scatter(
+            2, slot_BHM[..., None].expand(B, H, M, E), q_BHME)
+        blocks = lambda x: torch.gather(  # noqa: E731  [B, H, nb*b, ...] -> the key block of every group
+            x.view(B, H, nb, b, *x.shape[3:]), 2, block_BHG.view(B, H, G, 1, *(1,) * (x.dim() - 3))
+            .expand(B, H, G, b, *x.shape[3:]))
+        out_s, lse_s = exact_attention(
+            q_slots.view(B * H * G, 1, b, E), blocks(k_s).reshape(B * H * G, 1, b, E),
+            blocks(v_s).reshape(B * H * G, 1, b, E), key_padding_mask=blocks(kpad_s).reshape(B * H * G, b))
+        out_s, lse_s = out_s.reshape(B, H, G * b, E), lse_s.reshape(B, H, G * b)
+        if self.sample_size > 0:
+            o_res, lse_res = self.residual(q_slots.view(B, H, G, b, E), block_BHG, k_s, v_s, kpad_s, level)
+            out_s, lse_s = merge_lse(out_s, lse_s, o_res, lse_res)
+        out = torch.gather(out_s, 2, slot_BHM[..., None].expand(B, H, M, E))
+        return out, torch.gather(lse_s, 2, slot_BHM)
+
+    def causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN, level: int = 0):
         """Algorithm 4: (out, lse) of causal attention by recursive halving."""
         B, H, N, E = q_BHNE.shape
         if N <= self.min_seq_len:
@@ -184,11 +265,15 @@ class HyperMechanism(nn.Module):
         h = (N + odd) // 2
         halves = lambda x: torch.cat([x[:, :, :h], x[:, :, h:]], dim=0)  # noqa: E731  (2B, H, h, E)
         pad_halves = None if key_padding_BN is None else torch.cat([key_padding_BN[:, :h], key_padding_BN[:, h:]])
-        out_d, lse_d = self.causal(halves(q_BHNE), halves(k_BHNE), halves(v_BHNE), pad_halves)
+        out_d, lse_d = self.causal(halves(q_BHNE), halves(k_BHNE), halves(v_BHNE), pad_halves, level + 1)
         # Off-diagonal block: queries of the second half see every key of the first half, unmasked.
         first_pad = None if key_padding_BN is None else key_padding_BN[:, :h]
         second_pad = None if key_padding_BN is None else key_padding_BN[:, h:]
-        out_off, lse_off = self.non_causal(q_BHNE[:, :, h:], k_BHNE[:, :, :h], v_BHNE[:, :, :h], first_pad, second_pad)
+        q_off, k_off, v_off = q_BHNE[:, :, h:], k_BHNE[:, :, :h], v_BHNE[:, :, :h]
+        if self.past_only:
+            out_off, lse_off = self.placed(q_off, k_off, v_off, first_pad, level)
+        else:
+            out_off, lse_off = self.non_causal(q_off, k_off, v_off, first_pad, second_pad, level)
         out_bot, lse_bot = merge_lse(out_d[B:], lse_d[B:], out_off, lse_off)
         out = torch.cat([out_d[:B], out_bot], dim=2)[:, :, :N]
         return out, torch.cat([lse_d[:B], lse_bot], dim=2)[:, :, :N]

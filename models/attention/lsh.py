@@ -7,18 +7,34 @@ and the previous chunk; `n_hashes` rounds are combined by their log-sum-exp (a s
 keys come from the shared-QK projection (keys unit-normalised); a token attends to itself only when nothing
 else is available, and causal masking compares original positions.
 
-Differences from the reference implementations, all deliberate (see docs/long_attention.md):
-- The rotations are a fixed function of (seed, layer): a reversible backward pass recomputes the same buckets
-  without caching them, and no global RNG is touched. Trax and lucidrains redraw them every call.
+Conventions of the authors' code (trax `efficient_attention.py`, Hugging Face `modeling_reformer.py`; cited in
+docs/long_attention.md): logits are q.k with k unit-normalised and no further 1/sqrt(d) (`logit_scale`), and
+training draws new rotations on every forward pass (`rotations`), replayed exactly by a reversible backward
+because they come from the global RNG, whose state models/reversible.py restores.
+
+Causal routing (`causal_routing`). The paper's chunks are cut from the sorted order of the WHOLE sequence, so
+which earlier keys a query sees depends on how many later tokens fall in lower buckets: the output leaks the
+future in value (not in gradient). `past_only` (the default under causal) lays the sorted sequence out so that
+every bucket starts a new chunk (its run padded with masked rows to a multiple of bucket_size); a query of
+bucket-rank r then sees the earlier tokens of its own bucket with rank >= bucket_size * (r // bucket_size - 1):
+its own chunk and the previous chunk of the same bucket, the paper's rule inside one bucket. The rank counts
+earlier tokens only, so the keys, and their place relative to the query in the layout (hence the rounding),
+depend on positions <= i only: the output is bit-for-bit a function of the past. The same chunked kernel runs
+on a layout about twice as long at the default n_buckets (a bucket holds ~bucket_size / 2 tokens).
+
+Other differences from the reference implementations, all deliberate (see docs/long_attention.md):
+- Evaluation uses rotations fixed per (seed, layer), so validation repeats (trax and HF redraw them there too).
 - Padded keys go to an extra last bucket and the first chunk does not look back cyclically, so appending
   padding leaves the outputs of real tokens unchanged; the default n_buckets counts each row's real tokens,
-  and rotation column c depends only on (seed, layer, c), so a row hashes the same alone or in a batch.
+  and rotation column c does not depend on the row's bucket count, so a row hashes the same alone or batched.
 - Any length works: the last chunk may be short; a sequence shorter than one chunk is one chunk (exact
   shared-QK attention with the self-mask).
 - Keys found by several rounds are counted once per round (lucidrains' default allow_duplicate_attention).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn as nn
@@ -27,6 +43,12 @@ from models.attention.config import LSHMechanismConfig, _AttentionConfig
 from models.attention.lse import chunked_attention, merge_lse_many
 
 _LAYER_SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for realistic depths
+
+PAPER_ROUTING_LEAK = (
+    "lsh with causal_routing=paper under a causal mask leaks the future: the chunks of the sorted sequence "
+    "depend on how many later tokens fall in lower buckets, so an output changes when later inputs change; "
+    "set model.attention.causal_routing=past_only for a causal model"
+)
 
 
 def default_n_buckets(seq_len: int, bucket_size: int) -> int:
@@ -45,6 +67,9 @@ class LSHMechanism(nn.Module):
         super().__init__()
         self.bucket_size, self.n_hashes, self.n_buckets = cfg.bucket_size, cfg.n_hashes, cfg.n_buckets
         self.head_dim, self.dropout = head_dim, dropout
+        self.redraw, self.causal_routing = cfg.rotations == "redraw", cfg.causal_routing
+        # trax/HF: the key is unit-normalised and the logit is q.k with no further scale; None = 1/sqrt(d).
+        self.scale = 1.0 if cfg.logit_scale == "none" else None
         self.layer_seed = cfg.seed + _LAYER_SEED_STRIDE * layer_index
         self._rotation_columns: list[torch.Tensor] = []  # a cache, not state: rebuilt from the seed on demand
 
@@ -55,21 +80,25 @@ class LSHMechanism(nn.Module):
         """The registry's builder (models/attention/registry.py)."""
         return cls(cfg, attention.head_dim, layer_index, attention.dropout)
 
-    def rotations(self, n_half: int, device: torch.device) -> torch.Tensor:
-        """R [n_hashes, E, n_half]: column c depends only on (seed, layer, c), so rows of a batch with fewer
-        buckets use a prefix of the same rotation and a sequence hashes the same alone or padded in a batch."""
+    def rotations(self, heads: int, n_half: int, device: torch.device) -> torch.Tensor:
+        """R [H, n_hashes, E, n_half]. Training with rotations=redraw draws them from the global RNG (one per
+        head and round, as HF), which a reversible backward replays; otherwise they are fixed: column c depends
+        only on (seed, layer, c), so a row with fewer buckets uses a prefix of the same rotation."""
+        if self.training and self.redraw:
+            return torch.randn(heads, self.n_hashes, self.head_dim, n_half, device=device)
         while len(self._rotation_columns) < n_half:
             c = len(self._rotation_columns)
             gen = torch.Generator().manual_seed(self.layer_seed * 7919 + c)
             self._rotation_columns.append(torch.randn(self.n_hashes, self.head_dim, generator=gen))
-        return torch.stack(self._rotation_columns[:n_half], dim=-1).to(device)
+        rot_REN = torch.stack(self._rotation_columns[:n_half], dim=-1).to(device)
+        return rot_REN.expand(heads, *rot_REN.shape)
 
     def buckets(self, k_BHTE: torch.Tensor, key_padding_mask_BT: torch.Tensor | None) -> torch.Tensor:
         """Bucket ids [B, H, R, T]; padded tokens get an id after every real bucket so they sort last.
 
         Without a fixed n_buckets each row gets 2 * (its real length) / bucket_size buckets.
         """
-        B, T = k_BHTE.shape[0], k_BHTE.shape[2]
+        B, H, T = k_BHTE.shape[:3]
         if self.n_buckets is not None:
             half_B = torch.full((B,), self.n_buckets // 2, device=k_BHTE.device)
         else:
@@ -77,8 +106,8 @@ class LSHMechanism(nn.Module):
             half_B = torch.tensor([default_n_buckets(max(int(n), 1), self.bucket_size) // 2 for n in real_B])
             half_B = half_B.to(k_BHTE.device)
         n_half = int(half_B.max())
-        rot_REN = self.rotations(n_half, k_BHTE.device).to(k_BHTE.dtype)
-        xr_BHRTN = torch.einsum("bhte,ren->bhrtn", k_BHTE, rot_REN)
+        rot_HREN = self.rotations(H, n_half, k_BHTE.device).to(k_BHTE.dtype)
+        xr_BHRTN = torch.einsum("bhte,hren->bhrtn", k_BHTE, rot_HREN)
         unused_B1111N = (torch.arange(n_half, device=k_BHTE.device) >= half_B[:, None])[:, None, None, None, :]
         xr_BHRTN = xr_BHRTN.masked_fill(unused_B1111N, float("-inf"))
         neg_BHRTN = (-xr_BHRTN).masked_fill(unused_B1111N, float("-inf"))
@@ -96,30 +125,58 @@ class LSHMechanism(nn.Module):
             raise ValueError("lsh attention is self-attention: queries and keys must have the same length "
                              f"(got {T} and {k_BHSE.shape[2]})")
         R = self.n_hashes
+        past_only = causal and self.causal_routing == "past_only"
+        if causal and not past_only:
+            warnings.warn(PAPER_ROUTING_LEAK, UserWarning, stacklevel=2)
         bucket_BHRT = self.buckets(k_BHSE.detach(), key_padding_mask_BS)
         pos_T = torch.arange(T, device=q_BHTE.device)
         # Sort by (bucket, position): one int64 key, stable because positions are distinct.
         order_BHRT = torch.argsort(bucket_BHRT * T + pos_T, dim=-1)
-        undo_BHRT = torch.argsort(order_BHRT, dim=-1)
+        if past_only:
+            slot_BHRT, L = self.bucket_aligned_slots(bucket_BHRT, order_BHRT)
+            # Shifting positions by -bucket * T makes the causal test (key <= query) also drop the keys of the
+            # lower bucket that may fill the previous chunk; inside a bucket it is the plain causal test.
+            positions_BHRT = pos_T - bucket_BHRT * T
+        else:
+            slot_BHRT, L, positions_BHRT = torch.argsort(order_BHRT, dim=-1), T, pos_T.expand(B, H, R, T)
 
-        def sort(x_BHTE: torch.Tensor) -> torch.Tensor:
-            idx = order_BHRT[..., None].expand(B, H, R, T, x_BHTE.shape[-1])
-            x_BHRTE = x_BHTE[:, :, None].expand(B, H, R, T, x_BHTE.shape[-1])
-            return torch.gather(x_BHRTE, 3, idx).reshape(B, H * R, T, x_BHTE.shape[-1])  # rounds as extra heads
+        def layout(x_BHRT_: torch.Tensor, fill: float | bool) -> torch.Tensor:
+            """[B, H, R, T, ...] -> [B, H * R, L, ...]: row slot[t] holds token t, the other rows `fill`."""
+            tail = x_BHRT_.shape[4:]
+            idx = slot_BHRT.view(B, H, R, T, *(1,) * len(tail)).expand(B, H, R, T, *tail)
+            out = torch.full((B, H, R, L, *tail), fill, dtype=x_BHRT_.dtype, device=x_BHRT_.device)
+            return out.scatter(3, idx, x_BHRT_).reshape(B, H * R, L, *tail)
 
-        pad_BHRT = None
+        rounds = lambda x_BHT_: x_BHT_[:, :, None].expand(B, H, R, *x_BHT_.shape[2:])  # noqa: E731
+        pad_BHT = torch.zeros(B, H, T, dtype=torch.bool, device=q_BHTE.device)
         if key_padding_mask_BS is not None:
-            pad_BHRT = torch.gather(key_padding_mask_BS[:, None, None, :].expand(B, H, R, T), 3, order_BHRT)
-            pad_BHRT = pad_BHRT.reshape(B, H * R, T)
-        out_BXTE, lse_BXT = chunked_attention(
-            sort(q_BHTE), sort(k_BHSE), sort(v_BHSE), self.bucket_size, lookback=1,
-            positions=order_BHRT.reshape(B, H * R, T), causal=causal, self_mask=True,
-            key_padding_mask=pad_BHRT, wrap=False, dropout_p=self.dropout if self.training else 0.0,
+            pad_BHT = key_padding_mask_BS[:, None, :].expand(B, H, T)
+        out_BXLE, lse_BXL = chunked_attention(
+            layout(rounds(q_BHTE), 0.0), layout(rounds(k_BHSE), 0.0), layout(rounds(v_BHSE), 0.0),
+            self.bucket_size, lookback=1, positions=layout(positions_BHRT, 0), causal=causal, self_mask=True,
+            key_padding_mask=layout(rounds(pad_BHT), True), wrap=False,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
         )
-        out_BHRTE = torch.gather(out_BXTE.view(B, H, R, T, E), 3, undo_BHRT[..., None].expand(B, H, R, T, E))
-        lse_BHRT = torch.gather(lse_BXT.view(B, H, R, T), 3, undo_BHRT)
+        out_BHRTE = torch.gather(out_BXLE.view(B, H, R, L, E), 3, slot_BHRT[..., None].expand(B, H, R, T, E))
+        lse_BHRT = torch.gather(lse_BXL.view(B, H, R, L), 3, slot_BHRT)
         out_BHTE, _ = merge_lse_many(out_BHRTE, lse_BHRT, dim=2)
         return out_BHTE
+
+    def bucket_aligned_slots(self, bucket_BHRT: torch.Tensor, order_BHRT: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Row of each token [B, H, R, T] in the (bucket, position) order with every bucket's run starting a new
+        chunk, and the layout's length L (the longest over rows, heads and rounds; one host sync)."""
+        C, T = self.bucket_size, bucket_BHRT.shape[-1]
+        n_ids = int(bucket_BHRT.max()) + 1
+        count_BHRN = torch.zeros(*bucket_BHRT.shape[:3], n_ids, dtype=torch.long, device=bucket_BHRT.device)
+        count_BHRN.scatter_add_(3, bucket_BHRT, torch.ones_like(bucket_BHRT))
+        chunks_BHRN = -(-count_BHRN // C)
+        first_row_BHRN = (torch.cumsum(chunks_BHRN, -1) - chunks_BHRN) * C
+        first_sorted_BHRN = torch.cumsum(count_BHRN, -1) - count_BHRN
+        sorted_bucket_BHRT = torch.gather(bucket_BHRT, 3, order_BHRT)
+        rank_BHRT = torch.arange(T, device=bucket_BHRT.device) - torch.gather(first_sorted_BHRN, 3, sorted_bucket_BHRT)
+        slot_sorted_BHRT = torch.gather(first_row_BHRN, 3, sorted_bucket_BHRT) + rank_BHRT
+        slot_BHRT = torch.empty_like(slot_sorted_BHRT).scatter_(3, order_BHRT, slot_sorted_BHRT)
+        return slot_BHRT, int(chunks_BHRN.sum(-1).max()) * C
 
     def attention_parameters(self) -> int:
         return 0
