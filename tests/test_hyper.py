@@ -186,3 +186,82 @@ def test_hyper_as_a_mechanism_of_mhe_projections_trains_a_step():
     loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("path", ["sorted-queries", "placed-queries"])
+def test_sampled_row_sum_is_unbiased(path):
+    """E[exp(lse)] over the sample draws is the exact row sum: block keys exactly, the rest estimated by
+    n / m times the sampled terms outside the query's block (Algorithm 2's d_i, practical version). A dropped
+    or inverted n / m weight, or samples not masked inside the block, miss by many standard errors."""
+    N, draws = 64, 3000
+    q, k, v = (x[:1].double() for x in qkv(N, seed=13, scale=0.5))
+    mech = hyper(block_size=8, sample_size=8, min_seq_len=16, lsh_bits=3).double().train()
+    torch.manual_seed(0)
+    run = (lambda: mech.non_causal(q, k, v, None, None)[1]) if path == "sorted-queries" else (
+        lambda: mech.placed(q, k, v, None, 0)[1])
+    sums = torch.stack([run().exp() for _ in range(draws)])  # [draws, 1, H, N]
+    exact = exact_attention(q, k, v)[1].exp()
+    mean, stderr = sums.mean(0), sums.std(0) / draws**0.5
+    z = (mean - exact) / stderr.clamp(min=1e-12)
+    assert z.abs().max() < 5.0, f"largest |z| {z.abs().max():.1f}"
+    assert ((mean - exact).abs() / exact).max() < 0.05
+
+
+@pytest.mark.parametrize("routing", ["past_only", "paper"])
+def test_causal_with_blocks_covering_every_piece_equals_exact_causal_attention(routing):
+    """block_size >= every off-diagonal piece: each is one exact block and every sample falls inside it (so is
+    dropped); the recursion (44 -> 22 -> 11, odd, -> 6) must then give exact causal attention, output and lse,
+    at every level. Merging the wrong half, or a wrong odd-length pad, fails it."""
+    T = 44
+    q, k, v = qkv(T, seed=17, dtype=torch.float64)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[1, 39:] = True
+    mech = hyper(block_size=32, sample_size=8, min_seq_len=8, lsh_bits=2, causal_routing=routing).double()
+    out, lse = mech.train().causal(q, k, v, mask)
+    ref, ref_lse = exact_attention(q, k, v, causal=True, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+
+
+def test_mechanism_orders_buckets_so_that_neighbours_differ_in_one_bit():
+    """Through the mechanism's own hashing (not only the helper): sorting by bucket_rank walks the codes of
+    the sign bits against its hyperplanes along a Gray path. A binary order (rank = code) fails."""
+    mech = hyper(lsh_bits=4)
+    x = torch.randn(1, 1, 4000, E, generator=torch.Generator().manual_seed(3))
+    code = ((x @ mech.hyperplanes > 0).long() << torch.arange(4)).sum(-1).flatten()
+    rank = mech.bucket_rank(x, None).flatten()
+    walk = torch.unique_consecutive(code[torch.argsort(rank, stable=True)])
+    assert len(walk) == 16  # every code seen once, in rank order
+    flips = walk[1:] ^ walk[:-1]
+    assert torch.all((flips & (flips - 1)) == 0)
+
+
+def test_training_samples_differ_across_batch_rows():
+    """Two identical rows of a batch get independent samples in training (the paper samples independently)."""
+    q, k, v = (x[:1].expand(2, H, 64, E) for x in qkv(64, seed=4))
+    mech = hyper(block_size=8, sample_size=8, min_seq_len=16, lsh_bits=3).train()
+    out = mech(q, k, v)
+    assert not torch.equal(out[0], out[1])
+    assert torch.equal(mech.eval()(q, k, v)[0], mech.eval()(q, k, v)[1])  # evaluation: shared, repeatable
+
+
+def test_past_only_placement_gives_each_query_the_key_block_at_its_own_bucket():
+    """Oracle of the past-only routing of an off-diagonal block (samples off): keys sorted by (bucket rank,
+    position); a query's block is the one holding the middle of its bucket's run of keys, so it sees exactly
+    those b keys. A query placed one block off, or by the other queries, fails it."""
+    M, N, b = 20, 32, 8
+    q, k, v = (x[:1].double() for x in qkv(N, seed=19))
+    q = q[:, :, :M]
+    mech = hyper(block_size=b, sample_size=0, min_seq_len=4, lsh_bits=3).double()
+    out, lse = mech.placed(q, k, v, None, 0)
+    rank_k, rank_q = mech.bucket_rank(k, None), mech.bucket_rank(q, None)
+    for h in range(H):
+        order = sorted(range(N), key=lambda j: (int(rank_k[0, h, j]), j))
+        ranks = [int(rank_k[0, h, j]) for j in order]
+        for i in range(M):
+            r = int(rank_q[0, h, i])
+            lo, hi = sum(x < r for x in ranks), sum(x <= r for x in ranks)
+            keys = order[(min((lo + hi) // 2, N - 1) // b) * b:][:b]
+            ref, ref_lse = exact_attention(q[:, h:h + 1, i:i + 1], k[:, h:h + 1, keys], v[:, h:h + 1, keys])
+            torch.testing.assert_close(out[0, h, i], ref[0, 0, 0], atol=1e-12, rtol=1e-10)
+            torch.testing.assert_close(lse[0, h, i], ref_lse[0, 0, 0], atol=1e-12, rtol=1e-10)

@@ -151,3 +151,87 @@ def test_bad_knobs_fail_naming_the_field(knobs, field):
 def test_lsh_is_not_offered_as_a_mechanism_of_other_projection_schemes():
     with pytest.raises(ValidationError, match="lsh"):
         ModelConfig(d_model=16, attention={"kind": "mha", "heads": 2, "mechanism": {"kind": "lsh"}})
+
+
+def lsh_dense_oracle(mech: LSHMechanism, q, k, v, mask, causal: bool, routing: str, scale: float = 1.0):
+    """LSH attention written out with dense T x T masks, independently of the mechanism's sort and layout.
+
+    Per round r: bucket = argmax([kR; -kR]) over the mechanism's rotations (padded keys: an extra bucket);
+    paper routing: chunk = (rank in the (bucket, position) order) // C, a query sees its chunk and the previous
+    one; past-only routing (causal): a query of bucket-rank n sees the earlier keys of its own bucket with
+    bucket-rank >= C * (n // C - 1). Then padding, causal and the self-logit, a softmax with its log-sum-exp,
+    and the rounds merged by a softmax over their log-sum-exps (Reformer Sec. 2.3)."""
+    B, H, T, _ = q.shape
+    C, n_buckets = mech.bucket_size, mech.n_buckets
+    rot = mech.rotations(H, n_buckets // 2, q.device).to(q.dtype)  # [H, R, E, n_half]
+    xr = torch.einsum("bhte,hren->bhrtn", k, rot)
+    bucket = torch.cat([xr, -xr], -1).argmax(-1)  # [B, H, R, T]
+    pad = torch.zeros(B, T, dtype=torch.bool) if mask is None else mask
+    bucket = bucket.masked_fill(pad[:, None, None, :], n_buckets)
+    pos = torch.arange(T)
+    outs, lses = [], []
+    for r in range(mech.n_hashes):
+        out_r = torch.zeros_like(q)
+        lse_r = torch.zeros(B, H, T, dtype=q.dtype)
+        for b in range(B):
+            for h in range(H):
+                bk = bucket[b, h, r]
+                if routing == "past_only" and causal:
+                    same = bk[:, None] == bk[None, :]
+                    rank = torch.tensor([int((bk[:i] == bk[i]).sum()) for i in range(T)])
+                    visible = same & (rank[None, :] >= C * (rank[:, None] // C - 1))
+                else:
+                    sorted_rank = torch.argsort(torch.argsort(bk * T + pos))
+                    chunk = sorted_rank // C
+                    visible = (chunk[None, :] == chunk[:, None]) | (chunk[None, :] == chunk[:, None] - 1)
+                masked = ~visible | pad[b][None, :]
+                if causal:
+                    masked = masked | (pos[None, :] > pos[:, None])
+                s = (q[b, h] @ k[b, h].T) * scale
+                s = torch.where(torch.eye(T, dtype=torch.bool), torch.full_like(s, SELF_LOGIT), s)
+                s = s.masked_fill(masked, float("-inf"))
+                lse_r[b, h] = torch.logsumexp(s, -1)
+                out_r[b, h] = torch.softmax(s, -1) @ v[b, h]
+        outs.append(out_r)
+        lses.append(lse_r)
+    w = torch.softmax(torch.stack(lses), dim=0)  # [R, B, H, T]
+    return (w[..., None] * torch.stack(outs)).sum(0)
+
+
+@pytest.mark.filterwarnings("ignore:lsh with causal_routing=paper")
+@pytest.mark.parametrize(
+    "causal, routing", [(False, "past_only"), (True, "past_only"), (True, "paper")],
+    ids=["bidirectional", "causal-past-only", "causal-paper"],
+)
+def test_mechanism_equals_the_dense_mask_oracle(causal, routing):
+    """Exact agreement (float64) with hashing, sorting, windows, self-mask, causal mask, padding and the LSE
+    merge over rounds written out densely: look-back 0 or 2, a plain mean over rounds, a missing self-mask or a
+    leaky window all fail it. 4 buckets over 37 tokens: buckets hold more than one chunk, so the window binds."""
+    T = 37
+    q, v = shared_qk_inputs(T, seed=21, scale=2.0)
+    q, v = q.double(), v.double()
+    k = F.normalize(q, dim=-1)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[1, 30:] = True
+    mech = lsh(bucket_size=4, n_hashes=3, n_buckets=4, causal_routing=routing).double()
+    out = mech(q, k, v, key_padding_mask_BS=mask, causal=causal)
+    ref = lsh_dense_oracle(mech, q, k, v, mask, causal, routing)
+    real = ~mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], ref[real], atol=1e-12, rtol=1e-10)
+
+
+def test_rotations_are_redrawn_every_training_forward_and_fixed_in_evaluation():
+    """trax and Hugging Face draw new rotations on every forward pass; ours come from the global RNG in training
+    (so a reversible backward, which restores it, replays them) and from (seed, layer) in evaluation."""
+    q, v = shared_qk_inputs(32, scale=3.0)
+    k = F.normalize(q, dim=-1)
+    mech = lsh(bucket_size=4, n_hashes=2).train()
+    torch.manual_seed(0)
+    a = mech(q, k, v)
+    torch.manual_seed(0)
+    assert torch.equal(mech(q, k, v), a)  # same RNG state, same rotations
+    assert not torch.equal(mech(q, k, v), a)  # the next call draws new ones
+    mech.eval()
+    assert torch.equal(mech(q, k, v), mech(q, k, v))
+    fixed = lsh(bucket_size=4, n_hashes=2, rotations="fixed")
+    assert torch.equal(fixed.train()(q, k, v), fixed.eval()(q, k, v))
