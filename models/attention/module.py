@@ -26,6 +26,14 @@ class Attention(nn.Module):
         self.compresses_context = projection.projects_compressed_context and bool(
             getattr(mechanism, "compresses_context", False)
         )
+        # Linformer sharing=none holds one E, F per head; sha attends with one head, so they would not fit.
+        per_head = getattr(getattr(mechanism, "E", None), "heads", None)
+        if per_head is not None and per_head != projection.attended_heads:
+            raise ValueError(
+                f"model.attention.kind={kind} attends with {projection.attended_heads} head(s) but its mechanism "
+                f"holds per-head projections for {per_head} (linformer sharing=none); use sharing=headwise, "
+                "which is the same thing for one head"
+            )
 
     @property
     def supports_causal(self) -> bool:

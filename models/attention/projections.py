@@ -4,8 +4,9 @@ The schemes differ only in which matrices exist, which is exactly what the MHE p
 (Xue & Aletras, 2023, arXiv 2310.07911, Table 4). Parameter counts follow its convention: projection
 weights including the output projection, no biases (our projections have none, so every weight counts).
 
-Every scheme returns q_BHTE and k_BHSE / v_BHSE with the same head count H, so mechanisms never need to
-know about grouped or shared heads: grouped K/V heads are broadcast to their query heads here.
+Every scheme returns q_BHTE and k_BHSE / v_BHSE with the same head count, so mechanisms never need to
+know about grouped or shared heads: grouped K/V heads are broadcast to their query heads here. That count is
+H for every scheme but sha, which attends with its one head (H = 1 in the mechanism's shapes).
 
 Keys and values come in two steps: `keys_values` gives them compact (G <= H stored heads, e.g. G = 1 for
 mqa, the shared seed head for mhe), each position from its own input row only, and `expand_heads` turns them
@@ -83,6 +84,11 @@ class ProjectionScheme(nn.Module):
         assert cfg.d_model is not None
         self.d_model, self.heads, self.head_dim = cfg.d_model, cfg.heads, cfg.head_dim
         self.out = nn.Linear(self.d_model, self.d_model, bias=False)
+
+    @property
+    def attended_heads(self) -> int:
+        """Heads the mechanism receives: H, or 1 for sha."""
+        return self.heads
 
     def queries(self, x_BTD: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -174,10 +180,14 @@ class ELAttProjection(ProjectionScheme):
 class HeadEmbeddingProjection(ProjectionScheme):
     """mhe, and sha as its special case without head embeddings.
 
-    One shared d_model x d_head "seed" projection for each of Q, K, V (MHE eq. 4); head i sees
-    psi(A, e_i): A + e_i (add) or A * (1 + e_i) (mul), MHE eq. 5 and Sec. 3.2. Without embeddings every
-    head is the same single head, so sha is one head of dim d_head broadcast to the heads' slots of a
-    d_model x d_model W^O, which gives the paper's SHA count 3 d_m d_h + d_m^2 exactly.
+    One shared d_model x d_head "seed" projection for each of Q, K, V (MHE eq. 4); under mhe head i sees
+    psi(A, e_i): A + e_i (add) or A * (1 + e_i) (mul), MHE eq. 5 and Sec. 3.2, so its H heads differ.
+
+    sha (no embeddings) attends with ONE head of dim d_head: the mechanism receives q, k, v with 1 head.
+    W^O is still stored as d_model x d_model, the slots of H heads, which gives the paper's SHA count
+    3 d_m d_h + d_m^2 exactly (its SHA is MHE without embeddings). H identical heads concatenated then W^O
+    equal the one head times the sum of W^O's H column blocks: [o, ..., o] W^O^T = o (sum_h W^O_h)^T, so
+    `output` maps d_head -> d_model with that sum and the attention core costs one head, not H.
     """
 
     def __init__(self, cfg: MHEConfig | SHAConfig):
@@ -193,9 +203,13 @@ class HeadEmbeddingProjection(ProjectionScheme):
             self.e_k = nn.Parameter(torch.randn(self.heads, self.head_dim) * cfg.init_std)
             self.e_v = nn.Parameter(torch.randn(self.heads, self.head_dim) * cfg.init_std)
 
+    @property
+    def attended_heads(self) -> int:
+        return self.heads if self.mode is not None else 1
+
     def _per_head(self, a_B1TE: torch.Tensor, e_HE: torch.Tensor | None) -> torch.Tensor:
-        if e_HE is None:
-            return a_B1TE.expand(-1, self.heads, -1, -1)
+        if e_HE is None:  # sha: the one head as it is
+            return a_B1TE
         e_1H1E = e_HE[None, :, None, :]
         return a_B1TE + e_1H1E if self.mode == "add" else a_B1TE * (1 + e_1H1E)
 
@@ -209,6 +223,15 @@ class HeadEmbeddingProjection(ProjectionScheme):
     def expand_heads(self, k_B1SE, v_B1SE):
         e_k, e_v = (self.e_k, self.e_v) if self.mode else (None, None)
         return self._per_head(k_B1SE, e_k), self._per_head(v_B1SE, e_v)
+
+    def output(self, o_BHTE: torch.Tensor) -> torch.Tensor:
+        if self.mode is not None:
+            return super().output(o_BHTE)
+        # sha: o_B1TE (one head) through W^O's column blocks summed, d_head -> d_model
+        if o_BHTE.shape[1] != 1:
+            raise ValueError(f"sha attends with one head, but its mechanism returned {o_BHTE.shape[1]} heads")
+        w_DHE = self.out.weight.view(self.d_model, self.heads, self.head_dim)
+        return F.linear(o_BHTE[:, 0], w_DHE.sum(1))  # B, T, D
 
 
 class SharedQKProjection(ProjectionScheme):
