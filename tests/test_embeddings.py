@@ -150,3 +150,30 @@ def test_adaptive_cutoff_beyond_the_vocabulary_is_refused():
     cfg = ModelConfig(d_model=D, embedding={"kind": "adaptive", "cutoffs": [10, V]}).embedding
     with pytest.raises(ValueError, match="model.embedding.cutoffs"):
         AdaptiveInput(cfg, V, D)
+
+
+def _define_reference(emb: DeFINEEmbedding, tokens_BT: torch.Tensor) -> torch.Tensor:
+    """DeFINE with split-and-mix written out group by group (Sec. 3.3, Fig. 2c): in layers l > 1, group j's
+    matrix reads [chunk j of e_i, chunk j of h], not a chunk of the plain concatenation [e_i, h]."""
+    e_NI = emb.table(tokens_BT).flatten(0, 1)
+    h_NK = e_NI
+    for layer_index, (layer, g) in enumerate(zip(emb.expand, emb.cfg.groups())):
+        outs = []
+        for j in range(g):
+            e_j, h_j = e_NI.chunk(g, -1)[j], h_NK.chunk(g, -1)[j]
+            x_j = h_j if layer_index == 0 else torch.cat([e_j, h_j], -1)
+            outs.append(x_j @ layer.weight[j])
+        h_NK = torch.nn.functional.gelu(torch.cat(outs, -1))
+    return emb.norm(emb.reduce(h_NK)).view(*tokens_BT.shape, -1)
+
+
+def test_define_mix_equals_the_group_by_group_reference_and_differs_from_concat():
+    torch.manual_seed(0)
+    mix = DeFINEEmbedding(define_cfg(skip="mix").embedding, V, D, tie_output=False).double()
+    concat = DeFINEEmbedding(define_cfg(skip="concat").embedding, V, D, tie_output=False).double()
+    concat.load_state_dict(mix.state_dict())  # same shapes: only the wiring of e_i into the groups differs
+    assert mix.cfg.groups()[1] > 1  # layer 2 has several groups, where mix and concat disagree
+    tokens = torch.randint(0, V, (3, 7))
+    expected = _define_reference(mix, tokens)
+    torch.testing.assert_close(mix(tokens), expected)
+    assert not torch.allclose(concat(tokens), expected, atol=1e-3)
