@@ -1,7 +1,8 @@
 """Translation decoding speed: beam search over a key/value cache against rerunning the decoder over the prefix.
 
 The model of a translation spec (configs/multi30k.yaml by default), with random weights or a trained checkpoint
-(`--checkpoint`, a file holding {"model": state_dict} such as the recipe runner's best.pt), translates the
+(`--checkpoint`: a run's checkpoint folder, its exported `evaluation/model` folder, or a file holding
+{"model": state_dict}), translates the
 first `--sentences` sources of the spec's evaluation split through `TranslationTask.translate` (the task's own
 length-sorted batches, beam size and length limits), once with `incremental=False` (full recomputation: every
 step reruns the decoder and the output layer over the whole prefix) and once with `incremental=True` (one
@@ -12,7 +13,7 @@ until its whole batch is done (the behaviour before that change, same hypotheses
 
     python -m benchmarks.decoding configs/multi30k.yaml --out benchmarks/results --sentences 200 --threads 1
     python -m benchmarks.decoding configs/multi30k.yaml --out benchmarks/results --sentences 200 --threads 1 \\
-        --checkpoint runs/recipes/multi30k/best.pt
+        --checkpoint runs/multi30k-de-en/evaluation/model
     python -m benchmarks.decoding configs/multi30k.yaml --out /tmp/bench task.beam_size=5   # dotted overrides
 """
 
@@ -25,12 +26,24 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Row, interleaved_medians, results_dir, write_csv
+from orchestrator.checkpoint import read_checkpoint
+from orchestrator.export import load_model
 from orchestrator.spec import load_spec
 from tasks import WorkerContext, build_task
 from tasks.translation import corpus_scores
 
 PATHS = {"full_recompute": False, "kv_cache": True}
 """Row name -> beam_search's `incremental`."""
+
+
+def trained_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The state dict of an export folder (model.safetensors), a checkpoint folder (state.pt) or a file."""
+    path = Path(path)
+    if (path / "model.json").is_file():
+        return load_model(path).state_dict()
+    if path.is_dir():
+        return read_checkpoint(path).model
+    return torch.load(path, map_location=device, weights_only=False)["model"]
 
 
 def run(spec_path: str, overrides: list[str], *, sentences: int, repeats: int, checkpoint: Path | None,
@@ -43,7 +56,7 @@ def run(spec_path: str, overrides: list[str], *, sentences: int, repeats: int, c
     torch.manual_seed(seed)
     model = task.build_model()
     if checkpoint is not None:
-        model.load_state_dict(torch.load(checkpoint, map_location=device, weights_only=False)["model"])
+        model.load_state_dict(trained_weights(checkpoint, device))
     model.eval()
     sources = task._eval_pairs()[0][:sentences]
     references = task.eval_data.references[: len(sources)]
