@@ -53,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                                           "<split>/* metrics to its MLflow run, outputs to <run>/evaluation/")
     evaluate.add_argument("name", help="the run's or sweep's name (its folder under the storage path)")
     evaluate.add_argument("--split", choices=("test", "validation"), default="test")
-    evaluate.add_argument("--checkpoint", choices=("best", "latest"), default="best",
-                          help="best by the spec's metric (tune.metric), or the latest")
+    evaluate.add_argument("--checkpoint", default="best",
+                          help="best (by the spec's tune.metric), latest, all (every kept checkpoint, in step "
+                               "order), or a kept checkpoint's folder name such as checkpoint_000002750")
     evaluate.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
     sub.add_parser("report", help="PRR / PEoP tables and plots from MLflow (see `orchestrator report -h`)",
                    add_help=False)

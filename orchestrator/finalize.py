@@ -16,7 +16,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow.fs
 
@@ -24,7 +24,8 @@ from orchestrator.evaluation import Evaluation, evaluate_checkpoint, split_task_
 from orchestrator.spec import ExperimentSpec
 from orchestrator.tracking import MlflowTracker
 
-Which = Literal["best", "latest"]
+Which = str
+"""best | latest | a kept checkpoint's folder name (checkpoint_000002750); `evaluate_stored` also takes all."""
 EVALUATION_DIR = "evaluation"
 """Sub-folder of a run's storage folder with the outputs of its final evaluation."""
 
@@ -48,6 +49,13 @@ def choose_checkpoint(result: Any, spec: ExperimentSpec, which: Which, split: st
     if which == "best" and spec.task.eval_split == split:
         which, note = "latest", (f"task.eval_split is {split!r}: the best checkpoint was chosen on that split, "
                                  "so the latest is scored instead")
+    if which not in ("best", "latest"):
+        kept = {Path(c.path).name: (c, m) for c, m in (result.best_checkpoints or [])}
+        if which not in kept:
+            raise ValueError(f"--checkpoint {which!r} is not kept in this run; kept: {', '.join(sorted(kept))}, "
+                             "or best, latest, all")
+        checkpoint, metrics = kept[which]
+        return ChosenCheckpoint(checkpoint.path, which, dict(metrics), note)
     if which == "best":
         scored = [(c, m) for c, m in (result.best_checkpoints or []) if m.get(spec.metric) is not None]
         if scored:
@@ -160,15 +168,20 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
         with _checkpoint_dir(result.checkpoint.path) as directory:
             state = read_checkpoint(Path(directory))
         spec = ExperimentSpec.model_validate(state.spec)
-        chosen = choose_checkpoint(result, spec, which, split)
-        if chosen.note:
-            print(f"[{label}] {chosen.note}")
-        print(f"[{label}] scoring the {chosen.which} checkpoint {Path(chosen.path).name} on the {split} split")
+        if which == "all":  # every kept checkpoint, in step order: a learning curve on the whole split
+            names = sorted(Path(c.path).name for c, _ in (result.best_checkpoints or []))
+            choices = [(choose_checkpoint(result, spec, name, split), f"{EVALUATION_DIR}/{name}") for name in names]
+        else:
+            choices = [(choose_checkpoint(result, spec, which, split), EVALUATION_DIR)]
         cache = cache_dir or (str(Path(storage) / ".cache") if "://" not in storage else
                               str(Path.home() / ".cache" / "attention-orchestrator"))
-        metrics = score_and_log(spec, chosen, split, cache_dir=cache, run_id=state.mlflow_run_id,
-                                destination=f"{run_path}/{EVALUATION_DIR}", export=False)
-        print(f"[{label}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-        out.append({"label": label, "checkpoint": chosen.path, "which": chosen.which, "metrics": metrics,
-                    "outputs": f"{run_path}/{EVALUATION_DIR}"})
+        for chosen, folder in choices:
+            if chosen.note:
+                print(f"[{label}] {chosen.note}")
+            print(f"[{label}] scoring the {chosen.which} checkpoint {Path(chosen.path).name} on the {split} split")
+            metrics = score_and_log(spec, chosen, split, cache_dir=cache, run_id=state.mlflow_run_id,
+                                    destination=f"{run_path}/{folder}", export=False)
+            print(f"[{label}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            out.append({"label": label, "checkpoint": chosen.path, "which": chosen.which, "metrics": metrics,
+                        "outputs": f"{run_path}/{folder}"})
     return out

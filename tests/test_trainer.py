@@ -138,3 +138,11 @@ def test_exported_model_loads_without_the_project_state_and_predicts_the_same(tm
 def test_export_folder_without_config_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.json"):
         load_model(Path(tmp_path))
+
+
+def test_a_kept_checkpoint_is_chosen_by_name_and_an_unknown_name_lists_the_kept_ones():
+    result = _result({2: 10.0, 4: 30.0, 6: 20.0})
+    chosen = choose_checkpoint(result, _translation_spec(), "checkpoint_000000002", "test")
+    assert chosen.path.endswith("checkpoint_000000002") and chosen.metrics["val/bleu"] == 10.0
+    with pytest.raises(ValueError, match="checkpoint_000000004"):
+        choose_checkpoint(result, _translation_spec(), "checkpoint_000000003", "test")
