@@ -5,7 +5,8 @@ that run logged, so no number in RESULTS.md is copied by hand:
 
 - `<stem>.final.json`: the `test/*` metrics of the final evaluation, `best/*`, the parameter counts, the
   steps, the wall-clock seconds from the first to the last training metric, the run id and the command;
-- `<stem>.curve.csv`: every evaluation (step, val/* metrics) and the train/loss logged at that step;
+- `<stem>.curve.csv`: every evaluation (step, val/* metrics, and validation/* from `orchestrator evaluate --split
+  validation --checkpoint all`) and the train/loss logged at that step;
 - `<stem>.test.hyp`: the test hypotheses the final evaluation scored (translation), from
   `<storage>/<run>/evaluation/`.
 
@@ -44,7 +45,7 @@ def summarise(uri: str, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any
         "test.checkpoint": run_tags(uri, run_id).get("test.checkpoint"),
         **{k: v for k, v in last.items() if k.startswith(("test/", "best/"))},
     }
-    val_keys = sorted(k for k in keys if k.startswith("val/"))
+    val_keys = sorted(k for k in keys if k.startswith(("val/", "validation/")))  # validation/*: evaluate --split validation
     by_step: dict[int, dict[str, Any]] = {}
     for key in val_keys:
         for step, value, _ in history[key]:
