@@ -32,13 +32,17 @@ EVALUATION_DIR = "evaluation"
 
 @dataclass(frozen=True)
 class ChosenCheckpoint:
-    path: str
-    """The checkpoint folder (local path or URI under the storage path)."""
+    checkpoint: Any
+    """The ray.train.Checkpoint: its path and the filesystem it lives on (local, or remote storage)."""
     which: Which
     """What was actually taken (latest when best was asked but selection would see the scored split)."""
     metrics: dict[str, Any]
     """The report that came with it."""
     note: str = ""
+
+    @property
+    def path(self) -> str:
+        return self.checkpoint.path
 
 
 def choose_checkpoint(result: Any, spec: ExperimentSpec, which: Which, split: str) -> ChosenCheckpoint | None:
@@ -55,36 +59,31 @@ def choose_checkpoint(result: Any, spec: ExperimentSpec, which: Which, split: st
             raise ValueError(f"--checkpoint {which!r} is not kept in this run; kept: {', '.join(sorted(kept))}, "
                              "or best, latest, all")
         checkpoint, metrics = kept[which]
-        return ChosenCheckpoint(checkpoint.path, which, dict(metrics), note)
+        return ChosenCheckpoint(checkpoint, which, dict(metrics), note)
     if which == "best":
         scored = [(c, m) for c, m in (result.best_checkpoints or []) if m.get(spec.metric) is not None]
         if scored:
             pick = (min if spec.mode == "min" else max)(scored, key=lambda cm: cm[1][spec.metric])
-            return ChosenCheckpoint(pick[0].path, "best", dict(pick[1]), note)
+            return ChosenCheckpoint(pick[0], "best", dict(pick[1]), note)
         which, note = "latest", f"no checkpoint reported {spec.metric}; the latest is scored"
-    return ChosenCheckpoint(result.checkpoint.path, which, dict(result.metrics or {}), note)
+    return ChosenCheckpoint(result.checkpoint, which, dict(result.metrics or {}), note)
 
 
-def _upload(local_dir: Path, destination: str) -> None:
-    """Copy a local folder to `destination` (a local path or a storage URI such as s3://...)."""
-    fs, path = pyarrow.fs.FileSystem.from_uri(destination) if "://" in destination else (
-        pyarrow.fs.LocalFileSystem(), str(Path(destination).resolve()))
-    fs.create_dir(path, recursive=True)
+def upload(local_dir: Path, filesystem: pyarrow.fs.FileSystem, path: str) -> None:
+    """Copy a local folder to `path` on `filesystem` (a run's storage: local, or remote such as S3, where
+    Ray's paths carry no scheme and only the filesystem says where they are)."""
+    filesystem.create_dir(path, recursive=True)
     pyarrow.fs.copy_files(str(local_dir), path, source_filesystem=pyarrow.fs.LocalFileSystem(),
-                          destination_filesystem=fs)
-
-
-def _checkpoint_dir(path: str):
-    """A local folder with the checkpoint's files (downloaded first when it lives in remote storage)."""
-    from ray.train import Checkpoint
-
-    return Checkpoint(path).as_directory()
+                          destination_filesystem=filesystem)
 
 
 def score_and_log(spec: ExperimentSpec, chosen: ChosenCheckpoint, split: str, *, cache_dir: str,
-                  run_id: str | None, destination: str | None, export: bool) -> dict[str, float]:
-    """Score `chosen` on `split`, log metrics and files to the MLflow run, copy files to `destination`."""
-    with _checkpoint_dir(chosen.path) as directory, tempfile.TemporaryDirectory(prefix="evaluation-") as out:
+                  run_id: str | None, destination: tuple[pyarrow.fs.FileSystem, str] | None,
+                  export: bool) -> dict[str, float]:
+    """Score `chosen` on `split`, log metrics and files to the MLflow run, copy files to `destination`
+    (filesystem, path)."""
+    # as_directory downloads the checkpoint first when it lives in remote storage.
+    with chosen.checkpoint.as_directory() as directory, tempfile.TemporaryDirectory(prefix="evaluation-") as out:
         evaluation: Evaluation = evaluate_checkpoint(Path(directory), split, cache_dir=Path(cache_dir),
                                                      out_dir=Path(out), export=export)
         metrics = dict(evaluation.metrics)
@@ -99,12 +98,11 @@ def score_and_log(spec: ExperimentSpec, chosen: ChosenCheckpoint, split: str, *,
                 else:
                     tracker.log_artifact(run_id, path, artifact_path=EVALUATION_DIR)
         if destination is not None:
-            _upload(Path(out), destination)
+            upload(Path(out), *destination)
     return metrics
 
 
-def final_evaluation(spec: ExperimentSpec, result: Any, *, cache_dir: str, run_id: str | None,
-                     run_path: str) -> dict[str, float]:
+def final_evaluation(spec: ExperimentSpec, result: Any, *, cache_dir: str, run_id: str | None) -> dict[str, float]:
     """The end of a run: the best checkpoint on the test split, exported, logged; {} when switched off or
     when the data has no test split. Runs as a Ray task with one training worker's resources."""
     import ray
@@ -126,10 +124,10 @@ def final_evaluation(spec: ExperimentSpec, result: Any, *, cache_dir: str, run_i
     # "DEFAULT" scheduling: outside a sweep trial's placement group, which reserves only its driver's CPU.
     task = ray.remote(**resources)(score_and_log).options(scheduling_strategy="DEFAULT")
     metrics = ray.get(task.remote(spec, chosen, "test", cache_dir=cache_dir, run_id=run_id,
-                                  destination=f"{run_path.rstrip('/')}/{EVALUATION_DIR}", export=True))
+                                  destination=(result.filesystem, f"{result.path.rstrip('/')}/{EVALUATION_DIR}"),
+                                  export=True))
     print(f"[{spec.name}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     return metrics
-
 
 
 def _stored_runs(storage: str, name: str) -> list[tuple[str, str]]:
@@ -142,7 +140,7 @@ def _stored_runs(storage: str, name: str) -> list[tuple[str, str]]:
     if meta["kind"] == "run":
         return [(name, _join(storage, name))]
     trials = _join(storage, name, TRIALS_DIR)
-    fs, path = pyarrow.fs.FileSystem.from_uri(trials) if "://" in trials else (pyarrow.fs.LocalFileSystem(), trials)
+    fs, path = pyarrow.fs.FileSystem.from_uri(trials)  # a storage URI, or an absolute local path
     folders = sorted(info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
                      if info.type == pyarrow.fs.FileType.Directory)
     return [(f"{name} {folder.removeprefix('train-')}", _join(trials, folder)) for folder in folders]
@@ -165,7 +163,7 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
         if result.checkpoint is None:
             print(f"[{label}] no checkpoint yet: skipped")
             continue
-        with _checkpoint_dir(result.checkpoint.path) as directory:
+        with result.checkpoint.as_directory() as directory:
             state = read_checkpoint(Path(directory))
         spec = ExperimentSpec.model_validate(state.spec)
         if which == "all":  # every kept checkpoint, in step order: a learning curve on the whole split
@@ -180,7 +178,7 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
                 print(f"[{label}] {chosen.note}")
             print(f"[{label}] scoring the {chosen.which} checkpoint {Path(chosen.path).name} on the {split} split")
             metrics = score_and_log(spec, chosen, split, cache_dir=cache, run_id=state.mlflow_run_id,
-                                    destination=f"{run_path}/{folder}", export=False)
+                                    destination=(result.filesystem, f"{result.path}/{folder}"), export=False)
             print(f"[{label}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
             out.append({"label": label, "checkpoint": chosen.path, "which": chosen.which, "metrics": metrics,
                         "outputs": f"{run_path}/{folder}"})

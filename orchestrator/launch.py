@@ -185,7 +185,7 @@ def _fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, track
         result = trainer.fit()
         run_id = tracker.ensure_run(handle)
         try:
-            final = final_evaluation(spec, result, cache_dir=cache_dir, run_id=run_id, run_path=result.path)
+            final = final_evaluation(spec, result, cache_dir=cache_dir, run_id=run_id)
         except Exception as err:  # noqa: BLE001 - training is done and checkpointed: say how to score it later
             final = {}
             message = f"{type(err).__name__}: {str(err)[:500]}"
