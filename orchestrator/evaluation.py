@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from orchestrator.checkpoint import SPEC_FILE, read_checkpoint
+from orchestrator.checkpoint import read_checkpoint
 from orchestrator.export import export_model
 from orchestrator.spec import ExperimentSpec
 from tasks import TaskConfig, WorkerContext, build_task
@@ -65,11 +65,7 @@ def evaluate_checkpoint(directory: Path, split: str, *, cache_dir: Path, out_dir
     """Score the checkpoint in `directory` on all of `split`; outputs go to `out_dir`, and with `export` the
     scored model too, as `out_dir/model` (orchestrator/export.py)."""
     state = read_checkpoint(Path(directory))
-    spec = ExperimentSpec.model_validate(state.spec) if state.spec else None
-    if spec is None:
-        import yaml
-
-        spec = ExperimentSpec.model_validate(yaml.safe_load((Path(directory) / SPEC_FILE).read_text()))
+    spec = ExperimentSpec.model_validate(state.spec)  # every checkpoint holds its resolved spec
     task_cfg = split_task_config(spec.task, split)
     if task_cfg is None:
         raise ValueError(f"the run's data has no {split} split (task.files.{split} is not set); "

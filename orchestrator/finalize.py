@@ -153,6 +153,7 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
     import os
 
     from orchestrator.checkpoint import read_checkpoint
+    from orchestrator.launch import cache_dir_of
 
     os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # before ray.train is imported: Result.from_path reads V2 storage
     from ray.train import Result
@@ -171,8 +172,7 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
             choices = [(choose_checkpoint(result, spec, name, split), f"{EVALUATION_DIR}/{name}") for name in names]
         else:
             choices = [(choose_checkpoint(result, spec, which, split), EVALUATION_DIR)]
-        cache = cache_dir or (str(Path(storage) / ".cache") if "://" not in storage else
-                              str(Path.home() / ".cache" / "attention-orchestrator"))
+        cache = cache_dir or cache_dir_of(storage)  # the cache that moved with the runs, if they moved
         for chosen, folder in choices:
             if chosen.note:
                 print(f"[{label}] {chosen.note}")

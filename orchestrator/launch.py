@@ -20,16 +20,16 @@ import ray
 import yaml
 
 from orchestrator.search_space import grid_points, resolve, to_param_space
+from orchestrator.finalize import final_evaluation
 from orchestrator.spec import (
     ExperimentSpec,
     SpecError,
     Study,
     check_gpus,
+    spec_to_yaml,
     study_from_raw,
     validate_spec,
 )
-from orchestrator.finalize import final_evaluation
-from orchestrator.spec import spec_to_yaml
 from orchestrator.tracking import (
     RUN_KEY_TAG,
     TRIAL_TAG,
@@ -125,11 +125,15 @@ def write_meta(storage_path: str, name: str, meta: Mapping[str, Any]) -> None:
         f.write(json.dumps(meta, indent=2).encode())
 
 
-def _cache_dir(spec: ExperimentSpec) -> str:
+def cache_dir_of(storage_path: str) -> str:
     """Tokenizers and prepared data: next to the runs when storage is local, else in the user's cache."""
-    if "://" not in spec.run.storage_path:
-        return str(Path(spec.run.storage_path) / ".cache")
+    if "://" not in storage_path:
+        return str(Path(storage_path) / ".cache")
     return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attention-orchestrator")
+
+
+def _cache_dir(spec: ExperimentSpec) -> str:
+    return cache_dir_of(spec.run.storage_path)
 
 
 def _tracker(spec: ExperimentSpec) -> MlflowTracker:
@@ -180,10 +184,10 @@ def _fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, track
                     cache_dir: str) -> tuple[Any, str | None, dict[str, float]]:
     """Fit, score the best checkpoint on the test split, and end the MLflow run (FAILED if anything raised).
     The run id is looked up again: the worker may have created the run after an outage at launch."""
-    status = "FAILED"
+    status, run_id = "FAILED", handle.run_id
     try:
         result = trainer.fit()
-        run_id = tracker.ensure_run(handle)
+        run_id = run_id or tracker.ensure_run(handle)
         try:
             final = final_evaluation(spec, result, cache_dir=cache_dir, run_id=run_id)
         except Exception as err:  # noqa: BLE001 - training is done and checkpointed: say how to score it later
@@ -196,7 +200,7 @@ def _fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, track
         status = "FINISHED"
         return result, run_id, final
     finally:
-        run_id = tracker.ensure_run(handle)
+        run_id = run_id or tracker.ensure_run(handle)
         if run_id is not None:
             tracker.end_run(run_id, status)
 

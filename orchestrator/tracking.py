@@ -187,36 +187,22 @@ class MlflowTracker:
             lambda client: client.create_run(experiment_id, run_name=run_name, tags=dict(tags)).info.run_id,
         )
 
-    def open_run(self, experiment: str, run_name: str, tags: Mapping[str, str], *,
-                 run_id: str | None = None, find_by: tuple[str, str] | None = None) -> str | None:
-        """Reopen `run_id`, else the run tagged `find_by`, else a new run: a resumed run or a retried trial
-        keeps its MLflow run instead of starting a duplicate."""
-        if run_id:
-            self._call("run reopen", lambda client: client.update_run(run_id, status="RUNNING"))
-            return run_id
-        experiment_id = self.experiment_id(experiment)
-        if experiment_id is None:
-            return None
-        if find_by is not None:
-            found = self.find_run(experiment_id, *find_by)
-            if found:
-                self._call("run reopen", lambda client: client.update_run(found, status="RUNNING"))
-                return found
-        return self.create_run(experiment_id, run_name, tags)
+    def _reopen(self, run_id: str) -> str:
+        self._call("run reopen", lambda client: client.update_run(run_id, status="RUNNING"))
+        return run_id
 
     def ensure_run(self, handle: RunHandle) -> str | None:
         """The run `handle` describes: its run id reopened, else the run carrying its key tag, else a new run
         with its tags, params and spec. The only way runs are created, so a run started during an outage and
         opened later by the worker, or found again by the launcher after training, is the same run."""
         if handle.run_id:
-            return self.open_run(handle.experiment, handle.run_name, handle.tags, run_id=handle.run_id)
+            return self._reopen(handle.run_id)
         experiment_id = self.experiment_id(handle.experiment)
         if experiment_id is None:
             return None
         found = self.find_run(experiment_id, *handle.key)
         if found:
-            self._call("run reopen", lambda client: client.update_run(found, status="RUNNING"))
-            return found
+            return self._reopen(found)
         run_id = self.create_run(experiment_id, handle.run_name, handle.tags)
         if run_id is not None:
             self.log_params(run_id, handle.params)
@@ -308,7 +294,8 @@ class ConsoleLogger:
 class MlflowLogger:
     """Metrics of one MLflow run, through a guarded tracker.
 
-    The run is opened through `open_run` (which also logs params); when the server is down at the start,
+    The run is opened through `open_run` (`MlflowTracker.ensure_run` of the launcher's handle, which also logs
+    params when it creates the run); when the server is down at the start,
     metrics wait in a bounded backlog and the run is opened as soon as the server answers, so a run that
     started during an outage still ends up complete in MLflow.
     """

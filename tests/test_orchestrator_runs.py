@@ -172,11 +172,11 @@ def unused_port() -> int:
 
 
 def test_tracker_with_dead_server_warns_then_skips_quickly(unused_port):
-    from orchestrator.tracking import MlflowTracker
+    from orchestrator.tracking import MlflowTracker, RunHandle
 
     tracker = MlflowTracker(f"http://127.0.0.1:{unused_port}", retries=2, timeout_s=1, backoff_s=0.01)
     with pytest.warns(TrackingWarning, match=f"127.0.0.1:{unused_port}.*retries in 30s"):
-        assert tracker.open_run("exp", "run", {}) is None
+        assert tracker.ensure_run(RunHandle("exp", "run", key=("orchestrator.run", "/runs/run"))) is None
     assert not tracker.available
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # cooling down: calls are skipped silently and metrics are kept
