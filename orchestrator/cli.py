@@ -174,7 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from orchestrator.finalize import evaluate_stored
 
             storage = args.storage_path if "://" in args.storage_path else str(Path(args.storage_path).resolve())
-            scored = evaluate_stored(args.name, storage, split=args.split, which=args.checkpoint)
+            try:
+                scored = evaluate_stored(args.name, storage, split=args.split, which=args.checkpoint)
+            except ValueError as err:  # an unknown --checkpoint, a split the run's data does not have
+                print(f"orchestrator evaluate: {err}", file=sys.stderr)
+                return 2
             for item in scored:
                 print(f"{item['label']}: outputs in {item['outputs']}")
             return 0 if scored else 1

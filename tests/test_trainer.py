@@ -163,3 +163,11 @@ def test_outputs_are_uploaded_through_the_storage_filesystem_not_a_local_path(tm
            "runs/x/evaluation")
     assert (remote / "runs" / "x" / "evaluation" / "test.hyp").read_text() == "a hypothesis\n"
     assert not Path("runs/x/evaluation").exists()
+
+
+def test_evaluate_names_the_missing_run_and_the_storage_path(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    assert main(["evaluate", "no-such-run", "--storage-path", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "no-such-run" in err and str(tmp_path) in err and "--storage-path" in err
