@@ -114,6 +114,9 @@ class RunSettings(_Section):
     """Where runs, sweeps and checkpoints live: a local dir (made absolute) or a shared URI such as s3://bucket/runs."""
     max_failures: int = 0
     """Worker-group restarts Ray Train attempts from the latest checkpoint before the run fails (-1: unlimited)."""
+    stop_on_nan: bool = True
+    """Stop the run when train/loss or val/loss is NaN or infinite (an errored trial in a sweep; the sweep goes
+    on); the diverged state is never checkpointed. false keeps training whatever the loss."""
     final_eval: bool = True
     """At the end, score the best checkpoint (by tune.metric) on all of the test split, export the model, and
     log both to the run (`test/*` metrics, `model/` artifacts); skipped when the data has no test split."""

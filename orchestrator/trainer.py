@@ -90,6 +90,21 @@ class Cadence:
         return sum(1 for step in range(1, self.max_steps + 1) if self.reports(step))
 
 
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or infinite (run.stop_on_nan): the run stops before that state is checkpointed."""
+
+
+def check_finite(metrics: Mapping[str, float], step: int, lr: float) -> None:
+    """Raise NonFiniteLoss when a loss in `metrics` is NaN or infinite. Checked on every logging window, and
+    every checkpoint step closes one, so no diverged state reaches a checkpoint."""
+    for key in ("train/loss", "val/loss"):
+        value = metrics.get(key)
+        if value is not None and not math.isfinite(value):
+            raise NonFiniteLoss(f"{key} is {value} at step {step} (lr {lr:.3g}): the run stops without "
+                                "checkpointing this state (run.stop_on_nan); lower optim.lr or tighten "
+                                "optim.grad_clip, or set run.stop_on_nan=false to train on regardless")
+
+
 # --- accounting ----------------------------------------------------------------------------------------
 
 
@@ -313,10 +328,15 @@ class Trainer:
             self.step += 1
             step = self.step
             train_metrics: dict[str, float] = {}
+            stop_on_nan = self.spec.run.stop_on_nan
             if self.cadence.logs(step):
                 train_metrics = {**meter.read(self.world_size), "lr": lr, "memory/peak_gb": peak_memory_gb(self.device)}
+                if stop_on_nan:
+                    check_finite(train_metrics, step, lr)
             if self.cadence.reports(step):
                 val_metrics = self.evaluate()
+                if stop_on_nan:
+                    check_finite(val_metrics, step, lr)
                 self.best.update(val_metrics, step)
                 hooks.report(self, step, {**train_metrics, **val_metrics, **self.best.as_metrics()},
                              self.cadence.checkpoints(step))

@@ -171,3 +171,25 @@ def test_evaluate_names_the_missing_run_and_the_storage_path(tmp_path, capsys):
     assert main(["evaluate", "no-such-run", "--storage-path", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "no-such-run" in err and str(tmp_path) in err and "--storage-path" in err
+
+
+def test_nan_loss_stops_the_run_before_it_is_checkpointed(tmp_path):
+    """lr 300 makes the loss non-finite within a few steps: the core stops with the step and value, and no
+    checkpoint holds the diverged state (every checkpoint step closes a logging window that is checked first)."""
+    from orchestrator.trainer import NonFiniteLoss
+
+    raw = tiny_raw("nan", lr=300.0, grad_clip=None, max_steps=40, warmup_steps=10)
+    raw["run"] = {"checkpoint_every": 1, "eval_every": 1, "log_every": 1}
+    folder = tmp_path / "ckpt"
+    with pytest.raises(NonFiniteLoss, match=r"loss is (nan|inf) at step \d+") as caught:
+        train_locally(validate_spec(raw), cache_dir=tmp_path / "cache", folder=folder)
+    stopped = int(str(caught.value).split(" at step ")[1].split()[0])
+    kept = sorted(folder.glob("checkpoint_*"))
+    assert stopped >= 2 and int(kept[-1].name.split("_")[1]) == stopped - 1  # the last finite step, not later
+    for path in kept:
+        state = read_checkpoint(path)
+        assert all(torch.isfinite(t).all() for t in state.model.values() if t.is_floating_point())
+    raw["run"]["stop_on_nan"] = False  # the knob: train on regardless
+    trainer, _ = train_locally(validate_spec({**raw, "optim": {**raw["optim"], "max_steps": stopped + 1, "warmup_steps": 1}}),
+                               cache_dir=tmp_path / "cache")
+    assert trainer.step == stopped + 1
