@@ -8,7 +8,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from models.attention.config import LinformerConfig, MHAConfig, _ProjectionKindConfig
-from models.attention.registry import AttentionConfig
+from models.attention.registry import AttentionConfig, relative_unsupported_reason
 
 
 class StandardEmbeddingConfig(BaseModel):
@@ -118,6 +118,25 @@ EmbeddingConfig = Annotated[
 ]
 
 
+class MemoryConfig(BaseModel):
+    """Transformer-XL segment-level recurrence (Dai et al., ACL 2019, arXiv 1901.02860, Sec. 3.2).
+
+    A causal LM reads its training stream as B rows of consecutive segments; every layer also attends to the
+    last mem_len states of its own input from the row's previous segments, cached without gradient.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    mem_len: int
+    """Cached states per layer; 0 keeps the segment order but caches nothing (the no-memory ablation)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "MemoryConfig":
+        if self.mem_len < 0:
+            raise ValueError(f"model.memory.mem_len must be >= 0 (got {self.mem_len}); Transformer-XL uses "
+                             "about the segment length, e.g. mem_len: 128 with task.seq_len: 128")
+        return self
+
+
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -135,8 +154,12 @@ class ModelConfig(BaseModel):
     """Feed-forward nonlinearity."""
     max_seq_len: int = 512
     """Longest sequence the positional table (and Linformer's projection) covers."""
-    positional: Literal["learned", "sinusoidal"] = "learned"
-    """Absolute position embeddings: a learned table or fixed sinusoids (Vaswani et al., 2017)."""
+    positional: Literal["learned", "sinusoidal", "relative"] = "learned"
+    """learned or sinusoidal (Vaswani et al., 2017) absolute embeddings, or relative: none at the input,
+    Transformer-XL's relative terms in every attention (models/attention/relative.py; causal LM only)."""
+    memory: MemoryConfig | None = None
+    """{mem_len: N}: Transformer-XL recurrence over consecutive segments (causal LM; needs relative positions
+    when N > 0). null trains on shuffled independent blocks."""
     attention: AttentionConfig = Field(default_factory=MHAConfig)
     """The attention block: {kind: mha | sha | mqa | gqa | skv | el_att | mhe | linformer | lsh | hyper, heads, ...}."""
     embedding: EmbeddingConfig = Field(default_factory=StandardEmbeddingConfig)
@@ -187,6 +210,24 @@ class ModelConfig(BaseModel):
             raise ValueError(f"model.embedding: {len(self.embedding.cutoffs)} cutoffs with factor="
                              f"{self.embedding.factor} shrink the last band below width 1 at d_model={self.d_model}; "
                              "use fewer cutoffs or a smaller factor")
+        if self.positional == "relative":
+            reason = relative_unsupported_reason(self.attention)
+            if reason is not None:
+                raise ValueError(reason)
+            if self.reversible:
+                raise ValueError("model.reversible=true is not supported with model.positional: relative; "
+                                 "set one of them back (reversible: false, or learned / sinusoidal positions)")
+        if self.memory is not None:
+            if self.memory.mem_len > 0 and self.positional != "relative":
+                raise ValueError(
+                    f"model.memory.mem_len={self.memory.mem_len} requires model.positional: relative (got "
+                    f"{self.positional}): cached states carry the absolute positions of their own segment, "
+                    "which the next segment would read at the wrong place. Set model.positional: relative, "
+                    "or mem_len: 0"
+                )
+            if self.reversible:
+                raise ValueError("model.memory is not supported with model.reversible=true (a RevNet block "
+                                 "recomputes its input and has no cached states); drop one of them")
         linformer = self.linformer_config
         if linformer is not None:
             if linformer.max_seq_len > self.max_seq_len:

@@ -184,6 +184,9 @@ class LearnedPositions(nn.Module):
         return self.table[:T]
 
 
-def build_positions(cfg: ModelConfig) -> nn.Module:
+def build_positions(cfg: ModelConfig) -> nn.Module | None:
+    """The absolute position table, or None under relative positions (they live in the attention)."""
+    if cfg.positional == "relative":
+        return None
     cls = LearnedPositions if cfg.positional == "learned" else SinusoidalPositions
     return cls(cfg.max_seq_len, cfg.d_model)

@@ -8,6 +8,11 @@ With `model.reversible` the same layers run as RevNet blocks (models/reversible.
 is duplicated into two streams, y1 = x1 + Attention(LN(x2)), y2 = x2 + FFN(LN(y1)), and the final LayerNorm
 sees the mean of the two streams. The parameters (and their names) are those of the ordinary stack.
 
+With `model.positional: relative` every self-attention carries Transformer-XL's relative terms instead of
+positions added at the input, and with `model.memory` a causal LM runs segment by segment: each layer also
+attends to its own input states of the previous segments (`forward(..., memory=...)`), as Transformer-XL
+(Dai et al., 2019, Sec. 3.2; mem_transformer.py `_forward` and `_update_mems`).
+
 The translation decoder also runs one position at a time (`start_decoding` / `decode_step`) over a
 key/value cache (models/kv_cache.py) when every decoder attention can cache; decoding (tasks/beam_search.py)
 otherwise reruns `decode` over the whole prefix.
@@ -45,7 +50,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.causal = causal
         self.ln_attn = nn.LayerNorm(cfg.d_model)
-        self.attn = build_attention(cfg.attention, layer_index, shared_state)
+        self.attn = build_attention(cfg.attention, layer_index, shared_state, relative=cfg.positional == "relative")
         if causal and not self.attn.supports_causal:
             raise ValueError(
                 f"model.attention.kind={cfg.attention.kind} cannot be used with causal attention (causal LM or "
@@ -72,6 +77,15 @@ class TransformerLayer(nn.Module):
             x_BTD = x_BTD + self.dropout(
                 self.cross(self.ln_cross(x_BTD), memory_BSD, key_padding_mask_BS=memory_padding_mask_BS)
             )
+        return x_BTD + self.feed_forward_branch(x_BTD)
+
+    def forward_with_memory(self, x_BTD: torch.Tensor, memory_BMD: torch.Tensor) -> torch.Tensor:
+        """`forward` of a causal layer whose keys and values also cover `memory_BMD`, its input states of the
+        previous positions (pre-LN: one LayerNorm over [memory; x], as the reference's pre_lnorm branch)."""
+        h_BSD = self.ln_attn(torch.cat([memory_BMD, x_BTD], dim=1))
+        M = memory_BMD.shape[1]
+        attn_BTD = self.attn(h_BSD[:, M:], h_BSD, causal=True)
+        x_BTD = x_BTD + self.dropout(attn_BTD)
         return x_BTD + self.feed_forward_branch(x_BTD)
 
     def decode_step(self, x_N1D: torch.Tensor, kv: LayerKV, memory_padding_mask_NS: torch.Tensor | None) -> torch.Tensor:
@@ -103,6 +117,7 @@ class TransformerStack(nn.Module):
                 "for translation, or use it with masked or causal LM"
             )
         self.reversible = cfg.reversible
+        self.mem_len = cfg.memory.mem_len if cfg.memory is not None else None
         self.layers = nn.ModuleList(
             TransformerLayer(cfg, i, shared_state, causal=causal, cross=cross) for i in range(n_layers)
         )
@@ -120,8 +135,25 @@ class TransformerStack(nn.Module):
         return self.ln_final(x_BTD)
 
 
+    def forward_with_memory(
+        self, x_BTD: torch.Tensor, memory: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final states [B, T, D] of a segment whose layer l also attends to memory[l] [B, M, D], and the
+        next segment's memory: the last mem_len inputs of each layer over [memory; segment], detached so that
+        no gradient crosses a segment boundary (the reference's `_update_mems`, ext_len = 0)."""
+        assert self.mem_len is not None, "forward_with_memory needs model.memory"
+        if len(memory) != len(self.layers):
+            raise ValueError(f"memory holds {len(memory)} layers' states; the model has {len(self.layers)}")
+        new_memory = []
+        for layer, memory_BMD in zip(self.layers, memory):
+            states_BSD = torch.cat([memory_BMD, x_BTD], dim=1)
+            new_memory.append(states_BSD[:, max(0, states_BSD.shape[1] - self.mem_len):].detach())
+            x_BTD = layer.forward_with_memory(x_BTD, memory_BMD)
+        return self.ln_final(x_BTD), new_memory
+
+
 class EmbeddingInput(nn.Module):
-    """Token embedding + absolute positions + dropout."""
+    """Token embedding + absolute positions (none under relative positions) + dropout."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
@@ -136,6 +168,8 @@ class EmbeddingInput(nn.Module):
         if end > self.max_seq_len:
             raise ValueError(f"sequence length {end} exceeds model.max_seq_len={self.max_seq_len}; "
                              "raise model.max_seq_len or shorten the task's seq_len")
+        if self.positions is None:
+            return self.dropout(self.tokens(tokens_BT))
         return self.dropout(self.tokens(tokens_BT) + self.positions(end)[offset:])
 
 
@@ -189,12 +223,30 @@ class LanguageModel(_CountsMixin, nn.Module):
         self.head = OutputHead(cfg, vocab_size, self.embed.tokens)
 
     def forward(self, tokens_BT: torch.Tensor, key_padding_mask_BT: torch.Tensor | None = None,
-                scored_BT: torch.Tensor | None = None) -> torch.Tensor:
+                scored_BT: torch.Tensor | None = None, memory: list[torch.Tensor] | None = None):
         """Logits [B, T, V]; with `scored_BT` (bool, True = scored) only those positions' logits, [N, V] in
         row-major order. Masked LM scores ~15% of positions, so the vocabulary projection and its softmax then
-        run on those alone (as fairseq's RoBERTa head does)."""
+        run on those alone (as fairseq's RoBERTa head does).
+
+        With `memory` (model.memory; `empty_memory` for a row's first segment): (logits [B, T, V], the next
+        segment's memory), the segment attending to the cached states of the previous ones. Through forward,
+        not a method of its own, so that a DDP wrapper sees the call.
+        """
+        if memory is not None:
+            if key_padding_mask_BT is not None or scored_BT is not None:
+                raise ValueError("a segment with memory is scored whole, without padding mask or scored positions")
+            h_BTD, new_memory = self.stack.forward_with_memory(self.embed(tokens_BT), memory)
+            return self.head(h_BTD), new_memory
         h_BTD = self.stack(self.embed(tokens_BT), key_padding_mask_BT)
         return self.head(h_BTD if scored_BT is None else h_BTD[scored_BT])
+
+
+    def empty_memory(self, batch_size: int, device: torch.device) -> list[torch.Tensor]:
+        """The memory of a row's first segment: no cached states in any layer (in the model's dtype)."""
+        if self.cfg.memory is None:
+            raise ValueError("this model has no memory; set model.memory: {mem_len: N}")
+        dtype = self.head.bias.dtype
+        return [torch.zeros(batch_size, 0, self.cfg.d_model, device=device, dtype=dtype) for _ in self.stack.layers]
 
 
 class Seq2SeqTransformer(_CountsMixin, nn.Module):

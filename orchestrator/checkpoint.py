@@ -1,7 +1,7 @@
 """What a checkpoint holds, and how it is written and read back.
 
 A checkpoint is one directory: `state.pt` (model, optimizer, LR scheduler, grad scaler, step, every
-rank's data position and RNG states, the MLflow run id) and `spec.yaml` (the resolved spec, so a model
+rank's data position, stream state and RNG states, the MLflow run id) and `spec.yaml` (the resolved spec, so a model
 can be rebuilt from the checkpoint alone; STYLE.md section 3). The directory is filled under a temporary
 name and renamed into place, so a crash never leaves a half-written checkpoint for Ray to upload.
 """
@@ -56,6 +56,9 @@ class TrainingState:
     rng: list[dict[str, Any]]
     """Per rank: RNG states, so dropout and masking continue as in an uninterrupted run."""
     mlflow_run_id: str | None
+    stream_states: list[Any] = field(default_factory=list)
+    """Per rank: what the task carries from batch to batch besides the position (a causal LM's Transformer-XL
+    memory, tasks/recurrence.py), or None; empty in checkpoints written before it was kept."""
     spec: dict[str, Any] = field(default_factory=dict)
     best: dict[str, Any] = field(default_factory=dict)
     """The compared metric's best value so far and its step ({metric, value, step}); empty before the first

@@ -276,7 +276,7 @@ class Trainer:
 
     def restore(self, state: TrainingState) -> None:
         """Continue from a checkpoint of this run: weights, optimizer, schedule, step, best, and this rank's
-        data position and RNG (a run resumed on fewer ranks keeps the positions it has)."""
+        data position, stream state and RNG (a run resumed on fewer ranks keeps the positions it has)."""
         unwrap(self.model).load_state_dict(state.model)
         self.opt.optimizer.load_state_dict(state.optimizer)
         self.opt.scheduler.load_state_dict(state.scheduler)
@@ -287,17 +287,23 @@ class Trainer:
         if self.rank < len(state.data_positions):
             self.position = state.data_positions[self.rank]
             restore_rng(state.rng[self.rank])
+        restore_stream = getattr(self.task, "restore_stream_state", None)
+        if restore_stream is not None and self.rank < len(state.stream_states):
+            restore_stream(state.stream_states[self.rank])
 
     def checkpoint_state(self, mlflow_run_id: str | None) -> TrainingState | None:
         """The resumable state on rank 0 (None elsewhere); every rank must call it (positions and RNG
         states are gathered)."""
         positions, rngs = self.gather(self.position), self.gather(capture_rng())
+        # A task's state between batches (Transformer-XL memory) belongs with its position; most tasks have none.
+        stream_state = getattr(self.task, "stream_state", None)
+        streams = self.gather(stream_state() if stream_state is not None else None)
         if self.rank != 0:
             return None
         return TrainingState(
             step=self.step, model=unwrap(self.model).state_dict(), optimizer=self.opt.optimizer.state_dict(),
             scheduler=self.opt.scheduler.state_dict(), scaler=self.opt.scaler.state_dict(),
-            data_positions=positions, rng=rngs, mlflow_run_id=mlflow_run_id,
+            data_positions=positions, rng=rngs, mlflow_run_id=mlflow_run_id, stream_states=streams,
             spec=self.spec.model_dump(mode="json"),
             best={"metric": self.best.metric, "value": self.best.value, "step": self.best.step},
         )

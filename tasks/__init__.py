@@ -40,6 +40,14 @@ def check_compatible(task_cfg: TaskConfig, model_cfg: ModelConfig) -> None:
                              f"{model_cfg.max_seq_len}; lower task.max_source_len or raise model.max_seq_len")
     else:
         raise ValueError(f"task.kind must be one of {TASK_KINDS} (got {type(task_cfg).__name__})")
+    if model_cfg.memory is not None and task_cfg.kind != "clm":
+        raise ValueError(f"model.memory requires a causal LM task (task.kind: clm; got {task_cfg.kind}): the "
+                         "cached states are the left context of the next segment of one text stream. Remove "
+                         "model.memory, or set task.kind: clm")
+    if model_cfg.positional == "relative" and task_cfg.kind != "clm":
+        raise ValueError(f"model.positional: relative requires a causal LM task (task.kind: clm; got "
+                         f"{task_cfg.kind}): Transformer-XL's relative attention is causal self-attention. Use "
+                         "model.positional: learned or sinusoidal with this task")
     if task_cfg.kind in ("clm", "translation") and not _supports_causal(model_cfg):
         raise ValueError(
             f"model.attention.kind={model_cfg.attention.kind!r} mixes future positions and cannot run causal "

@@ -11,6 +11,9 @@ Masked LM follows BERT (Devlin et al., 2019, arXiv 1810.04805): mask_prob of the
 only their hidden states go through the output layer (as fairseq's RoBERTa head does), which skips ~85% of its work.
 The masking of a training batch is seeded by its position in the stream, so a resumed run masks identically;
 evaluation uses one fixed seed, so masked-LM perplexities are comparable across runs.
+
+A causal LM with `model.memory` (Transformer-XL) reads ordered segments instead of shuffled blocks and carries
+the cached states from step to step and through checkpoints; tasks/recurrence.py holds that machinery.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from models import LanguageModel, ModelConfig
 from tasks.base import Batch, WorkerContext
 from tasks.config import CausalLMTaskConfig, MLMTaskConfig
 from tasks.data import epoch_permutation, prepare_lm, sharded_batches
+from tasks.recurrence import (
+    SegmentMemory,
+    covering_rows,
+    num_segments,
+    ordered_positions,
+    ordered_rows,
+    segment,
+)
 from tasks.tokenizer import MASK_ID, PAD_ID, Tokenizer
 
 IGNORE = -100
@@ -201,3 +212,72 @@ class CausalLMTask(_LanguageModelTask):
         # causal attention never looks right, so trailing padding needs no key mask: the padded positions'
         # outputs are simply not scored
         return Batch(tensors, int(target_lengths_B.sum()))
+
+    # --- segment-level recurrence (model.memory) ------------------------------------------------------------
+
+    def __init__(self, cfg: CausalLMTaskConfig, model_cfg: ModelConfig, ctx: WorkerContext):
+        super().__init__(cfg, model_cfg, ctx)
+        self.memory = SegmentMemory() if model_cfg.memory is not None else None
+        if self.memory is not None:
+            B = cfg.batch_size
+            self.train_rows = ordered_rows(self.train_stream, B * ctx.world_size)[ctx.rank * B:(ctx.rank + 1) * B]
+            self.n_train_segments = num_segments(self.train_rows.shape[1], cfg.seq_len)
+
+    def train_batches(self, position: dict[str, Any] | None = None) -> Iterator[tuple[Batch, dict[str, Any]]]:
+        if self.memory is None:
+            yield from super().train_batches(position)
+            return
+        full_B = np.full(len(self.train_rows), self.train_rows.shape[1])
+        for epoch, index, after in ordered_positions(self.n_train_segments, position):
+            tokens_BL, lengths_B = segment(self.train_rows, full_B, index, self.cfg.seq_len)
+            batch = self._make_batch(tokens_BL, lengths_B, None)
+            batch.tensors["segment"] = torch.tensor([epoch, index])
+            yield batch, after
+
+    def _loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        if self.memory is None:
+            return super()._loss_sum(model, batch)
+        epoch, index = batch.tensors["segment"].tolist()
+        tokens_BT, targets_BT = batch.tensors["tokens"], batch.tensors["targets"]
+        memory = self.memory.for_segment(model, epoch, index, tokens_BT.shape[0], tokens_BT.device)
+        logits_BTV, new_memory = model(tokens_BT, memory=memory)
+        self.memory.keep(epoch, index, new_memory)
+        return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+
+    def stream_state(self) -> dict[str, Any] | None:
+        """The training memory (None without model.memory): checkpointed with the data position."""
+        return self.memory.state() if self.memory is not None else None
+
+    def restore_stream_state(self, state: dict[str, Any] | None) -> None:
+        if self.memory is not None:
+            self.memory.load(state)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """With model.memory: the whole split as batch_size rows of ordered segments, each segment attending
+        to its row's cached states (task.eval_batches caps the segments); otherwise independent blocks."""
+        if self.memory is None:
+            return super().evaluate(model)
+        model = getattr(model, "module", model)
+        was_training = model.training
+        model.eval()
+        device = _model_device(model)
+        rows_BN, lengths_B = covering_rows(self.eval_stream, self.cfg.batch_size)
+        n_segments = num_segments(rows_BN.shape[1], self.cfg.seq_len)
+        if self.cfg.eval_batches is not None:
+            n_segments = min(n_segments, self.cfg.eval_batches)
+        memory = model.empty_memory(len(rows_BN), device)
+        total, count = 0.0, 0
+        for index in range(n_segments):
+            tokens_BL, seg_lengths_B = segment(rows_BN, lengths_B, index, self.cfg.seq_len)
+            batch = self._make_batch(tokens_BL, np.maximum(seg_lengths_B, 1), None).to(device)
+            logits_BTV, memory = model(batch.tensors["tokens"], memory=memory)
+            total += float(F.cross_entropy(logits_BTV.flatten(0, 1).float(), batch.tensors["targets"].flatten(),
+                                           ignore_index=IGNORE, reduction="sum"))
+            count += batch.n_tokens
+        model.train(was_training)
+        if count == 0:
+            raise ValueError(f"the {self.cfg.eval_split} split of {self.cfg.source_label} has no tokens to score")
+        loss = total / count
+        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}

@@ -27,12 +27,14 @@ from models.attention.config import (
     SHAConfig,
     SKVConfig,
     _AttentionConfig,
+    _ProjectionKindConfig,
 )
 from models.attention.exact import ExactMechanism
 from models.attention.hyper import HyperMechanism
 from models.attention.linformer import LinformerMechanism
 from models.attention.lsh import LSHMechanism
 from models.attention.module import Attention
+from models.attention.relative import RelativeMechanism
 from models.attention.projections import (
     ELAttProjection,
     HeadEmbeddingProjection,
@@ -111,11 +113,31 @@ MECHANISMS: tuple[MechanismClass, ...] = tuple(dict.fromkeys(kind.mechanism for 
 """Every mechanism, each once, in registry order: a `mechanism:` block (models/attention/config.py's
 MechanismConfig) and cross-attention (always exact) pick from these by config class."""
 
+RELATIVE_KINDS: tuple[str, ...] = tuple(
+    kind.name for kind in ATTENTION_REGISTRY if issubclass(kind.config_cls, _ProjectionKindConfig)
+)
+"""Kinds that take `model.positional: relative`: projection schemes over exact attention, whose logits
+Transformer-XL's relative terms extend (with `mechanism:` left exact)."""
+
+
+def relative_unsupported_reason(cfg) -> str | None:
+    """Why `model.positional: relative` cannot be used with this attention block; None when it can."""
+    if cfg.kind not in RELATIVE_KINDS:
+        return (f"model.positional: relative is supported with attention kinds {list(RELATIVE_KINDS)}; got "
+                f"{cfg.kind}: the relative terms extend exact softmax logits, which {cfg.kind} approximates. "
+                "Use one of those kinds, or learned / sinusoidal positions")
+    if not isinstance(cfg.mechanism, ExactMechanismConfig):
+        return (f"model.positional: relative needs exact attention, but model.attention.mechanism.kind="
+                f"{cfg.mechanism.kind}; drop the mechanism block, or use learned / sinusoidal positions")
+    return None
+
+
 _KIND_BY_NAME: dict[str, AttentionKind] = {kind.name: kind for kind in ATTENTION_REGISTRY}
 _MECHANISM_BY_CONFIG: dict[type[BaseModel], MechanismClass] = {m.config_cls: m for m in MECHANISMS}
 
 
-def build_attention(cfg, layer_index: int, shared_state: nn.ModuleDict, *, cross: bool = False) -> Attention:
+def build_attention(cfg, layer_index: int, shared_state: nn.ModuleDict, *, cross: bool = False,
+                    relative: bool = False) -> Attention:
     """Build the attention module of layer `layer_index`.
 
     `cfg` is an AttentionConfig with d_model filled in. `shared_state` is a ModuleDict owned by the model
@@ -123,7 +145,8 @@ def build_attention(cfg, layer_index: int, shared_state: nn.ModuleDict, *, cross
     always mixes exactly: sequence-compressing mechanisms are defined for self-attention in their papers
     (lsh, whose shared-QK scheme needs one sequence, gets mha projections there). LSH and HyperAttention
     derive their hash seeds from their config seed and `layer_index`, so each layer hashes differently
-    and a reversible backward pass recomputes the same buckets.
+    and a reversible backward pass recomputes the same buckets. `relative` swaps the exact mechanism for
+    Transformer-XL's relative one (models/attention/relative.py; self-attention only).
     """
     name = getattr(cfg, "kind", None)
     if name not in _KIND_BY_NAME:
@@ -131,6 +154,13 @@ def build_attention(cfg, layer_index: int, shared_state: nn.ModuleDict, *, cross
     kind = _KIND_BY_NAME[name]
     if cfg.d_model is None:
         raise ValueError("model.attention.d_model is unset: build attention through ModelConfig")
+    if relative:
+        reason = "cross-attention has no relative positions" if cross else relative_unsupported_reason(cfg)
+        if reason is not None:
+            raise ValueError(reason)
+        projection = kind.projection(cfg)
+        return Attention(kind.name, projection,
+                         RelativeMechanism.build(cfg, projection.attended_heads, shared_state))
     mechanism_cfg = ExactMechanismConfig() if cross else cfg.mechanism
     mechanism_cls = _MECHANISM_BY_CONFIG.get(type(mechanism_cfg))
     if mechanism_cls is None:
