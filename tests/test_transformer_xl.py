@@ -17,6 +17,7 @@ from orchestrator.local_run import LocalHooks, latest_checkpoint, train_locally
 from orchestrator.spec import SpecError, validate_spec
 from orchestrator.trainer import Trainer
 from tasks import WorkerContext, build_task
+from tasks.recurrence import covering_rows
 
 VOCAB = 50
 
@@ -86,6 +87,14 @@ def test_relative_mechanism_is_the_papers_formula(memory):
     q, k, v = (torch.randn(B, H, n, E, generator=g, dtype=torch.float64) for n in (T, S, S))
     torch.testing.assert_close(mech(q, k, v, causal=True), paper_relative_attention(mech, q, k, v),
                                rtol=1e-12, atol=1e-12)
+
+
+def test_relative_sinusoids_are_sin_then_cos_halves():
+    """R_d = [sin(d f_0), ..., sin(d f_{D/2-1}), cos(d f_0), ...] with f_k = 10000^(-2k/D) (the reference's
+    PositionalEmbedding), not interleaved."""
+    r = relative_sinusoids(torch.tensor([3.0], dtype=torch.float64), 4)[0]
+    f = torch.tensor([1.0, 10000 ** -0.5], dtype=torch.float64)
+    torch.testing.assert_close(r, torch.cat([(3 * f).sin(), (3 * f).cos()]))
 
 
 def test_relative_attention_depends_on_distances_only():
@@ -262,6 +271,25 @@ def test_evaluation_with_memory_scores_every_target_once(tmp_path):
         nn.functional.cross_entropy = original
     assert sum(scored) == len(task.eval_stream) - 1
     assert np.isfinite(metrics["val/ppl"])
+
+
+def test_evaluation_with_covering_memory_is_each_rows_full_context_loss(tmp_path):
+    """Segments of the evaluation rows, memory carried, score each target as the model does with its whole
+    row as context; the rows partition the split's targets."""
+    spec = validate_spec(tiny_raw(mem_len=256, dropout=0.0, max_seq_len=256))
+    task = build_task(spec.task, spec.model, WorkerContext(seed=0, cache_dir=tmp_path))
+    torch.manual_seed(0)
+    model = task.build_model().double()
+    rows, lengths = covering_rows(task.eval_stream, spec.task.batch_size)
+    assert rows.shape[1] <= 256 and lengths.sum() - len(lengths) == len(task.eval_stream) - 1
+    total = 0.0
+    for row, n in zip(rows, lengths):
+        tokens = torch.from_numpy(row[:n])[None]
+        with torch.no_grad():
+            logits = model.eval()(tokens[:, :-1])
+        total += float(nn.functional.cross_entropy(logits[0], tokens[0, 1:], reduction="sum"))
+    expected = total / (len(task.eval_stream) - 1)
+    assert task.evaluate(model)["val/loss"] == pytest.approx(expected, rel=1e-6)
 
 
 # --- spec errors before anything runs ---------------------------------------------------------------------
