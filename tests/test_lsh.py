@@ -235,3 +235,35 @@ def test_rotations_are_redrawn_every_training_forward_and_fixed_in_evaluation():
     assert torch.equal(mech(q, k, v), mech(q, k, v))
     fixed = lsh(bucket_size=4, n_hashes=2, rotations="fixed")
     assert torch.equal(fixed.train()(q, k, v), fixed.eval()(q, k, v))
+
+
+def test_default_n_buckets_rounds_an_odd_count_up():
+    """2 * 40 / 16 = 5 buckets cannot split into the [xR; -xR] halves: the default takes 6, not 4."""
+    assert default_n_buckets(40, 16) == 6
+    assert default_n_buckets(56, 16) == 8  # 7 -> 8
+    assert default_n_buckets(48, 16) == 6  # already even
+
+
+def test_attention_dropout_reaches_the_mechanism_in_training_only():
+    """The block's attention dropout is applied to LSH's attention weights in training and never in evaluation."""
+
+    def layer(dropout: float) -> nn.Module:
+        torch.manual_seed(0)
+        cfg = ModelConfig(d_model=16, layers=1, ffn=32, attention={
+            "kind": "lsh", "heads": 2, "bucket_size": 4, "rotations": "fixed", "dropout": dropout}).attention
+        return build_attention(cfg, 0, nn.ModuleDict())
+
+    x = torch.randn(2, 24, 16)
+    plain, dropped = layer(0.0), layer(0.5)
+    assert torch.equal(plain.eval()(x), dropped.eval()(x))
+    torch.manual_seed(1)
+    a = plain.train()(x)
+    torch.manual_seed(1)
+    assert not torch.allclose(a, dropped.train()(x))
+
+
+def test_cross_length_inputs_are_refused_with_both_lengths():
+    q, v = shared_qk_inputs(9)
+    k, v5 = shared_qk_inputs(5)
+    with pytest.raises(ValueError, match=r"lsh attention is self-attention: .*same length \(got 9 and 5\)"):
+        lsh(bucket_size=4)(q, F.normalize(k, dim=-1), v5)
