@@ -59,7 +59,8 @@ def test_sequence_longer_than_max_seq_len_in_the_model():
 
 def test_sequence_longer_than_linformer_projection():
     attn = make_attention("linformer", k=4, max_len=16)
-    with pytest.raises(ValueError, match=r"exceeds model.attention.max_seq_len=16"):
+    with pytest.raises(ValueError, match=r"sequence length 20 exceeds model.attention.max_seq_len=16 of the Linformer "
+                                         r"projection; raise max_seq_len"):
         attn(torch.randn(1, 20, 32))
 
 
@@ -68,8 +69,15 @@ def test_linformer_refuses_causal_use():
         LanguageModel(_cfg(kind="linformer", k=8), vocab_size=20, causal=True)
     with pytest.raises(ValueError, match=r"causal"):
         Seq2SeqTransformer(_cfg(kind="linformer", k=8), vocab_size=20)
-    attn = make_attention("linformer", k=4)
-    with pytest.raises(ValueError, match=r"cannot run causal attention"):
+
+
+@pytest.mark.parametrize("sharing", ["headwise", "none"], ids=["compress-input-first", "project-first"])
+def test_linformer_attention_refuses_a_causal_call_on_both_paths(sharing):
+    """Shared linear E compresses the layer input before W^K (attend_compressed); sharing none projects
+    keys first (the mechanism's forward). A causal call must fail on both, not run bidirectionally."""
+    attn = make_attention("linformer", k=4, sharing=sharing)
+    with pytest.raises(ValueError, match=r"linformer cannot run causal attention: its sequence projection mixes "
+                                         r"future tokens"):
         attn(torch.randn(1, 8, 32), causal=True)
 
 
