@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -265,3 +267,65 @@ def test_past_only_placement_gives_each_query_the_key_block_at_its_own_bucket():
             ref, ref_lse = exact_attention(q[:, h:h + 1, i:i + 1], k[:, h:h + 1, keys], v[:, h:h + 1, keys])
             torch.testing.assert_close(out[0, h, i], ref[0, 0, 0], atol=1e-12, rtol=1e-10)
             torch.testing.assert_close(lse[0, h, i], ref_lse[0, 0, 0], atol=1e-12, rtol=1e-10)
+
+
+def test_min_seq_len_boundary_follows_the_authors_code():
+    """insuhan/hyper-attn: `forward_no_causal_mask` is exact when `self.min_seq_len > n_query` (strictly shorter),
+    the causal recursion when `n_key <= self.min_seq_len` (no longer than)."""
+    T = 16
+    q, k, v = qkv(T, seed=3, scale=2.0)
+    mech = hyper(block_size=4, sample_size=4, min_seq_len=T, lsh_bits=2)
+    exact_causal, _ = exact_attention(q, k, v, causal=True)
+    torch.testing.assert_close(mech(q, k, v, causal=True), exact_causal, atol=1e-6, rtol=1e-5)
+    exact_full, _ = exact_attention(q, k, v)
+    assert (mech(q, k, v) - exact_full).abs().max() > 1e-3  # length == min_seq_len: approximated
+    shorter = hyper(block_size=4, sample_size=4, min_seq_len=T + 1, lsh_bits=2)
+    torch.testing.assert_close(shorter(q, k, v), exact_full, atol=1e-6, rtol=1e-5)
+    # inside the recursion: 32 -> two pieces of exactly min_seq_len = 16, which are exact
+    q, k, v = qkv(2 * T, seed=4, scale=2.0)
+    exact_causal, _ = exact_attention(q, k, v, causal=True)
+    torch.testing.assert_close(mech(q, k, v, causal=True)[:, :, :T], exact_causal[:, :, :T], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("routing", ["past_only", "paper"])
+def test_evaluation_draws_its_samples_independently_at_every_recursion_level(routing, monkeypatch):
+    """Each level of the causal recursion gets its own evaluation generator (level 0, 1, 2 for 64 -> 32 -> 16 -> 8),
+    so the sampled columns of different levels are not the same draw."""
+    mech = hyper(block_size=4, sample_size=4, min_seq_len=8, lsh_bits=2, causal_routing=routing)
+    draws: dict[int, torch.Tensor] = {}
+    uniform = mech._uniform
+
+    def recording(B, H, m, device, level):
+        draws[level] = uniform(B, H, m, device, level)
+        return draws[level]
+
+    monkeypatch.setattr(mech, "_uniform", recording)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mech(*qkv(64, seed=1), causal=True)
+    assert sorted(draws) == [0, 1, 2]
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+
+
+@pytest.mark.filterwarnings("ignore:hyper with causal_routing=paper")
+def test_paper_routing_ignores_the_content_of_padded_positions():
+    """The paper routing leaks real future tokens, but padded queries sort after every real one and padded
+    keys are never sampled: changing what sits under the padding mask changes no real output."""
+    T, real = 44, 29
+    q, k, v = qkv(T, seed=6, scale=2.0)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[:, real:] = True
+    mech = hyper(block_size=4, sample_size=6, min_seq_len=8, lsh_bits=2, causal_routing="paper")
+    out = mech(q, k, v, causal=True, key_padding_mask_BS=mask)
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[:, :, real:] = torch.randn_like(x[:, :, real:]) * 5
+    out2 = mech(q2, k2, v2, causal=True, key_padding_mask_BS=mask)
+    assert torch.equal(out[:, :, :real], out2[:, :, :real])
+
+
+def test_cross_length_inputs_are_refused_naming_the_fix():
+    q, _, _ = qkv(9)
+    _, k, v = qkv(5)
+    with pytest.raises(ValueError, match=r"same length \(got 9 and 5\); cross-attention is built with cross=True"):
+        hyper(min_seq_len=4)(q, k, v)
