@@ -177,3 +177,34 @@ def test_define_mix_equals_the_group_by_group_reference_and_differs_from_concat(
     expected = _define_reference(mix, tokens)
     torch.testing.assert_close(mix(tokens), expected)
     assert not torch.allclose(concat(tokens), expected, atol=1e-3)
+
+
+def test_define_residual_adds_each_later_layer_to_its_input():
+    """skip: residual is h_l = h_{l-1} + GELU(F_l(h_{l-1})) for l > 1 (the first layer has no residual: it
+    changes the width), written out group by group."""
+    torch.manual_seed(0)
+    emb = DeFINEEmbedding(define_cfg(skip="residual").embedding, V, D, tie_output=False).double()
+    tokens = torch.randint(0, V, (3, 7))
+    h_NK = emb.table(tokens).flatten(0, 1)
+    for layer_index, (layer, g) in enumerate(zip(emb.expand, emb.cfg.groups())):
+        out = torch.nn.functional.gelu(torch.cat([x_j @ layer.weight[j] for j, x_j in enumerate(h_NK.chunk(g, -1))], -1))
+        h_NK = h_NK + out if layer_index > 0 else out
+    assert len(emb.expand) >= 3  # two residual layers, so "from the second layer on" is pinned
+    torch.testing.assert_close(emb(tokens), emb.norm(emb.reduce(h_NK)).view(3, 7, -1))
+
+
+def test_standard_embedding_scales_the_table_by_sqrt_d_model():
+    from models.embeddings import StandardEmbedding
+
+    emb = StandardEmbedding(V, D)
+    tokens = torch.randint(0, V, (2, 5))
+    torch.testing.assert_close(emb(tokens), emb.table.weight[tokens] * D**0.5)
+    assert emb.output_weight() is emb.table.weight
+
+
+def test_define_with_input_dim_equal_to_d_model_ties_its_table_directly():
+    cfg = ModelConfig(d_model=N_IN, layers=1, ffn=32, max_seq_len=32, attention={"kind": "mha", "heads": 2},
+                      embedding={"kind": "define", "input_dim": N_IN, "width": WIDTH, "depth": DEPTH,
+                                 "g_max": G_MAX}).embedding
+    emb = DeFINEEmbedding(cfg, V, N_IN, tie_output=True)
+    assert emb.output_projection is None and emb.output_weight() is emb.table.weight
