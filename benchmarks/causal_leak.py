@@ -18,6 +18,8 @@ way learns to use it:
 
     python -m benchmarks.causal_leak --out benchmarks/results                   # lsh and hyper, both routings
     python -m benchmarks.causal_leak --quick --out /tmp/leak                     # built-in corpus, a minute
+    python -m benchmarks.causal_leak --routings paper --steps 400 --set model.d_model=128 model.ffn=512 \
+        model.layers=2 model.attention.heads=2 --out benchmarks/results           # what RESULTS.md reports
 
 Writes `<out>/<machine>/causal_leak.csv`: per (kind, trained routing, scored routing) the standard test
 perplexity, the perplexity of the cut predictions with the true and the shuffled future, their paired mean
@@ -30,7 +32,7 @@ import argparse
 import math
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +56,11 @@ QUICK = ["task.files=null", "task.eval_split=validation", "task.builtin={train_s
          "model.layers=2", "optim.warmup_steps=10", "run.log_every=10"]
 
 
-def leak_spec(kind: str, routing: str, steps: int, quick: bool) -> ExperimentSpec:
+def leak_spec(kind: str, routing: str, steps: int, quick: bool, extra: Sequence[str] = ()) -> ExperimentSpec:
     overrides = [f"name=leak-{kind}-{routing}", f"model.attention.kind={kind}",
                  f"model.attention.causal_routing={routing}", *ATTENTION[kind],
                  f"optim.max_steps={steps}", f"run.eval_every={steps}", f"run.checkpoint_every={steps}"]
-    return load_spec(RECIPE, [*(QUICK if quick else []), *overrides])
+    return load_spec(RECIPE, [*(QUICK if quick else []), *overrides, *extra])
 
 
 def with_routing(model: LanguageModel, spec: ExperimentSpec, routing: str, vocab_size: int) -> LanguageModel:
@@ -111,15 +113,20 @@ def cut_scores(model: LanguageModel, stream: np.ndarray, seq_len: int, windows: 
     }
 
 
+def progress(metrics: Mapping[str, float], step: int) -> None:
+    if "train/loss" in metrics:
+        print(f"[leak]   step {step}: train/loss {metrics['train/loss']:.3f}", flush=True)
+
+
 def run(kinds: Sequence[str], routings: Sequence[str], steps: int, windows: int, cuts: int, quick: bool,
-        cache_dir: Path) -> list[Row]:
+        cache_dir: Path, extra: Sequence[str] = ()) -> list[Row]:
     rows: list[Row] = []
     for kind in kinds:
         for routing in routings:
-            spec = leak_spec(kind, routing, steps, quick)
+            spec = leak_spec(kind, routing, steps, quick, extra)
             start = time.perf_counter()
             print(f"[leak] training {kind} with causal_routing={routing} for {steps} steps", flush=True)
-            trainer, _ = train_locally(spec, cache_dir=cache_dir)
+            trainer, _ = train_locally(spec, cache_dir=cache_dir, on_metrics=progress)
             train_s = time.perf_counter() - start
             task, model = trainer.task, trainer.model
             scored = ["paper", "past_only"] if routing == "paper" else ["past_only"]
@@ -148,12 +155,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="built-in corpus, tiny model (about a minute)")
     parser.add_argument("--cache-dir", default=None, help="tokenizer/data cache (default: a temporary folder)")
     parser.add_argument("--name", default="causal_leak", help="file stem of the CSV")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="spec overrides on top of the recipe, e.g. model.d_model=128 model.layers=2")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     steps = 60 if args.quick and args.steps == 1200 else args.steps
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(args.cache_dir) if args.cache_dir else Path(tmp)
-        rows = run(args.kinds, args.routings, steps, args.windows, args.cuts, args.quick, cache)
+        rows = run(args.kinds, args.routings, steps, args.windows, args.cuts, args.quick, cache, args.set)
     path = write_csv(rows, results_dir(args.out, torch.device("cpu")) / f"{args.name}.csv")
     print(f"wrote {path}")
 
