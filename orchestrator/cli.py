@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator.preflight import LaunchError, check_data_files
 from orchestrator.search_space import grid_points
 from orchestrator.spec import (
     SpecError,
@@ -111,17 +112,28 @@ def _print_run(outcome: Any, spec_path: str | None, tracking_uri: str, experimen
     print(_where_to_look(tracking_uri, experiment, None, spec_path))
 
 
-def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str, metric: str) -> None:
-    print(f"sweep {outcome.name}: {len(outcome.trials)} trials, {outcome.errors} errored ({outcome.path})")
-    if outcome.interrupted:
+def _sweep_line(outcome: Any) -> str:
+    """`sweep NAME: 3 trials: 1 finished, 1 errored, 1 unfinished`: every trial counted, none guessed."""
+    counts = {state: sum(t["state"] == state for t in outcome.trials) for state in ("done", "error", "unfinished")}
+    line = (f"sweep {outcome.name}: {len(outcome.trials)} trials: {counts['done']} finished, "
+            f"{counts['error']} errored, {counts['unfinished']} unfinished")
+    if outcome.interrupted or outcome.errors:
         storage = str(Path(outcome.path).parent) if "://" not in outcome.path else outcome.path.rsplit("/", 1)[0]
-        print(f"interrupted before every trial ended; continue with "
-              f"`orchestrator resume {outcome.name} --storage-path {storage}`")
+        what = "interrupted before every trial ended" if outcome.interrupted else "some trials errored"
+        line += (f"\n{what}; continue the unfinished and errored trials from their checkpoints with "
+                 f"`orchestrator resume {outcome.name} --storage-path {storage}`" if outcome.resumable else
+                 f"\n{what}; no trial wrote a checkpoint, so the name is free: fix the cause and start it again")
+    return line
+
+
+def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str, metric: str) -> None:
+    print(f"{_sweep_line(outcome)}\n({outcome.path})")
     for trial in outcome.trials:
         value = trial["metrics"].get(metric)
         shown = f"{metric}={value:.4g}" if isinstance(value, float) else f"{metric}=-"
         config = ", ".join(f"{k}={v}" for k, v in trial["config"].items())
-        status = "error" if trial["error"] else f"{trial['metrics'].get('training_iteration', 0)} evals"
+        status = (f"error: {trial['error']}" if trial["error"] else
+                  f"{trial['state']}, {trial['metrics'].get('evaluations', 0)} evals")
         print(f"  {trial['trial_id']}: {shown} ({status}) {config}")
     if outcome.best:
         print(f"best: {metric}={outcome.best['metrics'].get(metric)} with {outcome.best['config']}")
@@ -148,6 +160,19 @@ def _ui(args: argparse.Namespace) -> int:
         return 0
 
 
+def _unexpected(err: Exception) -> int:
+    """An error nobody turned into a message (often Ray's, from storage or restore): one line on the console,
+    the whole traceback in a file for a bug report."""
+    import tempfile
+    import traceback
+
+    with tempfile.NamedTemporaryFile("w", prefix="orchestrator-error-", suffix=".txt", delete=False) as f:
+        traceback.print_exception(err, file=f)
+    first = next((line for line in str(err).splitlines() if line.strip()), "")
+    print(f"orchestrator: {type(err).__name__}: {first[:300]} (traceback in {f.name})", file=sys.stderr)
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `orchestrator` console script and of `python -m orchestrator`."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -165,8 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcome = resume(args.name, args.storage_path)
             print(f"resumed {args.name}")
             if isinstance(outcome, SweepOutcome):
-                print(f"sweep {outcome.name}: {len(outcome.trials)} trials, {outcome.errors} errored"
-                      + (" (interrupted again)" if outcome.interrupted else ""))
+                print(_sweep_line(outcome))
                 return 1 if outcome.errors or outcome.interrupted else 0
             print(f"run {outcome.name}: {outcome.metrics.get('step')} steps, MLflow run {outcome.mlflow_run_id}")
             return 0
@@ -188,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             study = load_study(args.spec, args.overrides, args.scale)
         spec = study.base
+        check_data_files(spec)
         if args.command == "validate":
             try:
                 _check_local_gpus(study)
@@ -211,9 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as err:
         print(f"orchestrator: invalid spec: {err}", file=sys.stderr)
         return 2
-    except RuntimeError as err:  # LaunchError and Ray's TrainingFailedError / TuneError
-        print(f"orchestrator: {type(err).__name__}: {err}", file=sys.stderr)
+    except LaunchError as err:  # says what failed and what to do, in a line or two
+        print(f"orchestrator: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("orchestrator: interrupted (Ctrl-C); the MLflow run is marked KILLED", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - Ray's own errors (storage, restore): one line, traceback in a file
+        return _unexpected(err)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +20,15 @@ import pyarrow.fs
 import ray
 import yaml
 
-from orchestrator.search_space import grid_points, resolve, to_param_space
 from orchestrator.finalize import final_evaluation
+from orchestrator.preflight import (
+    LOCK_FILE,
+    LaunchError,
+    check_data_files,
+    check_tracking,
+    name_lock,
+)
+from orchestrator.search_space import grid_points, resolve, to_param_space
 from orchestrator.spec import (
     ExperimentSpec,
     SpecError,
@@ -32,6 +40,7 @@ from orchestrator.spec import (
 )
 from orchestrator.tracking import (
     RUN_KEY_TAG,
+    SPOOL_FILE,
     TRIAL_TAG,
     MlflowTracker,
     RunHandle,
@@ -47,10 +56,6 @@ META_FILE = "orchestrator.json"
 """Written next to a run's or sweep's Ray files: what `orchestrator resume NAME` needs (spec, MLflow ids)."""
 TRIALS_DIR = "trials"
 """Sub-folder of a sweep holding the Train run of each trial."""
-
-
-class LaunchError(RuntimeError):
-    """A run or sweep cannot be started or resumed; the message says why and what to do."""
 
 
 # --- Ray ---------------------------------------------------------------------------------------------
@@ -89,13 +94,22 @@ def _check_cluster(spec: ExperimentSpec) -> dict[str, float]:
     return resources
 
 
+DRIVER_CPU = 0.01
+"""What a sweep's trial driver reserves. Ray Train V2 puts a run's workers in a placement group of its own,
+made by the run's controller: a Tune trial's placement group cannot hold them (Ray has no nested placement
+groups), so bundles for them there would reserve every worker twice. The driver only waits on its Train run;
+holding a whole CPU, drivers admitted on `resume` (Tune restarts every unfinished trial at once) took the CPUs
+their own workers needed and no worker group ever started. With a token share, trials beyond what fits wait for
+their worker group, holding nothing, and start as others end."""
+
+
 def max_concurrent_trials(spec: ExperimentSpec, resources: Mapping[str, float]) -> int:
-    """Trials that fit at once: total GPUs / GPUs per trial; on CPU, CPUs / (workers x cpus + 1 driver CPU)."""
+    """Trials that fit at once: total GPUs / GPUs per trial; on CPU, CPUs / (workers x cpus per worker)."""
     if spec.tune.max_concurrent is not None:
         return spec.tune.max_concurrent
     if spec.run.gpus_per_run > 0:
         return max(1, int(resources.get("GPU", 0.0) // spec.run.gpus_per_run))
-    per_trial = spec.run.workers * spec.run.cpus_per_worker + 1
+    per_trial = spec.run.workers * spec.run.cpus_per_worker + DRIVER_CPU
     return max(1, int(resources.get("CPU", 1.0) // per_trial))
 
 
@@ -136,8 +150,88 @@ def _cache_dir(spec: ExperimentSpec) -> str:
     return cache_dir_of(spec.run.storage_path)
 
 
-def _tracker(spec: ExperimentSpec) -> MlflowTracker:
-    return MlflowTracker(spec.tracking.uri, retries=spec.tracking.retries, timeout_s=spec.tracking.timeout_s)
+def spool_of(run_path: str) -> str | None:
+    """The metric spool of a Train run's folder; None on remote storage (the buffer stays in memory)."""
+    return None if "://" in run_path else str(Path(run_path) / SPOOL_FILE)
+
+
+def _tracker(spec: ExperimentSpec, run_path: str | None = None) -> MlflowTracker:
+    spool = spool_of(run_path) if run_path else None
+    return MlflowTracker(spec.tracking.uri, retries=spec.tracking.retries, timeout_s=spec.tracking.timeout_s,
+                         spool=Path(spool) if spool else None)
+
+
+_CHECKPOINT = re.compile(r"checkpoint_\d+$")
+
+
+def _subfolders(path: str) -> list[str]:
+    fs, fs_path = _fs(path)
+    return [info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(fs_path, allow_not_found=True))
+            if info.type == pyarrow.fs.FileType.Directory]
+
+
+def has_checkpoint(storage: str, name: str) -> bool:
+    """Run `name`, or a trial of sweep `name`, wrote a checkpoint: it can be resumed, and its name is taken."""
+    folder = _join(storage, name)
+    if any(_CHECKPOINT.match(entry) for entry in _subfolders(folder)):
+        return True
+    trials = _join(folder, TRIALS_DIR)
+    return any(_CHECKPOINT.match(entry) for trial in _subfolders(trials) for entry in _subfolders(_join(trials, trial)))
+
+
+def next_step(storage: str, name: str) -> str:
+    """What to do after a failure: resume only when there is a checkpoint to resume from."""
+    if has_checkpoint(storage, name):
+        return f"continue it from its last checkpoint with `orchestrator resume {name} --storage-path {storage}`"
+    return "it stopped before its first checkpoint, so its name is free: fix the cause and start it again"
+
+
+def failure_reason(err: BaseException) -> str:
+    """One line: the exception a Ray worker (or trial) raised, without Ray's wrapping and tracebacks."""
+    causes = list(getattr(err, "worker_failures", {}).values()) or [getattr(err, "controller_failure", None) or err]
+    lines = [line.strip() for line in str(causes[0]).splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Loss|Failure|Interrupt)\b.*:", line)]
+    text = (named or lines or [type(causes[0]).__name__])[-1]
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+def _claim(spec: ExperimentSpec, kind: str, resume: bool, tracker: MlflowTracker) -> dict[str, Any] | None:
+    """The stored metadata of `spec.name` when resuming; None for a new start. A name with a checkpoint is
+    taken (refused with the resume command); one whose every attempt stopped before its first checkpoint is
+    free: that attempt's folder is cleared and its MLflow run, marked FAILED, no longer answers to the name."""
+    storage, name = spec.run.storage_path, spec.name
+    meta = read_meta(storage, name)
+    started = meta is not None and has_checkpoint(storage, name)
+    if resume:
+        if meta is None:
+            raise LaunchError(f"nothing named {name!r} in {storage} (no {META_FILE}); check the name and --storage-path")
+        if not started and meta.get("status") != "FINISHED":
+            raise LaunchError(f"{meta.get('kind', 'run')} {name!r} stopped before its first checkpoint: there is "
+                              f"nothing to resume; start it again with `orchestrator {'train' if meta.get('kind') == 'run' else 'sweep'} "
+                              "SPEC` (the name is free)")
+        return meta
+    if meta is None:
+        return None
+    if started:
+        raise LaunchError(
+            f"a {meta.get('kind', 'run')} named {name!r} already exists in {storage}; continue it with "
+            f"`orchestrator resume {name} --storage-path {storage}`, or give this one another name (name=...)"
+        )
+    print(f"[{name}] an earlier {meta.get('kind', 'run')} of this name stopped before its first checkpoint; "
+          "starting anew")
+    for run_id in filter(None, (meta.get("mlflow_run_id"), meta.get("parent_run_id"))):
+        tracker.set_tags(run_id, {RUN_KEY_TAG: f"{_join(storage, name)} (abandoned before its first checkpoint)"})
+        if tracker.run_status(run_id) == "RUNNING":
+            tracker.end_run(run_id, "FAILED")
+    fs, path = _fs(_join(storage, name))
+    for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True)):
+        if info.base_name == LOCK_FILE:
+            continue  # ours
+        if info.type == pyarrow.fs.FileType.Directory:
+            fs.delete_dir(info.path)
+        else:
+            fs.delete_file(info.path)
+    return None
 
 
 # --- one run -------------------------------------------------------------------------------------------
@@ -181,12 +275,24 @@ def _handle(spec: ExperimentSpec, *, run_name: str, role: str, commit: str, key:
 
 
 def _fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracker: MlflowTracker,
-                    cache_dir: str) -> tuple[Any, str | None, dict[str, float]]:
-    """Fit, score the best checkpoint on the test split, and end the MLflow run (FAILED if anything raised).
-    The run id is looked up again: the worker may have created the run after an outage at launch."""
+                    cache_dir: str, *, label: str, advice: str | None) -> tuple[Any, str | None, dict[str, float]]:
+    """Fit, score the best checkpoint on the test split, and end the MLflow run on every exit path: FINISHED
+    only when training reached optim.max_steps, KILLED on Ctrl-C, FAILED when anything raised. A failure is a
+    LaunchError of one line, with `advice` (None: the caller says what to do). The run id is looked up again:
+    the worker may have created the run after an outage at launch."""
+    from ray.train import TrainingFailedError
+
     status, run_id = "FAILED", handle.run_id
+    hint = f"\n{advice}" if advice else ""
     try:
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except TrainingFailedError as err:
+            raise LaunchError(f"{label} failed: {failure_reason(err)}{hint}") from None
+        step = (result.metrics or {}).get("step")
+        if step != spec.optim.max_steps:  # Ray Train's Ctrl-C handler aborts the run and fit() returns
+            status = "KILLED"
+            raise LaunchError(f"{label} was stopped at step {step} of {spec.optim.max_steps}{hint}")
         run_id = run_id or tracker.ensure_run(handle)
         try:
             final = final_evaluation(spec, result, cache_dir=cache_dir, run_id=run_id)
@@ -199,10 +305,15 @@ def _fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, track
                 tracker.set_tags(run_id, {"test.error": message})
         status = "FINISHED"
         return result, run_id, final
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; Ray Train's handler exits while aborting the run
+        status = "KILLED"
+        raise
     finally:
         run_id = run_id or tracker.ensure_run(handle)
-        if run_id is not None:
-            tracker.end_run(run_id, status)
+        if run_id is not None and not tracker.end_run(run_id, status):
+            print(f"[{label}] the tracking server at {spec.tracking.uri} did not take every metric point; they "
+                  f"wait in {tracker.spool or 'memory'} and the MLflow run stays open until "
+                  "`orchestrator resume` sends them")
 
 
 @dataclass(frozen=True)
@@ -216,48 +327,59 @@ class RunOutcome:
     mlflow_run_id: str | None
 
 
-def _existing_meta(storage: str, name: str, resume: bool) -> dict[str, Any] | None:
-    """The stored metadata of run/sweep `name`, refusing to start a new one over it unless resuming."""
-    meta = read_meta(storage, name)
-    if meta is not None and not resume:
-        raise LaunchError(
-            f"a {meta.get('kind', 'run')} named {name!r} already exists in {storage}; continue it with "
-            f"`orchestrator resume {name} --storage-path {storage}`, or give this one another name (name=...)"
-        )
-    return meta
-
-
 def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: int | None = None) -> RunOutcome:
     """Train one run under Ray Train. `resume=True` continues the run of the same name from its latest
     checkpoint (same RunConfig(name, storage_path), same MLflow run). `fail_at_step` raises inside the
     worker after that step's report: a fault-injection hook for testing resume."""
-    from ray.train import TrainingFailedError
-
     storage = spec.run.storage_path
-    meta = _existing_meta(storage, spec.name, resume)
-    if meta is None and resume:
-        raise LaunchError(f"no run named {spec.name!r} in {storage}; start it with `orchestrator train`")
-    connect()
-    _check_cluster(spec)
-    commit = (meta or {}).get("commit") or git_commit()
-    tracker = _tracker(spec)
-    handle = _handle(spec, run_name=spec.name, role="run", commit=commit,
-                     key=(RUN_KEY_TAG, _join(storage, spec.name))).with_run_id((meta or {}).get("mlflow_run_id"))
-    handle = handle.with_run_id(tracker.ensure_run(handle))
-    write_meta(storage, spec.name, {"kind": "run", "name": spec.name, "spec": spec.model_dump(mode="json"),
-                                    "mlflow_run_id": handle.run_id, "commit": commit})
-    worker = WorkerConfig(spec=spec.model_dump(mode="json"), run=handle, label=spec.name,
-                          cache_dir=_cache_dir(spec), fail_at_step=fail_at_step)
-    trainer = build_trainer(spec, run_name=spec.name, storage_path=storage, worker=worker)
-    try:
-        result, run_id, final = _fit_and_finish(spec, trainer, handle, tracker, _cache_dir(spec))
-    except TrainingFailedError as err:
-        raise LaunchError(
-            f"run {spec.name!r} failed after {spec.run.max_failures} restart(s): {err}\n"
-            f"continue it from its last checkpoint with `orchestrator resume {spec.name} --storage-path {storage}`"
-        ) from err
+    run_path = _join(storage, spec.name)
+    check_data_files(spec)
+    with name_lock(run_path, spec.name):
+        tracker = _tracker(spec, run_path)
+        meta = _claim(spec, "run", resume, tracker)
+        commit = (meta or {}).get("commit") or git_commit()
+        handle = _handle(spec, run_name=spec.name, role="run", commit=commit,
+                         key=(RUN_KEY_TAG, run_path)).with_run_id((meta or {}).get("mlflow_run_id"))
+        check_tracking(spec, tracker)
+        handle = handle.with_run_id(tracker.ensure_run(handle))
+        if meta is not None and meta.get("status") == "FINISHED":
+            return _close_finished(spec, meta, tracker, handle)
+        record = {"kind": "run", "name": spec.name, "spec": spec.model_dump(mode="json"), "commit": commit}
+        try:
+            connect()
+            _check_cluster(spec)
+        except BaseException:
+            if handle.run_id is not None:
+                tracker.end_run(handle.run_id, "FAILED")
+            raise
+        write_meta(storage, spec.name, {**record, "mlflow_run_id": handle.run_id})
+        worker = WorkerConfig(spec=spec.model_dump(mode="json"), run=handle, label=spec.name,
+                              cache_dir=_cache_dir(spec), run_path=run_path, spool=spool_of(run_path),
+                              fail_at_step=fail_at_step)
+        trainer = build_trainer(spec, run_name=spec.name, storage_path=storage, worker=worker)
+        try:
+            result, run_id, final = _fit_and_finish(spec, trainer, handle, tracker, _cache_dir(spec),
+                                                    label=f"run {spec.name!r}", advice=None)
+        except LaunchError as err:
+            raise LaunchError(f"{err}\n{next_step(storage, spec.name)}") from None
+        write_meta(storage, spec.name, {**record, "mlflow_run_id": run_id, "status": "FINISHED"})
     return RunOutcome(name=spec.name, path=result.path, metrics={**dict(result.metrics or {}), **final},
                       checkpoint=result.checkpoint.path if result.checkpoint else None, mlflow_run_id=run_id)
+
+
+def _close_finished(spec: ExperimentSpec, meta: Mapping[str, Any], tracker: MlflowTracker,
+                    handle: RunHandle) -> RunOutcome:
+    """`resume` of a run that had finished training: send what its spool still holds and end its MLflow run."""
+    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # before ray.train is imported: Result.from_path reads V2 storage
+    from ray.train import Result
+
+    if handle.run_id is not None and not tracker.end_run(handle.run_id, "FINISHED"):
+        raise LaunchError(f"run {spec.name!r} finished, but {spec.tracking.uri} still does not take its spooled "
+                          f"metrics ({tracker.spool}); try again when the server is up")
+    print(f"[{spec.name}] had finished training; its spooled metrics are sent and its MLflow run is ended")
+    result = Result.from_path(_join(spec.run.storage_path, spec.name))
+    return RunOutcome(name=spec.name, path=result.path, metrics=dict(result.metrics or {}),
+                      checkpoint=result.checkpoint.path if result.checkpoint else None, mlflow_run_id=handle.run_id)
 
 
 # --- sweeps --------------------------------------------------------------------------------------------
@@ -272,17 +394,19 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     trial_id = tune.get_context().get_trial_id()
     spec = validate_spec(resolve(study_raw, config), where=f"trial {trial_id}")
     run_name = f"{spec.name}-{trial_id}"
-    tracker = _tracker(spec)
+    trials_path = _join(spec.run.storage_path, spec.name, TRIALS_DIR)
+    run_path = _join(trials_path, f"train-{trial_id}")
+    tracker = _tracker(spec, run_path)
     # Found by trial id first: a retried or restored trial keeps its child run.
     handle = _handle(spec, run_name=run_name, role="trial", commit=commit, key=(TRIAL_TAG, trial_id),
                      parent_run_id=parent_run_id)
     handle = handle.with_run_id(tracker.ensure_run(handle))
     worker = WorkerConfig(spec=spec.model_dump(mode="json"), run=handle, label=f"{spec.name} {trial_id}",
-                          cache_dir=_cache_dir(spec), fail_at_step=fail_at_step)
-    trainer = build_trainer(spec, run_name=f"train-{trial_id}",
-                            storage_path=_join(spec.run.storage_path, spec.name, TRIALS_DIR),
+                          cache_dir=_cache_dir(spec), run_path=run_path, spool=spool_of(run_path),
+                          fail_at_step=fail_at_step)
+    trainer = build_trainer(spec, run_name=f"train-{trial_id}", storage_path=trials_path,
                             worker=worker, callbacks=[TuneReportCallback()])
-    _fit_and_finish(spec, trainer, handle, tracker, _cache_dir(spec))
+    _fit_and_finish(spec, trainer, handle, tracker, _cache_dir(spec), label=f"trial {trial_id}", advice=None)
 
 
 def _tune_config(study: Study, resources: Mapping[str, float]):
@@ -292,10 +416,11 @@ def _tune_config(study: Study, resources: Mapping[str, float]):
     spec = study.base
     settings = spec.tune
     if settings.scheduler == "asha":
-        # One ASHA time unit = one report = one evaluation; max_t is the last one.
+        # One ASHA time unit = one report = one evaluation; max_t is the last one. The worker counts them from
+        # the step ("evaluations"): Tune's training_iteration restarts at 1 in a resumed trial.
         # stop_last_trials=False: a trial that reaches max_t ends by itself. Stopping it from Tune at its last
         # report would kill its driver while the Train run is still shutting down (cf. ray#54305).
-        scheduler = ASHAScheduler(time_attr="training_iteration", max_t=Cadence.of(spec).report_count(),
+        scheduler = ASHAScheduler(time_attr="evaluations", max_t=Cadence.of(spec).report_count(),
                                   grace_period=settings.grace_period, reduction_factor=settings.reduction_factor,
                                   stop_last_trials=False)
     else:
@@ -327,6 +452,8 @@ class SweepOutcome:
     errors: int
     interrupted: bool = False
     """Tuner.fit returned before every trial ended (Ctrl-C); `orchestrator resume NAME` continues it."""
+    resumable: bool = False
+    """Some trial wrote a checkpoint, so `orchestrator resume NAME` has something to continue."""
 
 
 def _trainable(study: Study, parent_run_id: str | None, commit: str, fail_at_step: int | None = None):
@@ -334,8 +461,7 @@ def _trainable(study: Study, parent_run_id: str | None, commit: str, fail_at_ste
 
     driver = tune.with_parameters(_trial_driver, study_raw=study.raw, parent_run_id=parent_run_id, commit=commit,
                                   fail_at_step=fail_at_step)
-    # The driver only waits on its Train run; its 1 CPU is the "+1" of max_concurrent_trials.
-    return tune.with_resources(driver, {"CPU": 1})
+    return tune.with_resources(driver, tune.PlacementGroupFactory([{"CPU": DRIVER_CPU}]))
 
 
 def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = None) -> SweepOutcome:
@@ -343,52 +469,74 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     `resume=True` restores the Tuner: unfinished and errored trials resume under their own trial ids, so each
     driver reopens its child MLflow run and its Train run restores from its own latest checkpoint.
     `fail_at_step` makes every trial's worker raise after that step, as in run_training: a fault-injection
-    hook for testing resume. The trainable is rebuilt on restore, so a resumed sweep runs without it."""
+    hook for testing resume. The trainable is rebuilt on restore, so a resumed sweep runs without it.
+    The parent run ends FINISHED only when every trial finished (or ASHA stopped it), FAILED when one errored,
+    KILLED when the sweep was interrupted."""
     from ray import tune
 
     spec = study.base
     storage = spec.run.storage_path
-    meta = _existing_meta(storage, spec.name, resume)
-    connect()
-    resources = _check_cluster(spec)
-    commit = (meta or {}).get("commit") or git_commit()
-    tracker = _tracker(spec)
-    sweep_params = {f"tune.{k}": v for k, v in flatten(spec.tune.model_dump(mode="json")).items()}
-    sweep_params.update({"sweep.domains": ", ".join(d.path for d in study.domains) or "(none)"})
-    parent = run_handle(sweep_params, yaml.safe_dump(study.raw, sort_keys=False),
-                        experiment=spec.tracking.experiment or spec.name, run_name=spec.name, role="sweep",
-                        kind=None, commit=commit, key=(RUN_KEY_TAG, _join(storage, spec.name)))
-    parent_run_id = tracker.ensure_run(parent.with_run_id((meta or {}).get("parent_run_id")))
-    write_meta(storage, spec.name, {"kind": "sweep", "name": spec.name, "raw": study.raw,
-                                    "parent_run_id": parent_run_id, "commit": commit})
-
-    trainable = _trainable(study, parent_run_id, commit, fail_at_step)
     sweep_path = _join(storage, spec.name)
-    if resume and tune.Tuner.can_restore(sweep_path):
-        # resume_errored, not restart_errored: a restarted trial is reset to a new trial id, which would start a
-        # new Train run from scratch under a new child MLflow run.
-        tuner = tune.Tuner.restore(sweep_path, trainable, resume_unfinished=True, resume_errored=True)
-    else:
-        tuner = tune.Tuner(
-            trainable,
-            param_space=to_param_space(study.domains, spec.tune.search),
-            tune_config=_tune_config(study, resources),
-            run_config=tune.RunConfig(name=spec.name, storage_path=storage,
-                                      failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures)),
-        )
-    grid = tuner.fit()
+    check_data_files(spec)
+    with name_lock(sweep_path, spec.name):
+        tracker = _tracker(spec)
+        meta = _claim(spec, "sweep", resume, tracker)
+        commit = (meta or {}).get("commit") or git_commit()
+        sweep_params = {f"tune.{k}": v for k, v in flatten(spec.tune.model_dump(mode="json")).items()}
+        sweep_params.update({"sweep.domains": ", ".join(d.path for d in study.domains) or "(none)"})
+        parent = run_handle(sweep_params, yaml.safe_dump(study.raw, sort_keys=False),
+                            experiment=spec.tracking.experiment or spec.name, run_name=spec.name, role="sweep",
+                            kind=None, commit=commit, key=(RUN_KEY_TAG, sweep_path))
+        check_tracking(spec, tracker)
+        parent_run_id = tracker.ensure_run(parent.with_run_id((meta or {}).get("parent_run_id")))
+        status = "FAILED"
+        try:
+            if resume:
+                _send_trial_spools(spec, tracker)
+            connect()
+            resources = _check_cluster(spec)
+            write_meta(storage, spec.name, {"kind": "sweep", "name": spec.name, "raw": study.raw,
+                                            "parent_run_id": parent_run_id, "commit": commit})
+            trainable = _trainable(study, parent_run_id, commit, fail_at_step)
+            if resume and tune.Tuner.can_restore(sweep_path):
+                # resume_errored, not restart_errored: a restarted trial is reset to a new trial id, which would
+                # start a new Train run from scratch under a new child MLflow run.
+                tuner = tune.Tuner.restore(sweep_path, trainable, resume_unfinished=True, resume_errored=True)
+            else:
+                tuner = tune.Tuner(
+                    trainable,
+                    param_space=to_param_space(study.domains, spec.tune.search),
+                    tune_config=_tune_config(study, resources),
+                    run_config=tune.RunConfig(name=spec.name, storage_path=storage,
+                                              failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures)),
+                )
+            grid = tuner.fit()
+            outcome = _sweep_outcome(study, grid, tracker, parent_run_id)
+            status = "KILLED" if outcome.interrupted else "FAILED" if outcome.errors else "FINISHED"
+            return outcome
+        except (KeyboardInterrupt, SystemExit):
+            status = "KILLED"
+            raise
+        finally:
+            if parent_run_id is not None:
+                tracker.end_run(parent_run_id, status)
+
+
+def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_id: str | None) -> SweepOutcome:
+    """Per trial: done (it returned, or ASHA stopped it: Tune's last result says done), errored, or neither
+    (the sweep was interrupted); children left RUNNING are closed (KILLED, or FAILED when errored)."""
+    spec = study.base
     trials = []
     for result in grid:
         metrics = dict(result.metrics or {})
         trial_id = metrics.get("trial_id") or Path(result.path).name
+        state = "error" if result.error else "done" if metrics.get("done") else "unfinished"
         trials.append({"trial_id": trial_id, "config": {k: v for k, v in (result.config or {}).items()},
-                       "error": repr(result.error) if result.error else None,
-                       "metrics": {k: v for k, v in metrics.items() if "/" in k or k in ("step", "training_iteration")}})
+                       "state": state, "error": failure_reason(result.error) if result.error else None,
+                       "metrics": {k: v for k, v in metrics.items() if "/" in k or k in ("step", "evaluations")}})
     _close_children(tracker, spec, trials)
-    # Ctrl-C (or a lost driver) makes Tuner.fit return early: fewer trials ended than the sweep holds.
-    interrupted = grid.num_terminated + grid.num_errors < max(len(grid), expected_trials(study))
-    if parent_run_id and not interrupted:
-        tracker.end_run(parent_run_id, "FAILED" if grid.num_errors else "FINISHED")
+    errors = sum(t["state"] == "error" for t in trials)
+    interrupted = any(t["state"] == "unfinished" for t in trials) or len(trials) < expected_trials(study)
     best = None
     try:
         best_result = grid.get_best_result(metric=spec.metric, mode=spec.mode, scope="all")
@@ -396,7 +544,21 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     except RuntimeError:
         best = None  # no trial reported the metric
     return SweepOutcome(name=spec.name, path=grid.experiment_path, parent_run_id=parent_run_id, trials=trials,
-                        best=best, errors=grid.num_errors, interrupted=interrupted)
+                        best=best, errors=errors, interrupted=interrupted,
+                        resumable=has_checkpoint(spec.run.storage_path, spec.name))
+
+
+def _send_trial_spools(spec: ExperimentSpec, tracker: MlflowTracker) -> None:
+    """Metric points a trial could not send (an outage at its end) go out before the sweep goes on; the
+    trials Tune resumes send their own, and those it does not are done."""
+    trials_path = _join(spec.run.storage_path, spec.name, TRIALS_DIR)
+    for trial in _subfolders(trials_path):
+        spool = spool_of(_join(trials_path, trial))
+        if spool and Path(spool).is_file():
+            trial_tracker = _tracker(spec, _join(trials_path, trial))
+            trial_tracker._load_spool()
+            for run_id in {rid for rid, _ in trial_tracker._pending}:
+                trial_tracker.flush(run_id, force=True)
 
 
 def expected_trials(study: Study) -> int:
@@ -417,7 +579,8 @@ def _close_children(tracker: MlflowTracker, spec: ExperimentSpec, trials: list[d
             continue
         trial["mlflow_run_id"] = run_id
         if tracker.run_status(run_id) == "RUNNING":
-            tracker.end_run(run_id, "FAILED" if trial["error"] else "KILLED")
+            tracker.end_run(run_id, "FAILED" if trial["error"] else "FINISHED" if trial["state"] == "done"
+                            and trial["metrics"].get("step") == spec.optim.max_steps else "KILLED")
 
 
 # --- resume --------------------------------------------------------------------------------------------

@@ -189,6 +189,9 @@ class TrackingSettings(_Section):
     """Attempts per logging call before it is dropped with a warning (training never stops for logging)."""
     timeout_s: float = 5.0
     """HTTP timeout of one MLflow request; keeps a slow or dead server from stalling training."""
+    offline_ok: bool = False
+    """Start even when `uri` cannot be reached (otherwise refused before Ray starts); metrics wait in the run
+    folder's spool and are sent when the store answers, at the latest by `orchestrator resume`."""
 
     @field_validator("uri")
     @classmethod

@@ -4,7 +4,10 @@ nested child run per trial (tag `mlflow.parentRunId`), and a run id that survive
 Every MLflow call goes through `MlflowTracker._call`: short HTTP timeouts, a bounded number of
 attempts with exponential backoff, then a warning and a cool-down during which calls are skipped, so a
 dead or slow server costs training at most a few seconds per cool-down. Metrics logged while the
-server is away are buffered (bounded) and sent when it answers again.
+server is away are buffered (bounded) and, when the tracker has a spool file (a run's storage folder),
+written there too, so they survive the process: the launcher sends them before it ends the run, or a later
+`orchestrator resume` does. A resumed or restarted run logs each (metric, step) once: steps MLflow (or the
+spool) already holds are not sent again.
 
 Ray's MLflowLoggerCallback is deliberately not used: it keeps its trial -> run map in memory and
 opens a second run after Tuner.restore. Here the run id is stored in every checkpoint instead.
@@ -12,6 +15,7 @@ opens a second run after Tuner.restore. Here the run id is stored in every check
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -45,6 +49,8 @@ T = TypeVar("T")
 
 RUN_KEY_TAG = "orchestrator.run"
 """Storage path + name of a single run: finds its MLflow run again (a trial is found by TRIAL_TAG)."""
+SPOOL_FILE = "mlflow-spool.jsonl"
+"""In a run's storage folder: metric points not yet accepted by the tracking server, one JSON object a line."""
 
 
 @dataclass(frozen=True)
@@ -115,25 +121,34 @@ class MlflowTracker:
     """A guarded MlflowClient: each call returns None (with a TrackingWarning) instead of raising."""
 
     def __init__(self, uri: str, *, retries: int = 3, timeout_s: float = 5.0, backoff_s: float = 0.5,
-                 cooldown_s: float = _COOLDOWN_S):
+                 cooldown_s: float = _COOLDOWN_S, spool: Path | None = None):
         configure_http(timeout_s)
         self.uri = uri
         self.retries = retries
         self.backoff_s = backoff_s
         self.cooldown_s = cooldown_s
+        self.spool = Path(spool) if spool is not None else None
+        """Where unsent metric points are kept across processes (None: in memory only, e.g. remote storage)."""
         # Created on first use, inside the guard: for a SQLite URI the constructor already opens the store.
         self._client: MlflowClient | None = None
         self._down_until = 0.0
         self._failures = 0  # consecutive failed calls: each doubles the cool-down, up to _MAX_COOLDOWN_S
         self._pending: deque[tuple[str, Metric]] = deque(maxlen=_MAX_BUFFERED_METRICS)
+        self._load_spool()
 
     @property
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def _call(self, what: str, fn: Callable[[MlflowClient], T]) -> T | None:
-        """`fn(client)` with bounded retries; on failure a TrackingWarning, a cool-down, and None."""
-        if not self.available:
+    def reachable(self) -> bool:
+        """One guarded round trip to the store (the launcher's preflight, before Ray starts)."""
+        return self._call("connection check", lambda client: client.search_experiments(max_results=1),
+                          force=True) is not None
+
+    def _call(self, what: str, fn: Callable[[MlflowClient], T], *, force: bool = False) -> T | None:
+        """`fn(client)` with bounded retries; on failure a TrackingWarning, a cool-down, and None.
+        `force` tries even during a cool-down (the last chance to send before a run ends)."""
+        if not self.available and not force:
             return None
         error: Exception | None = None
         for attempt in range(self.retries):
@@ -216,9 +231,31 @@ class MlflowTracker:
         """RUNNING, FINISHED, FAILED or KILLED (None when the server cannot be asked)."""
         return self._call("run lookup", lambda client: client.get_run(run_id).info.status)
 
-    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
-        self.flush(run_id)
-        self._call("run end", lambda client: client.set_terminated(run_id, status=status))
+    def end_run(self, run_id: str, status: str = "FINISHED") -> bool:
+        """Send every spooled point of the run (the worker's too), then mark it `status`. When points cannot
+        be sent the run is left open, so it is never shown as ended with holes; False then, and the spool
+        keeps them for the next launcher of this run (`orchestrator resume`)."""
+        self._load_spool()
+        self.flush(run_id, force=True)
+        if any(rid == run_id for rid, _ in self._pending):
+            return False
+        return self._call("run end", lambda client: client.set_terminated(run_id, status=status) or True,
+                          force=True) is not None
+
+    def last_steps(self, run_id: str) -> dict[str, int] | None:
+        """Per metric, the last step the run holds in MLflow or in the spool (None when MLflow cannot be
+        asked): a resumed run re-computes the steps after its checkpoint and must not log them again."""
+        def history(client: MlflowClient) -> dict[str, int]:
+            keys = client.get_run(run_id).data.metrics
+            return {key: max(m.step for m in client.get_metric_history(run_id, key)) for key in keys}
+
+        last = self._call("metric history", history)
+        if last is None:
+            return None
+        for rid, metric in self._pending:
+            if rid == run_id:
+                last[metric.key] = max(last.get(metric.key, metric.step), metric.step)
+        return last
 
     # --- params, tags, metrics, artifacts ------------------------------------------------------------
 
@@ -238,18 +275,46 @@ class MlflowTracker:
             self._pending.append((run_id, Metric(key, float(value), now_ms, step)))
         self.flush(run_id)
 
-    def flush(self, run_id: str) -> None:
-        """Send buffered metrics of `run_id`; they stay buffered if the server is still away."""
-        if not self.available or not self._pending:
+    def flush(self, run_id: str, *, force: bool = False) -> None:
+        """Send buffered metrics of `run_id`, 1000 a call; what the server does not take stays buffered
+        (and spooled)."""
+        while (self.available or force) and any(rid == run_id for rid, _ in self._pending):
+            batch = [m for rid, m in self._pending if rid == run_id][:1000]
+            # `or True`: log_batch returns None, which _call uses to say "failed".
+            if self._call("metric logging", lambda client: client.log_batch(run_id, metrics=batch) or True,
+                          force=force) is None:
+                break
+            sent = {id(m) for m in batch}
+            self._pending = deque((p for p in self._pending if id(p[1]) not in sent), maxlen=_MAX_BUFFERED_METRICS)
+        self._save_spool()
+
+    def _load_spool(self) -> None:
+        """Take the spool as the unsent points. With a spool, every flush ends by mirroring the buffer into
+        it, so the file is the whole truth: another process (the worker) may have sent or added points since."""
+        if self.spool is None:
             return
-        batch = [m for rid, m in self._pending if rid == run_id][:1000]
-        if not batch:
+        rows = self.spool.read_text().splitlines() if self.spool.is_file() else []
+        self._pending = deque(maxlen=_MAX_BUFFERED_METRICS)
+        for line in rows:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a partial line: files are replaced whole, so only a foreign edit makes one
+            self._pending.append((row["run_id"], Metric(row["key"], row["value"], row["timestamp"], row["step"])))
+
+    def _save_spool(self) -> None:
+        """Mirror the unsent points into the spool (temp file + rename: a kill leaves the old or the new)."""
+        if self.spool is None:
             return
-        if self._call("metric logging", lambda client: client.log_batch(run_id, metrics=batch)) is None \
-                and not self.available:
+        if not self._pending:
+            self.spool.unlink(missing_ok=True)
             return
-        sent = {id(m) for m in batch}
-        self._pending = deque((p for p in self._pending if id(p[1]) not in sent), maxlen=_MAX_BUFFERED_METRICS)
+        rows = [json.dumps({"run_id": rid, "key": m.key, "value": m.value, "timestamp": m.timestamp,
+                            "step": m.step}) for rid, m in self._pending]
+        tmp = self.spool.with_name(f".{self.spool.name}.{os.getpid()}")
+        self.spool.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text("\n".join(rows) + "\n")
+        os.replace(tmp, self.spool)
 
     def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
         self._call(f"artifact upload ({Path(path).name})",
@@ -304,24 +369,39 @@ class MlflowLogger:
         self.tracker = tracker
         self._open_run = open_run
         self._backlog: deque[tuple[dict[str, float], int]] = deque(maxlen=_MAX_BUFFERED_METRICS)
+        self._last: dict[str, int] | None = None
+        """Per metric, the last step the run already holds; None until MLflow was asked."""
         self.run_id: str | None = open_run()
+        self._ensure_run()
 
     def _ensure_run(self) -> bool:
+        """The run is open and its logged steps known (what an earlier attempt logged or spooled)."""
         if self.run_id is None and self.tracker.available:
             self.run_id = self._open_run()
-            while self.run_id is not None and self._backlog:
-                metrics, step = self._backlog.popleft()
-                self.tracker.log_metrics(self.run_id, metrics, step)
-        return self.run_id is not None
+        if self.run_id is not None and self._last is None and self.tracker.available:
+            self.tracker.flush(self.run_id)  # an earlier attempt's spool first, so its steps count as logged
+            self._last = self.tracker.last_steps(self.run_id)
+        if self._last is None:
+            return False
+        while self._backlog:
+            self._send(*self._backlog.popleft())
+        return True
+
+    def _send(self, metrics: Mapping[str, float], step: int) -> None:
+        # A resumed run recomputes the steps after its checkpoint: the first attempt's points stay, once.
+        fresh = {k: v for k, v in metrics.items() if step > self._last.get(k, -1)}
+        self._last.update({k: step for k in fresh})
+        if fresh:
+            self.tracker.log_metrics(self.run_id, fresh, step)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._ensure_run():
-            self.tracker.log_metrics(self.run_id, metrics, step)
+            self._send(metrics, step)
         else:
             self._backlog.append((dict(metrics), step))
 
     def close(self, status: str = "FINISHED") -> None:
-        """Send what is buffered; the run itself is ended by its owner, the launcher."""
+        """Send what is buffered (what cannot be sent stays in the spool); the launcher ends the run."""
         if self._ensure_run():
             self.tracker.flush(self.run_id)
 

@@ -87,7 +87,11 @@ class Cadence:
         return step % self.log_every == 0 or self.reports(step)
 
     def report_count(self) -> int:
-        return sum(1 for step in range(1, self.max_steps + 1) if self.reports(step))
+        return self.reports_until(self.max_steps)
+
+    def reports_until(self, step: int) -> int:
+        """Reports at steps 1..step: a resumed run's count continues where the uninterrupted run's would be."""
+        return sum(1 for s in range(1, step + 1) if self.reports(s))
 
 
 class NonFiniteLoss(FloatingPointError):

@@ -9,6 +9,7 @@ ends runs.
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import tempfile
@@ -16,16 +17,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs
 import ray.train
 import ray.train.torch
 import torch.distributed as dist
 
-from orchestrator.checkpoint import read_checkpoint, write_checkpoint
+from orchestrator.checkpoint import TrainingState, read_checkpoint, write_checkpoint
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
-from orchestrator.tracking import ConsoleLogger, MetricsLogger, MlflowLogger, MlflowTracker, RunHandle
+from orchestrator.tracking import (
+    ConsoleLogger,
+    MetricsLogger,
+    MlflowLogger,
+    MlflowTracker,
+    RunHandle,
+)
+from orchestrator.trainer import Cadence, Trainer, unwrap
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
-from orchestrator.trainer import Trainer, unwrap
 from tasks.base import WorkerContext
+
 
 class InjectedFailure(RuntimeError):
     """Raised at `fail_at_step` (a fault-injection knob of launch.run_training) to exercise resume."""
@@ -50,7 +59,8 @@ class RayHooks:
         self.logger = MetricsLogger()
         if rank == 0:
             tracking = spec.tracking
-            self.tracker = MlflowTracker(tracking.uri, retries=tracking.retries, timeout_s=tracking.timeout_s)
+            self.tracker = MlflowTracker(tracking.uri, retries=tracking.retries, timeout_s=tracking.timeout_s,
+                                         spool=Path(cfg.spool) if cfg.spool else None)
             self.mlflow = MlflowLogger(self.tracker, lambda: self.tracker.ensure_run(run))
             self.logger = MetricsLogger([ConsoleLogger(cfg.label, spec.optim.max_steps), self.mlflow])
 
@@ -67,7 +77,9 @@ class RayHooks:
 
     def report(self, trainer: Trainer, step: int, metrics: Mapping[str, float], checkpoint: bool) -> None:
         self.logger.log(metrics, step)
-        report = {"step": step, **metrics}
+        # `evaluations` is ASHA's time unit: counted from the step, so a resumed trial keeps its rung even
+        # though Tune's training_iteration restarts at 1 (a function trial has no Tune checkpoint).
+        report = {"step": step, "evaluations": Cadence.of(self.spec).reports_until(step), **metrics}
         # Every rank gathers (positions and RNG of all ranks); rank 0 alone gets a state to write.
         state = trainer.checkpoint_state(self.run_id) if checkpoint else None
         if not checkpoint:
@@ -82,6 +94,11 @@ class RayHooks:
             ray.train.report(report, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_{step:09d}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        if self.rank == 0:
+            # The controller registers a reported checkpoint (and saves its snapshot) on its next poll of the
+            # workers; until then a killed run would resume from the one before. Waiting for the commit keeps
+            # "on disk" and "registered" one step apart, so a resume recomputes at most checkpoint_every steps.
+            ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
 
     def after_step(self, step: int) -> None:
         if self.cfg.fail_at_step is not None and step == self.cfg.fail_at_step:
@@ -99,6 +116,38 @@ class RayHooks:
         self.logger.close(status)
 
 
+_STEP = re.compile(r"checkpoint_(\d+)$")
+
+
+def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> TrainingState | None:
+    """The newest readable checkpoint of this run: Ray's registered latest, or a newer complete one on disk
+    that a kill kept Ray from registering; an unreadable one (truncated, corrupt) is skipped, said, and the
+    one before it is taken."""
+    candidates: dict[str, ray.train.Checkpoint] = {}
+    fs, path = pyarrow.fs.FileSystem.from_uri(run_path)
+    for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True)):
+        if info.type == pyarrow.fs.FileType.Directory and _STEP.match(info.base_name):
+            candidates[info.base_name] = ray.train.Checkpoint(info.path, filesystem=fs)
+    if registered is not None:
+        candidates.setdefault(Path(registered.path).name, registered)
+    skipped: list[str] = []
+    for name in sorted(candidates, key=lambda n: int(_STEP.match(n).group(1)) if _STEP.match(n) else -1,
+                       reverse=True):
+        try:
+            with candidates[name].as_directory() as directory:
+                state = read_checkpoint(Path(directory))
+        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
+            skipped.append(f"{name} ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})")
+            continue
+        if rank == 0 and skipped:
+            sys.stdout.write(f"[{label}] checkpoint {', '.join(skipped)} is unreadable; resuming from the "
+                             f"previous intact checkpoint {name} instead\n")
+        return state
+    if rank == 0 and skipped:
+        sys.stdout.write(f"[{label}] no readable checkpoint ({', '.join(skipped)}); starting from step 0\n")
+    return None
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point; `config[WORKER_CONFIG]` is the launcher's WorkerConfig."""
     cfg: WorkerConfig = config[WORKER_CONFIG]
@@ -111,17 +160,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                              gather=lambda obj: _gather(obj, world_size))
 
     run = cfg.run
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state = read_checkpoint(Path(directory))
+    state = _restore_point(ray.train.get_checkpoint(), cfg.run_path, cfg.label, rank)
+    if state is not None:
         trainer.restore(state)
         run = run.with_run_id(state.mlflow_run_id)  # the run id may have appeared only after an outage
 
     hooks = RayHooks(cfg, spec, run, rank)
     counts = unwrap(trainer.model).parameter_counts()
     hooks.log_params({"params.attention": counts["attention"], "params.total": counts["total"]})
-    if rank == 0 and checkpoint is not None:
+    if rank == 0 and state is not None:
         sys.stdout.write(f"[{cfg.label}] resumed from step {trainer.step} (MLflow run {hooks.run_id})\n")
     status = "FAILED"
     try:

@@ -24,5 +24,10 @@ class WorkerConfig:
     """Console prefix: the run name, or the study name and trial id."""
     cache_dir: str
     """Tokenizers and prepared data, shared by the runs of this storage."""
+    run_path: str
+    """The Train run's storage folder (local path or URI): where its checkpoints are, registered or not."""
+    spool: str | None = None
+    """Local file for metric points the tracking server has not taken yet (tracking.SPOOL_FILE in the run's
+    storage folder; None when storage is remote)."""
     fail_at_step: int | None = None
     """Raise InjectedFailure after this step (tests of resume)."""

@@ -134,10 +134,11 @@ def test_resumed_sweep_restarts_a_failed_trial_from_its_checkpoint(ray_cluster, 
     assert client.get_run(failed.parent_run_id).info.status == "FINISHED"
     assert client.get_run(child_id).info.status == "FINISHED"
     assert sorted(loss_curve(client, child_id)) == [1, 2, 3, 4, 5, 6]
-    # The restarted trial began from its step-2 checkpoint, not from scratch: steps 1-2 were logged once,
-    # step 3 twice (by the failed attempt and again after the restore).
-    logged = collections.Counter(m.step for m in client.get_metric_history(child_id, "train/loss"))
-    assert logged == {1: 1, 2: 1, 3: 2, 4: 1, 5: 1, 6: 1}
+    # The restarted trial began from its step-2 checkpoint, not from scratch, and recomputed step 3: every
+    # metric holds one point per step (the failed attempt's step 3 is not logged again).
+    for key in ("train/loss", "train/tokens_per_s", "lr"):
+        logged = collections.Counter(m.step for m in client.get_metric_history(child_id, key))
+        assert logged == {1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1}, key
 
 
 @pytest.mark.slow
@@ -146,7 +147,8 @@ def test_two_worker_ddp_run_trains_with_tracking_server_down(ray_cluster, worksp
     (One run checks both, to keep the suite's Ray time small.)"""
     raw = tiny_spec("ddp-no-server", workspace,
                     run={"workers": 2, "cpus_per_worker": 0.5, "checkpoint_every": 4},
-                    tracking={"uri": f"http://127.0.0.1:{unused_port}", "retries": 2, "timeout_s": 1})
+                    tracking={"uri": f"http://127.0.0.1:{unused_port}", "retries": 2, "timeout_s": 1,
+                              "offline_ok": True})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outcome = run_training(validate_spec(raw))
@@ -182,7 +184,10 @@ def test_tracker_with_dead_server_warns_then_skips_quickly(unused_port):
         warnings.simplefilter("error")  # cooling down: calls are skipped silently and metrics are kept
         for step in range(3):
             tracker.log_metrics("some-run", {"train/loss": 1.0}, step)
-        tracker.end_run("some-run")
+    # Ending a run is the last chance to send: it tries through the cool-down, and with the server still
+    # down it keeps the points and leaves the run open.
+    with pytest.warns(TrackingWarning):
+        assert tracker.end_run("some-run") is False
     assert len(tracker._pending) == 3
 
 
@@ -249,3 +254,37 @@ def test_run_opened_during_an_outage_gets_its_backlog(tmp_path):
     assert run.info.status == "RUNNING"
     assert run.data.params["model.d_model"] == "16" and run.data.tags["method.family"] == "mha"
     assert tracker.ensure_run(handle) == logger.run_id  # found again by its key, not duplicated
+
+
+def test_restarted_logger_logs_each_step_once_and_spool_survives_the_process(tmp_path, unused_port):
+    """A resumed worker recomputes steps it logged before its failure: they are not logged again. Points a
+    dead server did not take wait in the spool file, and a later tracker (the launcher) sends them before it
+    ends the run; until they are sent, the run is not ended."""
+    from orchestrator.tracking import MlflowLogger, MlflowTracker, run_handle
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spool = tmp_path / "run" / "mlflow-spool.jsonl"
+    handle = run_handle({}, "", experiment="dedupe", run_name="run", role="run", kind="mha", commit="abc",
+                        key=("orchestrator.run", str(tmp_path / "run")))
+    tracker = MlflowTracker(uri, retries=1, timeout_s=1, spool=spool)
+    first = MlflowLogger(tracker, lambda: tracker.ensure_run(handle))
+    for step in (1, 2, 3):
+        first.log({"train/loss": float(step)}, step)
+    restarted = MlflowTracker(uri, retries=1, timeout_s=1, spool=spool)
+    resumed = MlflowLogger(restarted, lambda: restarted.ensure_run(handle))  # resumed from a step-1 checkpoint
+    for step in (2, 3, 4):
+        resumed.log({"train/loss": 10.0 * step, "val/loss": 1.0}, step)
+    assert loss_curve(MlflowClient(uri), resumed.run_id) == {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0}
+    assert collections.Counter(m.step for m in MlflowClient(uri).get_metric_history(resumed.run_id, "val/loss")) \
+        == {2: 1, 3: 1, 4: 1}
+    assert not spool.exists()  # everything was taken
+
+    down = MlflowTracker(f"http://127.0.0.1:{unused_port}", retries=1, timeout_s=1, spool=spool)
+    with pytest.warns(TrackingWarning):
+        down.log_metrics(resumed.run_id, {"train/loss": 5.0}, 5)
+    assert spool.is_file()
+    assert down.end_run(resumed.run_id) is False  # cannot send: the run is left open
+    launcher = MlflowTracker(uri, retries=1, timeout_s=1, spool=spool)
+    assert launcher.end_run(resumed.run_id, "FINISHED") is True
+    assert loss_curve(MlflowClient(uri), resumed.run_id)[5] == 5.0 and not spool.exists()
+    assert MlflowClient(uri).get_run(resumed.run_id).info.status == "FINISHED"

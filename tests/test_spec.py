@@ -323,6 +323,7 @@ def test_train_and_sweep_refuse_to_overwrite_an_existing_run(tmp_path):
     storage = tmp_path / "runs"
     raw = base_raw(run={"storage_path": str(storage)})
     write_meta(str(storage), "unit", {"kind": "run"})
+    (storage / "unit" / "checkpoint_000000002").mkdir()  # it got as far as a checkpoint: the name is taken
     with pytest.raises(LaunchError, match=r"a run named 'unit' already exists .*`orchestrator resume unit"):
         run_training(load_spec(write(tmp_path, raw)))
     with pytest.raises(LaunchError, match=r"already exists"):

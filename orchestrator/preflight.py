@@ -1,0 +1,113 @@
+"""Checks that need the machine, not just the spec, done before Ray starts: a missing or empty data file
+fails here in a second with the field's name, not half a minute later inside a Ray worker; a tracking store
+that cannot be reached is refused unless the spec opts into offline logging; and a run name is held by one
+live launcher at a time (`name_lock`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.spec import ExperimentSpec, SpecError
+
+if TYPE_CHECKING:  # mlflow is imported only by the commands that log
+    from orchestrator.tracking import MlflowTracker
+
+class LaunchError(RuntimeError):
+    """A run or sweep cannot be started or resumed; the message says why and what to do."""
+
+
+LOCK_FILE = ".orchestrator.lock"
+"""In a run's or sweep's storage folder while a launcher (train, sweep, resume) drives it."""
+
+
+def _data_files(spec: ExperimentSpec) -> list[tuple[str, list[Path]]]:
+    """(field, the files it may name) for each split the spec reads from local files."""
+    files = spec.task.files
+    if files is None:
+        return []
+    out = []
+    for split in ("train", "validation", "test"):
+        value = getattr(files, split)
+        if value is None:
+            continue
+        field = f"task.files.{split}"
+        if spec.task.kind == "translation":  # a prefix: <prefix>.<lang> or <prefix>.<lang>.gz per side
+            for lang in (spec.task.source_lang, spec.task.target_lang):
+                out.append((f"{field} ({lang} side)", [Path(f"{value}.{lang}"), Path(f"{value}.{lang}.gz")]))
+        else:
+            out.append((field, [Path(value)]))
+    return out
+
+
+def check_data_files(spec: ExperimentSpec) -> None:
+    """Every local data file the spec names exists and is not empty (SpecError naming the field)."""
+    for field, candidates in _data_files(spec):
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
+            raise SpecError(f"{field}: {' or '.join(str(p) for p in candidates)} does not exist; fix the path "
+                            "(relative paths are resolved against the directory the command runs in)")
+        if found.stat().st_size == 0:
+            raise SpecError(f"{field}: {found} is empty (0 bytes); point it at the split's text")
+
+
+def check_tracking(spec: ExperimentSpec, tracker: "MlflowTracker") -> None:
+    """The tracking store answers, or the spec says to train without it (tracking.offline_ok)."""
+    if spec.tracking.offline_ok or tracker.reachable():
+        return
+    raise LaunchError(
+        f"tracking.uri={spec.tracking.uri!r} cannot be reached (see the warning above); start the MLflow "
+        "server or fix the URI (e.g. tracking.uri=sqlite:///mlflow.db), or set tracking.offline_ok=true to "
+        "train anyway: metrics then wait in the run folder's spool and are sent when the server answers"
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+@contextmanager
+def name_lock(folder: str, name: str) -> Iterator[None]:
+    """Hold `<folder>/.orchestrator.lock` (created exclusively) while this process drives run `name`: a second
+    train/sweep/resume of the same name is refused instead of racing the first over its checkpoints. A lock
+    left by a process of this host that is gone is taken over; on remote storage (a URI) there is no lock."""
+    if "://" in folder:
+        yield
+        return
+    path = Path(folder) / LOCK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text() or "{}")
+            except (OSError, json.JSONDecodeError):
+                holder = {}
+            if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
+                path.unlink(missing_ok=True)  # stale: its launcher was killed
+                continue
+            raise LaunchError(
+                f"{name!r} is in use by process {holder.get('pid', '?')} on {holder.get('host', '?')} "
+                f"(since {holder.get('since', '?')}); wait for it to end, or, if that process is gone, delete "
+                f"{path}") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        break
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
