@@ -8,12 +8,18 @@ Reads `mutmut results --all true` (one `module.function__mutmut_N: status` line 
 statuses per source file and writes `<out>/<machine>/mutation.csv` plus a Markdown table on stdout.
 Kill rate = (killed + timeout) / (killed + timeout + survived + no tests): a mutant that no selected test
 executes counts as a survivor. Mutants not yet checked are reported and left out of the rate.
-docs/mutation_testing.md explains the survivors.
+
+One class of survivors is equivalent on a CPU-only machine and is counted separately: a mutant whose only
+change is a `device=` argument or a `.to(<...>.device)` (dropped, or set to None) places a tensor on the CPU,
+where everything already is. It is found by diffing the mutant's function against the original in mutmut's
+`mutants/` copy (functions `<name>__mutmut_<N>` and `<name>__mutmut_orig`). `kill_rate_non_device` leaves
+those out. docs/mutation_testing.md explains the other survivors.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import subprocess
 from collections import Counter, defaultdict
@@ -24,9 +30,34 @@ import torch
 
 from benchmarks.harness import Row, results_dir, write_csv
 
-LINE = re.compile(r"^\s*(?P<name>[\w.ǁ]+)__mutmut_\d+: (?P<status>.+?)\s*$")
+LINE = re.compile(r"^\s*(?P<name>[\w.ǁ]+)__mutmut_(?P<n>\d+): (?P<status>.+?)\s*$")
 KILLED = ("killed", "timeout")
 COUNTED = ("killed", "timeout", "survived", "no tests")
+
+
+def _normalised(line: str) -> str:
+    line = re.sub(r"\.to\((None|[\w.]*device)\)", ".to()", line)
+    line = re.sub(r"device=[\w.\[\]]+", "", line)
+    return re.sub(r",?\s*\)", ")", re.sub(r"\s+", " ", line)).strip()
+
+
+def device_only_mutants(path: str, mutants_dir: Path = Path("mutants")) -> set[str]:
+    """Mutant function names (`...__mutmut_N`) in `path` whose only change is a tensor's device."""
+    copy = mutants_dir / path
+    if not copy.exists():
+        return set()
+    source = copy.read_text()
+    lines = source.splitlines()
+    functions = {node.name: lines[node.lineno:node.end_lineno] for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.FunctionDef)}  # bodies only: the def lines differ by name
+    found = set()
+    for name, body in functions.items():
+        base, sep, _ = name.rpartition("__mutmut_")
+        original = functions.get(base + "__mutmut_orig")
+        if sep and original is not None and body != original and len(body) == len(original) and all(
+                _normalised(a) == _normalised(b) for a, b in zip(body, original)):
+            found.add(name)
+    return found
 
 
 def source_file(mutant_function: str) -> str:
@@ -37,10 +68,17 @@ def source_file(mutant_function: str) -> str:
 
 def tally(lines: Iterable[str]) -> dict[str, Counter]:
     per_file: dict[str, Counter] = defaultdict(Counter)
+    device_only: dict[str, set[str]] = {}
     for line in lines:
         match = LINE.match(line)
         if match:
-            per_file[source_file(match["name"])][match["status"]] += 1
+            path = source_file(match["name"])
+            per_file[path][match["status"]] += 1
+            if match["status"] == "survived":
+                if path not in device_only:
+                    device_only[path] = device_only_mutants(path)
+                function = match["name"].rsplit(".", 1)[1] + "__mutmut_" + match["n"]
+                per_file[path]["survived, device only"] += function in device_only[path]
     return dict(per_file)
 
 
@@ -52,18 +90,23 @@ def rows(per_file: dict[str, Counter]) -> list[Row]:
         out.append({
             "file": path, "mutants": sum(counts.values()),
             **{s.replace(" ", "_"): counts[s] for s in COUNTED},
-            "not_checked": sum(n for s, n in counts.items() if s not in COUNTED),
+            "survived_device_only": counts["survived, device only"],
+            "not_checked": sum(n for s, n in counts.items() if s not in COUNTED and s != "survived, device only"),
             "kill_rate": round(sum(counts[s] for s in KILLED) / counted, 4) if counted else float("nan"),
+            "kill_rate_non_device": round(sum(counts[s] for s in KILLED) / (counted - counts["survived, device only"]), 4)
+            if counted > counts["survived, device only"] else float("nan"),
         })
     return out
 
 
 def markdown(table: Sequence[Row]) -> str:
-    head = "| file | mutants | killed | timeout | survived | no tests | not checked | kill rate |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    head = ("| file | mutants | killed | timeout | survived (device only) | no tests | not checked | kill rate | "
+            "kill rate, device-only left out |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in table:
-        lines.append(f"| {r['file']} | {r['mutants']} | {r['killed']} | {r['timeout']} | {r['survived']} | "
-                     f"{r['no_tests']} | {r['not_checked']} | {r['kill_rate']:.1%} |")
+        lines.append(f"| {r['file']} | {r['mutants']} | {r['killed']} | {r['timeout']} | {r['survived']} "
+                     f"({r['survived_device_only']}) | {r['no_tests']} | {r['not_checked']} | {r['kill_rate']:.1%} | "
+                     f"{r['kill_rate_non_device']:.1%} |")
     return "\n".join(lines)
 
 
