@@ -126,8 +126,7 @@ def _sweep_line(outcome: Any) -> str:
     return line
 
 
-def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str, metric: str) -> None:
-    print(f"{_sweep_line(outcome)}\n({outcome.path})")
+def _print_trials(outcome: Any, metric: str) -> None:
     for trial in outcome.trials:
         value = trial["metrics"].get(metric)
         shown = f"{metric}={value:.4g}" if isinstance(value, float) else f"{metric}=-"
@@ -135,6 +134,11 @@ def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experim
         status = (f"error: {trial['error']}" if trial["error"] else
                   f"{trial['state']}, {trial['metrics'].get('evaluations', 0)} evals")
         print(f"  {trial['trial_id']}: {shown} ({status}) {config}")
+
+
+def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str, metric: str) -> None:
+    print(f"{_sweep_line(outcome)}\n({outcome.path})")
+    _print_trials(outcome, metric)
     if outcome.best:
         print(f"best: {metric}={outcome.best['metrics'].get(metric)} with {outcome.best['config']}")
     print(_where_to_look(tracking_uri, experiment, outcome.parent_run_id, spec_path))
@@ -191,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"resumed {args.name}")
             if isinstance(outcome, SweepOutcome):
                 print(_sweep_line(outcome))
+                _print_trials(outcome, outcome.metric)
                 return 1 if outcome.errors or outcome.interrupted else 0
             print(f"run {outcome.name}: {outcome.metrics.get('step')} steps, MLflow run {outcome.mlflow_run_id}")
             return 0

@@ -305,7 +305,10 @@ def _fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, track
                 tracker.set_tags(run_id, {"test.error": message})
         status = "FINISHED"
         return result, run_id, final
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; Ray Train's handler exits while aborting the run
+    except SystemExit:  # Ctrl-C: Ray Train's SIGINT handler aborts the run, then sys.exit(0) in this thread
+        status = "KILLED"
+        raise LaunchError(f"{label} was interrupted (Ctrl-C){hint}") from None
+    except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
@@ -454,6 +457,8 @@ class SweepOutcome:
     """Tuner.fit returned before every trial ended (Ctrl-C); `orchestrator resume NAME` continues it."""
     resumable: bool = False
     """Some trial wrote a checkpoint, so `orchestrator resume NAME` has something to continue."""
+    metric: str = ""
+    """The compared metric (tune.metric)."""
 
 
 def _trainable(study: Study, parent_run_id: str | None, commit: str, fail_at_step: int | None = None):
@@ -545,7 +550,7 @@ def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_i
         best = None  # no trial reported the metric
     return SweepOutcome(name=spec.name, path=grid.experiment_path, parent_run_id=parent_run_id, trials=trials,
                         best=best, errors=errors, interrupted=interrupted,
-                        resumable=has_checkpoint(spec.run.storage_path, spec.name))
+                        resumable=has_checkpoint(spec.run.storage_path, spec.name), metric=spec.metric)
 
 
 def _send_trial_spools(spec: ExperimentSpec, tracker: MlflowTracker) -> None:

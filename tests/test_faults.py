@@ -1,0 +1,440 @@
+"""Fault injection: a user's bad day, as real processes. Each case starts `python -m orchestrator ...` as a
+subprocess (its own local Ray) logging to a real `mlflow server` on 127.0.0.1, then kills, interrupts or
+starves it by PID, resumes, and checks what survived: a resume recomputes at most `checkpoint_every` steps and
+MLflow holds exactly one point per metric per step.
+
+Tiny causal LMs on the built-in corpus (tens of steps), so each case costs a few Ray starts."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINT_EVERY = 4
+MAX_STEPS = 24
+METRICS = ("train/loss", "train/tokens_per_s", "lr", "memory/peak_gb", "val/loss", "val/ppl")
+
+pytestmark = pytest.mark.slow
+
+
+# --- processes ------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    env.pop("RAY_ADDRESS", None)  # each case starts its own local Ray, as a user's first command does
+    return env
+
+
+class Proc:
+    """A subprocess in its own session (so its whole tree can be ended) whose output is collected live."""
+
+    def __init__(self, args: list[str], cwd: Path):
+        self.popen = subprocess.Popen(args, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            rc = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.end()
+            pytest.fail(f"{self.popen.args} still running after {timeout:.0f}s; output:\n{self.output[-4000:]}")
+        self._reader.join(timeout=10)
+        return rc
+
+    def end(self) -> None:
+        """SIGKILL what is left of the process's session (its Ray processes included)."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=30)
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below `pid` (Ray's raylet starts the workers)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children[int(fields[1])].append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            try:
+                cmd = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            out.append((child, cmd))
+            todo.append(child)
+    return out
+
+
+def wait_for(condition, timeout: float, what: str, proc: Proc | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if proc is not None and proc.popen.poll() is not None:
+            pytest.fail(f"process ended (rc {proc.popen.returncode}) before {what}:\n{proc.output[-4000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}" + (f":\n{proc.output[-4000:]}" if proc else ""))
+
+
+class MlflowServer:
+    """`mlflow server` on 127.0.0.1 with a SQLite store; stop() and start() again keep the store."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = root, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+             "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            cwd=self.root, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                    return response.status == 200
+            except OSError:
+                return False
+
+        wait_for(healthy, 120, f"mlflow server on {self.uri}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# --- specs and what MLflow holds ----------------------------------------------------------------------------
+
+
+def write_spec(folder: Path, name: str, uri: str, **sections) -> Path:
+    raw = {
+        "name": name,
+        "task": {"kind": "clm", "seq_len": 16, "batch_size": 4, "vocab_size": 120, "eval_batches": 1,
+                 "builtin": {"train_sentences": 300, "eval_sentences": 20}},
+        "model": {"d_model": 16, "layers": 1, "ffn": 32, "max_seq_len": 16, "dropout": 0.0,
+                  "attention": {"kind": "mha", "heads": 2}},
+        "optim": {"lr": 3e-3, "max_steps": MAX_STEPS, "warmup_steps": 1, "seed": 5},
+        "run": {"checkpoint_every": CHECKPOINT_EVERY, "eval_every": CHECKPOINT_EVERY, "log_every": 1,
+                "keep_checkpoints": 2, "storage_path": str(folder / "runs"), "final_eval": False},
+        "tune": {"scheduler": "fifo"},
+        "tracking": {"uri": uri, "retries": 2, "timeout_s": 2},
+    }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def orchestrator(folder: Path, *args: str) -> Proc:
+    return Proc([sys.executable, "-m", "orchestrator", *args], cwd=folder)
+
+
+def runs_of(uri: str, experiment: str) -> list:
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id]) if found else []
+
+
+def points_per_step(uri: str, run_id: str, key: str) -> collections.Counter:
+    return collections.Counter(m.step for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def assert_one_point_per_step(uri: str, run_id: str, last_step: int = MAX_STEPS) -> None:
+    """Every metric at every step where it is logged, once (train/* every step, val/* every checkpoint)."""
+    for key in METRICS:
+        steps = range(1, last_step + 1) if not key.startswith("val/") else range(CHECKPOINT_EVERY, last_step + 1,
+                                                                                 CHECKPOINT_EVERY)
+        assert points_per_step(uri, run_id, key) == {s: 1 for s in steps}, key
+
+
+def last_logged_step(uri: str, experiment: str) -> int:
+    runs = runs_of(uri, experiment)
+    if not runs:
+        return 0
+    history = MlflowClient(uri).get_metric_history(runs[0].info.run_id, "train/loss")
+    return max((m.step for m in history), default=0)
+
+
+def checkpoint_on_disk(run_folder: Path, step: int) -> bool:
+    return (run_folder / f"checkpoint_{step:09d}" / "state.pt").is_file()
+
+
+def resumed_step(output: str) -> int:
+    found = re.findall(r"resumed from step (\d+)", output)
+    assert found, f"no 'resumed from step' line in:\n{output[-3000:]}"
+    return int(found[-1])
+
+
+def kill_after_checkpoint(proc: Proc, run_folder: Path, step: int, uri: str, experiment: str) -> int:
+    """SIGKILL the launcher as soon as checkpoint `step` is complete on disk; the last step it logged."""
+    wait_for(lambda: checkpoint_on_disk(run_folder, step), 300, f"checkpoint {step}", proc)
+    kill_tree(proc)
+    return last_logged_step(uri, experiment)
+
+
+def kill_tree(proc: Proc) -> None:
+    """SIGKILL the launcher, then its Ray processes (a local Ray dies with its driver; killing them at once
+    is that, without waiting on it)."""
+    tree = descendants(proc.popen.pid)
+    os.kill(proc.popen.pid, signal.SIGKILL)
+    for pid, _ in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.end()
+
+
+# --- the cases ------------------------------------------------------------------------------------------------
+
+
+def test_driver_kill_resumes_from_the_newest_checkpoint(tmp_path, server):
+    """SIGKILL of `orchestrator train` right after a checkpoint is on disk: `resume` takes over the dead
+    launcher's lock, restarts from that checkpoint (registered by Ray, or found on disk), and the MLflow run
+    ends FINISHED with one point per metric per step."""
+    spec = write_spec(tmp_path, "driver-kill", server.uri)
+    first = orchestrator(tmp_path, "train", str(spec))
+    last = kill_after_checkpoint(first, tmp_path / "runs" / "driver-kill", 2 * CHECKPOINT_EVERY, server.uri,
+                                 "driver-kill")
+    assert (tmp_path / "runs" / "driver-kill" / ".orchestrator.lock").exists()  # left behind by the kill
+
+    resumed = orchestrator(tmp_path, "resume", "driver-kill", "--storage-path", str(tmp_path / "runs"))
+    assert resumed.wait(420) == 0, resumed.output[-4000:]
+    start = resumed_step(resumed.output)
+    print(f"driver kill: last step logged {last}, resumed from {start}, recomputed {last - start}")
+    assert start >= 2 * CHECKPOINT_EVERY and last - start <= CHECKPOINT_EVERY, (start, last)
+    [run] = runs_of(server.uri, "driver-kill")
+    assert run.info.status == "FINISHED"
+    assert_one_point_per_step(server.uri, run.info.run_id)
+
+
+def test_worker_kill_is_retried_by_ray_train_from_the_latest_checkpoint(tmp_path, server):
+    """SIGKILL of the Ray Train worker process: with run.max_failures=1 Ray restarts the worker group from
+    the latest checkpoint in the same launcher, and the run finishes with one point per metric per step."""
+    spec = write_spec(tmp_path, "worker-kill", server.uri, run={"max_failures": 1})
+    proc = orchestrator(tmp_path, "train", str(spec))
+    wait_for(lambda: checkpoint_on_disk(tmp_path / "runs" / "worker-kill", CHECKPOINT_EVERY), 300, "checkpoint", proc)
+    workers = [pid for pid, cmd in descendants(proc.popen.pid) if cmd.startswith("ray::RayTrainWorker")]
+    assert len(workers) == 1, descendants(proc.popen.pid)
+    os.kill(workers[0], signal.SIGKILL)
+    last = last_logged_step(server.uri, "worker-kill")
+    assert proc.wait(420) == 0, proc.output[-4000:]
+    start = resumed_step(proc.output)
+    print(f"worker kill: last step logged {last}, restarted from {start}, recomputed {last - start}")
+    assert last - start <= CHECKPOINT_EVERY, (start, last)
+    [run] = runs_of(server.uri, "worker-kill")
+    assert run.info.status == "FINISHED"
+    assert_one_point_per_step(server.uri, run.info.run_id)
+
+
+def test_ctrl_c_marks_the_run_killed_and_resume_finishes_it(tmp_path, server):
+    """SIGINT (Ctrl-C) to `orchestrator train`: a non-zero exit that says the run stopped (not "finished"),
+    the MLflow run KILLED, and `resume` continues it to the end."""
+    spec = write_spec(tmp_path, "ctrl-c", server.uri)
+    proc = orchestrator(tmp_path, "train", str(spec))
+    wait_for(lambda: checkpoint_on_disk(tmp_path / "runs" / "ctrl-c", CHECKPOINT_EVERY), 300, "checkpoint", proc)
+    os.kill(proc.popen.pid, signal.SIGINT)
+    rc = proc.wait(120)
+    assert rc != 0 and "finished:" not in proc.output, proc.output[-3000:]
+    [run] = runs_of(server.uri, "ctrl-c")
+    assert run.info.status == "KILLED"
+    last = last_logged_step(server.uri, "ctrl-c")
+
+    resumed = orchestrator(tmp_path, "resume", "ctrl-c", "--storage-path", str(tmp_path / "runs"))
+    assert resumed.wait(420) == 0, resumed.output[-4000:]
+    print(f"ctrl-c: last step logged {last}, resumed from {resumed_step(resumed.output)}")
+    assert last - resumed_step(resumed.output) <= CHECKPOINT_EVERY
+    [run] = runs_of(server.uri, "ctrl-c")
+    assert run.info.status == "FINISHED"
+    assert_one_point_per_step(server.uri, run.info.run_id)
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, server):
+    """The newest checkpoint's state.pt cut in half after a kill: `resume` says which checkpoint it skipped
+    and which it took, and finishes from the older one."""
+    spec = write_spec(tmp_path, "truncated", server.uri)
+    run_folder = tmp_path / "runs" / "truncated"
+    kill_after_checkpoint(orchestrator(tmp_path, "train", str(spec)), run_folder, 2 * CHECKPOINT_EVERY,
+                          server.uri, "truncated")
+    newest = sorted(p for p in run_folder.glob("checkpoint_*") if (p / "state.pt").is_file())[-1]
+    state = newest / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+
+    resumed = orchestrator(tmp_path, "resume", "truncated", "--storage-path", str(tmp_path / "runs"))
+    assert resumed.wait(420) == 0, resumed.output[-4000:]
+    previous = int(newest.name.split("_")[1]) - CHECKPOINT_EVERY
+    assert re.search(rf"checkpoint {newest.name} \(.*\) is unreadable; resuming from the previous intact "
+                     rf"checkpoint checkpoint_{previous:09d}", resumed.output), resumed.output[-4000:]
+    assert resumed_step(resumed.output) == previous
+    [run] = runs_of(server.uri, "truncated")
+    assert run.info.status == "FINISHED"
+    assert_one_point_per_step(server.uri, run.info.run_id)
+
+
+def test_same_name_twice_is_refused_while_the_first_runs(tmp_path, server):
+    """A second `train` and a `resume` of a name whose launcher is alive are refused at once, naming the
+    live process; the first run finishes alone (one MLflow run)."""
+    spec = write_spec(tmp_path, "twice", server.uri, optim={"max_steps": 8})
+    first = orchestrator(tmp_path, "train", str(spec))
+    wait_for(lambda: (tmp_path / "runs" / "twice" / ".orchestrator.lock").exists(), 120, "the lock", first)
+    for args in (["train", str(spec)], ["resume", "twice", "--storage-path", str(tmp_path / "runs")]):
+        second = orchestrator(tmp_path, *args)
+        assert second.wait(120) == 1
+        assert f"'twice' is in use by process {first.popen.pid}" in second.output, second.output[-2000:]
+    assert first.wait(420) == 0, first.output[-4000:]
+    assert [r.info.status for r in runs_of(server.uri, "twice")] == ["FINISHED"]
+
+
+def test_failed_first_start_leaves_the_name_free_and_its_run_failed(tmp_path, server):
+    """A run that dies before its first checkpoint (NaN at once): the message does not advise `resume`,
+    its MLflow run is FAILED, `resume` is refused, and `train` with the same name starts a new run."""
+    spec = write_spec(tmp_path, "first-start", server.uri, optim={"lr": 1e4, "grad_clip": None},
+                      run={"checkpoint_every": 100, "eval_every": 100})
+    proc = orchestrator(tmp_path, "train", str(spec))
+    assert proc.wait(300) == 1
+    assert re.search(r"loss is (nan|inf) at step \d+", proc.output) and "name is free" in proc.output, proc.output[-3000:]
+    assert "orchestrator resume" not in proc.output
+    [failed] = runs_of(server.uri, "first-start")
+    assert failed.info.status == "FAILED"
+
+    refused = orchestrator(tmp_path, "resume", "first-start", "--storage-path", str(tmp_path / "runs"))
+    assert refused.wait(120) == 1 and "nothing to resume" in refused.output, refused.output[-2000:]
+    again = orchestrator(tmp_path, "train", str(spec), "optim.lr=3e-3", "optim.max_steps=4",
+                         "run.checkpoint_every=4", "run.eval_every=4")
+    assert again.wait(420) == 0, again.output[-4000:]
+    runs = {r.info.run_id: r.info.status for r in runs_of(server.uri, "first-start")}
+    assert runs == {failed.info.run_id: "FAILED", next(r for r in runs if r != failed.info.run_id): "FINISHED"}
+
+
+def test_tracking_outage_ending_after_the_run_loses_no_point(tmp_path):
+    """The MLflow server dies mid-run and comes back only after the run ended: the points wait in the run
+    folder's spool (the run stays open, the launcher says so), and `resume` sends them and ends the run."""
+    server = MlflowServer(tmp_path)
+    server.start()
+    try:
+        spec = write_spec(tmp_path, "outage", server.uri)
+        proc = orchestrator(tmp_path, "train", str(spec))
+        wait_for(lambda: last_logged_step(server.uri, "outage") >= 2, 300, "the first points", proc)
+        server.stop()
+        assert proc.wait(420) == 0, proc.output[-4000:]
+        assert "did not take every metric point" in proc.output
+        assert (tmp_path / "runs" / "outage" / "mlflow-spool.jsonl").is_file()
+        server.start()
+        [run] = runs_of(server.uri, "outage")
+        assert run.info.status == "RUNNING"
+        resumed = orchestrator(tmp_path, "resume", "outage", "--storage-path", str(tmp_path / "runs"))
+        assert resumed.wait(300) == 0, resumed.output[-4000:]
+        [run] = runs_of(server.uri, "outage")
+        assert run.info.status == "FINISHED"
+        assert_one_point_per_step(server.uri, run.info.run_id)
+        assert not (tmp_path / "runs" / "outage" / "mlflow-spool.jsonl").exists()
+    finally:
+        server.stop()
+
+
+def test_wrong_tracking_uri_is_refused_before_ray_starts(tmp_path):
+    """Nothing listens at tracking.uri: refused in seconds, naming the field and both fixes; no Ray run."""
+    spec = write_spec(tmp_path, "wrong-uri", f"http://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    proc = orchestrator(tmp_path, "train", str(spec))
+    assert proc.wait(120) == 1
+    assert "tracking.uri=" in proc.output and "tracking.offline_ok=true" in proc.output, proc.output[-2000:]
+    assert "Started a local Ray instance" not in proc.output
+    assert not (tmp_path / "runs" / "wrong-uri" / "orchestrator.json").exists()
+    assert time.monotonic() - started < 60
+
+
+def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, server):
+    """A 2-trial sweep whose first trial diverges (NaN: an errored trial, the sweep goes on) is SIGKILLed
+    while the second trains; `resume` re-admits both trials on 2 CPUs without starving their Train workers,
+    the NaN trial errors again with its reason, the other finishes from its checkpoint with its ASHA clock
+    (evaluations) continuing, and the summary counts 1 finished, 1 errored, exit 1, parent FAILED."""
+    spec = write_spec(tmp_path, "sweep-kill", server.uri, optim={"lr": {"grid": [300.0, 3e-3]}, "warmup_steps": 3,
+                                                                  "grad_clip": None})
+    first = orchestrator(tmp_path, "sweep", str(spec))
+    trials = tmp_path / "runs" / "sweep-kill" / "trials"
+
+    def second_trial_checkpointed() -> bool:
+        return any(checkpoint_on_disk(t, 2 * CHECKPOINT_EVERY) for t in trials.glob("train-*"))
+
+    wait_for(second_trial_checkpointed, 400, "the healthy trial's checkpoint", first)
+    kill_tree(first)
+
+    resumed = orchestrator(tmp_path, "resume", "sweep-kill", "--storage-path", str(tmp_path / "runs"))
+    assert resumed.wait(480) == 1, resumed.output[-4000:]
+    assert "2 trials: 1 finished, 1 errored, 0 unfinished" in resumed.output, resumed.output[-4000:]
+    # ASHA's clock went on from the checkpoint: all 6 evaluations of 24 steps, not only those after the resume.
+    assert re.search(r"\(done, 6 evals\) .*optim.lr=0.003", resumed.output), resumed.output[-3000:]
+    runs = runs_of(server.uri, "sweep-kill")
+    parent = next(r for r in runs if r.data.tags.get("orchestrator.role") == "sweep")
+    children = {r.data.params["optim.lr"]: r for r in runs if r.data.tags.get("orchestrator.role") == "trial"}
+    assert parent.info.status == "FAILED"
+    assert children["300.0"].info.status == "FAILED" and children["0.003"].info.status == "FINISHED"
+    assert_one_point_per_step(server.uri, children["0.003"].info.run_id)
+    assert "loss is nan at step" in resumed.output or "loss is inf at step" in resumed.output
+
+
+def test_missing_or_empty_data_file_is_named_before_ray_starts(tmp_path):
+    """A data file that is missing, or empty, fails `validate` (and train) at once, naming the field."""
+    empty = tmp_path / "train.txt"
+    empty.write_text("")
+    for path, message in ((tmp_path / "absent.txt", "does not exist"), (empty, "is empty (0 bytes)")):
+        spec = write_spec(tmp_path, "data", "sqlite:///" + str(tmp_path / "m.db"),
+                          task={"dataset": "files", "files": {"train": str(path), "validation": str(path)}})
+        proc = orchestrator(tmp_path, "validate", str(spec))
+        assert proc.wait(60) == 2
+        assert f"task.files.train: {path}" in proc.output and message in proc.output, proc.output
