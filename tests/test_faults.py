@@ -137,7 +137,7 @@ class MlflowServer:
             except OSError:
                 return False
 
-        wait_for(healthy, 120, f"mlflow server on {self.uri}")
+        wait_for(healthy, 300, f"mlflow server on {self.uri}")
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -328,9 +328,9 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, se
 def test_same_name_twice_is_refused_while_the_first_runs(tmp_path, server):
     """A second `train` and a `resume` of a name whose launcher is alive are refused at once, naming the
     live process; the first run finishes alone (one MLflow run)."""
-    spec = write_spec(tmp_path, "twice", server.uri, optim={"max_steps": 8})
+    spec = write_spec(tmp_path, "twice", server.uri)
     first = orchestrator(tmp_path, "train", str(spec))
-    wait_for(lambda: (tmp_path / "runs" / "twice" / ".orchestrator.lock").exists(), 120, "the lock", first)
+    wait_for(lambda: checkpoint_on_disk(tmp_path / "runs" / "twice", CHECKPOINT_EVERY), 300, "a checkpoint", first)
     for args in (["train", str(spec)], ["resume", "twice", "--storage-path", str(tmp_path / "runs")]):
         second = orchestrator(tmp_path, *args)
         assert second.wait(120) == 1
