@@ -88,7 +88,7 @@ def rows(per_file: dict[str, Counter]) -> list[Row]:
         counts = per_file[path]
         counted = sum(counts[s] for s in COUNTED)
         out.append({
-            "file": path, "mutants": sum(counts.values()),
+            "file": path, "mutants": sum(n for s, n in counts.items() if s != "survived, device only"),
             **{s.replace(" ", "_"): counts[s] for s in COUNTED},
             "survived_device_only": counts["survived, device only"],
             "not_checked": sum(n for s, n in counts.items() if s not in COUNTED and s != "survived, device only"),
