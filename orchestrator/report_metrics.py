@@ -20,6 +20,10 @@ Mode = Literal["min", "max"]
 KIND_KEY = "model.attention.kind"
 EMBEDDING_KEY = "model.embedding.kind"
 ATTENTION_PREFIX = "model.attention."
+# Model options that also define a method (Transformer-XL's positions and memory, reversible layers). Unlike
+# the attention knobs they are logged for every run, so they only join the default grouping when runs differ
+# in them: a study of attention kinds keeps its labels.
+MODEL_METHOD_KEYS = ("model.positional", "model.memory.mem_len", "model.reversible")
 PARAMS_ATTENTION = "params.attention"
 PARAMS_TOTAL = "params.total"
 TOKENS_PER_S = "train/tokens_per_s"
@@ -138,7 +142,8 @@ def param_value(params: Mapping[str, str], key: str) -> str | None:
 
 
 def default_group_keys(runs: Sequence[RunRecord]) -> list[str]:
-    """Params that define a method: the attention kind and knobs, plus the embedding kind.
+    """Params that define a method: the attention kind and knobs, the embedding kind, and the model options
+    of MODEL_METHOD_KEYS that differ between the runs.
 
     `model.attention.d_model` follows the model size and dropout/seed values are training noise,
     so they would split one method into several rows.
@@ -155,6 +160,7 @@ def default_group_keys(runs: Sequence[RunRecord]) -> list[str]:
     keys = [KIND_KEY, *knobs]
     if EMBEDDING_KEY in names:
         keys.append(EMBEDDING_KEY)
+    keys += [key for key in MODEL_METHOD_KEYS if len({run.params.get(key) for run in runs}) > 1]
     return keys
 
 

@@ -196,6 +196,22 @@ def test_labels_show_only_knobs_that_tell_methods_apart():
     }
 
 
+def test_memory_and_positions_define_methods_by_default_when_runs_differ_in_them():
+    """A Transformer-XL study sweeps model.memory.mem_len and model.positional: without --group-by, runs with
+    different memory are different methods; a study where every run has the same value keeps its labels."""
+    def run(run_id: str, mem_len: str, positional: str = "relative") -> RunRecord:
+        params = {"model.attention.kind": "mha", "model.attention.heads": "4", "model.positional": positional,
+                  "model.memory.mem_len": mem_len, "model.reversible": "False"}
+        return RunRecord(run_id, params, {"val/ppl": 1.0})
+
+    runs = [run("1", "0"), run("2", "64"), run("3", "64"), run("4", "0", "sinusoidal")]
+    keys = default_group_keys(runs)
+    assert keys == ["model.attention.kind", "model.attention.heads", "model.positional", "model.memory.mem_len"]
+    groups = {tuple(r.run_id for r in group.runs) for group in group_runs(runs, keys)}
+    assert groups == {("1",), ("2", "3"), ("4",)}
+    assert default_group_keys(runs[1:3]) == ["model.attention.kind", "model.attention.heads"]
+
+
 def test_diverged_seed_is_reported_not_hidden():
     def group(label: str, *scores: float) -> MethodGroup:
         runs = tuple(RunRecord(f"{label}{i}", {}, {"val/ppl": score}) for i, score in enumerate(scores))
