@@ -137,7 +137,11 @@ class MlflowServer:
             except OSError:
                 return False
 
-        wait_for(healthy, 300, f"mlflow server on {self.uri}")
+        try:
+            wait_for(healthy, 300, f"mlflow server on {self.uri}")
+        except BaseException:
+            self.stop()  # a server that never answered must not outlive the test
+            raise
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -326,11 +330,12 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, se
 
 
 def test_same_name_twice_is_refused_while_the_first_runs(tmp_path, server):
-    """A second `train` and a `resume` of a name whose launcher is alive are refused at once, naming the
-    live process; the first run finishes alone (one MLflow run)."""
+    """A second `train` and a `resume` of a name whose launcher is alive (started, no checkpoint yet) are
+    refused at once, naming the live process; the first run finishes alone (one MLflow run)."""
     spec = write_spec(tmp_path, "twice", server.uri)
     first = orchestrator(tmp_path, "train", str(spec))
-    wait_for(lambda: checkpoint_on_disk(tmp_path / "runs" / "twice", CHECKPOINT_EVERY), 300, "a checkpoint", first)
+    # Before its first checkpoint, as two launches a few seconds apart: only the lock tells them apart.
+    wait_for(lambda: (tmp_path / "runs" / "twice" / "orchestrator.json").exists(), 300, "the run's start", first)
     for args in (["train", str(spec)], ["resume", "twice", "--storage-path", str(tmp_path / "runs")]):
         second = orchestrator(tmp_path, *args)
         assert second.wait(120) == 1
