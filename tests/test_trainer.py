@@ -14,10 +14,11 @@ from models import LanguageModel, ModelConfig, Seq2SeqTransformer
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.export import load_model, export_model
 from orchestrator.finalize import choose_checkpoint
-from orchestrator.local_run import LocalHooks, latest_checkpoint, train_locally
+from orchestrator.local_run import latest_checkpoint, train_locally
 from orchestrator.spec import validate_spec
 from orchestrator.trainer import Best, Cadence, LossMeter, Trainer
 from tasks import WorkerContext
+from tests.local_training import FailAtStep3
 
 
 def tiny_raw(name: str = "core", **optim) -> dict:
@@ -60,12 +61,6 @@ def test_best_keeps_the_better_value_and_its_step(mode, values, best, step):
     assert (tracker.value, tracker.step) == (best, step)
 
 
-class FailAt(LocalHooks):
-    def after_step(self, step: int) -> None:
-        if step == 3:
-            raise RuntimeError("injected")
-
-
 def test_local_resume_continues_the_loss_curve_and_the_best(tmp_path):
     spec = validate_spec(tiny_raw())
     _, reference = train_locally(spec, cache_dir=tmp_path / "cache")
@@ -73,7 +68,7 @@ def test_local_resume_continues_the_loss_curve_and_the_best(tmp_path):
     folder = tmp_path / "ckpt"
     trainer = Trainer.create(spec, WorkerContext(seed=spec.optim.seed, cache_dir=tmp_path / "cache"))
     with pytest.raises(RuntimeError, match="injected"):
-        trainer.fit(FailAt(spec, folder))
+        trainer.fit(FailAtStep3(spec, folder))
     assert read_checkpoint(latest_checkpoint(folder)).step == 2
     restored = Trainer.create(spec, WorkerContext(seed=spec.optim.seed, cache_dir=tmp_path / "cache"))
     restored.restore(read_checkpoint(latest_checkpoint(folder)))

@@ -13,11 +13,12 @@ from models import LanguageModel, ModelConfig
 from models.attention.registry import RELATIVE_KINDS
 from models.attention.relative import RelativeBiases, RelativeMechanism, relative_sinusoids
 from orchestrator.checkpoint import read_checkpoint
-from orchestrator.local_run import LocalHooks, latest_checkpoint, train_locally
+from orchestrator.local_run import latest_checkpoint, train_locally
 from orchestrator.spec import SpecError, validate_spec
 from orchestrator.trainer import Trainer
 from tasks import WorkerContext, build_task
 from tasks.recurrence import covering_rows
+from tests.local_training import FailAtStep3
 
 VOCAB = 50
 
@@ -215,12 +216,6 @@ def test_task_loss_with_memory_is_the_full_context_loss(tmp_path):
     torch.testing.assert_close(second.double(), expected, rtol=1e-6, atol=1e-6)  # the task's loss is float32
 
 
-class FailAt(LocalHooks):
-    def after_step(self, step: int) -> None:
-        if step == 3:
-            raise RuntimeError("injected")
-
-
 def test_resume_continues_with_the_same_memory(tmp_path):
     spec = validate_spec(tiny_raw())
     _, reference = train_locally(spec, cache_dir=tmp_path / "cache")
@@ -228,7 +223,7 @@ def test_resume_continues_with_the_same_memory(tmp_path):
     folder = tmp_path / "ckpt"
     trainer = Trainer.create(spec, WorkerContext(seed=spec.optim.seed, cache_dir=tmp_path / "cache"))
     with pytest.raises(RuntimeError, match="injected"):
-        trainer.fit(FailAt(spec, folder))
+        trainer.fit(FailAtStep3(spec, folder))
     state = read_checkpoint(latest_checkpoint(folder))
     assert state.step == 2 and state.stream_states[0]["after"] == [0, 1]
     assert [m.shape for m in state.stream_states[0]["states"]] == [torch.Size([4, 16, 16])] * 2
