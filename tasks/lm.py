@@ -39,7 +39,7 @@ from tasks.recurrence import (
     ordered_rows,
     segment,
 )
-from tasks.tokenizer import MASK_ID, PAD_ID, Tokenizer
+from tasks.tokenizer import MASK_ID, PAD_ID
 
 IGNORE = -100
 """Target value of positions without a loss (F.cross_entropy's ignore_index)."""
@@ -168,6 +168,10 @@ class _LanguageModelTask:
             total += float(self._loss_sum(model, batch))
             count += batch.n_tokens
         model.train(was_training)
+        return self._eval_metrics(total, count)
+
+    def _eval_metrics(self, total: float, count: int) -> dict[str, float]:
+        """Token-weighted loss and perplexity from a summed loss over `count` scored tokens."""
         if count == 0:
             raise ValueError(f"the {self.cfg.eval_split} split of {self.cfg.source_label} has no tokens to score")
         loss = total / count
@@ -277,7 +281,4 @@ class CausalLMTask(_LanguageModelTask):
                                            ignore_index=IGNORE, reduction="sum"))
             count += batch.n_tokens
         model.train(was_training)
-        if count == 0:
-            raise ValueError(f"the {self.cfg.eval_split} split of {self.cfg.source_label} has no tokens to score")
-        loss = total / count
-        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+        return self._eval_metrics(total, count)
