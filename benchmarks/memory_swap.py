@@ -1,10 +1,9 @@
 """Score a Transformer-XL run's checkpoint with another memory length: how much of the gain is the context.
 
 No parameter depends on `model.memory.mem_len` (the memory is layer inputs cached at run time), so the same
-weights can be evaluated with more, less or no memory. This reads a checkpoint folder of a run
-(`orchestrator.checkpoint.read_checkpoint`), replaces `mem_len` in its spec, builds the evaluation task and
-model, loads the weights and runs the task's evaluation over the whole split with memory, plus the word-level
-perplexity, as `orchestrator evaluate` does for the run's own spec.
+weights can be evaluated with more, less or no memory. This scores a checkpoint folder of a run with
+`orchestrator.evaluation.evaluate_checkpoint` (what `orchestrator evaluate` runs) with `mem_len` replaced in
+its model config: the whole split with memory, plus the word-level perplexity.
 
     python -m benchmarks.memory_swap RUNS/wikitext2-txl/checkpoint_000002500 --mem-len 0 128 \\
         --cache-dir RUNS/.cache
@@ -13,30 +12,25 @@ perplexity, as `orchestrator evaluate` does for the run's own spec.
 from __future__ import annotations
 
 import argparse
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from orchestrator.checkpoint import read_checkpoint
-from orchestrator.evaluation import split_task_config, word_level_perplexity
+from orchestrator.evaluation import evaluate_checkpoint
 from orchestrator.spec import ExperimentSpec
-from tasks import WorkerContext, build_task
 
 
 def score_with_memory(checkpoint: Path, mem_len: int, split: str, cache_dir: Path) -> dict[str, float]:
-    state = read_checkpoint(checkpoint)
-    spec = ExperimentSpec.model_validate(state.spec)
+    spec = ExperimentSpec.model_validate(read_checkpoint(checkpoint).spec)
     if spec.model.memory is None:
         raise SystemExit(f"{checkpoint}: the run has no model.memory block; nothing to swap")
-    model_cfg = spec.model.model_copy(update={"memory": spec.model.memory.model_copy(update={"mem_len": mem_len})})
-    task_cfg = split_task_config(spec.task, split)
-    task = build_task(task_cfg, model_cfg, WorkerContext(seed=spec.optim.seed, cache_dir=cache_dir))
-    model = task.build_model()
-    model.load_state_dict(state.model)
-    metrics = task.evaluate(model)
-    metrics.update(word_level_perplexity(task_cfg, split, metrics["val/loss"], len(task.eval_stream) - 1, cache_dir))
-    return metrics
+    memory = spec.model.memory.model_copy(update={"mem_len": mem_len})
+    with tempfile.TemporaryDirectory() as out_dir:
+        return evaluate_checkpoint(checkpoint, split, cache_dir=cache_dir, out_dir=Path(out_dir),
+                                   device=torch.device("cpu"), model_update={"memory": memory}).metrics
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -51,9 +45,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     for mem_len in args.mem_len:
         m = score_with_memory(args.checkpoint, mem_len, args.split, args.cache_dir)
-        word = m.get(f"{args.split}/word_ppl", float("nan"))
-        print(f"{args.checkpoint} mem_len={mem_len}: {args.split} loss {m['val/loss']:.4f} "
-              f"ppl/piece {m['val/ppl']:.2f} ppl/word {word:.1f}", flush=True)
+        print(f"{args.checkpoint} mem_len={mem_len}: {args.split} loss {m[f'{args.split}/loss']:.4f} "
+              f"ppl/piece {m[f'{args.split}/ppl']:.2f} ppl/word {m[f'{args.split}/word_ppl']:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,11 +61,16 @@ def word_level_perplexity(task_cfg: TaskConfig, split: str, loss_per_piece: floa
 
 
 def evaluate_checkpoint(directory: Path, split: str, *, cache_dir: Path, out_dir: Path,
-                        device: torch.device | None = None, export: bool = False) -> Evaluation:
+                        device: torch.device | None = None, export: bool = False,
+                        model_update: dict[str, Any] | None = None) -> Evaluation:
     """Score the checkpoint in `directory` on all of `split`; outputs go to `out_dir`, and with `export` the
-    scored model too, as `out_dir/model` (orchestrator/export.py)."""
+    scored model too, as `out_dir/model` (orchestrator/export.py). `model_update` replaces top-level fields of
+    the checkpoint's model config, for options no parameter depends on (e.g. a Transformer-XL memory block
+    with another mem_len: benchmarks/memory_swap.py)."""
     state = read_checkpoint(Path(directory))
     spec = ExperimentSpec.model_validate(state.spec)  # every checkpoint holds its resolved spec
+    if model_update:
+        spec = spec.model_copy(update={"model": spec.model.model_copy(update=model_update)})
     task_cfg = split_task_config(spec.task, split)
     if task_cfg is None:
         raise ValueError(f"the run's data has no {split} split (task.files.{split} is not set); "

@@ -13,6 +13,7 @@ from models import LanguageModel, ModelConfig
 from models.attention.registry import RELATIVE_KINDS
 from models.attention.relative import RelativeBiases, RelativeMechanism, relative_sinusoids
 from orchestrator.checkpoint import read_checkpoint
+from orchestrator.evaluation import evaluate_checkpoint
 from orchestrator.local_run import latest_checkpoint, train_locally
 from orchestrator.spec import SpecError, validate_spec
 from orchestrator.trainer import Trainer
@@ -320,3 +321,25 @@ def test_unsupported_combinations_fail_at_validation(task, model, message):
 def test_mem_len_zero_keeps_the_segment_order_with_absolute_positions():
     spec = validate_spec(tiny_raw(mem_len=0, positional="sinusoidal"))
     assert spec.model.memory.mem_len == 0
+
+
+def test_a_checkpoint_scores_with_another_mem_len(tmp_path):
+    """evaluate_checkpoint's model_update (benchmarks/memory_swap.py) scores the same weights with another
+    memory: the result equals the task built with that mem_len, and differs from the run's own memory."""
+    spec = validate_spec(tiny_raw())
+    folder = tmp_path / "ckpt"
+    train_locally(spec, cache_dir=tmp_path / "cache", folder=folder)
+    checkpoint = latest_checkpoint(folder)
+    no_memory = spec.model.memory.model_copy(update={"mem_len": 0})
+
+    def score(**update) -> float:
+        return evaluate_checkpoint(checkpoint, "validation", cache_dir=tmp_path / "cache", out_dir=tmp_path / "out",
+                                   device=torch.device("cpu"), model_update=update or None).metrics["validation/loss"]
+
+    swapped = score(memory=no_memory)
+    model_cfg = spec.model.model_copy(update={"memory": no_memory})
+    task = build_task(spec.task, model_cfg, WorkerContext(seed=spec.optim.seed, cache_dir=tmp_path / "cache"))
+    model = task.build_model()
+    model.load_state_dict(read_checkpoint(checkpoint).model)
+    assert swapped == pytest.approx(task.evaluate(model)["val/loss"], rel=1e-6)
+    assert abs(swapped - score()) > 1e-5  # the memory is really swapped, not ignored
