@@ -168,6 +168,12 @@ class ModelConfig(BaseModel):
     """Share the token embedding with the output projection (MLM, causal LM and translation heads)."""
     reversible: bool = False
     """Run encoder / decoder-only stacks as reversible RevNet blocks (Reformer): activation memory flat in depth."""
+    init_from: str | None = None
+    """Fine-tune: start the encoder (embeddings + layers) from a pretraining run's best checkpoint, given as a run
+    name in run.storage_path, an MLflow run id, or a checkpoint / run folder path; its tokenizer comes along.
+    Every architecture field above must match the pretrained run's (dropout may differ)."""
+    freeze: Literal["none", "embeddings", "encoder"] = "none"
+    """With init_from: keep the pretrained token embeddings, or the whole encoder (a linear probe), fixed."""
 
     @model_validator(mode="before")
     @classmethod

@@ -1,8 +1,9 @@
 """What a checkpoint holds, and how it is written and read back.
 
 A checkpoint is one directory: `state.pt` (model, optimizer, LR scheduler, grad scaler, step, every
-rank's data position, stream state and RNG states, the MLflow run id) and `spec.yaml` (the resolved spec, so a model
-can be rebuilt from the checkpoint alone; STYLE.md section 3). The directory is filled under a temporary
+rank's data position, stream state and RNG states, the MLflow run id), `spec.yaml` (the resolved spec, so a model
+can be rebuilt from the checkpoint alone; STYLE.md section 3) and `tokenizer.model` (the run's sentencepiece
+model, which scoring and fine-tuning read instead of rebuilding it from the data). The directory is filled under a temporary
 name and renamed into place, so a crash never leaves a half-written checkpoint for Ray to upload.
 """
 
@@ -21,6 +22,8 @@ import torch
 
 STATE_FILE = "state.pt"
 SPEC_FILE = "spec.yaml"
+TOKENIZER_FILE = "tokenizer.model"
+"""The run's sentencepiece model, so a checkpoint is scored or fine-tuned from without the run's data cache."""
 
 
 def capture_rng() -> dict[str, Any]:
@@ -65,8 +68,8 @@ class TrainingState:
     evaluation (and in checkpoints written before it was kept)."""
 
 
-def write_checkpoint(parent: Path, state: TrainingState, spec_yaml: str) -> Path:
-    """Write `state` as `parent/checkpoint_<step>` atomically (temp dir + rename)."""
+def write_checkpoint(parent: Path, state: TrainingState, spec_yaml: str, tokenizer: Path | None = None) -> Path:
+    """Write `state` as `parent/checkpoint_<step>` atomically (temp dir + rename), with the run's tokenizer."""
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
     final = parent / f"checkpoint_{state.step:09d}"
@@ -74,6 +77,8 @@ def write_checkpoint(parent: Path, state: TrainingState, spec_yaml: str) -> Path
     try:
         torch.save(state.__dict__, tmp / STATE_FILE)
         (tmp / SPEC_FILE).write_text(spec_yaml)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

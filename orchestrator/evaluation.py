@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from orchestrator.checkpoint import read_checkpoint
+from orchestrator.checkpoint import TOKENIZER_FILE, read_checkpoint
 from orchestrator.export import export_model
 from orchestrator.spec import ExperimentSpec
 from tasks import TaskConfig, WorkerContext, build_task
@@ -76,8 +76,10 @@ def evaluate_checkpoint(directory: Path, split: str, *, cache_dir: Path, out_dir
         raise ValueError(f"the run's data has no {split} split (task.files.{split} is not set); "
                          "score another split with --split, or add the file to the spec")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = Path(directory) / TOKENIZER_FILE  # the run's own; older checkpoints rebuild it from the data
     task = build_task(task_cfg, spec.model, WorkerContext(seed=spec.optim.seed, device=device,
-                                                          cache_dir=Path(cache_dir)))
+                                                          cache_dir=Path(cache_dir),
+                                                          tokenizer_path=tokenizer if tokenizer.is_file() else None))
     model = task.build_model()
     model.load_state_dict(state.model)
     model.to(device)
@@ -89,13 +91,24 @@ def evaluate_checkpoint(directory: Path, split: str, *, cache_dir: Path, out_dir
         metrics.update(word_level_perplexity(task_cfg, split, raw["val/loss"], len(task.eval_stream) - 1, cache_dir))
     metrics[f"{split}/checkpoint_step"] = float(state.step)
     files: dict[str, Path] = {}
-    hypotheses = task.artifacts().get("hypotheses")
-    if hypotheses is not None and Path(hypotheses).exists():
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        files["hypotheses"] = Path(shutil.copy(hypotheses, Path(out_dir) / f"{split}.hyp"))
+    # Outputs per example: translations (`<split>.hyp`) or predicted labels (`<split>.pred`), one per line.
+    for name, suffix in (("hypotheses", "hyp"), ("predictions", "pred")):
+        produced = task.artifacts().get(name)
+        if produced is not None and Path(produced).exists():
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            files[name] = Path(shutil.copy(produced, Path(out_dir) / f"{split}.{suffix}"))
     if export:
         files["model"] = export_model(model.cpu(), task_kind=task_cfg.kind, model_cfg=spec.model,
                                       vocab_size=task.vocab_size, out_dir=Path(out_dir) / "model",
                                       tokenizer=task.artifacts().get("tokenizer"),
-                                      extra={"run": spec.name, "step": state.step, f"{split}_metrics": metrics})
+                                      extra={"run": spec.name, "step": state.step, f"{split}_metrics": metrics,
+                                             **_head_config(task_cfg)})
     return Evaluation(split=split, step=state.step, metrics=metrics, files=files)
+
+
+def _head_config(task_cfg: TaskConfig) -> dict[str, Any]:
+    """What an exported classifier needs besides the model block (export.build_exported)."""
+    if task_cfg.kind != "classify":
+        return {}
+    return {"num_classes": task_cfg.num_classes, "pooling": task_cfg.pooling,
+            "label_names": list(task_cfg.label_names) if task_cfg.label_names else None}

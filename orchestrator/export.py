@@ -18,13 +18,13 @@ from typing import Any
 import safetensors.torch
 from torch import nn
 
-from models import LanguageModel, ModelConfig, Seq2SeqTransformer
+from models import LanguageModel, ModelConfig, Seq2SeqTransformer, SequenceClassifier
 
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model.json"
 TOKENIZER_FILE = "tokenizer.model"
-ARCHITECTURES = {"mlm": "masked_lm", "clm": "causal_lm", "translation": "seq2seq"}
+ARCHITECTURES = {"mlm": "masked_lm", "clm": "causal_lm", "translation": "seq2seq", "classify": "classifier"}
 
 
 def export_model(model: nn.Module, *, task_kind: str, model_cfg: ModelConfig, vocab_size: int, out_dir: Path,
@@ -52,6 +52,8 @@ def build_exported(config: dict[str, Any]) -> nn.Module:
         return Seq2SeqTransformer(cfg, config["vocab_size"])
     if architecture in ("causal_lm", "masked_lm"):
         return LanguageModel(cfg, config["vocab_size"], causal=architecture == "causal_lm")
+    if architecture == "classifier":  # the head's size and pooling come with the export (`extra`)
+        return SequenceClassifier(cfg, config["vocab_size"], config["num_classes"], config["pooling"])
     raise ValueError(f"{CONFIG_FILE}: architecture={architecture!r} is not one of {sorted(ARCHITECTURES.values())}")
 
 

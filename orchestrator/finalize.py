@@ -45,8 +45,9 @@ class ChosenCheckpoint:
         return self.checkpoint.path
 
 
-def choose_checkpoint(result: Any, spec: ExperimentSpec, which: Which, split: str) -> ChosenCheckpoint | None:
-    """From a ray.train.Result: its best checkpoint by spec.metric, or its latest. None without checkpoints."""
+def choose_checkpoint(result: Any, spec: ExperimentSpec, which: Which, split: str | None) -> ChosenCheckpoint | None:
+    """From a ray.train.Result: its best checkpoint by spec.metric, or its latest. None without checkpoints.
+    `split` is the split the choice will be scored on (None: no split, e.g. a checkpoint to fine-tune from)."""
     if result.checkpoint is None:
         return None
     note = ""

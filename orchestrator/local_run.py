@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from orchestrator.checkpoint import read_checkpoint, write_checkpoint
+from orchestrator.pretrained import load, preflight
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.trainer import Trainer
 from tasks import WorkerContext
@@ -40,7 +41,8 @@ class LocalHooks:
         self.log(metrics, step)
         if not checkpoint or self.folder is None:
             return
-        path = write_checkpoint(self.folder, trainer.checkpoint_state(None), spec_to_yaml(self.spec))
+        path = write_checkpoint(self.folder, trainer.checkpoint_state(None), spec_to_yaml(self.spec),
+                                trainer.task.artifacts().get("tokenizer"))
         if trainer.best.step == step:
             self.best_checkpoint = path
         for old in sorted(self.folder.glob("checkpoint_*")):
@@ -59,7 +61,12 @@ def latest_checkpoint(folder: Path) -> Path | None:
 def train_locally(spec: ExperimentSpec, *, cache_dir: Path, folder: Path | None = None,
                   on_metrics: MetricsCallback | None = None) -> tuple[Trainer, LocalHooks]:
     """Train `spec` to optim.max_steps in this process (resuming from `folder` when it holds a checkpoint)."""
-    trainer = Trainer.create(spec, WorkerContext(seed=spec.optim.seed, cache_dir=Path(cache_dir)))
+    ctx, initialize = WorkerContext(seed=spec.optim.seed, cache_dir=Path(cache_dir)), None
+    pretrained = preflight(spec)
+    if pretrained is not None:  # fine-tuning: the pretrained encoder and its tokenizer
+        loaded = load(pretrained.location, Path(cache_dir) / "init-from" / Path(pretrained.location).name)
+        ctx, initialize = replace(ctx, tokenizer_path=loaded.tokenizer), loaded.initializer(spec.model.freeze)
+    trainer = Trainer.create(spec, ctx, initialize=initialize)
     hooks = LocalHooks(spec, Path(folder) if folder is not None else None, on_metrics)
     if folder is not None and (latest := latest_checkpoint(Path(folder))) is not None:
         trainer.restore(read_checkpoint(latest))

@@ -32,6 +32,7 @@ from orchestrator.report_metrics import (
     param_value,
     summarize,
 )
+from orchestrator.tracking import ROLE_TAG
 from orchestrator.report_tables import markdown_document, rows_to_frame, rows_to_markdown
 from orchestrator.report_plots import (
     find_knob_sweeps,
@@ -209,6 +210,7 @@ def _compared_runs(runs: Sequence[Run], parent_run_id: str | None, experiment: s
         for run in runs
         if run.info.run_id not in parents
         and not run.data.tags.get(REPORT_TAG)
+        and run.data.tags.get(ROLE_TAG) != "pretrain"  # a two-stage study compares its fine-tuned runs
         and (parent_run_id is None or run.data.tags.get(PARENT_TAG) == parent_run_id)
     ]
     if parent_run_id is not None and not compared:

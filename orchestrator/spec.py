@@ -222,6 +222,10 @@ class ExperimentSpec(_Section):
     run: RunSettings = Field(default_factory=RunSettings)
     tune: TuneSettings = Field(default_factory=TuneSettings)
     tracking: TrackingSettings = Field(default_factory=TrackingSettings)
+    pretrain: dict[str, Any] | None = None
+    """Two stages in one run or trial: first pretrain this spec's model with these fields merged over the spec
+    ({task: {kind: mlm, ...}, optim: {...}, run: {...}}; model, name, tune and tracking stay the spec's), then
+    fine-tune the spec itself from that run (model.init_from is filled in). See `pretraining_spec`."""
 
     @model_validator(mode="before")
     @classmethod
@@ -235,6 +239,12 @@ class ExperimentSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentSpec:
+        if self.model.freeze != "none" and self.model.init_from is None and self.pretrain is None:
+            raise ValueError(f"model.freeze={self.model.freeze} keeps pretrained weights fixed, but nothing is "
+                             "pretrained: name the pretraining run in model.init_from (or add a pretrain: stage), "
+                             "or set model.freeze: none")
+        if self.pretrain is not None:
+            self._check_pretrain()
         check_compatible(self.task, self.model)
         metrics = tuple(self.task.metrics)
         if self.tune.metric is not None and self.tune.metric not in metrics:
@@ -249,6 +259,42 @@ class ExperimentSpec(_Section):
             return self.model_copy(update={"tune": tune})
         return self
 
+    def _check_pretrain(self) -> None:
+        extra = sorted(set(self.pretrain) - set(_PRETRAIN_FIELDS))
+        if extra:
+            raise ValueError(f"pretrain.{extra[0]} cannot be set: the pretraining stage takes {list(_PRETRAIN_FIELDS)} "
+                             "and shares the spec's model (its weights are what fine-tuning starts from), name, "
+                             "tune and tracking")
+        if self.model.init_from is not None:
+            raise ValueError("model.init_from and pretrain: are both set; the pretrain: stage makes the run to "
+                             "fine-tune from, so remove one of them")
+        if self.task.kind != "classify":
+            raise ValueError(f"pretrain: is a stage before fine-tuning for task.kind: classify (got "
+                             f"{self.task.kind}); remove pretrain:, or set task.kind: classify")
+        stage = self.pretraining_spec()
+        if stage.task.kind != "mlm":
+            raise ValueError(f"pretrain.task.kind must be mlm (got {stage.task.kind}): classification fine-tunes "
+                             "the bidirectional encoder of a masked LM")
+
+    def pretraining_spec(self) -> ExperimentSpec:
+        """Stage 1 of a two-stage spec: the spec's model (without init_from or freezing) with `pretrain`'s task,
+        optim and run merged over the spec's, compared on the pretraining task's own metric."""
+        assert self.pretrain is not None, "pretraining_spec() is for specs with a pretrain: stage"
+        raw = self.model_dump(mode="json", exclude={"pretrain"})
+        raw["name"] = f"{self.name}-pretrain"
+        raw["model"] = {**raw["model"], "init_from": None, "freeze": "none"}
+        raw["tune"] = {**raw["tune"], "metric": None, "mode": None}  # the pretraining task's own
+        raw["task"] = {}  # the stage names its task in full: the fine-tuning task's fields mean nothing to it
+        try:
+            return ExperimentSpec.model_validate(_merge(raw, self.pretrain))
+        except ValidationError as err:
+            raise ValueError("pretrain: " + _describe(err, self.pretrain).strip()) from None
+
+    def finetuning_spec(self, init_from: str) -> ExperimentSpec:
+        """Stage 2 of a two-stage spec: this spec, fine-tuned from the pretraining run stored at `init_from`."""
+        model = self.model.model_copy(update={"init_from": init_from})
+        return self.model_copy(update={"model": model, "pretrain": None})
+
     @property
     def metric(self) -> str:
         """The compared metric: tune.metric, or the task's default."""
@@ -257,6 +303,9 @@ class ExperimentSpec(_Section):
     @property
     def mode(self) -> Literal["min", "max"]:
         return self.tune.mode or self.task.default_mode
+
+
+_PRETRAIN_FIELDS = ("task", "optim", "run")
 
 
 # --- loading --------------------------------------------------------------------------------------

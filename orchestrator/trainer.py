@@ -185,8 +185,9 @@ class Optimization:
 
     @classmethod
     def build(cls, model: nn.Module, optim: OptimConfig, device: torch.device, precision: str = "fp32") -> Optimization:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
-                                      weight_decay=optim.weight_decay)
+        # Frozen parameters (model.freeze) stay out of the optimizer: weight decay would still move them.
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
+                                      betas=optim.betas, weight_decay=optim.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
         # bf16 keeps fp32's exponent range, so no loss scaling; the disabled scaler keeps the checkpoint format
         # ready for fp16.
@@ -267,12 +268,17 @@ class Trainer:
 
     @classmethod
     def create(cls, spec: ExperimentSpec, ctx: WorkerContext, *, wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
-               gather: Callable[[Any], list[Any]] | None = None) -> Trainer:
-        """Build the task and model with the same initial weights on every rank (the spec's seed), wrap the
+               gather: Callable[[Any], list[Any]] | None = None,
+               initialize: Callable[[nn.Module], None] | None = None) -> Trainer:
+        """Build the task and model with the same initial weights on every rank (the spec's seed), let
+        `initialize` change them (pretrained weights, frozen parameters: orchestrator/pretrained.py), wrap the
         model (DDP, device placement), then give each rank its own stream for dropout and masking."""
         seed_everything(spec.optim.seed)
         task = build_task(spec.task, spec.model, ctx)
-        model = wrap(task.build_model())
+        model = task.build_model()
+        if initialize is not None:
+            initialize(model)
+        model = wrap(model)
         seed_everything(spec.optim.seed + 1000 * ctx.rank)
         return cls(spec, task, model, ctx.device, ctx.rank, ctx.world_size, gather or (lambda obj: [obj]))
 

@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import ray.train.torch
 import torch.distributed as dist
 
 from orchestrator.checkpoint import TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.pretrained import load as load_pretrained
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.tracking import (
     ConsoleLogger,
@@ -72,6 +74,10 @@ class RayHooks:
         if self.tracker is not None and self.run_id is not None:
             self.tracker.log_params(self.run_id, params)
 
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        if self.tracker is not None and self.run_id is not None:
+            self.tracker.set_tags(self.run_id, tags)
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.logger.log(metrics, step)
 
@@ -89,7 +95,8 @@ class RayHooks:
         try:
             ckpt = None
             if state is not None:
-                ckpt = ray.train.Checkpoint.from_directory(str(write_checkpoint(tmp, state, spec_to_yaml(self.spec))))
+                folder = write_checkpoint(tmp, state, spec_to_yaml(self.spec), trainer.task.artifacts().get("tokenizer"))
+                ckpt = ray.train.Checkpoint.from_directory(str(folder))
             # Named by step, not Ray's timestamp default, so storage listings read as a training history.
             ray.train.report(report, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_{step:09d}")
         finally:
@@ -156,8 +163,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     ctx = WorkerContext(rank=rank, world_size=world_size, seed=spec.optim.seed,
                         device=ray.train.torch.get_device(), cache_dir=Path(cfg.cache_dir))
+    pretrained = None
+    if spec.model.init_from is not None:  # fine-tuning: the launcher resolved and checked the checkpoint
+        assert cfg.init_checkpoint is not None, "the launcher resolves model.init_from into init_checkpoint"
+        pretrained = load_pretrained(cfg.init_checkpoint, Path(tempfile.mkdtemp(prefix="init-from-")))
+        ctx = replace(ctx, tokenizer_path=pretrained.tokenizer)
     trainer = Trainer.create(spec, ctx, wrap=ray.train.torch.prepare_model,
-                             gather=lambda obj: _gather(obj, world_size))
+                             gather=lambda obj: _gather(obj, world_size),
+                             initialize=pretrained.initializer(spec.model.freeze) if pretrained else None)
 
     run = cfg.run
     state = _restore_point(ray.train.get_checkpoint(), cfg.run_path, cfg.label, rank)
@@ -168,6 +181,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     hooks = RayHooks(cfg, spec, run, rank)
     counts = unwrap(trainer.model).parameter_counts()
     hooks.log_params({"params.attention": counts["attention"], "params.total": counts["total"]})
+    if pretrained is not None:
+        hooks.set_tags(pretrained.lineage_tags())
     if rank == 0 and state is not None:
         sys.stdout.write(f"[{cfg.label}] resumed from step {trainer.step} (MLflow run {hooks.run_id})\n")
     status = "FAILED"

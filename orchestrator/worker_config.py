@@ -31,3 +31,5 @@ class WorkerConfig:
     storage folder; None when storage is remote)."""
     fail_at_step: int | None = None
     """Raise InjectedFailure after this step (tests of resume)."""
+    init_checkpoint: str | None = None
+    """The checkpoint model.init_from resolved to (orchestrator/pretrained.py), when the run fine-tunes."""

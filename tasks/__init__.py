@@ -1,4 +1,4 @@
-"""Data and objectives: masked LM, causal LM and translation behind the Task protocol of tasks/base.py.
+"""Data and objectives: masked LM, causal LM, translation and classification behind the Task protocol of tasks/base.py.
 
 `check_compatible(task_cfg, model_cfg)` is the cheap spec-level check the orchestrator runs before Ray starts;
 `build_task(task_cfg, model_cfg, ctx)` builds the task on a worker (tokenizer and token ids come from the cache
@@ -12,9 +12,11 @@ import torch.nn as nn
 from models import ModelConfig
 from models.attention import build_attention
 from tasks.base import Batch, Task, WorkerContext
+from tasks.classify import ClassificationTask
 from tasks.config import (
     TASK_KINDS,
     CausalLMTaskConfig,
+    ClassifyTaskConfig,
     MLMTaskConfig,
     TaskConfig,
     TranslationTaskConfig,
@@ -38,8 +40,15 @@ def check_compatible(task_cfg: TaskConfig, model_cfg: ModelConfig) -> None:
         if task_cfg.max_source_len > model_cfg.max_seq_len:
             raise ValueError(f"task.max_source_len={task_cfg.max_source_len} exceeds model.max_seq_len="
                              f"{model_cfg.max_seq_len}; lower task.max_source_len or raise model.max_seq_len")
+    elif isinstance(task_cfg, ClassifyTaskConfig):
+        if task_cfg.max_len > model_cfg.max_seq_len:
+            raise ValueError(f"task.max_len={task_cfg.max_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; "
+                             "lower task.max_len or raise model.max_seq_len (to the pretraining run's)")
     else:
         raise ValueError(f"task.kind must be one of {TASK_KINDS} (got {type(task_cfg).__name__})")
+    if model_cfg.init_from is not None and task_cfg.kind != "classify":
+        raise ValueError(f"model.init_from fine-tunes a pretrained encoder for task.kind: classify (got "
+                         f"{task_cfg.kind}); remove model.init_from, or set task.kind: classify")
     if model_cfg.memory is not None and task_cfg.kind != "clm":
         raise ValueError(f"model.memory requires a causal LM task (task.kind: clm; got {task_cfg.kind}): the "
                          "cached states are the left context of the next segment of one text stream. Remove "
@@ -63,12 +72,15 @@ def build_task(task_cfg: TaskConfig, model_cfg: ModelConfig, ctx: WorkerContext)
         return MaskedLMTask(task_cfg, model_cfg, ctx)
     if isinstance(task_cfg, CausalLMTaskConfig):
         return CausalLMTask(task_cfg, model_cfg, ctx)
+    if isinstance(task_cfg, ClassifyTaskConfig):
+        return ClassificationTask(task_cfg, model_cfg, ctx)
     return TranslationTask(task_cfg, model_cfg, ctx)
 
 
 __all__ = [
     "Batch",
     "CausalLMTaskConfig",
+    "ClassifyTaskConfig",
     "MLMTaskConfig",
     "Task",
     "TaskConfig",

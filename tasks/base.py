@@ -25,6 +25,9 @@ class WorkerContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     cache_dir: Path = Path(".cache")
     """Shared, persistent folder for tokenizers and prepared data (keyed by content hash inside)."""
+    tokenizer_path: Path | None = None
+    """A sentencepiece model to use instead of training one: the pretraining run's, when fine-tuning from it
+    (model.init_from), or the one stored in a checkpoint being scored. Read by the classification task."""
 
 
 @dataclass

@@ -193,8 +193,53 @@ class TranslationTaskConfig(_TaskConfig):
         return self
 
 
+class ClassifyTaskConfig(_TaskConfig):
+    """Sentence or sentence-pair classification (GLUE style: SST-2, MNLI, ...) with a bidirectional encoder and a
+    classification head over its pooled states (models/classifier.py); usually fine-tuned from a masked-LM run
+    (model.init_from). Local files are TSV, CSV or JSONL with named columns (a header row for TSV/CSV)."""
+
+    kind: Literal["classify"] = "classify"
+    text_columns: tuple[str, ...] = ("sentence",)
+    """One column (single sentences) or two (sentence pairs, e.g. [premise, hypothesis])."""
+    label_column: str = "label"
+    """Column of the class labels: integers 0..num_classes-1, or names listed in `label_names`."""
+    num_classes: int = 2
+    """Classes of the head; every label must be one of them."""
+    label_names: tuple[str, ...] | None = None
+    """Names of the classes in id order when the label column holds strings (e.g. [negative, positive])."""
+    max_len: int = 128
+    """Pieces per example including separators; longer examples are cut (pairs: the longer side first)."""
+    batch_size: int = 32
+    """Examples per worker step."""
+    pooling: Literal["mean", "first"] = "mean"
+    """How the encoder's states become one vector: mean over the real positions, or the first position's."""
+
+    metrics: ClassVar[tuple[str, ...]] = ("val/loss", "val/acc", "val/f1")
+    default_metric: ClassVar[str] = "val/acc"
+    default_mode: ClassVar[Literal["min", "max"]] = "max"
+
+    @model_validator(mode="after")
+    def _check_classify(self) -> "ClassifyTaskConfig":
+        if len(self.text_columns) not in (1, 2):
+            raise ValueError(f"task.text_columns={list(self.text_columns)} must name one column (single sentences) "
+                             "or two (sentence pairs)")
+        if self.label_column in self.text_columns:
+            raise ValueError(f"task.label_column={self.label_column!r} is also in task.text_columns; "
+                             "name the label column apart from the text")
+        if self.num_classes < 2:
+            raise ValueError(f"task.num_classes={self.num_classes} must be >= 2")
+        if self.label_names is not None and len(self.label_names) != self.num_classes:
+            raise ValueError(f"task.label_names lists {len(self.label_names)} names for task.num_classes="
+                             f"{self.num_classes}; give one name per class, in id order")
+        if self.max_len < 4:
+            raise ValueError(f"task.max_len={self.max_len} must be >= 4 (separators plus text)")
+        if self.batch_size < 1:
+            raise ValueError(f"task.batch_size={self.batch_size} must be >= 1")
+        return self
+
+
 TaskConfig = Annotated[
-    Union[MLMTaskConfig, CausalLMTaskConfig, TranslationTaskConfig], Field(discriminator="kind")
+    Union[MLMTaskConfig, CausalLMTaskConfig, TranslationTaskConfig, ClassifyTaskConfig], Field(discriminator="kind")
 ]
 
-TASK_KINDS: tuple[str, ...] = ("mlm", "clm", "translation")
+TASK_KINDS: tuple[str, ...] = ("mlm", "clm", "translation", "classify")
