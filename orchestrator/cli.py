@@ -43,10 +43,16 @@ def _parser() -> argparse.ArgumentParser:
                                          "the study is renamed <name>-<scale>")
         return cmd
 
+    def with_verbose(cmd: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        cmd.add_argument("--verbose", action="store_true",
+                         help="Ray's own output as Ray makes it (trial tables, Ray Train's logs) and a line per "
+                              "logging step; default: one line per report and a sweep progress line")
+        return cmd
+
     with_spec("validate", "check a spec (every trial of a sweep) and print the resolved spec and trial grid")
-    with_spec("train", "train one run of a spec without search domains")
-    with_spec("sweep", "run a Ray Tune sweep over the spec's search domains")
-    resume = sub.add_parser("resume", help="continue a run or sweep from its latest checkpoints")
+    with_verbose(with_spec("train", "train one run of a spec without search domains"))
+    with_verbose(with_spec("sweep", "run a Ray Tune sweep over the spec's search domains"))
+    resume = with_verbose(sub.add_parser("resume", help="continue a run or sweep from its latest checkpoints"))
     resume.add_argument("name", help="the spec's name (its folder under the storage path)")
     resume.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
     evaluate = sub.add_parser("evaluate", help="score a finished run (every trial of a sweep) on a split again",
@@ -164,6 +170,20 @@ def _ui(args: argparse.Namespace) -> int:
         return 0
 
 
+def _set_verbosity(verbose: bool) -> None:
+    """Before Ray starts: the launcher's --verbose for Ray (orchestrator/ray_console.py), the workers, and
+    MLflow's own Python logs (its database set-up lines)."""
+    import logging
+
+    from orchestrator.progress import set_verbose
+
+    set_verbose(verbose)
+    if not verbose:
+        # MLflow configured its logger when it was imported (above); the variable reaches Ray's processes.
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+
+
 def _unexpected(err: Exception) -> int:
     """An error nobody turned into a message (often Ray's, from storage or restore): one line on the console,
     the whole traceback in a file for a bug report."""
@@ -185,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return report_cli(argv[1:])
     args = _parser().parse_args(argv)
+    _set_verbosity(getattr(args, "verbose", False))
     try:
         if args.command == "ui":
             return _ui(args)

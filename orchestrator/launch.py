@@ -8,6 +8,7 @@ never timestamps, so re-running with the same (storage_path, name) resumes inste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import ray
 import yaml
 
 from orchestrator.finalize import final_evaluation
+from orchestrator.progress import VERBOSE_ENV, SweepProgress, set_verbose, verbose
 from orchestrator.preflight import (
     LOCK_FILE,
     LaunchError,
@@ -64,22 +66,29 @@ TRIALS_DIR = "trials"
 def ray_runtime_env() -> dict[str, Any]:
     """Environment of every Ray worker: Train V2 on, trial drivers stay in the launcher's cwd (relative data
     paths keep working), and this checkout importable even when it is not pip-installed."""
+    from orchestrator.ray_console import runtime_env_extras  # Ray's own output turned down unless --verbose
+
     pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"env_vars": {"RAY_TRAIN_V2_ENABLED": "1", "RAY_CHDIR_TO_TRIAL_DIR": "0", "PYTHONPATH": pythonpath}}
+    extras = runtime_env_extras()
+    return {**extras, "env_vars": {"RAY_TRAIN_V2_ENABLED": "1", "RAY_CHDIR_TO_TRIAL_DIR": "0", "PYTHONPATH": pythonpath,
+                                   VERBOSE_ENV: "1" if verbose() else "0", **extras.get("env_vars", {})}}
 
 
 def connect() -> None:
-    """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), else start a local one."""
+    """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), else start a local one; Ray's own
+    logs as quiet as the launcher's verbosity says (orchestrator/ray_console.py)."""
     os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # read when ray.train is first imported
     if ray.is_initialized():
         return
+    from orchestrator.ray_console import ray_init_kwargs  # imports ray.train: after the line above
+
     address = os.environ.get("RAY_ADDRESS")
     if address:
         # A cluster (e.g. under `ray job submit`): the job's own runtime_env applies; nodes have the project
         # installed (cluster.yaml setup_commands) and Train V2 is Ray 2.60's default.
-        ray.init(address=address)
+        ray.init(address=address, **ray_init_kwargs())
     else:
-        ray.init(runtime_env=ray_runtime_env())
+        ray.init(runtime_env=ray_runtime_env(), **ray_init_kwargs())
 
 
 def _check_cluster(spec: ExperimentSpec) -> dict[str, float]:
@@ -244,6 +253,7 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from orchestrator.ray_console import train_logging_config, worker_runtime_env
     from orchestrator.worker import train_loop_per_worker
 
     resources = {"CPU": spec.run.cpus_per_worker}
@@ -263,6 +273,8 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
                                                checkpoint_score_attribute=spec.metric,
                                                checkpoint_score_order=spec.mode),
             callbacks=callbacks or [],
+            logging_config=train_logging_config(),
+            worker_runtime_env=worker_runtime_env(),
         ),
     )
 
@@ -359,10 +371,16 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
         worker = WorkerConfig(spec=spec.model_dump(mode="json"), run=handle, label=spec.name,
                               cache_dir=_cache_dir(spec), run_path=run_path, spool=spool_of(run_path),
                               fail_at_step=fail_at_step)
-        trainer = build_trainer(spec, run_name=spec.name, storage_path=storage, worker=worker)
+        from orchestrator.ray_console import RunReports
+
+        # The launcher prints one line per report (the worker prints every logging step only with --verbose).
+        reports = None if verbose() else RunReports(spec.name, max_steps=spec.optim.max_steps, metric=spec.metric)
+        trainer = build_trainer(spec, run_name=spec.name, storage_path=storage, worker=worker,
+                                callbacks=[reports.relay()] if reports else None)
         try:
-            result, run_id, final = _fit_and_finish(spec, trainer, handle, tracker, _cache_dir(spec),
-                                                    label=f"run {spec.name!r}", advice=None)
+            with reports or contextlib.nullcontext():
+                result, run_id, final = _fit_and_finish(spec, trainer, handle, tracker, _cache_dir(spec),
+                                                        label=f"run {spec.name!r}", advice=None)
         except LaunchError as err:
             raise LaunchError(f"{err}\n{next_step(storage, spec.name)}") from None
         write_meta(storage, spec.name, {**record, "mlflow_run_id": run_id, "status": "FINISHED"})
@@ -389,11 +407,12 @@ def _close_finished(spec: ExperimentSpec, meta: Mapping[str, Any], tracker: Mlfl
 
 
 def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_run_id: str | None,
-                  commit: str, fail_at_step: int | None = None) -> None:
+                  commit: str, fail_at_step: int | None = None, verbose_on: bool = False) -> None:
     """One Tune trial: resolve its spec, open its child MLflow run, build and fit its TorchTrainer."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    set_verbose(verbose_on)  # the launcher's --verbose, also on a cluster whose job env does not carry it
     trial_id = tune.get_context().get_trial_id()
     spec = validate_spec(resolve(study_raw, config), where=f"trial {trial_id}")
     run_name = f"{spec.name}-{trial_id}"
@@ -439,6 +458,15 @@ def _tune_config(study: Study, resources: Mapping[str, float]):
                            trial_name_creator=_trial_name, trial_dirname_creator=_trial_name)
 
 
+def _console(study: Study):
+    """The sweep's lines on the launcher's terminal: a report line per result, a progress line per change."""
+    from orchestrator.ray_console import SweepConsole
+
+    spec = study.base
+    return SweepConsole(SweepProgress(name=spec.name, total=expected_trials(study), max_steps=spec.optim.max_steps,
+                                      metric=spec.metric, mode=spec.mode))
+
+
 def _trial_name(trial: Any) -> str:
     """`trial_<id>`: the id alone names a trial everywhere (Tune folder, Train run, MLflow child run)."""
     return f"trial_{trial.trial_id}"
@@ -465,7 +493,7 @@ def _trainable(study: Study, parent_run_id: str | None, commit: str, fail_at_ste
     from ray import tune
 
     driver = tune.with_parameters(_trial_driver, study_raw=study.raw, parent_run_id=parent_run_id, commit=commit,
-                                  fail_at_step=fail_at_step)
+                                  fail_at_step=fail_at_step, verbose_on=verbose())
     return tune.with_resources(driver, tune.PlacementGroupFactory([{"CPU": DRIVER_CPU}]))
 
 
@@ -503,6 +531,8 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
             write_meta(storage, spec.name, {"kind": "sweep", "name": spec.name, "raw": study.raw,
                                             "parent_run_id": parent_run_id, "commit": commit})
             trainable = _trainable(study, parent_run_id, commit, fail_at_step)
+            from orchestrator.ray_console import quiet_tune
+
             if resume and tune.Tuner.can_restore(sweep_path):
                 # resume_errored, not restart_errored: a restarted trial is reset to a new trial id, which would
                 # start a new Train run from scratch under a new child MLflow run.
@@ -513,7 +543,8 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
                     param_space=to_param_space(study.domains, spec.tune.search),
                     tune_config=_tune_config(study, resources),
                     run_config=tune.RunConfig(name=spec.name, storage_path=storage,
-                                              failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures)),
+                                              failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
+                                              verbose=quiet_tune(), callbacks=[_console(study)]),
                 )
             grid = tuner.fit()
             outcome = _sweep_outcome(study, grid, tracker, parent_run_id)

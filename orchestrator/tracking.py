@@ -32,6 +32,8 @@ from typing import Any, Protocol, TypeVar
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
+from orchestrator.progress import VERBOSE_ENV
+
 PARENT_TAG = "mlflow.parentRunId"
 TRIAL_TAG = "ray.trial_id"
 KIND_TAG = "method.family"
@@ -336,11 +338,16 @@ class BaseLogger(Protocol):
 
 
 class ConsoleLogger:
-    """One concise line per logging step: `[name] step 200/1000 | train/loss 3.1200 | val/ppl 25.1 ...`."""
+    """One concise line per logging step: `[name] step 200/1000 | train/loss 3.1200 | val/ppl 25.1 ...`.
 
-    def __init__(self, label: str, max_steps: int):
+    Only with `orchestrator ... --verbose` (ORCHESTRATOR_VERBOSE=1 in the worker's environment; unset, as
+    outside the launcher, counts as verbose): by default the launcher prints one line per report itself
+    (orchestrator/ray_console.py), without Ray's `(RayTrainWorker pid=...)` prefix on every line."""
+
+    def __init__(self, label: str, max_steps: int, *, enabled: bool | None = None):
         self.label = label
         self.max_steps = max_steps
+        self.enabled = os.environ.get(VERBOSE_ENV, "1") == "1" if enabled is None else enabled
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         parts = [f"{k} {v:.4g}" for k, v in metrics.items()]
@@ -349,8 +356,9 @@ class ConsoleLogger:
     def close(self, status: str = "FINISHED") -> None:
         self._write(f"[{self.label}] {status.lower()}")
 
-    @staticmethod
-    def _write(line: str) -> None:
+    def _write(self, line: str) -> None:
+        if not self.enabled:
+            return
         # Not print(): Ray Train patches print on workers to tee into its logger, which shows every line twice.
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
