@@ -199,7 +199,9 @@ def _architecture(spec: ExperimentSpec) -> dict[str, Any]:
 
 
 def _short(attention: dict[str, Any]) -> str:
-    return "{" + ", ".join(f"{k}: {v}" for k, v in attention.items() if k not in ("d_model",) and v is not None) + "}"
+    """`{kind: mhe, heads: 2, mode: mul}`: the kind first, then its knobs (d_model is the model's)."""
+    knobs = {"kind": attention.get("kind"), **{k: v for k, v in attention.items() if k not in ("kind", "d_model")}}
+    return "{" + ", ".join(f"{k}: {v}" for k, v in knobs.items() if v is not None) + "}"
 
 
 def preflight(spec: ExperimentSpec) -> PretrainedCheckpoint | None:
