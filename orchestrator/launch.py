@@ -9,11 +9,12 @@ never timestamps, so re-running with the same (storage_path, name) resumes inste
 from __future__ import annotations
 
 import contextlib
+import contextlib
 import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,9 @@ import ray
 import yaml
 
 from orchestrator.finalize import final_evaluation
+from orchestrator.pretrained import CHECKPOINTS_TAG
+from orchestrator.pretrained import preflight as check_init_from
+from orchestrator.progress import VERBOSE_ENV, SweepProgress, set_verbose, verbose
 from orchestrator.progress import VERBOSE_ENV, SweepProgress, set_verbose, verbose
 from orchestrator.preflight import (
     LOCK_FILE,
@@ -30,7 +34,7 @@ from orchestrator.preflight import (
     check_tracking,
     name_lock,
 )
-from orchestrator.search_space import grid_points, resolve, to_param_space
+from orchestrator.search_space import grid_points, resolve, to_param_space, validation_points
 from orchestrator.spec import (
     ExperimentSpec,
     SpecError,
@@ -58,6 +62,8 @@ META_FILE = "orchestrator.json"
 """Written next to a run's or sweep's Ray files: what `orchestrator resume NAME` needs (spec, MLflow ids)."""
 TRIALS_DIR = "trials"
 """Sub-folder of a sweep holding the Train run of each trial."""
+PRETRAIN_DIR = "pretrain"
+"""Sub-folder of a two-stage run holding its pretraining stage's Train run (a trial's is trials/pretrain-<id>)."""
 
 
 # --- Ray ---------------------------------------------------------------------------------------------
@@ -182,7 +188,7 @@ def _subfolders(path: str) -> list[str]:
 def has_checkpoint(storage: str, name: str) -> bool:
     """Run `name`, or a trial of sweep `name`, wrote a checkpoint: it can be resumed, and its name is taken."""
     folder = _join(storage, name)
-    if any(_CHECKPOINT.match(entry) for entry in _subfolders(folder)):
+    if any(_CHECKPOINT.match(entry) for run in (folder, _join(folder, PRETRAIN_DIR)) for entry in _subfolders(run)):
         return True
     trials = _join(folder, TRIALS_DIR)
     return any(_CHECKPOINT.match(entry) for trial in _subfolders(trials) for entry in _subfolders(_join(trials, trial)))
@@ -280,10 +286,50 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
 
 
 def _handle(spec: ExperimentSpec, *, run_name: str, role: str, commit: str, key: tuple[str, str],
-            parent_run_id: str | None = None) -> RunHandle:
-    return run_handle(flatten(spec.model_dump(mode="json")), spec_to_yaml(spec), experiment=spec.tracking.experiment or spec.name,
-                      run_name=run_name, role=role, kind=spec.model.attention.kind, commit=commit, key=key,
-                      parent_run_id=parent_run_id)
+            run_path: str, parent_run_id: str | None = None) -> RunHandle:
+    handle = run_handle(flatten(spec.model_dump(mode="json")), spec_to_yaml(spec),
+                        experiment=spec.tracking.experiment or spec.name, run_name=run_name, role=role,
+                        kind=spec.model.attention.kind, commit=commit, key=key, parent_run_id=parent_run_id)
+    # Where the run's checkpoints are: how `model.init_from=<MLflow run id>` finds them.
+    return replace(handle, tags={**handle.tags, CHECKPOINTS_TAG: run_path})
+
+
+def _trained_to(run_path: str, max_steps: int) -> bool:
+    """The Train run at `run_path` checkpointed its last step (a finished stage is not run again)."""
+    return any(int(entry.rsplit("_", 1)[1]) >= max_steps for entry in _subfolders(run_path) if _CHECKPOINT.match(entry))
+
+
+def _pretrain(spec: ExperimentSpec, *, storage_path: str, run_name: str, mlflow_name: str, commit: str,
+              parent_run_id: str | None, label: str) -> ExperimentSpec:
+    """Stage 1 of a two-stage spec (`pretrain:`): its own Train run in `storage_path/run_name` and its own MLflow
+    run (role pretrain, next to the fine-tuning run); skipped when it already reached its last step (a resumed
+    run or trial). Returns stage 2: the spec fine-tuning from that run's best checkpoint."""
+    stage = spec.pretraining_spec()
+    run_path = _join(storage_path, run_name)
+    if _trained_to(run_path, stage.optim.max_steps):
+        print(f"[{label}] pretraining stage done before ({run_path}); fine-tuning from it")
+        return spec.finetuning_spec(run_path)
+    tracker = _tracker(stage, run_path)
+    handle = _handle(stage, run_name=mlflow_name, role="pretrain", commit=commit, key=(RUN_KEY_TAG, run_path),
+                     run_path=run_path, parent_run_id=parent_run_id)
+    handle = handle.with_run_id(tracker.ensure_run(handle))
+    worker = WorkerConfig(spec=stage.model_dump(mode="json"), run=handle, label=f"{label} pretrain",
+                          cache_dir=_cache_dir(stage), run_path=run_path, spool=spool_of(run_path))
+    trainer = build_trainer(stage, run_name=run_name, storage_path=storage_path, worker=worker)
+    _fit_and_finish(stage, trainer, handle, tracker, _cache_dir(stage), label=f"{label} pretraining", advice=None)
+    return spec.finetuning_spec(run_path)
+
+
+def _stage_to_train(spec: ExperimentSpec, *, storage_path: str, run_name: str, mlflow_name: str, commit: str,
+                    parent_run_id: str | None, label: str) -> tuple[ExperimentSpec, str | None]:
+    """The spec a run's workers train and the checkpoint they start from: a two-stage spec runs its pretraining
+    stage first and fine-tunes from it; a spec with model.init_from starts from that checkpoint (checked again
+    here: it may have changed since the launcher's preflight); any other spec trains from scratch."""
+    if spec.pretrain is not None:
+        spec = _pretrain(spec, storage_path=storage_path, run_name=run_name, mlflow_name=mlflow_name,
+                         commit=commit, parent_run_id=parent_run_id, label=label)
+    pretrained = check_init_from(spec)
+    return spec, pretrained.location if pretrained is not None else None
 
 
 def _fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracker: MlflowTracker,
@@ -349,12 +395,13 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
     storage = spec.run.storage_path
     run_path = _join(storage, spec.name)
     check_data_files(spec)
+    check_init_from(spec)
     with name_lock(run_path, spec.name):
         tracker = _tracker(spec, run_path)
         meta = _claim(spec, "run", resume, tracker)
         commit = (meta or {}).get("commit") or git_commit()
-        handle = _handle(spec, run_name=spec.name, role="run", commit=commit,
-                         key=(RUN_KEY_TAG, run_path)).with_run_id((meta or {}).get("mlflow_run_id"))
+        handle = _handle(spec, run_name=spec.name, role="run", commit=commit, key=(RUN_KEY_TAG, run_path),
+                         run_path=run_path).with_run_id((meta or {}).get("mlflow_run_id"))
         check_tracking(spec, tracker)
         handle = handle.with_run_id(tracker.ensure_run(handle))
         if meta is not None and meta.get("status") == "FINISHED":
@@ -368,9 +415,12 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
                 tracker.end_run(handle.run_id, "FAILED")
             raise
         write_meta(storage, spec.name, {**record, "mlflow_run_id": handle.run_id})
-        worker = WorkerConfig(spec=spec.model_dump(mode="json"), run=handle, label=spec.name,
+        train_spec, init_checkpoint = _stage_to_train(spec, storage_path=run_path, run_name=PRETRAIN_DIR,
+                                                      mlflow_name=f"{spec.name}-pretrain", commit=commit,
+                                                      parent_run_id=None, label=spec.name)
+        worker = WorkerConfig(spec=train_spec.model_dump(mode="json"), run=handle, label=spec.name,
                               cache_dir=_cache_dir(spec), run_path=run_path, spool=spool_of(run_path),
-                              fail_at_step=fail_at_step)
+                              fail_at_step=fail_at_step, init_checkpoint=init_checkpoint)
         from orchestrator.ray_console import RunReports
 
         # The launcher prints one line per report (the worker prints every logging step only with --verbose).
@@ -421,11 +471,14 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     tracker = _tracker(spec, run_path)
     # Found by trial id first: a retried or restored trial keeps its child run.
     handle = _handle(spec, run_name=run_name, role="trial", commit=commit, key=(TRIAL_TAG, trial_id),
-                     parent_run_id=parent_run_id)
+                     run_path=run_path, parent_run_id=parent_run_id)
     handle = handle.with_run_id(tracker.ensure_run(handle))
-    worker = WorkerConfig(spec=spec.model_dump(mode="json"), run=handle, label=f"{spec.name} {trial_id}",
+    train_spec, init_checkpoint = _stage_to_train(spec, storage_path=trials_path, run_name=f"pretrain-{trial_id}",
+                                                  mlflow_name=f"{run_name}-pretrain", commit=commit,
+                                                  parent_run_id=parent_run_id, label=f"{spec.name} {trial_id}")
+    worker = WorkerConfig(spec=train_spec.model_dump(mode="json"), run=handle, label=f"{spec.name} {trial_id}",
                           cache_dir=_cache_dir(spec), run_path=run_path, spool=spool_of(run_path),
-                          fail_at_step=fail_at_step)
+                          fail_at_step=fail_at_step, init_checkpoint=init_checkpoint)
     trainer = build_trainer(spec, run_name=f"train-{trial_id}", storage_path=trials_path,
                             worker=worker, callbacks=[TuneReportCallback()])
     _fit_and_finish(spec, trainer, handle, tracker, _cache_dir(spec), label=f"trial {trial_id}", advice=None)
@@ -456,6 +509,15 @@ def _tune_config(study: Study, resources: Mapping[str, float]):
                            num_samples=settings.num_samples,
                            max_concurrent_trials=max_concurrent_trials(spec, resources),
                            trial_name_creator=_trial_name, trial_dirname_creator=_trial_name)
+
+
+def _console(study: Study):
+    """The sweep's lines on the launcher's terminal: a report line per result, a progress line per change."""
+    from orchestrator.ray_console import SweepConsole
+
+    spec = study.base
+    return SweepConsole(SweepProgress(name=spec.name, total=expected_trials(study), max_steps=spec.optim.max_steps,
+                                      metric=spec.metric, mode=spec.mode))
 
 
 def _console(study: Study):
@@ -511,6 +573,8 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     storage = spec.run.storage_path
     sweep_path = _join(storage, spec.name)
     check_data_files(spec)
+    for assignment in validation_points(study.domains) if study.domains else [{}]:
+        check_init_from(study.spec_for(assignment))  # each trial's pretrained run, before any cluster time
     with name_lock(sweep_path, spec.name):
         tracker = _tracker(spec)
         meta = _claim(spec, "sweep", resume, tracker)
@@ -531,6 +595,8 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
             write_meta(storage, spec.name, {"kind": "sweep", "name": spec.name, "raw": study.raw,
                                             "parent_run_id": parent_run_id, "commit": commit})
             trainable = _trainable(study, parent_run_id, commit, fail_at_step)
+            from orchestrator.ray_console import quiet_tune
+
             from orchestrator.ray_console import quiet_tune
 
             if resume and tune.Tuner.can_restore(sweep_path):
