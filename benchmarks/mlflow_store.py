@@ -69,3 +69,13 @@ def find_run(uri: str, experiment: str, run_name: str) -> str:
     if row is None:
         raise ValueError(f"no run named {run_name!r} in experiment {experiment!r} of {uri}")
     return row[0]
+
+
+def runs_with_tag(uri: str, experiment: str, key: str, value: str) -> list[str]:
+    """Ids of the active runs of `experiment` whose tag `key` is `value`, oldest first."""
+    with _store(uri) as db:
+        rows = db.execute(
+            "SELECT r.run_uuid FROM runs r JOIN experiments e ON r.experiment_id = e.experiment_id "
+            "JOIN tags t ON t.run_uuid = r.run_uuid WHERE e.name = ? AND t.key = ? AND t.value = ? "
+            "AND r.lifecycle_stage = 'active' ORDER BY r.start_time", (experiment, key, value)).fetchall()
+    return [run_id for (run_id,) in rows]
