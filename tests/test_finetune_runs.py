@@ -10,6 +10,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from benchmarks.downstream_results import collect
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.launch import run_sweep, run_training
 from orchestrator.pretrained import CHECKPOINTS_TAG
@@ -72,6 +73,11 @@ def test_two_stage_trial_pretrains_fine_tunes_and_links_the_runs(ray_cluster, tm
                           out_dir=tmp_path / "report", log_to_mlflow=False, lower_reference=None)
     assert report.metric == "val/acc"
     assert [run_id for row in report.rows for run_id in row.run_ids] == [finetune.info.run_id]
+    # the results script reads the same numbers from the store and keeps the scored predictions
+    rows = collect(raw["tracking"]["uri"], "two-stage", tmp_path / "results")
+    assert [(r["method"], r["run_id"], r["test_acc"], r["pretrained"]) for r in rows] == \
+        [("mha", finetune.info.run_id, finetune.data.metrics["test/acc"], True)]
+    assert (tmp_path / "results" / "mha-seed3.test.pred").read_text().split() == predictions
 
     # fine-tune again from the pretraining run's MLflow run id, the encoder frozen: a plain run
     single = validate_spec({**{k: v for k, v in raw.items() if k not in ("pretrain", "tune")}, "name": "probe",
