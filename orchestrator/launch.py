@@ -31,6 +31,7 @@ from orchestrator.preflight import (
     LOCK_FILE,
     LaunchError,
     check_data_files,
+    check_labelled_data,
     check_tracking,
     name_lock,
 )
@@ -395,6 +396,7 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
     storage = spec.run.storage_path
     run_path = _join(storage, spec.name)
     check_data_files(spec)
+    check_labelled_data(spec, _cache_dir(spec))
     check_init_from(spec)
     with name_lock(run_path, spec.name):
         tracker = _tracker(spec, run_path)
@@ -573,6 +575,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     storage = spec.run.storage_path
     sweep_path = _join(storage, spec.name)
     check_data_files(spec)
+    check_labelled_data(spec, _cache_dir(spec))
     for assignment in validation_points(study.domains) if study.domains else [{}]:
         check_init_from(study.spec_for(assignment))  # each trial's pretrained run, before any cluster time
     with name_lock(sweep_path, spec.name):

@@ -57,6 +57,21 @@ def check_data_files(spec: ExperimentSpec) -> None:
             raise SpecError(f"{field}: {found} is empty (0 bytes); point it at the split's text")
 
 
+def check_labelled_data(spec: ExperimentSpec, cache_dir: str) -> None:
+    """A classification spec's local files have the named text and label columns, and every label is one of
+    the classes (SpecError naming the field), read once here so that a bad column fails before Ray starts.
+    The files are parsed into `cache_dir`'s datasets cache, where the workers find them again."""
+    if spec.task.kind != "classify" or spec.task.files is None:
+        return
+    from tasks.classify import classification_data
+
+    splits = tuple(s for s in ("train", "validation", "test") if getattr(spec.task.files, s) is not None)
+    try:
+        classification_data(spec.task, splits, Path(cache_dir))
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+
+
 def check_tracking(spec: ExperimentSpec, tracker: "MlflowTracker") -> None:
     """The tracking store answers, or the spec says to train without it (tracking.offline_ok)."""
     if spec.tracking.offline_ok or tracker.reachable():

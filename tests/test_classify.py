@@ -91,6 +91,17 @@ def test_named_labels_map_to_ids_in_the_given_order(tmp_path):
         classification_data(unknown, ("train",), tmp_path / "cache")
 
 
+def test_bad_labels_in_local_files_fail_before_ray_starts(tmp_path):
+    from orchestrator.preflight import check_labelled_data
+
+    files = _files(tmp_path, ROWS[:10] + [("a third kind of film .", 7)])
+    spec = validate_spec({"name": "x", "task": {"kind": "classify", "max_len": 32, "files": files}, "model": MODEL})
+    with pytest.raises(SpecError, match=r"task.files.train=.* row 10: label 7 is not an integer in 0..1"):
+        check_labelled_data(spec, str(tmp_path / "cache"))
+    check_labelled_data(validate_spec({**spec.model_dump(), "task": {**spec.task.model_dump(), "num_classes": 8}}),
+                        str(tmp_path / "cache"))
+
+
 def test_unlabelled_split_says_so(tmp_path):
     cfg = ClassifyTaskConfig(files=_files(tmp_path, [("hidden test .", -1)] * 4))
     with pytest.raises(ValueError, match="unlabelled"):
