@@ -1,4 +1,4 @@
-"""`orchestrator validate | train | sweep | resume | evaluate | report | ui`.
+"""`orchestrator validate | train | sweep | resume | status | evaluate | report | ui`.
 
 Every command that takes a SPEC also takes dotted overrides after it (`model.attention.k=64`); new knobs
 belong in the spec models, not in new flags (STYLE.md section 3). Specs are validated completely, every
@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     resume = with_verbose(sub.add_parser("resume", help="continue a run or sweep from its latest checkpoints"))
     resume.add_argument("name", help="the spec's name (its folder under the storage path)")
     resume.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
+    status = sub.add_parser("status", help="where a run or sweep stands: trials, best so far, last checkpoint, "
+                                           "MLflow link (while it runs and after)")
+    status.add_argument("name", help="the run's or sweep's name (its folder under the storage path)")
+    status.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
     evaluate = sub.add_parser("evaluate", help="score a finished run (every trial of a sweep) on a split again",
                               description="score a finished run (every trial of a sweep) on all of a split, log "
                                           "<split>/* metrics to its MLflow run, outputs to <run>/evaluation/")
@@ -160,10 +164,16 @@ def _ui(args: argparse.Namespace) -> int:
               "`ssh -L 5000:localhost:5000 <user>@<head-ip>`, then open http://localhost:5000")
         return 0
     print(f"MLflow UI on {uri}: http://127.0.0.1:{args.port}")
+    if args.spec:
+        runs = _runs_page(uri, f"http://127.0.0.1:{args.port}", args)
+        if runs:
+            print(f"the study's runs, best first: {runs}")
     print(f"on a remote machine, forward the port: `ssh -L {args.port}:localhost:{args.port} <user>@<host>` "
           f"(Ray cluster: `ray attach cluster.yaml -p {args.port}`), then open http://localhost:{args.port}")
+    # One worker process: a UI for one user; MLflow's default of 4 uvicorn workers, each importing MLflow, ran
+    # past uvicorn's start-up health check on a loaded 2-core machine, which then killed them in a loop.
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-           "--port", str(args.port)]
+           "--port", str(args.port), "--workers", "1"]
     try:
         return subprocess.call(cmd)
     except KeyboardInterrupt:
@@ -182,6 +192,20 @@ def _set_verbosity(verbose: bool) -> None:
         # MLflow configured its logger when it was imported (above); the variable reaches Ray's processes.
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
         logging.getLogger("mlflow").setLevel(logging.WARNING)
+
+
+def _runs_page(uri: str, base: str, args: argparse.Namespace) -> str | None:
+    """The experiment's training-runs page (not MLflow 3's GenAI overview), when the store already has it."""
+    from mlflow import MlflowClient
+
+    from orchestrator.tracking import ui_url
+
+    spec = load_study(args.spec, args.overrides, args.scale).base
+    try:
+        found = MlflowClient(tracking_uri=uri).get_experiment_by_name(spec.tracking.experiment or spec.name)
+    except Exception:  # noqa: BLE001 - no store yet: the UI still starts, on its experiment list
+        return None
+    return ui_url(base, found.experiment_id, metric=spec.metric, mode=spec.mode) if found else None
 
 
 def _unexpected(err: Exception) -> int:
@@ -220,6 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1 if outcome.errors or outcome.interrupted else 0
             print(f"run {outcome.name}: {outcome.metrics.get('step')} steps, MLflow run {outcome.mlflow_run_id}")
             return 0
+        if args.command == "status":
+            from orchestrator.status import status_cli
+
+            return status_cli(args.name, args.storage_path)
         if args.command == "evaluate":
             from orchestrator.finalize import evaluate_stored
 

@@ -9,7 +9,6 @@ never timestamps, so re-running with the same (storage_path, name) resumes inste
 from __future__ import annotations
 
 import contextlib
-import contextlib
 import json
 import os
 import re
@@ -25,8 +24,8 @@ import yaml
 from orchestrator.finalize import final_evaluation
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.pretrained import preflight as check_init_from
-from orchestrator.progress import VERBOSE_ENV, SweepProgress, set_verbose, verbose
-from orchestrator.progress import VERBOSE_ENV, SweepProgress, set_verbose, verbose
+from orchestrator.progress import VERBOSE_ENV, SweepProgress, describe_config, set_verbose, verbose
+from orchestrator.sweep_summary import summarize_sweep
 from orchestrator.preflight import (
     LOCK_FILE,
     LaunchError,
@@ -426,7 +425,8 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
         from orchestrator.ray_console import RunReports
 
         # The launcher prints one line per report (the worker prints every logging step only with --verbose).
-        reports = None if verbose() else RunReports(spec.name, max_steps=spec.optim.max_steps, metric=spec.metric)
+        reports = None if verbose() else RunReports(spec.name, max_steps=train_spec.optim.max_steps,
+                                                     metric=train_spec.metric)
         trainer = build_trainer(spec, run_name=spec.name, storage_path=storage, worker=worker,
                                 callbacks=[reports.relay()] if reports else None)
         try:
@@ -467,7 +467,8 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     set_verbose(verbose_on)  # the launcher's --verbose, also on a cluster whose job env does not carry it
     trial_id = tune.get_context().get_trial_id()
     spec = validate_spec(resolve(study_raw, config), where=f"trial {trial_id}")
-    run_name = f"{spec.name}-{trial_id}"
+    # What the trial tries, then its id: the MLflow runs page lists children by name.
+    run_name = f"{describe_config(config) or spec.name} ({trial_id})"
     trials_path = _join(spec.run.storage_path, spec.name, TRIALS_DIR)
     run_path = _join(trials_path, f"train-{trial_id}")
     tracker = _tracker(spec, run_path)
@@ -511,15 +512,6 @@ def _tune_config(study: Study, resources: Mapping[str, float]):
                            num_samples=settings.num_samples,
                            max_concurrent_trials=max_concurrent_trials(spec, resources),
                            trial_name_creator=_trial_name, trial_dirname_creator=_trial_name)
-
-
-def _console(study: Study):
-    """The sweep's lines on the launcher's terminal: a report line per result, a progress line per change."""
-    from orchestrator.ray_console import SweepConsole
-
-    spec = study.base
-    return SweepConsole(SweepProgress(name=spec.name, total=expected_trials(study), max_steps=spec.optim.max_steps,
-                                      metric=spec.metric, mode=spec.mode))
 
 
 def _console(study: Study):
@@ -600,8 +592,6 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
             trainable = _trainable(study, parent_run_id, commit, fail_at_step)
             from orchestrator.ray_console import quiet_tune
 
-            from orchestrator.ray_console import quiet_tune
-
             if resume and tune.Tuner.can_restore(sweep_path):
                 # resume_errored, not restart_errored: a restarted trial is reset to a new trial id, which would
                 # start a new Train run from scratch under a new child MLflow run.
@@ -617,6 +607,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
                 )
             grid = tuner.fit()
             outcome = _sweep_outcome(study, grid, tracker, parent_run_id)
+            _summarize(study, outcome, tracker)
             status = "KILLED" if outcome.interrupted else "FAILED" if outcome.errors else "FINISHED"
             return outcome
         except (KeyboardInterrupt, SystemExit):
@@ -651,6 +642,20 @@ def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_i
     return SweepOutcome(name=spec.name, path=grid.experiment_path, parent_run_id=parent_run_id, trials=trials,
                         best=best, errors=errors, interrupted=interrupted,
                         resumable=has_checkpoint(spec.run.storage_path, spec.name), metric=spec.metric)
+
+
+def _summarize(study: Study, outcome: SweepOutcome, tracker: MlflowTracker) -> None:
+    """The report's comparison on the sweep's parent MLflow run (orchestrator/sweep_summary.py); its files
+    also in the sweep's folder (`report/`) when storage is local. Never fails the sweep."""
+    spec = study.base
+    sweep_path = _join(spec.run.storage_path, spec.name)
+    try:
+        summarize_sweep(tracking_uri=spec.tracking.uri, tracker=tracker,
+                        experiment=spec.tracking.experiment or spec.name, parent_run_id=outcome.parent_run_id,
+                        name=spec.name, trials=outcome.trials, metric=spec.metric, mode=spec.mode,
+                        out_dir=None if "://" in sweep_path else Path(sweep_path) / "report")
+    except Exception as err:  # noqa: BLE001 - the trials are done; `orchestrator report` can redo this
+        print(f"[{spec.name}] the sweep's summary was not logged to MLflow ({type(err).__name__}: {str(err)[:200]})")
 
 
 def _send_trial_spools(spec: ExperimentSpec, tracker: MlflowTracker) -> None:

@@ -146,6 +146,7 @@ class SweepConsole(Callback):
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self._sync(trials)
+        self.progress.states[trial.trial_id] = "running"  # Tune marks it RUNNING after its callbacks
         self._progress(force=True)
 
     def on_trial_result(self, iteration, trials, trial, result, **info):

@@ -49,6 +49,12 @@ _MAX_BUFFERED_METRICS = 20_000
 T = TypeVar("T")
 
 
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+"""MLflow 3's UI opens an experiment without this tag on its GenAI overview (traces, tokens, latency); with
+it, on the training runs. The values are the UI's `ExperimentKind` (mlflow/server/js); a tag an experiment
+already has (a user's choice in the UI) is kept."""
+
 RUN_KEY_TAG = "orchestrator.run"
 """Storage path + name of a single run: finds its MLflow run again (a trial is found by TRIAL_TAG)."""
 SPOOL_FILE = "mlflow-spool.jsonl"
@@ -107,6 +113,23 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             out[path] = str(value)[:_MAX_PARAM_CHARS]
     return out
+
+
+def ui_url(base: str, experiment_id: str, run_id: str | None = None, *, metric: str | None = None,
+           mode: str = "min") -> str:
+    """A page of the MLflow UI at `base`: a run's, or the experiment's training runs, sorted best first by
+    `metric` (sorting by a metric also lists a sweep's children flat, not folded under the parent).
+    `workflowType=machine_learning`: MLflow 3.17's UI opens every experiment in its GenAI view unless told,
+    whatever the experiment's kind tag says, once its workflow switch is on."""
+    from urllib.parse import quote
+
+    page = f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs"
+    if run_id:
+        return f"{page}/{run_id}?workflowType=machine_learning"
+    query = "?workflowType=machine_learning"
+    if metric:
+        query += f"&orderByKey={quote(f'metrics.`{metric}`', safe='')}&orderByAsc={'true' if mode == 'min' else 'false'}"
+    return page + query
 
 
 def git_commit(root: Path | None = None) -> str:
@@ -183,7 +206,11 @@ class MlflowTracker:
     def experiment_id(self, name: str) -> str | None:
         def get_or_create(client: MlflowClient) -> str:
             found = client.get_experiment_by_name(name)
-            return found.experiment_id if found else client.create_experiment(name)
+            if found is None:
+                return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            if EXPERIMENT_KIND_TAG not in found.tags:  # made before the tag existed, or by another client
+                client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+            return found.experiment_id
 
         return self._call(f"experiment {name!r}", get_or_create)
 
