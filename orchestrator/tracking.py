@@ -123,13 +123,13 @@ def ui_url(base: str, experiment_id: str, run_id: str | None = None, *, metric: 
     whatever the experiment's kind tag says, once its workflow switch is on."""
     from urllib.parse import quote
 
-    page = f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs"
+    experiment = f"{base.rstrip('/')}/#/experiments/{experiment_id}"
     if run_id:
-        return f"{page}/{run_id}?workflowType=machine_learning"
-    query = "?workflowType=machine_learning"
-    if metric:
-        query += f"&orderByKey={quote(f'metrics.`{metric}`', safe='')}&orderByAsc={'true' if mode == 'min' else 'false'}"
-    return page + query
+        return f"{experiment}/runs/{run_id}?workflowType=machine_learning"
+    if not metric:  # the experiment's own address: the UI picks the page for the workflow type
+        return f"{experiment}?workflowType=machine_learning"
+    order = f"&orderByKey={quote(f'metrics.`{metric}`', safe='')}&orderByAsc={'true' if mode == 'min' else 'false'}"
+    return f"{experiment}/runs?workflowType=machine_learning{order}"
 
 
 def git_commit(root: Path | None = None) -> str:
