@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -18,10 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.fs
 import torch
 
 STATE_FILE = "state.pt"
 SPEC_FILE = "spec.yaml"
+CHECKPOINT_NAME = re.compile(r"checkpoint_(\d+)$")
+"""A checkpoint folder's name in a run's storage folder (`write_checkpoint`, the worker's report): its step."""
 TOKENIZER_FILE = "tokenizer.model"
 """The run's sentencepiece model, so a checkpoint is scored or fine-tuned from without the run's data cache."""
 
@@ -66,6 +70,24 @@ class TrainingState:
     best: dict[str, Any] = field(default_factory=dict)
     """The compared metric's best value so far and its step ({metric, value, step}); empty before the first
     evaluation (and in checkpoints written before it was kept)."""
+
+
+def join(location: str, *parts: str) -> str:
+    """A path under a storage location, for local paths and URIs (s3://bucket/runs) alike."""
+    return "/".join([location.rstrip("/"), *parts])
+
+
+def storage_fs(location: str) -> tuple[pyarrow.fs.FileSystem, str]:
+    """The filesystem and path of a storage location: a URI, or a local path (made absolute)."""
+    return pyarrow.fs.FileSystem.from_uri(location if "://" in location else str(Path(location).resolve()))
+
+
+def checkpoint_steps(run_folder: str) -> dict[str, int]:
+    """The checkpoint folders of a Train run's storage folder, name -> step ({} without any, or no folder)."""
+    fs, path = storage_fs(run_folder)
+    return {info.base_name: int(m.group(1))
+            for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
+            if info.type == pyarrow.fs.FileType.Directory and (m := CHECKPOINT_NAME.match(info.base_name))}
 
 
 def write_checkpoint(parent: Path, state: TrainingState, spec_yaml: str, tokenizer: Path | None = None) -> Path:

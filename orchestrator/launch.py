@@ -21,6 +21,9 @@ import pyarrow.fs
 import ray
 import yaml
 
+from orchestrator.checkpoint import checkpoint_steps
+from orchestrator.checkpoint import join as _join
+from orchestrator.checkpoint import storage_fs as _fs
 from orchestrator.finalize import final_evaluation
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.pretrained import preflight as check_init_from
@@ -131,14 +134,6 @@ def max_concurrent_trials(spec: ExperimentSpec, resources: Mapping[str, float]) 
 # --- storage metadata ---------------------------------------------------------------------------------
 
 
-def _join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
-
-
-def _fs(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    return pyarrow.fs.FileSystem.from_uri(uri)
-
-
 def read_meta(storage_path: str, name: str) -> dict[str, Any] | None:
     fs, path = _fs(_join(storage_path, name, META_FILE))
     if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
@@ -176,9 +171,6 @@ def _tracker(spec: ExperimentSpec, run_path: str | None = None) -> MlflowTracker
                          spool=Path(spool) if spool else None)
 
 
-_CHECKPOINT = re.compile(r"checkpoint_\d+$")
-
-
 def _subfolders(path: str) -> list[str]:
     fs, fs_path = _fs(path)
     return [info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(fs_path, allow_not_found=True))
@@ -188,10 +180,10 @@ def _subfolders(path: str) -> list[str]:
 def has_checkpoint(storage: str, name: str) -> bool:
     """Run `name`, or a trial of sweep `name`, wrote a checkpoint: it can be resumed, and its name is taken."""
     folder = _join(storage, name)
-    if any(_CHECKPOINT.match(entry) for run in (folder, _join(folder, PRETRAIN_DIR)) for entry in _subfolders(run)):
+    if checkpoint_steps(folder) or checkpoint_steps(_join(folder, PRETRAIN_DIR)):
         return True
     trials = _join(folder, TRIALS_DIR)
-    return any(_CHECKPOINT.match(entry) for trial in _subfolders(trials) for entry in _subfolders(_join(trials, trial)))
+    return any(checkpoint_steps(_join(trials, trial)) for trial in _subfolders(trials))
 
 
 def next_step(storage: str, name: str) -> str:
@@ -296,7 +288,7 @@ def _handle(spec: ExperimentSpec, *, run_name: str, role: str, commit: str, key:
 
 def _trained_to(run_path: str, max_steps: int) -> bool:
     """The Train run at `run_path` checkpointed its last step (a finished stage is not run again)."""
-    return any(int(entry.rsplit("_", 1)[1]) >= max_steps for entry in _subfolders(run_path) if _CHECKPOINT.match(entry))
+    return max(checkpoint_steps(run_path).values(), default=-1) >= max_steps
 
 
 def _pretrain(spec: ExperimentSpec, *, storage_path: str, run_name: str, mlflow_name: str, commit: str,

@@ -12,6 +12,7 @@ the worker that needs them.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -28,7 +29,15 @@ from torch import nn
 
 from models.classifier import load_encoder
 
-from orchestrator.checkpoint import SPEC_FILE, STATE_FILE, TOKENIZER_FILE, read_checkpoint
+from orchestrator.checkpoint import (
+    SPEC_FILE,
+    STATE_FILE,
+    TOKENIZER_FILE,
+    checkpoint_steps,
+    join,
+    read_checkpoint,
+    storage_fs,
+)
 from orchestrator.spec import ExperimentSpec, SpecError
 
 CHECKPOINTS_TAG = "orchestrator.checkpoints"
@@ -37,7 +46,6 @@ LINEAGE_TAGS = ("init_from.run_id", "init_from.checkpoint", "init_from.step")
 """Tags of a fine-tuning run naming what it started from (the pretraining MLflow run, checkpoint and step)."""
 # Model fields that may differ between pretraining and fine-tuning: no parameter depends on them.
 _FREE_MODEL_FIELDS = ("dropout", "init_from", "freeze")
-_CHECKPOINT = re.compile(r"checkpoint_(\d+)$")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -51,17 +59,9 @@ class PretrainedCheckpoint:
     """Pieces of the pretraining tokenizer."""
 
 
-def _fs(location: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    return pyarrow.fs.FileSystem.from_uri(location if "://" in location else str(Path(location).resolve()))
-
-
 def _kind(location: str) -> pyarrow.fs.FileType:
-    fs, path = _fs(location)
+    fs, path = storage_fs(location)
     return fs.get_file_info(path).type
-
-
-def _join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
 
 
 def _run_folder_of(value: str, spec: ExperimentSpec) -> str:
@@ -69,7 +69,7 @@ def _run_folder_of(value: str, spec: ExperimentSpec) -> str:
     if "://" in value or Path(value).expanduser().exists():
         return value if "://" in value else str(Path(value).expanduser().resolve())
     storage = spec.run.storage_path
-    named = _join(storage, value)
+    named = join(storage, value)
     if _kind(named) == pyarrow.fs.FileType.Directory:
         return named
     if _RUN_ID.match(value):
@@ -94,38 +94,35 @@ def _checkpoints_tag(run_id: str, spec: ExperimentSpec) -> str | None:
         return None
 
 
-def _best_checkpoint(run_folder: str) -> str | None:
-    """A run folder's best checkpoint by its own metric (Ray's ranking), else its newest; None without any."""
-    fs, path = _fs(run_folder)
-    steps = {info.base_name: int(m.group(1))
-             for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
-             if info.type == pyarrow.fs.FileType.Directory and (m := _CHECKPOINT.match(info.base_name))}
+def _best_checkpoint(run_folder: str, value: str) -> tuple[str, ExperimentSpec] | None:
+    """A run folder's best checkpoint by its own metric (Ray's ranking), else its newest, with the run's spec
+    (every checkpoint of a run holds the same); None without any checkpoint."""
+    steps = checkpoint_steps(run_folder)
     if not steps:
         return None
+    newest = join(run_folder, max(steps, key=steps.get))
+    spec = _read_spec(newest, value)
     try:
-        import os
-
         os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # before ray.train is imported: Result.from_path reads V2 storage
         from ray.train import Result
 
         from orchestrator.finalize import choose_checkpoint
 
-        result = Result.from_path(run_folder)
-        spec = ExperimentSpec.model_validate(yaml.safe_load(_read_text(result.checkpoint.path, SPEC_FILE,
-                                                                       result.filesystem)))
-        chosen = choose_checkpoint(result, spec, "best", split=None)
-        if chosen is not None:
-            return _join(run_folder, Path(chosen.path).name)
+        chosen = choose_checkpoint(Result.from_path(run_folder), spec, "best", split=None)
     except Exception:  # noqa: BLE001 - no Ray run state (a copied folder): fall back to the newest checkpoint
-        pass
-    return _join(run_folder, max(steps, key=steps.get))
+        chosen = None
+    return (join(run_folder, Path(chosen.path).name) if chosen is not None else newest), spec
 
 
-def _read_text(folder: str, name: str, fs: pyarrow.fs.FileSystem | None = None) -> str:
-    if fs is None:
-        fs, folder = _fs(folder)
-    with fs.open_input_stream(_join(folder, name)) as f:
-        return f.read().decode()
+def _read_spec(location: str, value: str) -> ExperimentSpec:
+    """The resolved spec a checkpoint folder holds (SpecError when it holds none)."""
+    fs, path = storage_fs(location)
+    try:
+        with fs.open_input_stream(join(path, SPEC_FILE)) as f:
+            return ExperimentSpec.model_validate(yaml.safe_load(f.read().decode()))
+    except (OSError, ValidationError, yaml.YAMLError) as err:
+        raise SpecError(f"model.init_from={value!r}: {location} has no readable {SPEC_FILE} ({type(err).__name__}); "
+                        "it was not written by this orchestrator") from None
 
 
 def resolve(spec: ExperimentSpec) -> PretrainedCheckpoint:
@@ -133,18 +130,15 @@ def resolve(spec: ExperimentSpec) -> PretrainedCheckpoint:
     value = spec.model.init_from
     assert value is not None, "resolve() is for specs with model.init_from"
     location = _run_folder_of(value, spec)
-    if _kind(_join(location, STATE_FILE)) != pyarrow.fs.FileType.File:
-        checkpoint = _best_checkpoint(location)
-        if checkpoint is None:
+    if _kind(join(location, STATE_FILE)) == pyarrow.fs.FileType.File:
+        pre_spec = _read_spec(location, value)
+    else:
+        found = _best_checkpoint(location, value)
+        if found is None:
             raise SpecError(f"model.init_from={value!r}: {location} holds no checkpoint yet (no checkpoint_* "
                             "folder and no state.pt); wait for the pretraining run's first checkpoint, or name "
                             "another run")
-        location = checkpoint
-    try:
-        pre_spec = ExperimentSpec.model_validate(yaml.safe_load(_read_text(location, SPEC_FILE)))
-    except (OSError, ValidationError, yaml.YAMLError) as err:
-        raise SpecError(f"model.init_from={value!r}: {location} has no readable {SPEC_FILE} ({type(err).__name__}); "
-                        "it was not written by this orchestrator") from None
+        location, pre_spec = found
     with tokenizer_file(location) as tokenizer:
         import sentencepiece as spm
 
@@ -155,8 +149,8 @@ def resolve(spec: ExperimentSpec) -> PretrainedCheckpoint:
 @contextmanager
 def tokenizer_file(location: str) -> Iterator[Path]:
     """The checkpoint's sentencepiece model as a local file (downloaded when the checkpoint is remote)."""
-    fs, path = _fs(location)
-    source = _join(path, TOKENIZER_FILE)
+    fs, path = storage_fs(location)
+    source = join(path, TOKENIZER_FILE)
     if fs.get_file_info(source).type != pyarrow.fs.FileType.File:
         raise SpecError(f"model.init_from: checkpoint {location} holds no {TOKENIZER_FILE} (it was written before "
                         "checkpoints kept their tokenizer); re-run the pretraining, or resume it for one more "
@@ -237,7 +231,7 @@ class LoadedPretraining:
 def load(location: str, keep_dir: Path) -> LoadedPretraining:
     """Read a pretraining checkpoint (a remote one is downloaded through Ray Train's Checkpoint); its tokenizer
     is copied into `keep_dir`, so the task can read it after the download is gone."""
-    fs, path = _fs(location)
+    fs, path = storage_fs(location)
     keep_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(fs, pyarrow.fs.LocalFileSystem):
         state = read_checkpoint(Path(path))

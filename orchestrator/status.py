@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.checkpoint import checkpoint_steps
 from orchestrator.launch import META_FILE, TRIALS_DIR, _join, _subfolders, expected_trials, read_meta
 from orchestrator.preflight import LOCK_FILE, LaunchError, _alive
 from orchestrator.spec import study_from_raw, validate_spec
 from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, ui_url
 
-_CHECKPOINT = re.compile(r"checkpoint_(\d+)$")
 UI_ADDRESS = "http://127.0.0.1:5000"
 """Where `orchestrator ui` serves a local tracking store (its default --port)."""
 
@@ -85,8 +84,8 @@ def _launcher(folder: str) -> str:
 
 
 def _last_checkpoint(folder: str) -> str | None:
-    steps = [(int(m.group(1)), entry) for entry in _subfolders(folder) if (m := _CHECKPOINT.match(entry))]
-    return _join(folder, max(steps)[1]) if steps else None
+    steps = checkpoint_steps(folder)
+    return _join(folder, max(steps, key=steps.get)) if steps else None
 
 
 def read_status(name: str, storage: str) -> Status:

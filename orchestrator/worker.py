@@ -9,7 +9,6 @@ ends runs.
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import ray.train
 import ray.train.torch
 import torch.distributed as dist
 
-from orchestrator.checkpoint import TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.checkpoint import CHECKPOINT_NAME, TrainingState, read_checkpoint, write_checkpoint
 from orchestrator.pretrained import load as load_pretrained
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.tracking import (
@@ -123,9 +122,6 @@ class RayHooks:
         self.logger.close(status)
 
 
-_STEP = re.compile(r"checkpoint_(\d+)$")
-
-
 def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> TrainingState | None:
     """The newest readable checkpoint of this run: Ray's registered latest, or a newer complete one on disk
     that a kill kept Ray from registering; an unreadable one (truncated, corrupt) is skipped, said, and the
@@ -133,12 +129,12 @@ def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> Tra
     candidates: dict[str, ray.train.Checkpoint] = {}
     fs, path = pyarrow.fs.FileSystem.from_uri(run_path)
     for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True)):
-        if info.type == pyarrow.fs.FileType.Directory and _STEP.match(info.base_name):
+        if info.type == pyarrow.fs.FileType.Directory and CHECKPOINT_NAME.match(info.base_name):
             candidates[info.base_name] = ray.train.Checkpoint(info.path, filesystem=fs)
     if registered is not None:
         candidates.setdefault(Path(registered.path).name, registered)
     skipped: list[str] = []
-    for name in sorted(candidates, key=lambda n: int(_STEP.match(n).group(1)) if _STEP.match(n) else -1,
+    for name in sorted(candidates, key=lambda n: int(m.group(1)) if (m := CHECKPOINT_NAME.match(n)) else -1,
                        reverse=True):
         try:
             with candidates[name].as_directory() as directory:

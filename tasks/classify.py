@@ -35,7 +35,7 @@ from tasks.base import Batch, WorkerContext
 from tasks.cache import cache_key, file_fingerprint
 from tasks.config import ClassifyTaskConfig
 from tasks.corpora import SyntheticGrammar
-from tasks.data import _hf_cache, _resolve, epoch_permutation, sharded_batches
+from tasks.data import _hf_cache, _hub_split, _load_hub, _resolve, epoch_permutation, sharded_batches
 from tasks.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_or_load
 
 _BUILTIN_CLASSES = 6  # semantic noun classes of the builtin grammar (tasks/corpora.py)
@@ -112,25 +112,10 @@ def _load_files(cfg: ClassifyTaskConfig, splits: tuple[str, ...], cache_dir: Pat
     return out
 
 
-def _load_hub(cfg: ClassifyTaskConfig, splits: tuple[str, ...], cache_dir: Path) -> dict[str, LabelledSplit]:
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(cfg.dataset, cfg.config, cache_dir=_hf_cache(cache_dir))
-    except Exception as err:  # offline, unknown name, gated: all end in the same advice
-        raise RuntimeError(
-            f"task.dataset={cfg.dataset!r} (task.config={cfg.config!r}) could not be loaded from the Hugging Face "
-            f"hub: {type(err).__name__}: {err}. Offline, point the spec at local files with task.files: "
-            "{train: data/train.tsv, validation: data/dev.tsv, test: data/test.tsv} (TSV/CSV/JSONL with a header "
-            "row), or use task.dataset: builtin for the generated corpus"
-        ) from err
-    out = {}
-    for split in splits:
-        if split not in ds:
-            raise ValueError(f"task.dataset={cfg.dataset!r} has splits {list(ds)}, not {split!r}; change "
-                             "task.eval_split or use task.files")
-        out[split] = _columns(ds[split].to_dict(), cfg, f"task.dataset={cfg.dataset!r} split {split!r}")
-    return out
+def _from_hub(cfg: ClassifyTaskConfig, splits: tuple[str, ...], cache_dir: Path) -> dict[str, LabelledSplit]:
+    ds = _load_hub(cfg, cache_dir)
+    return {split: _columns(_hub_split(ds, split, cfg).to_dict(), cfg, f"task.dataset={cfg.dataset!r} split {split!r}")
+            for split in splits}
 
 
 def builtin_classification(cfg: ClassifyTaskConfig) -> dict[str, LabelledSplit]:
@@ -160,7 +145,7 @@ def classification_data(cfg: ClassifyTaskConfig, splits: tuple[str, ...], cache_
     if cfg.dataset == "builtin":
         data = builtin_classification(cfg)
         return {s: data[s] for s in splits}
-    return _load_hub(cfg, splits, cache_dir)
+    return _from_hub(cfg, splits, cache_dir)
 
 
 def _train_fingerprint(cfg: ClassifyTaskConfig) -> str:
@@ -250,8 +235,6 @@ class ClassificationTask:
         return self.tokenizer.vocab_size
 
     def build_model(self) -> nn.Module:
-        if self.cfg.max_len > self.model_cfg.max_seq_len:
-            raise ValueError(f"task.max_len={self.cfg.max_len} exceeds model.max_seq_len={self.model_cfg.max_seq_len}")
         return SequenceClassifier(self.model_cfg, self.vocab_size, self.cfg.num_classes, self.cfg.pooling)
 
     def _batch(self, rows: np.ndarray, ids: list[np.ndarray], labels: np.ndarray) -> Batch:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import numpy as np
 
 from tasks.cache import atomic_write, cache_key, file_fingerprint, locked
-from tasks.config import CausalLMTaskConfig, MLMTaskConfig, TranslationTaskConfig
+from tasks.config import CausalLMTaskConfig, ClassifyTaskConfig, MLMTaskConfig, TranslationTaskConfig
 from tasks.corpora import builtin_lm_corpus, builtin_parallel_corpus
 from tasks.tokenizer import EOS_ID, Tokenizer, train_or_load
 
@@ -61,15 +61,19 @@ def _load_text_files(data_files: dict[str, Path], cache_dir: Path) -> dict[str, 
     return {split: list(ds[split]["text"]) for split in data_files}
 
 
-def _load_hub(cfg: LMConfig | TranslationTaskConfig, cache_dir: Path) -> Any:
+def _load_hub(cfg: LMConfig | TranslationTaskConfig | ClassifyTaskConfig, cache_dir: Path) -> Any:
     import datasets  # heavy import, only on a cache miss
 
     try:
         return datasets.load_dataset(cfg.dataset, cfg.config, cache_dir=_hf_cache(cache_dir))
     except Exception as err:  # offline, unknown name, gated: all end in the same advice
-        example = ("{train: data/train, validation: data/val, test: data/test}  (prefixes of <prefix>.<lang>[.gz])"
-                   if isinstance(cfg, TranslationTaskConfig) else
-                   "{train: data/train.txt, validation: data/valid.txt, test: data/test.txt}")
+        if isinstance(cfg, TranslationTaskConfig):
+            example = "{train: data/train, validation: data/val, test: data/test}  (prefixes of <prefix>.<lang>[.gz])"
+        elif isinstance(cfg, ClassifyTaskConfig):
+            example = ("{train: data/train.tsv, validation: data/dev.tsv, test: data/test.tsv}  (TSV/CSV/JSONL with "
+                       "a header row)")
+        else:
+            example = "{train: data/train.txt, validation: data/valid.txt, test: data/test.txt}"
         raise RuntimeError(
             f"task.dataset={cfg.dataset!r} (task.config={cfg.config!r}) could not be loaded from the Hugging Face "
             f"hub: {type(err).__name__}: {err}. Offline or behind a firewall, point the spec at local files with "
