@@ -36,16 +36,28 @@ def capture_rng() -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # The current device's generator only: a Ray Train worker draws from the one GPU it was given, and a run
+        # resumed after a node loss may be placed where a worker sees another number of GPUs (per-device lists
+        # from get_rng_state_all would then not fit).
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
+
+
+def cuda_rng_of_rank(saved: Any) -> torch.Tensor | None:
+    """The CUDA generator state this rank restores: the saved state, or from a checkpoint written before states
+    were per device, the first of its list (the device a Ray worker used); None when the run had no GPU."""
+    if isinstance(saved, (list, tuple)):
+        return saved[0] if saved else None
+    return saved
 
 
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = cuda_rng_of_rank(state.get("cuda"))
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 @dataclass
@@ -75,6 +87,13 @@ class TrainingState:
 def join(location: str, *parts: str) -> str:
     """A path under a storage location, for local paths and URIs (s3://bucket/runs) alike."""
     return "/".join([location.rstrip("/"), *parts])
+
+
+def cache_dir_of(storage_path: str) -> str:
+    """Tokenizers and prepared data: next to the runs when storage is local, else in the user's cache."""
+    if "://" not in storage_path:
+        return str(Path(storage_path) / ".cache")
+    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attention-orchestrator")
 
 
 def storage_fs(location: str) -> tuple[pyarrow.fs.FileSystem, str]:

@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     with_verbose(with_spec("sweep", "run a Ray Tune sweep over the spec's search domains"))
     resume = with_verbose(sub.add_parser("resume", help="continue a run or sweep from its latest checkpoints"))
     resume.add_argument("name", help="the spec's name (its folder under the storage path)")
+    resume.add_argument("overrides", nargs="*", metavar="key.path=value",
+                        help="what may change on resume: train longer (optim.max_steps=, runs only), retries, "
+                             "placement, cadence, tracking (see orchestrator.spec.RESUME_OVERRIDES)")
     resume.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
     status = sub.add_parser("status", help="where a run or sweep stands: trials, best so far, last checkpoint, "
                                            "MLflow link (while it runs and after)")
@@ -76,6 +79,20 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--scale", help="the spec's named scale, as for sweep")
     ui.add_argument("--port", type=int, default=DEFAULT_UI_PORT)
     return parser
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    """argparse, with dotted overrides accepted anywhere after the command (`validate SPEC --scale tiny k=v`):
+    argparse ends a positional list at the first option, so the overrides after one come back unrecognised."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    late = [item for item in rest if "=" in item and not item.startswith("-")]
+    unknown = [item for item in rest if item not in late]
+    if unknown or (late and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or late)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
 
 
 def _check_local_gpus(study: Study) -> None:
@@ -228,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from orchestrator.report import report_cli
 
         return report_cli(argv[1:])
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     _set_verbosity(getattr(args, "verbose", False))
     try:
         if args.command == "ui":
@@ -236,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "resume":
             from orchestrator.launch import SweepOutcome, resume
 
-            outcome = resume(args.name, args.storage_path)
+            outcome = resume(args.name, args.storage_path, args.overrides)
             print(f"resumed {args.name}")
             if isinstance(outcome, SweepOutcome):
                 print(_sweep_line(outcome))

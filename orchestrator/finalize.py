@@ -153,8 +153,7 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
     log the metrics to its MLflow run. One dict per run: label, checkpoint, which, metrics."""
     import os
 
-    from orchestrator.checkpoint import read_checkpoint
-    from orchestrator.launch import cache_dir_of
+    from orchestrator.checkpoint import cache_dir_of, read_checkpoint
 
     os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # before ray.train is imported: Result.from_path reads V2 storage
     from ray.train import Result

@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import pyarrow.fs
 import ray
 import yaml
 
-from orchestrator.checkpoint import checkpoint_steps
+from orchestrator.checkpoint import cache_dir_of, checkpoint_steps
 from orchestrator.checkpoint import join as _join
 from orchestrator.checkpoint import storage_fs as _fs
 from orchestrator.finalize import final_evaluation
@@ -42,6 +42,7 @@ from orchestrator.spec import (
     ExperimentSpec,
     SpecError,
     Study,
+    apply_resume_overrides,
     check_gpus,
     spec_to_yaml,
     study_from_raw,
@@ -147,13 +148,6 @@ def write_meta(storage_path: str, name: str, meta: Mapping[str, Any]) -> None:
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     with fs.open_output_stream(path) as f:
         f.write(json.dumps(meta, indent=2).encode())
-
-
-def cache_dir_of(storage_path: str) -> str:
-    """Tokenizers and prepared data: next to the runs when storage is local, else in the user's cache."""
-    if "://" not in storage_path:
-        return str(Path(storage_path) / ".cache")
-    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attention-orchestrator")
 
 
 def _cache_dir(spec: ExperimentSpec) -> str:
@@ -397,7 +391,7 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
                          run_path=run_path).with_run_id((meta or {}).get("mlflow_run_id"))
         check_tracking(spec, tracker)
         handle = handle.with_run_id(tracker.ensure_run(handle))
-        if meta is not None and meta.get("status") == "FINISHED":
+        if meta is not None and meta.get("status") == "FINISHED" and not _extends(meta, spec):
             return _close_finished(spec, meta, tracker, handle)
         record = {"kind": "run", "name": spec.name, "spec": spec.model_dump(mode="json"), "commit": commit}
         try:
@@ -430,6 +424,11 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
         write_meta(storage, spec.name, {**record, "mlflow_run_id": run_id, "status": "FINISHED"})
     return RunOutcome(name=spec.name, path=result.path, metrics={**dict(result.metrics or {}), **final},
                       checkpoint=result.checkpoint.path if result.checkpoint else None, mlflow_run_id=run_id)
+
+
+def _extends(meta: Mapping[str, Any], spec: ExperimentSpec) -> bool:
+    """A resume that trains a finished run further (`optim.max_steps` raised on the command line)."""
+    return spec.optim.max_steps > meta["spec"]["optim"]["max_steps"]
 
 
 def _close_finished(spec: ExperimentSpec, meta: Mapping[str, Any], tracker: MlflowTracker,
@@ -688,12 +687,14 @@ def _close_children(tracker: MlflowTracker, spec: ExperimentSpec, trials: list[d
 # --- resume --------------------------------------------------------------------------------------------
 
 
-def resume(name: str, storage_path: str) -> RunOutcome | SweepOutcome:
-    """Continue the run or sweep `name` stored under `storage_path`, from what it stored there."""
+def resume(name: str, storage_path: str, overrides: Sequence[str] = ()) -> RunOutcome | SweepOutcome:
+    """Continue the run or sweep `name` stored under `storage_path`, from what it stored there, with the
+    overrides a resume may make (spec.RESUME_OVERRIDES; e.g. optim.max_steps trains a run further)."""
     storage = storage_path if "://" in storage_path else str(Path(storage_path).expanduser().resolve())
     meta = read_meta(storage, name)
     if meta is None:
         raise LaunchError(f"nothing named {name!r} in {storage} (no {META_FILE}); check the name and --storage-path")
     if meta["kind"] == "run":
-        return run_training(validate_spec(meta["spec"], where=f"stored spec of {name}"), resume=True)
-    return run_sweep(study_from_raw(meta["raw"]), resume=True)
+        raw = apply_resume_overrides(meta["spec"], overrides, kind="run")
+        return run_training(validate_spec(raw, where=f"stored spec of {name}"), resume=True)
+    return run_sweep(study_from_raw(apply_resume_overrides(meta["raw"], overrides, kind="sweep")), resume=True)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from orchestrator.checkpoint import cache_dir_of
 from orchestrator.spec import ExperimentSpec, SpecError
 
 if TYPE_CHECKING:  # mlflow is imported only by the commands that log
@@ -47,7 +48,13 @@ def _data_files(spec: ExperimentSpec) -> list[tuple[str, list[Path]]]:
 
 
 def check_data_files(spec: ExperimentSpec) -> None:
-    """Every local data file the spec names exists and is not empty (SpecError naming the field)."""
+    """Every local data file the spec names exists and is not empty, and a hub dataset is cached here or known
+    to the hub (SpecError naming the field): a missing dataset fails in seconds, not inside a Ray worker."""
+    from tasks.data import hub_dataset_problem
+
+    problem = hub_dataset_problem(spec.task, Path(cache_dir_of(spec.run.storage_path)))
+    if problem:
+        raise SpecError(problem)
     for field, candidates in _data_files(spec):
         found = next((p for p in candidates if p.is_file()), None)
         if found is None:

@@ -84,13 +84,16 @@ def build_report(
     group_by: Sequence[str] | None = None,
     out_dir: Path,
     log_to_mlflow: bool = True,
+    statuses: Sequence[str] | None = ("FINISHED",),
 ) -> Report:
     """Build the comparison report of `experiment` (or of the sweep `parent_run_id`) into `out_dir`.
 
     `metric` defaults to the spec's `tune.metric` param; `mode` defaults to the spec's `tune.mode`
     for that metric, else it is inferred from the metric name. `reference` / `lower_reference` name
     the methods PRR / PEoP are measured against, by kind ("mha") or by full label ("mha heads=12");
-    `lower_reference=None` (or "none") skips PEoP.
+    `lower_reference=None` (or "none") skips PEoP. Only runs whose MLflow status is in `statuses` are compared
+    (default FINISHED: a run that failed, was stopped early by ASHA or interrupted ended at whatever its last
+    value was); None compares every run.
 
     Raises ReportError with a fix when the runs cannot be compared. Problems that still leave a
     useful table (no lower reference, skipped runs) are returned in `Report.warnings` and written
@@ -102,7 +105,7 @@ def build_report(
     client = MlflowClient(tracking_uri=tracking_uri)
     experiment_id = _experiment_id(client, experiment)
     all_runs = _search_runs(client, experiment_id)
-    runs = _compared_runs(all_runs, parent_run_id, experiment)
+    runs, left_out = _with_status(_compared_runs(all_runs, parent_run_id, experiment), statuses)
     records = [RunRecord(run.info.run_id, dict(run.data.params), dict(run.data.metrics)) for run in runs]
 
     metric, mode = _choose_metric(records, metric, mode)
@@ -110,6 +113,10 @@ def build_report(
     groups = _groups_with_metric(records, keys, metric)
     summary = summarize(groups, metric, mode, reference, lower_reference)
     warnings = list(summary.warnings)
+    if left_out:
+        counts = ", ".join(f"{n} {status}" for status, n in sorted(left_out.items()))
+        warnings.append(f"{sum(left_out.values())} run(s) left out by status ({counts}: failed, stopped early by "
+                        "ASHA, interrupted or still running); `--status all` compares them at their last value")
     skipped = sum(metric not in record.metrics for record in records)
     if skipped:
         warnings.append(
@@ -223,6 +230,23 @@ def _compared_runs(runs: Sequence[Run], parent_run_id: str | None, experiment: s
     if not compared:
         raise ReportError(f"experiment {experiment!r} has no runs to compare; run a sweep first.")
     return compared
+
+
+def _with_status(runs: Sequence[Run], statuses: Sequence[str] | None) -> tuple[list[Run], dict[str, int]]:
+    """The runs whose status is in `statuses` (all when None), and how many of each other status were left out."""
+    if statuses is None:
+        return list(runs), {}
+    wanted = {status.upper() for status in statuses}
+    left_out: dict[str, int] = {}
+    for run in runs:
+        if run.info.status not in wanted:
+            left_out[run.info.status] = left_out.get(run.info.status, 0) + 1
+    kept = [run for run in runs if run.info.status in wanted]
+    if not kept:
+        counts = ", ".join(f"{n} {status}" for status, n in sorted(left_out.items()))
+        raise ReportError(f"no run to compare has status {'/'.join(sorted(wanted))} (there are {counts}); wait for "
+                          "the sweep to finish, or pass --status all to compare runs at their last value")
+    return kept, left_out
 
 
 def _spec_setting(records: Sequence[RunRecord], key: str) -> str | None:
@@ -365,6 +389,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--group-by", help="comma-separated params defining a method (default: the attention knobs)"
     )
+    parser.add_argument("--status", default="FINISHED",
+                        help="comma-separated MLflow run statuses to compare (FINISHED, FAILED, KILLED, RUNNING) or "
+                             "'all' (default: FINISHED; failed, early-stopped and running runs end at any value)")
     parser.add_argument("--out", type=Path, help="output folder (default: reports/<experiment>)")
     parser.add_argument("--no-log", action="store_true", help="write files only, do not log them to MLflow")
     return parser
@@ -386,6 +413,8 @@ def report_cli(argv: Sequence[str] | None = None) -> int:
             group_by=group_by,
             out_dir=args.out or Path("reports") / args.experiment,
             log_to_mlflow=not args.no_log,
+            statuses=None if args.status.strip().lower() == "all" else
+            [status.strip() for status in args.status.split(",") if status.strip()],
         )
     except ReportError as err:
         print(f"orchestrator report: error: {err}", file=sys.stderr)

@@ -134,6 +134,14 @@ class RunSettings(_Section):
                 raise ValueError(f"run.{name} must be >= 1 (got {getattr(self, name)})")
         if self.gpus_per_worker < 0 or self.cpus_per_worker <= 0:
             raise ValueError("run.gpus_per_worker must be >= 0 and run.cpus_per_worker > 0")
+        if self.workers > 1 and 0 < self.gpus_per_worker < 1:
+            raise ValueError(
+                f"run.gpus_per_worker={self.gpus_per_worker:g} with run.workers={self.workers}: DDP over NCCL needs a "
+                "whole GPU per rank (two ranks on one GPU fail in NCCL); use run.gpus_per_worker=1, or run.workers=1 "
+                "to pack several runs per GPU"
+            )
+        if self.gpus_per_worker > 1 and self.gpus_per_worker != int(self.gpus_per_worker):
+            raise ValueError(f"run.gpus_per_worker={self.gpus_per_worker:g}: above 1, give a whole number of GPUs")
         if self.precision == "bf16" and self.gpus_per_worker == 0:
             raise ValueError("run.precision=bf16 needs GPUs (run.gpus_per_worker > 0); use precision: fp32 on CPU")
         if self.max_failures < -1:
@@ -438,6 +446,28 @@ def _assign(raw: Mapping[str, Any], key: str, value: Any, label: str) -> dict[st
         return set_path(raw, key, value)
     except SearchSpaceError as err:
         raise SpecError(f"{label}: {err}") from err
+
+
+RESUME_OVERRIDES = ("optim.max_steps", "run.max_failures", "run.checkpoint_every", "run.eval_every", "run.log_every",
+                    "run.keep_checkpoints", "run.workers", "run.cpus_per_worker", "run.gpus_per_worker",
+                    "run.final_eval", "tracking.")
+"""What `orchestrator resume NAME key=value` may change: how long and where a run goes on and where it logs.
+Everything else (model, task, data order, optimizer) shaped the checkpoints it continues from."""
+
+
+def apply_resume_overrides(raw: Mapping[str, Any], overrides: Sequence[str], *, kind: str) -> dict[str, Any]:
+    """The stored spec (`kind` run) or study (`kind` sweep) with the overrides a resume may make."""
+    for item in overrides:
+        key = item.partition("=")[0]
+        if not any(key == allowed or (allowed.endswith(".") and key.startswith(allowed)) for allowed in RESUME_OVERRIDES):
+            raise SpecError(f"resume override {item!r}: {key} cannot change on resume (its checkpoints were trained "
+                            f"with the stored value); resume may change {', '.join(RESUME_OVERRIDES)}*. To change "
+                            "anything else, start a new run from a checkpoint with model.init_from")
+        if kind == "sweep" and key == "optim.max_steps":
+            raise SpecError("resume override optim.max_steps: a sweep resumes only its unfinished trials (its finished "
+                            "ones and ASHA's rungs stay as they were); train a chosen trial further with "
+                            "`orchestrator train SPEC model.init_from=<its MLflow run id>` or start a longer sweep")
+    return apply_overrides(raw, overrides)
 
 
 def apply_scale(raw: Mapping[str, Any], scale: str | None) -> dict[str, Any]:

@@ -81,6 +81,65 @@ def _load_hub(cfg: LMConfig | TranslationTaskConfig | ClassifyTaskConfig, cache_
         ) from err
 
 
+def _hub_endpoint() -> str:
+    import os
+
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """One TCP connection to the hub's host, so an offline machine is known in seconds, not after the hub
+    client's five retries (about 25 s); HF_HUB_OFFLINE / HF_DATASETS_OFFLINE count as unreachable."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(name, "").lower() in ("1", "true", "yes") for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
+    url = urlparse(_hub_endpoint())
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def _in_local_cache(name: str, cache_dir: Path) -> bool:
+    """`name` was downloaded before: into this project's datasets cache (`datasets` names the folder
+    <namespace>___<name>) or into the hub's own cache (datasets--<namespace>--<name>)."""
+    import os
+
+    hub_cache = Path(os.environ.get("HF_HUB_CACHE", Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"))
+    return ((Path(_hf_cache(cache_dir)) / name.replace("/", "___")).is_dir()
+            or (hub_cache / f"datasets--{name.replace('/', '--')}").is_dir())
+
+
+def hub_dataset_problem(cfg: LMConfig | TranslationTaskConfig | ClassifyTaskConfig, cache_dir: Path) -> str | None:
+    """Why `task.dataset` cannot be loaded, found without downloading it (the launcher asks before Ray starts;
+    the worker would find out only after a cluster start); None when it is cached or the hub knows it."""
+    if cfg.files is not None or cfg.dataset == "builtin":
+        return None
+    advice = "point the spec at local files with task.files, or use task.dataset: builtin for the generated corpus"
+    if not hub_reachable():
+        if _in_local_cache(cfg.dataset, cache_dir):
+            return None
+        return (f"task.dataset={cfg.dataset!r} is not in the local cache ({_hf_cache(cache_dir)}) and the Hugging "
+                f"Face hub ({_hub_endpoint()}) cannot be reached from this machine; {advice}")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi(endpoint=_hub_endpoint()).dataset_info(cfg.dataset, timeout=10)
+    except GatedRepoError:
+        return (f"task.dataset={cfg.dataset!r} is gated on the hub: accept its terms on the hub and log in "
+                f"(`hf auth login`, or HF_TOKEN on every node), or {advice}")
+    except RepositoryNotFoundError:
+        return f"task.dataset={cfg.dataset!r}: the Hugging Face hub has no such dataset (check the spelling); or {advice}"
+    except Exception:  # noqa: BLE001 - a flaky answer is not a verdict: the worker's own load will say more
+        return None
+    return None
+
+
 def _hub_split(ds: Any, split: str, cfg: Any) -> Any:
     if split not in ds:
         raise ValueError(f"task.dataset={cfg.dataset!r} has splits {list(ds)}, not {split!r}; "

@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.finalize import evaluate_stored
 from orchestrator.launch import LaunchError, resume, run_sweep, run_training
-from orchestrator.spec import study_from_raw, validate_spec
+from orchestrator.spec import SpecError, study_from_raw, validate_spec
 from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, TrackingWarning
 
 
@@ -42,6 +42,10 @@ def tiny_spec(name: str, workspace: dict[str, str], **sections) -> dict:
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
     return raw
+
+
+def points_per_step(client: MlflowClient, run_id: str, key: str) -> collections.Counter:
+    return collections.Counter(m.step for m in client.get_metric_history(run_id, key))
 
 
 def loss_curve(client: MlflowClient, run_id: str) -> dict[int, float]:
@@ -112,6 +116,18 @@ def test_resume_continues_run_id_and_loss_curve(ray_cluster, workspace):
     assert [item["metrics"]["test/loss"] for item in scored] == [got["test/loss"]]
     validation = evaluate_stored("interrupted", workspace["storage"], split="validation", which="latest")
     assert validation[0]["metrics"]["validation/checkpoint_step"] == 6
+
+    # A finished run trains further on `orchestrator resume NAME optim.max_steps=8`: same MLflow run, steps 7 and 8
+    # added once each, steps 1..6 untouched; a field its checkpoints depend on cannot change on resume.
+    with pytest.raises(SpecError, match="model.d_model cannot change on resume"):
+        resume("uninterrupted", workspace["storage"], ["model.d_model=32"])
+    before = loss_curve(client, reference.mlflow_run_id)
+    extended = resume("uninterrupted", workspace["storage"], ["optim.max_steps=8"])
+    assert extended.mlflow_run_id == reference.mlflow_run_id and extended.metrics["step"] == 8
+    after = loss_curve(client, reference.mlflow_run_id)
+    assert sorted(after) == list(range(1, 9)) and {s: after[s] for s in before} == before
+    assert max(points_per_step(client, reference.mlflow_run_id, "train/loss").values()) == 1
+    assert client.get_run(reference.mlflow_run_id).info.status == "FINISHED"
 
 
 @pytest.mark.slow

@@ -52,6 +52,7 @@ def _log_run(
     parent: str | None = None,
     seed: int = 0,
     extra_params: dict[str, str] | None = None,
+    status: str = "FINISHED",
 ) -> str:
     """One trial as the trainer logs it: flattened spec params, derived sizes, metric history."""
     run = client.create_run(experiment_id, tags={PARENT_TAG: parent} if parent else {})
@@ -73,7 +74,7 @@ def _log_run(
     client.log_batch(
         run.info.run_id, metrics=metrics, params=[Param(key, value) for key, value in params.items()]
     )
-    client.set_terminated(run.info.run_id)
+    client.set_terminated(run.info.run_id, status)
     return run.info.run_id
 
 
@@ -375,3 +376,30 @@ def test_cli_writes_report_and_reports_errors(store, tmp_path, capsys):
     assert (out / "report.md").exists() and (out / "report.csv").exists()
     assert report_cli([*argv, "--reference", "gqa"]) == 2
     assert "'gqa' not found" in capsys.readouterr().err
+
+
+def test_runs_that_did_not_finish_are_left_out_unless_asked_for(store, tmp_path):
+    """A FAILED or ASHA-stopped (KILLED) run ends at whatever value it last had; averaging it in would move a
+    method's mean. Here both are far better than the finished runs, so including them would show."""
+    client = store["client"]
+    experiment_id = client.create_experiment("statuses")
+    _log_seeds(client, experiment_id, {"kind": "mha"}, "val/ppl", 40.0, MHA_PARAMS)
+    _log_seeds(client, experiment_id, {"kind": "sha"}, "val/ppl", 50.0, SHA_PARAMS)
+    _log_run(client, experiment_id, {"kind": "mha"}, "val/ppl", 10.0, params_attention=MHA_PARAMS, seed=2,
+             status="FAILED")
+    _log_run(client, experiment_id, {"kind": "mha"}, "val/ppl", 4.0, params_attention=MHA_PARAMS, seed=3,
+             status="KILLED")
+
+    finished = build_report(store["uri"], "statuses", metric="val/ppl", out_dir=tmp_path / "a", log_to_mlflow=False)
+    assert _row(finished, "mha")["n_runs"] == 2
+    assert _row(finished, "mha")["score_mean"] == pytest.approx(40.0)
+    assert any("2 run(s) left out by status (1 FAILED, 1 KILLED" in w for w in finished.warnings), finished.warnings
+
+    everything = build_report(store["uri"], "statuses", metric="val/ppl", out_dir=tmp_path / "b",
+                              log_to_mlflow=False, statuses=None)
+    assert _row(everything, "mha")["n_runs"] == 4
+    assert _row(everything, "mha")["score_mean"] == pytest.approx((39.5 + 40.5 + 10.0 + 4.0) / 4)
+
+    with pytest.raises(ReportError, match="no run to compare has status RUNNING.*--status all"):
+        build_report(store["uri"], "statuses", metric="val/ppl", out_dir=tmp_path / "c", log_to_mlflow=False,
+                     statuses=["running"])
