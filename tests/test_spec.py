@@ -11,10 +11,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+import torch
+
+from orchestrator.checkpoint import capture_rng, cuda_rng_of_rank
 from orchestrator.cli import main
+from orchestrator.preflight import check_data_files
 from orchestrator.spec import (
     SpecError,
     apply_overrides,
+    apply_resume_overrides,
     check_gpus,
     load_spec,
     load_study,
@@ -90,12 +95,14 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["task.seq_len=64"], ["task.seq_len=64", "model.max_seq_len=32"]),
         (["run.precision=bf16"], ["run.precision=bf16", "gpus_per_worker"]),
         (["optim.warmup_steps=20"], ["optim.warmup_steps=20", "max_steps=10"]),
+        (["run.workers=2", "run.gpus_per_worker=0.5"], ["run.gpus_per_worker=0.5", "run.workers=2", "NCCL"]),
+        (["run.gpus_per_worker=1.5"], ["run.gpus_per_worker=1.5", "whole number"]),
         (["model.d_model=abc"], ["model.d_model", "integer"]),
         (["name=has space"], ["name"]),
     ],
     ids=["unknown-kind", "k-over-seq-len", "typo-attention", "typo-optim", "typo-union-member", "moved-field",
          "no-close-name", "metric-not-produced", "seq-len",
-         "bf16-cpu", "warmup", "type", "name"],
+         "bf16-cpu", "fractional-gpu-ddp", "gpu-over-one-not-whole", "warmup", "type", "name"],
 )
 def test_errors_name_the_field_and_the_fix(tmp_path, overrides, expected):
     path = write(tmp_path, base_raw())
@@ -204,6 +211,61 @@ def test_named_scale_applies_its_overrides_and_renames_the_study(tmp_path):
     with pytest.raises(SpecError, match=r"--scale big: .*its scales: tiny"):
         load_study(path, scale="big")
     assert main(["validate", str(path), "--scale", "tiny"]) == 0
+
+
+def test_overrides_after_an_option_are_applied_and_strays_refused(tmp_path, capsys):
+    raw = base_raw()
+    raw["scales"] = {"tiny": {"model.d_model": 8, "optim.max_steps": 3}}
+    path = write(tmp_path, raw)
+    assert main(["validate", str(path), "--scale", "tiny", "optim.max_steps=7"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out.split("\nno search domains")[0])
+    assert printed["optim"]["max_steps"] == 7 and printed["model"]["d_model"] == 8 and printed["name"] == "unit-tiny"
+    with pytest.raises(SystemExit):
+        main(["validate", str(path), "--scale", "tiny", "--colour"])
+    assert "unrecognized arguments: --colour" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["status", "unit", "optim.max_steps=7"])  # a command without overrides takes none
+    assert "unrecognized arguments: optim.max_steps=7" in capsys.readouterr().err
+
+
+def test_resume_overrides_are_limited_to_what_checkpoints_do_not_depend_on():
+    raw = base_raw()
+    extended = apply_resume_overrides(raw, ["optim.max_steps=20", "tracking.uri=http://127.0.0.1:5000",
+                                            "run.max_failures=3"], kind="run")
+    spec = validate_spec(extended)
+    assert (spec.optim.max_steps, spec.tracking.uri, spec.run.max_failures) == (20, "http://127.0.0.1:5000", 3)
+    for item in ("model.d_model=32", "optim.lr=0.1", "task.seq_len=8", "optim.seed=3", "tracking_uri=x"):
+        with pytest.raises(SpecError, match=f"{item.partition('=')[0]} cannot change on resume"):
+            apply_resume_overrides(raw, [item], kind="run")
+    with pytest.raises(SpecError, match="a sweep resumes only its unfinished trials"):
+        apply_resume_overrides(raw, ["optim.max_steps=20"], kind="sweep")
+    assert apply_resume_overrides(raw, ["run.max_failures=2"], kind="sweep")["run"]["max_failures"] == 2
+
+
+def test_hub_dataset_that_cannot_be_loaded_is_refused_before_ray(tmp_path, monkeypatch):
+    """Offline (HF_HUB_OFFLINE), a hub name is accepted only when it was downloaded before; nothing is fetched."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    path = write(tmp_path, base_raw(task={"dataset": "someone/wikitext-like"}, run={"storage_path": str(tmp_path / "runs")}))
+    assert main(["validate", str(path)]) == 2
+    (tmp_path / "hub" / "datasets--someone--wikitext-like").mkdir(parents=True)
+    assert main(["validate", str(path)]) == 0
+    # The project's own datasets cache (next to the runs) counts too.
+    other = write(tmp_path, base_raw(task={"dataset": "other/corpus"}, run={"storage_path": str(tmp_path / "runs")}),
+                  name="other.yaml")
+    with pytest.raises(SpecError, match=r"task.dataset='other/corpus' is not in the local cache .* task.files"):
+        check_data_files(load_spec(other))
+    (tmp_path / "runs" / ".cache" / "hf_datasets" / "other___corpus").mkdir(parents=True)
+    check_data_files(load_spec(other))
+
+
+def test_cuda_rng_state_of_a_rank_is_one_device_state():
+    """A worker restores one generator (its own device's), also from checkpoints that stored a per-device list."""
+    state = torch.arange(4, dtype=torch.uint8)
+    assert cuda_rng_of_rank(state) is state
+    assert cuda_rng_of_rank([state, state + 1]) is state
+    assert cuda_rng_of_rank([]) is None and cuda_rng_of_rank(None) is None
+    assert capture_rng()["cuda"] is None  # this CPU machine: no CUDA generator to keep
 
 
 def test_every_study_spec_validates_at_every_scale():
