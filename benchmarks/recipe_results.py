@@ -34,15 +34,15 @@ def summarise(uri: str, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any
     history = {key: metric_history(uri, run_id, key) for key in keys}
     last = {key: rows[-1][1] for key, rows in history.items() if rows}
     train = history.get("train/loss", [])
-    params = run_params(uri, run_id)
+    params, tags = run_params(uri, run_id), run_tags(uri, run_id)
     summary: dict[str, Any] = {
         "run_id": run_id,
         "steps": max((step for step, _, _ in train), default=0),
         "train_wall_seconds": round((train[-1][2] - train[0][2]) / 1000, 1) if len(train) > 1 else None,
         "params.total": params.get("params.total"),
         "params.attention": params.get("params.attention"),
-        "git.commit": run_tags(uri, run_id).get("git.commit"),
-        "test.checkpoint": run_tags(uri, run_id).get("test.checkpoint"),
+        "git.commit": tags.get("mlflow.source.git.commit") or tags.get("git.commit"),  # the older runs' tag
+        "test.checkpoint": tags.get("test.checkpoint"),
         **{k: v for k, v in last.items() if k.startswith(("test/", "best/"))},
     }
     val_keys = sorted(k for k in keys if k.startswith(("val/", "validation/")))  # validation/*: evaluate --split validation

@@ -56,6 +56,7 @@ from orchestrator.tracking import (
     RunHandle,
     flatten,
     git_commit,
+    portable_params,
     run_handle,
 )
 from orchestrator.trainer import Cadence
@@ -273,7 +274,7 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
 
 def _handle(spec: ExperimentSpec, *, run_name: str, role: str, commit: str, key: tuple[str, str],
             run_path: str, parent_run_id: str | None = None) -> RunHandle:
-    handle = run_handle(flatten(spec.model_dump(mode="json")), spec_to_yaml(spec),
+    handle = run_handle(portable_params(spec.model_dump(mode="json")), spec_to_yaml(spec),
                         experiment=spec.tracking.experiment or spec.name, run_name=run_name, role=role,
                         kind=spec.model.attention.kind, commit=commit, key=key, parent_run_id=parent_run_id)
     # Where the run's checkpoints are: how `model.init_from=<MLflow run id>` finds them.

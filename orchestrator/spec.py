@@ -200,6 +200,10 @@ class TrackingSettings(_Section):
     offline_ok: bool = False
     """Start even when `uri` cannot be reached (otherwise refused before Ray starts); metrics wait in the run
     folder's spool and are sent when the store answers, at the latest by `orchestrator resume`."""
+    system_metrics: bool = False
+    """Log MLflow's system metrics (system/*: CPU, memory, disk, network, and GPU utilisation and memory where
+    NVIDIA's NVML is installed) from rank 0's node every `system_metrics_interval_s`."""
+    system_metrics_interval_s: float = 10.0
 
     @field_validator("uri")
     @classmethod
@@ -214,6 +218,8 @@ class TrackingSettings(_Section):
     def _check(self) -> TrackingSettings:
         if self.retries < 1 or self.timeout_s <= 0:
             raise ValueError("tracking.retries must be >= 1 and tracking.timeout_s > 0")
+        if self.system_metrics_interval_s <= 0:
+            raise ValueError("tracking.system_metrics_interval_s must be > 0")
         return self
 
 

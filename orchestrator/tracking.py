@@ -37,7 +37,11 @@ from orchestrator.progress import VERBOSE_ENV
 PARENT_TAG = "mlflow.parentRunId"
 TRIAL_TAG = "ray.trial_id"
 KIND_TAG = "method.family"
-COMMIT_TAG = "git.commit"
+COMMIT_TAG = "mlflow.source.git.commit"
+"""MLflow's own tag for the code version: the UI shows it with the run's source."""
+SOURCE_TAG = "mlflow.source.name"
+VERSION_TAGS_PREFIX = "versions."
+"""versions.torch, versions.ray, versions.mlflow, versions.python, versions.attention-orchestrator."""
 ROLE_TAG = "orchestrator.role"
 # MLflow accepts 6000-char param values, older servers 500: keep every value within the smaller limit.
 _MAX_PARAM_CHARS = 500
@@ -84,7 +88,7 @@ def run_handle(params: Mapping[str, Any], spec_yaml: str, *, experiment: str, ru
                kind: str | None, commit: str, key: tuple[str, str], parent_run_id: str | None = None) -> RunHandle:
     """The handle of a run, a trial or a sweep's parent: the one place run tags are made (role, method family,
     commit, parent, key), with the params logged at creation (the flattened spec, or a sweep's tune.*)."""
-    tags = {ROLE_TAG: role, COMMIT_TAG: commit, key[0]: key[1]}
+    tags = {ROLE_TAG: role, COMMIT_TAG: commit, SOURCE_TAG: "orchestrator", key[0]: key[1], **version_tags()}
     if kind is not None:
         tags[KIND_TAG] = kind
     if parent_run_id:
@@ -101,6 +105,71 @@ def configure_http(timeout_s: float) -> None:
     """Short per-request timeouts and no urllib3-level retries: `MlflowTracker` retries itself, bounded."""
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(1, math.ceil(timeout_s)))
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+
+
+def version_tags() -> dict[str, str]:
+    """The versions that decide what a run computes, as tags (a run compared months later says what made it)."""
+    import platform
+    from importlib import metadata
+
+    tags = {f"{VERSION_TAGS_PREFIX}python": platform.python_version()}
+    for package in ("torch", "ray", "mlflow", "attention-orchestrator"):
+        try:
+            tags[f"{VERSION_TAGS_PREFIX}{package}"] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            tags[f"{VERSION_TAGS_PREFIX}{package}"] = "not installed"
+    return tags
+
+
+def device_tags(device: Any, world_size: int) -> dict[str, str]:
+    """What trained the run: `device.name` (the GPU model, or the CPU's) and `device.workers` (DDP ranks)."""
+    import platform
+
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return {"device.name": name, "device.workers": str(world_size)}
+
+
+def start_system_metrics(uri: str, run_id: str, interval_s: float) -> Callable[[], None]:
+    """MLflow's own system-metrics monitor for `run_id` on this node (a thread logging system/* metrics, resumed
+    after the steps an earlier attempt logged); returns the call that stops it. Needs psutil (a dependency)."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True, tracking_uri=uri)
+        monitor.start()
+    except Exception as err:  # noqa: BLE001 - an unreachable server or a missing psutil: train without them
+        warnings.warn(f"system metrics are not logged ({type(err).__name__}: {str(err)[:200]})", TrackingWarning,
+                      stacklevel=2)
+        return lambda: None
+    return monitor.finish
+
+
+MACHINE_SPECIFIC = ("run.storage_path", "tracking.uri")
+"""Where a run was stored and logged: not a property of the experiment (tags and spec.yaml keep them)."""
+
+
+def portable_params(spec: Mapping[str, Any]) -> dict[str, str]:
+    """The spec as MLflow params, comparable across machines: where it was stored and logged is left out, and a
+    local file or checkpoint path is shortened to its last two parts (`data/train.txt`), which name the data
+    without the user's home or the cluster's mount point. The whole spec stays in the run's spec.yaml."""
+    out = {}
+    for key, value in flatten(spec).items():
+        if key in MACHINE_SPECIFIC or key.endswith(tuple(f".{suffix}" for suffix in MACHINE_SPECIFIC)):
+            continue
+        out[key] = _short_path(value)
+    return out
+
+
+def _short_path(value: str) -> str:
+    local = value[len("file://"):] if value.startswith("file://") else value
+    if local.startswith(("/", "~")) and "\n" not in local:
+        return "/".join(Path(local).parts[-2:])
+    return value
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

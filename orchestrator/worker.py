@@ -31,6 +31,8 @@ from orchestrator.tracking import (
     MlflowLogger,
     MlflowTracker,
     RunHandle,
+    device_tags,
+    start_system_metrics,
 )
 from orchestrator.trainer import Cadence, Trainer, unwrap
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
@@ -179,6 +181,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     hooks.log_params({"params.attention": counts["attention"], "params.total": counts["total"]})
     if pretrained is not None:
         hooks.set_tags(pretrained.lineage_tags())
+    hooks.set_tags(device_tags(ctx.device, world_size))
+    stop_system_metrics = None
+    if spec.tracking.system_metrics and hooks.run_id is not None:
+        stop_system_metrics = start_system_metrics(spec.tracking.uri, hooks.run_id,
+                                                   spec.tracking.system_metrics_interval_s)
     if rank == 0 and state is not None:
         sys.stdout.write(f"[{cfg.label}] resumed from step {trainer.step} (MLflow run {hooks.run_id})\n")
     status = "FAILED"
@@ -187,4 +194,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         status = "FINISHED"
         hooks.log_artifacts(trainer.task.artifacts())
     finally:
+        if stop_system_metrics is not None:
+            stop_system_metrics()
         hooks.close(status)

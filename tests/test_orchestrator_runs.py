@@ -58,7 +58,7 @@ def loss_curve(client: MlflowClient, run_id: str) -> dict[int, float]:
 def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
     raw = tiny_spec("sweep2", workspace,
                     model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "mhe", "heads": 2, "mode": "mul"}]}},
-                    tune={"scheduler": "fifo"})
+                    tune={"scheduler": "fifo"}, tracking={"system_metrics": True, "system_metrics_interval_s": 0.5})
     outcome = run_sweep(study_from_raw(raw))
     assert outcome.errors == 0 and len(outcome.trials) == 2
 
@@ -78,6 +78,15 @@ def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
         assert child.data.params["tune.metric"] == "val/ppl"
         assert {"train/loss", "val/loss", "val/ppl", "lr", "train/tokens_per_s", "test/ppl"} <= set(child.data.metrics)
         assert sorted(loss_curve(client, child.info.run_id)) == [1, 2, 3, 4]
+        # What made the run, as MLflow users look for it; nothing that names this machine's folders.
+        tags = child.data.tags
+        assert len(tags["mlflow.source.git.commit"]) == 40 or tags["mlflow.source.git.commit"] == "unknown"
+        assert tags["versions.torch"] == torch.__version__ and tags["versions.ray"] == ray_cluster.__version__
+        assert tags["device.name"].startswith("cpu") and tags["device.workers"] == "1"
+        assert tags["orchestrator.checkpoints"].startswith(workspace["storage"])
+        assert not {"run.storage_path", "tracking.uri"} & set(child.data.params)
+        assert not [v for v in child.data.params.values() if workspace["storage"] in v or v.startswith("/")]
+        assert any(key.startswith("system/cpu_utilization") for key in child.data.metrics), sorted(child.data.metrics)
     # A second sweep of the same name must not silently mix into this one.
     with pytest.raises(LaunchError, match="orchestrator resume sweep2"):
         run_sweep(study_from_raw(raw))
