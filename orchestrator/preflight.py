@@ -83,6 +83,22 @@ def check_tracking(spec: ExperimentSpec, tracker: "MlflowTracker") -> None:
     """The tracking store answers, or the spec says to train without it (tracking.offline_ok)."""
     if spec.tracking.offline_ok or tracker.reachable():
         return
+    refused = str(tracker.last_error or "")
+    if "Invalid Host header" in refused:  # MLflow 3's DNS-rebinding guard: a 403 for a Host outside --allowed-hosts
+        from urllib.parse import urlparse
+
+        host = urlparse(spec.tracking.uri).netloc
+        raise LaunchError(
+            f"tracking.uri={spec.tracking.uri!r}: the MLflow server refuses the host name {host!r} (403 Invalid Host "
+            f"header: MLflow 3 serves only localhost and private IPs unless told); restart the server with "
+            f"`mlflow server ... --allowed-hosts {host}`, or set tracking.uri to the server's private IP"
+        )
+    if "error code 401" in refused or "error code 403" in refused:
+        raise LaunchError(
+            f"tracking.uri={spec.tracking.uri!r}: the MLflow server refuses these credentials ({refused[:200]}); set "
+            "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for the launcher and, "
+            "on a cluster, in the job's runtime_env"
+        )
     raise LaunchError(
         f"tracking.uri={spec.tracking.uri!r} cannot be reached (see the warning above); start the MLflow "
         "server or fix the URI (e.g. tracking.uri=sqlite:///mlflow.db), or set tracking.offline_ok=true to "

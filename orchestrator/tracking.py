@@ -228,6 +228,8 @@ class MlflowTracker:
         self._down_until = 0.0
         self._failures = 0  # consecutive failed calls: each doubles the cool-down, up to _MAX_COOLDOWN_S
         self._pending: deque[tuple[str, Metric]] = deque(maxlen=_MAX_BUFFERED_METRICS)
+        self.last_error: Exception | None = None
+        """Why the last failed call failed (the launcher's preflight explains it)."""
         self._load_spool()
 
     @property
@@ -262,6 +264,7 @@ class MlflowTracker:
         cooldown = min(self.cooldown_s * 2**self._failures, _MAX_COOLDOWN_S)
         self._failures += 1
         self._down_until = time.monotonic() + cooldown
+        self.last_error = error
         warnings.warn(
             f"MLflow {what} at {self.uri} failed after {self.retries} attempts ({type(error).__name__}: "
             f"{str(error)[:200]}); training continues, tracking retries in {cooldown:.0f}s",

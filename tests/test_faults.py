@@ -127,7 +127,10 @@ class MlflowServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
              "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1"],
+             "--port", str(self.port), "--workers", "1",
+             # As an on-prem server names its hosts: `localhost` is then refused (403), as a hostname missing from
+             # the list is (test_host_outside_allowed_hosts_is_named_with_the_server_flag).
+             "--allowed-hosts", f"127.0.0.1:{self.port}"],
             cwd=self.root, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
         def healthy() -> bool:
@@ -401,6 +404,16 @@ def test_wrong_tracking_uri_is_refused_before_ray_starts(tmp_path):
     assert "Started a local Ray instance" not in proc.output
     assert not (tmp_path / "runs" / "wrong-uri" / "orchestrator.json").exists()
     assert time.monotonic() - started < 60
+
+
+def test_host_outside_allowed_hosts_is_named_with_the_server_flag(tmp_path, server):
+    """MLflow 3 answers 403 to a Host header outside its --allowed-hosts: the launcher says which flag to add."""
+    spec = write_spec(tmp_path, "host-refused", server.uri.replace("127.0.0.1", "localhost"))
+    proc = orchestrator(tmp_path, "train", str(spec))
+    assert proc.wait(120) == 1
+    assert f"--allowed-hosts localhost:{server.port}" in proc.output and "tracking.uri=" in proc.output, \
+        proc.output[-2000:]
+    assert not (tmp_path / "runs" / "host-refused" / "orchestrator.json").exists()
 
 
 def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, server):
