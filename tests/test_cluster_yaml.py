@@ -4,7 +4,9 @@ the launcher's prepare_config + validate_config), plus the project's own convent
 from __future__ import annotations
 
 import copy
+import re
 import sys
+import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -55,3 +57,49 @@ def test_onprem_example_uses_the_local_provider():
     config = load("docs/cluster-onprem.yaml")
     assert config["provider"]["type"] == "local" and config["provider"]["worker_ips"]
     assert any("ray[default,train,tune]==" + ray.__version__ in c for c in config["setup_commands"])
+
+
+def _pin(text: str, package: str) -> str:
+    found = re.findall(rf"{package}==([0-9][\w.+]*)", text)
+    assert found, f"no {package}== pin in {text[:200]!r}"
+    return found[0]
+
+
+def test_nodes_install_the_torch_that_ci_tests():
+    """Every node pins torch to .ci/run's version; unpinned, each boot would fetch whatever CUDA build is newest."""
+    ci_pin = _pin((REPO / ".ci" / "run").read_text(), "torch")
+    for name in ("cluster.yaml", "docs/cluster-onprem.yaml"):
+        setup = " ".join(load(name)["setup_commands"])
+        assert _pin(setup, "torch") == ci_pin, name
+
+
+def test_mlflow_folder_exists_before_docker_mounts_it():
+    config = load("cluster.yaml")
+    mounts = [opt.split()[1].split(":")[0] for opt in config["docker"]["head_run_options"] if opt.startswith("-v ")]
+    made = " ".join(config.get("initialization_commands", []))
+    assert mounts and all(f"mkdir -p {source}" in made for source in mounts)
+
+
+def test_token_auth_on_every_node():
+    config = load("cluster.yaml")
+    assert "-e RAY_AUTH_MODE=token" in config["docker"]["run_options"]
+    assert config["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token"
+    onprem = load("docs/cluster-onprem.yaml")
+    starts = onprem["head_start_ray_commands"] + onprem["worker_start_ray_commands"]
+    assert all("RAY_AUTH_MODE=token ray start" in c for c in starts if "ray start" in c)
+
+
+def test_cluster_extra_brings_what_ray_up_needs():
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cluster"]
+    names = {re.split(r"[\[<>=]", requirement)[0] for requirement in extras}
+    assert {"boto3", "ray"} <= names and any("default" in r for r in extras if r.startswith("ray["))
+    assert any("[cluster]" in c for c in load("cluster.yaml")["setup_commands"])
+
+
+def test_onprem_mlflow_server_allows_the_host_name_its_runs_use():
+    """MLflow 3 refuses (403) a Host outside --allowed-hosts: the name in the example's tracking.uri must be listed."""
+    text = (REPO / "docs" / "cluster-onprem.yaml").read_text()
+    host = re.search(r"tracking\.uri=http://([\w.-]+:\d+)", text).group(1)
+    server = " ".join(load("docs/cluster-onprem.yaml")["head_start_ray_commands"])
+    allowed = re.search(r"--allowed-hosts (\S+)", server).group(1).split(",")
+    assert host in allowed and "localhost:5000" in allowed
