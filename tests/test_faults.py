@@ -177,7 +177,9 @@ def write_spec(folder: Path, name: str, uri: str, **sections) -> Path:
         "run": {"checkpoint_every": CHECKPOINT_EVERY, "eval_every": CHECKPOINT_EVERY, "log_every": 1,
                 "keep_checkpoints": 2, "storage_path": str(folder / "runs"), "final_eval": False},
         "tune": {"scheduler": "fifo"},
-        "tracking": {"uri": uri, "retries": 2, "timeout_s": 2},
+        # A loaded CI box answers slowly: a short timeout failed the preflight, and a timed-out create_run that the
+        # server had in fact done was retried into a duplicate run. A dead server refuses at once either way.
+        "tracking": {"uri": uri, "retries": 2, "timeout_s": 15},
     }
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
