@@ -126,8 +126,7 @@ class RayHead:
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard_port = free_port()
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
-        ray = str(Path(python).with_name("ray"))
-        command = [ray, "start", "--head", f"--temp-dir={self.temp_dir}", f"--port={self.port}",
+        command = [*ray_cli(python), "start", "--head", f"--temp-dir={self.temp_dir}", f"--port={self.port}",
                    f"--num-cpus={num_cpus}", "--num-gpus=0", f"--include-dashboard={str(dashboard).lower()}",
                    f"--dashboard-port={self.dashboard_port}", "--dashboard-host=127.0.0.1",
                    f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
@@ -152,6 +151,11 @@ class RayHead:
 
     def stop(self) -> None:
         end_ray_in(self.temp_dir)
+
+
+def ray_cli(python: str = sys.executable) -> list[str]:
+    """The `ray` command of `python`'s Ray (a virtual env may share Ray's package without its script)."""
+    return [python, "-m", "ray.scripts.scripts"]
 
 
 def fake_autoscaling_config(gcs_address: str, *, worker_types: dict[str, dict[str, Any]], max_workers: int,

@@ -10,15 +10,15 @@ it with run.shared_storage=true, as a user does for an NFS mount."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
 
-from tests.cluster_helpers import LocalCluster, RayHead, private_env
+from orchestrator.pretrained import CHECKPOINTS_TAG
+from orchestrator.tracking import TRIAL_TAG
+from tests.cluster_helpers import LocalCluster, RayHead, private_env, ray_cli
 from tests.real_runs import (
     CHECKPOINT_EVERY,
     MlflowServer,
@@ -127,3 +127,87 @@ def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server):
         assert kid.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert_one_point_per_step(server.uri, kid.info.run_id, last_step=steps)
     cluster.remove_node(replacement["node_id"])
+
+
+def peak_overlap(runs: list) -> int:
+    """Most runs RUNNING at one time, from MLflow's start and end times."""
+    events = sorted([(r.info.start_time, 1) for r in runs] + [(r.info.end_time, -1) for r in runs],
+                    key=lambda e: (e[0], e[1]))
+    peak = current = 0
+    for _, change in events:
+        current += change
+        peak = max(peak, current)
+    return peak
+
+
+def test_autoscaler_adds_nodes_for_a_sweep_larger_than_the_cluster_at_launch(tmp_path, server):
+    """Head with no CPUs and 0 workers up; the fake autoscaler may add up to 3 one-CPU workers. The sweep is not
+    refused for want of CPUs (its check counts what the autoscaler may add), its trials' worker groups make
+    the autoscaler add nodes, and more trials run at once than the cluster at launch could hold (none)."""
+    head = RayHead(num_cpus=0, autoscaling={"worker_types": {"cpu_worker": {"resources": {"CPU": 1}, "max_workers": 3}},
+                                            "max_workers": 3})
+    try:
+        spec = write_spec(tmp_path, "autoscale", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]}, "max_steps": 8},
+                          run={"shared_storage": True})
+        proc = orchestrator(tmp_path, "sweep", str(spec), env={**head.env, "RAY_ADDRESS": head.address})
+        assert proc.wait(600) == 0, proc.output[-5000:]
+        assert "3 trials: 3 finished, 0 errored, 0 unfinished" in proc.output, proc.output[-3000:]
+        raylets = len([p for p in (Path(head.temp_dir)).glob("session_latest/logs/raylet*.out")])
+        parents, kids = children(server.uri, "autoscale")
+        assert len(parents) == 1, [(r.info.run_name, r.info.status, r.data.tags) for r in parents]
+        parent = parents[0]
+        overlap = peak_overlap(kids)
+        print(f"autoscaler: {raylets} raylets (head + added workers), peak trials at once {overlap}")
+        assert parent.info.status == "FINISHED" and {k.info.status for k in kids} == {"FINISHED"}
+        assert raylets >= 3 and overlap >= 2, (raylets, overlap)
+    finally:
+        head.stop()
+
+
+def _dashboard_installed(python: str) -> bool:
+    """`ray job submit` talks to the Jobs API of Ray's dashboard, which needs ray[default]'s packages."""
+    probe = "import aiohttp_cors, opencensus, prometheus_client, grpc"
+    return subprocess.run([python, "-c", probe], capture_output=True, check=False).returncode == 0
+
+
+def test_ray_job_submit_runs_a_sweep_with_relative_paths_from_its_working_dir(tmp_path):
+    """The documented cluster workflow against a local head that runs everything (one node, so local paths
+    are fine): `ray job submit --working-dir . -- python -m orchestrator sweep spec.yaml` with relative
+    task.files, run.storage_path and a SQLite tracking.uri. Every trial driver reads them in the job's
+    working dir (not Tune's trial folder): the one SQLite store holds the parent and both children, FINISHED,
+    and each child's checkpoints are under the sweep's folder there."""
+    python = sys.executable
+    if not _dashboard_installed(python):
+        pytest.skip("`ray job submit` needs Ray's dashboard: pip install 'ray[default]' (the [cluster] extra)")
+    work = tmp_path / "project"
+    (work / "data").mkdir(parents=True)
+    words = ["the", "a", "model", "attention", "head", "layer", "token", "sequence", "learns", "predicts", "next", "word", "from", "context"]
+    text = "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(5 + i % 6)) for i in range(400))
+    (work / "data" / "train.txt").write_text(text)
+    (work / "data" / "valid.txt").write_text(text[:2000])
+    spec = write_spec(work, "submitted", "sqlite:///mlflow.db", optim={"lr": {"grid": [3e-3, 1e-3]}, "max_steps": 8},
+                      task={"dataset": "files",
+                            "files": {"train": "data/train.txt", "validation": "data/valid.txt"}},
+                      run={"storage_path": "runs"})
+    head = RayHead(num_cpus=2, dashboard=True, python=python)
+    try:
+        submit = subprocess.run(
+            [*ray_cli(python), "job", "submit", "--address", head.dashboard_url, "--working-dir", ".",
+             "--", "python", "-m", "orchestrator", "sweep", spec.name],
+            cwd=work, env=head.env, capture_output=True, text=True, timeout=600, check=False)
+        output = submit.stdout + submit.stderr
+        assert submit.returncode == 0, output[-5000:]
+        assert "2 trials: 2 finished, 0 errored, 0 unfinished" in output, output[-3000:]
+        # Where Ray unpacked the working dir: the job's cwd, so the relative paths' home.
+        [job_dir] = {p.parent.resolve() for p in Path(head.temp_dir).glob("session_2*/runtime_resources/**/submitted.yaml")
+                     if (p.parent / "mlflow.db").is_file()}
+        uri = f"sqlite:///{job_dir / 'mlflow.db'}"
+        [parent], kids = children(uri, "submitted")
+        assert parent.info.status == "FINISHED" and len(kids) == 2, [k.info.status for k in kids]
+        sweep = job_dir / "runs" / "submitted"
+        for kid in kids:
+            assert kid.info.status == "FINISHED"
+            assert kid.data.tags[CHECKPOINTS_TAG] == str(sweep / "trials" / f"train-{kid.data.tags[TRIAL_TAG]}")
+        assert not list(sweep.glob("trial_*/runs")) and not list(sweep.glob("trial_*/mlflow.db"))
+    finally:
+        head.stop()
