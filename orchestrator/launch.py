@@ -23,9 +23,9 @@ import ray
 import yaml
 
 from orchestrator.checkpoint import checkpoint_steps
-from orchestrator.cluster_resources import HEAD_RESOURCE, ClusterView, view_cluster
 from orchestrator.checkpoint import join as _join
 from orchestrator.checkpoint import storage_fs as _fs
+from orchestrator.cluster_resources import HEAD_RESOURCE, ClusterView, view_cluster
 from orchestrator.finalize import final_evaluation
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.pretrained import preflight as check_init_from
