@@ -168,8 +168,9 @@ def test_same_name_twice_is_refused_while_the_first_runs(tmp_path, server):
 def test_failed_first_start_leaves_the_name_free_and_its_run_failed(tmp_path, server):
     """A run that dies before its first checkpoint (NaN at once): the message does not advise `resume`,
     its MLflow run is FAILED, `resume` is refused, and `train` with the same name starts a new run."""
+    # max_failures 0: Ray Train's retries of a deterministic NaN (the default 2) only add time here.
     spec = write_spec(tmp_path, "first-start", server.uri, optim={"lr": 1e4, "grad_clip": None},
-                      run={"checkpoint_every": 100, "eval_every": 100})
+                      run={"checkpoint_every": 100, "eval_every": 100, "max_failures": 0})
     proc = orchestrator(tmp_path, "train", str(spec))
     assert proc.wait(300) == 1
     assert re.search(r"loss is (nan|inf) at step \d+", proc.output) and "name is free" in proc.output, proc.output[-3000:]
@@ -229,8 +230,10 @@ def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, se
     while the second trains; `resume` re-admits both trials on 2 CPUs without starving their Train workers,
     the NaN trial errors again with its reason, the other finishes from its checkpoint with its ASHA clock
     (evaluations) continuing, and the summary counts 1 finished, 1 errored, exit 1, parent FAILED."""
+    # No retries: the NaN trial would fail again on each (run.max_failures 2 x tune.max_failures 1 by default).
     spec = write_spec(tmp_path, "sweep-kill", server.uri, optim={"lr": {"grid": [300.0, 3e-3]}, "warmup_steps": 3,
-                                                                  "grad_clip": None})
+                                                                  "grad_clip": None},
+                      run={"max_failures": 0}, tune={"max_failures": 0})
     first = orchestrator(tmp_path, "sweep", str(spec))
     trials = tmp_path / "runs" / "sweep-kill" / "trials"
 
