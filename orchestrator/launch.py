@@ -9,6 +9,7 @@ never timestamps, so re-running with the same (storage_path, name) resumes inste
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import yaml
 from orchestrator.checkpoint import cache_dir_of, checkpoint_steps
 from orchestrator.checkpoint import join as _join
 from orchestrator.checkpoint import storage_fs as _fs
+from orchestrator.cluster_resources import HEAD_RESOURCE, ClusterView, view_cluster
 from orchestrator.finalize import final_evaluation
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.pretrained import preflight as check_init_from
@@ -34,6 +36,7 @@ from orchestrator.preflight import (
     LaunchError,
     check_data_files,
     check_labelled_data,
+    check_multi_node,
     check_tracking,
     name_lock,
 )
@@ -89,6 +92,10 @@ def connect() -> None:
     """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), else start a local one; Ray's own
     logs as quiet as the launcher's verbosity says (orchestrator/ray_console.py)."""
     os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # read when ray.train is first imported
+    # Tune copies this variable from the launcher's environment into every trial actor's (tune/execution/
+    # class_cache.py), on a local Ray and on a cluster joined through RAY_ADDRESS alike, where the job's runtime
+    # env, not ray_runtime_env(), applies: trial drivers then stay in the launcher's working directory.
+    os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
     if ray.is_initialized():
         return
     from orchestrator.ray_console import ray_init_kwargs  # imports ray.train: after the line above
@@ -102,35 +109,44 @@ def connect() -> None:
         ray.init(runtime_env=ray_runtime_env(), **ray_init_kwargs())
 
 
-def _check_cluster(spec: ExperimentSpec) -> dict[str, float]:
-    resources = ray.cluster_resources()
-    check_gpus(spec, resources.get("GPU", 0.0), "the connected Ray cluster")
+def _check_cluster(spec: ExperimentSpec) -> ClusterView:
+    """The connected cluster can run `spec`: its GPUs and CPUs, counting what the autoscaler may add (a run
+    that fits only after scale-up is let through: its worker group's request makes the autoscaler add the
+    nodes), and storage and tracking every node reaches when there are several."""
+    cluster = view_cluster()
+    where = "the connected Ray cluster" + (" at its autoscaler's largest" if cluster.autoscaling else "")
+    check_gpus(spec, cluster.most("GPU"), where)
     need_cpu = spec.run.workers * spec.run.cpus_per_worker
-    if need_cpu > resources.get("CPU", 0.0):
+    if need_cpu > cluster.most("CPU"):
         raise SpecError(
             f"run.workers={spec.run.workers} x run.cpus_per_worker={spec.run.cpus_per_worker:g} asks for "
-            f"{need_cpu:g} CPUs but the Ray cluster has {resources.get('CPU', 0.0):g}; lower one of them"
+            f"{need_cpu:g} CPUs but {where} has {cluster.most('CPU'):g}; lower one of them"
         )
-    return resources
+    check_multi_node(spec, cluster.nodes, cluster.autoscaling)
+    return cluster
 
 
-DRIVER_CPU = 0.01
-"""What a sweep's trial driver reserves. Ray Train V2 puts a run's workers in a placement group of its own,
-made by the run's controller: a Tune trial's placement group cannot hold them (Ray has no nested placement
-groups), so bundles for them there would reserve every worker twice. The driver only waits on its Train run;
-holding a whole CPU, drivers admitted on `resume` (Tune restarts every unfinished trial at once) took the CPUs
-their own workers needed and no worker group ever started. With a token share, trials beyond what fits wait for
-their worker group, holding nothing, and start as others end."""
+DRIVER_RESOURCES = {HEAD_RESOURCE: 0.001}
+"""What a sweep's trial driver reserves: a sliver of the head node, and no CPU. On the head, a driver outlives
+the loss of any worker node (spot GPU nodes), so a lost node costs its Train workers only, which Ray Train
+restarts from the latest checkpoint under the same driver and MLflow child run; the head's CPUs may be 0
+(kept free of training). Ray Train V2 puts a run's workers in a placement group of its own, made by the run's
+controller: a Tune trial's placement group cannot hold them (Ray has no nested placement groups), so bundles
+for them there would reserve every worker twice. The driver only waits on its Train run; holding a whole CPU,
+drivers admitted on `resume` (Tune restarts every unfinished trial at once) took the CPUs their own workers
+needed and no worker group ever started. Holding none, trials beyond what fits wait for their worker group,
+and start as others end (or as the autoscaler adds nodes for them). 0.001 of the head: up to 1000 drivers."""
 
 
-def max_concurrent_trials(spec: ExperimentSpec, resources: Mapping[str, float]) -> int:
-    """Trials that fit at once: total GPUs / GPUs per trial; on CPU, CPUs / (workers x cpus per worker)."""
+def max_concurrent_trials(spec: ExperimentSpec, cluster: ClusterView) -> int:
+    """Trials that fit at once when the autoscaler has added every node it may: GPUs / GPUs per trial; on
+    CPU, CPUs / (workers x cpus per worker). More would only wait for their worker groups."""
     if spec.tune.max_concurrent is not None:
         return spec.tune.max_concurrent
     if spec.run.gpus_per_run > 0:
-        return max(1, int(resources.get("GPU", 0.0) // spec.run.gpus_per_run))
-    per_trial = spec.run.workers * spec.run.cpus_per_worker + DRIVER_CPU
-    return max(1, int(resources.get("CPU", 1.0) // per_trial))
+        return max(1, int(cluster.most("GPU") // spec.run.gpus_per_run))
+    per_trial = spec.run.workers * spec.run.cpus_per_worker
+    return max(1, int(cluster.most("CPU") // per_trial))
 
 
 # --- storage metadata ---------------------------------------------------------------------------------
@@ -479,7 +495,7 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     _fit_and_finish(spec, trainer, handle, tracker, _cache_dir(spec), label=f"trial {trial_id}", advice=None)
 
 
-def _tune_config(study: Study, resources: Mapping[str, float]):
+def _tune_config(study: Study, cluster: ClusterView):
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
@@ -502,7 +518,7 @@ def _tune_config(study: Study, resources: Mapping[str, float]):
         search_alg = OptunaSearch(seed=spec.optim.seed)
     return tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler, search_alg=search_alg,
                            num_samples=settings.num_samples,
-                           max_concurrent_trials=max_concurrent_trials(spec, resources),
+                           max_concurrent_trials=max_concurrent_trials(spec, cluster),
                            trial_name_creator=_trial_name, trial_dirname_creator=_trial_name)
 
 
@@ -537,12 +553,30 @@ class SweepOutcome:
     """The compared metric (tune.metric)."""
 
 
+def pin_paths(study: Study) -> Study:
+    """The study with every path its trial drivers read made absolute against the launcher's directory:
+    run.storage_path and a SQLite tracking.uri as validated, and local data files (task.files.*, also a
+    pretrain: stage's). Each driver validates the raw spec again in its own process, in whatever directory Ray
+    started it (under Tune's chdir, its trial folder): a relative path there would name another place."""
+    raw = copy.deepcopy(study.raw)
+    # run and tracking cannot be searched (study_from_raw): the base spec's values are every trial's.
+    raw["run"] = {**(raw.get("run") or {}), "storage_path": study.base.run.storage_path}
+    raw["tracking"] = {**(raw.get("tracking") or {}), "uri": study.base.tracking.uri}
+    for task in (raw.get("task"), (raw.get("pretrain") or {}).get("task")):
+        files = task.get("files") if isinstance(task, dict) else None
+        if isinstance(files, dict):
+            for split, value in files.items():
+                if isinstance(value, str) and "://" not in value:
+                    files[split] = str(Path(value).expanduser().resolve())
+    return replace(study, raw=raw)
+
+
 def _trainable(study: Study, parent_run_id: str | None, commit: str, fail_at_step: int | None = None):
     from ray import tune
 
     driver = tune.with_parameters(_trial_driver, study_raw=study.raw, parent_run_id=parent_run_id, commit=commit,
                                   fail_at_step=fail_at_step, verbose_on=verbose())
-    return tune.with_resources(driver, tune.PlacementGroupFactory([{"CPU": DRIVER_CPU}]))
+    return tune.with_resources(driver, tune.PlacementGroupFactory([dict(DRIVER_RESOURCES)]))
 
 
 def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = None) -> SweepOutcome:
@@ -555,6 +589,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     KILLED when the sweep was interrupted."""
     from ray import tune
 
+    study = pin_paths(study)
     spec = study.base
     storage = spec.run.storage_path
     sweep_path = _join(storage, spec.name)
@@ -578,7 +613,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
             if resume:
                 _send_trial_spools(spec, tracker)
             connect()
-            resources = _check_cluster(spec)
+            cluster = _check_cluster(spec)
             write_meta(storage, spec.name, {"kind": "sweep", "name": spec.name, "raw": study.raw,
                                             "parent_run_id": parent_run_id, "commit": commit})
             trainable = _trainable(study, parent_run_id, commit, fail_at_step)
@@ -592,7 +627,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
                 tuner = tune.Tuner(
                     trainable,
                     param_space=to_param_space(study.domains, spec.tune.search),
-                    tune_config=_tune_config(study, resources),
+                    tune_config=_tune_config(study, cluster),
                     run_config=tune.RunConfig(name=spec.name, storage_path=storage,
                                               failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
                                               verbose=quiet_tune(), callbacks=[_console(study)]),

@@ -1,7 +1,8 @@
 """Checks that need the machine, not just the spec, done before Ray starts: a missing or empty data file
 fails here in a second with the field's name, not half a minute later inside a Ray worker; a tracking store
-that cannot be reached is refused unless the spec opts into offline logging; and a run name is held by one
-live launcher at a time (`name_lock`)."""
+that cannot be reached is refused unless the spec opts into offline logging; a multi-node cluster gets
+storage and tracking that every node reaches (`check_multi_node`, once the cluster is known); and a run name
+is held by one live launcher at a time (`name_lock`)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,40 @@ def check_tracking(spec: ExperimentSpec, tracker: "MlflowTracker") -> None:
         "server or fix the URI (e.g. tracking.uri=sqlite:///mlflow.db), or set tracking.offline_ok=true to "
         "train anyway: metrics then wait in the run folder's spool and are sent when the server answers"
     )
+
+
+def _is_local_tracking(uri: str) -> bool:
+    """A tracking URI that names a file on the machine that opens it (SQLite, ./mlruns), not a server."""
+    if uri.startswith(("sqlite:", "file:")):
+        return True
+    return "://" not in uri and not uri.startswith("databricks")  # a bare path is a file store
+
+
+def check_multi_node(spec: ExperimentSpec, nodes: int, autoscaling: bool) -> None:
+    """On a cluster of several nodes (or one an autoscaler may grow), storage and tracking must be one place
+    that every node reaches: Ray Train workers on other nodes write checkpoints to run.storage_path, and rank 0
+    logs to tracking.uri from whichever node it lands on. Called once the cluster is known (after connect),
+    before any trial starts; a single node, or a head that runs everything, keeps local paths."""
+    if nodes <= 1 and not autoscaling:
+        return
+    where = f"{nodes} nodes" + (" and an autoscaler that may add more" if autoscaling else "")
+    storage = spec.run.storage_path
+    if "://" not in storage and not spec.run.shared_storage:
+        raise SpecError(
+            f"run.storage_path={storage!r} is a local folder, but the Ray cluster has {where}: each node would "
+            "keep its own checkpoints, and a trial moved to another node could not resume. Use storage every node "
+            "reaches: run.storage_path=s3://<bucket>/runs (or gs://...), or, if this folder is a shared mount "
+            "(NFS, EFS) on every node, say so with run.shared_storage=true"
+        )
+    uri = spec.tracking.uri
+    if _is_local_tracking(uri):
+        # MLflow's SQLite and file stores are single-machine stores: a worker on another node would open its own
+        # file, and SQLite's locking is unreliable on network file systems (sqlite.org/faq.html#q5).
+        raise SpecError(
+            f"tracking.uri={uri!r} is a file on each node, but the Ray cluster has {where}: rank 0 logs from "
+            "whichever node it runs on, so runs would be split across machines. Run `mlflow server` on the head "
+            "(cluster.yaml starts one on port 5000) and set tracking.uri=http://<head-ip>:5000"
+        )
 
 
 def _alive(pid: int) -> bool:

@@ -112,8 +112,14 @@ class RunSettings(_Section):
     """Optimizer steps between train/* metric lines (console + MLflow)."""
     storage_path: str = "runs"
     """Where runs, sweeps and checkpoints live: a local dir (made absolute) or a shared URI such as s3://bucket/runs."""
-    max_failures: int = 0
-    """Worker-group restarts Ray Train attempts from the latest checkpoint before the run fails (-1: unlimited)."""
+    shared_storage: bool = False
+    """storage_path is a local path that every node of the cluster mounts (NFS, EFS, ...): lets it be used on a
+    multi-node cluster, which otherwise refuses a local storage_path (each node would write its own copy)."""
+    max_failures: int = 2
+    """Worker-group restarts Ray Train attempts from the latest checkpoint before the run fails (-1: unlimited):
+    a lost node or a killed worker. Spot reclaims that Ray sees coming (node drained as preempted) have their own
+    unlimited budget in Ray Train and do not count; a deterministic error (NaN loss) fails again each time, so
+    keep this small."""
     stop_on_nan: bool = True
     """Stop the run when train/loss or val/loss is NaN or infinite (an errored trial in a sweep; the sweep goes
     on); the diverged state is never checkpointed. false keeps training whatever the loss."""
@@ -171,9 +177,11 @@ class TuneSettings(_Section):
     num_samples: int = 1
     """grid: repeats of the grid (each draws new random values); random/optuna: trials in total."""
     max_concurrent: int | None = None
-    """Trials at once; default total GPUs / GPUs per trial (CPU: CPUs / (workers * cpus_per_worker + 1))."""
-    max_failures: int = 0
-    """Retries of a failed trial; a retried trial resumes its Train run from its last checkpoint."""
+    """Trials at once; default the cluster's GPUs / GPUs per trial (CPU: CPUs / (workers * cpus_per_worker)),
+    counting what the autoscaler may add (its node types' max_workers x resources), not only the nodes up now."""
+    max_failures: int = 1
+    """Retries of a trial whose Train run failed after its own run.max_failures restarts; a retried trial resumes
+    its Train run from its last checkpoint under the same MLflow child run (-1: unlimited)."""
 
     @model_validator(mode="after")
     def _check(self) -> TuneSettings:
@@ -183,6 +191,8 @@ class TuneSettings(_Section):
             raise ValueError(f"tune.reduction_factor must be >= 2 (got {self.reduction_factor})")
         if self.max_concurrent is not None and self.max_concurrent < 1:
             raise ValueError("tune.max_concurrent must be >= 1, or omitted to derive it from the cluster")
+        if self.max_failures < -1:
+            raise ValueError("tune.max_failures must be >= 0, or -1 for unlimited retries")
         return self
 
 

@@ -103,3 +103,12 @@ def test_onprem_mlflow_server_allows_the_host_name_its_runs_use():
     server = " ".join(load("docs/cluster-onprem.yaml")["head_start_ray_commands"])
     allowed = re.search(r"--allowed-hosts (\S+)", server).group(1).split(",")
     assert host in allowed and "localhost:5000" in allowed
+
+
+def test_launcher_counts_the_gpus_the_autoscaler_may_add_before_any_gpu_node_is_up():
+    """GPU workers start at 0; their written-out resources let the launcher admit GPU runs at once."""
+    from orchestrator.cluster_resources import max_resources
+
+    most = max_resources(load("cluster.yaml"), head={"CPU": 8.0})
+    assert most is not None and most["GPU"] == 8 * 4
+    assert load("cluster.yaml")["available_node_types"]["ray.worker.gpu"]["min_workers"] == 0

@@ -1,0 +1,218 @@
+"""The cluster path on one machine, with real parts: Ray's multi-node test cluster (`ray.cluster_utils.Cluster`:
+a head and worker raylets with their own resources), Ray's fake autoscaler (`ray start --head
+--autoscaling-config` with RAY_FAKE_CLUSTER=1), `ray job submit` against a local head, and a real `mlflow
+server` on 127.0.0.1. The launcher always runs as its own process joined through RAY_ADDRESS, as under
+`ray job submit` on a real cluster; the pytest process never joins these clusters (tests/cluster_helpers.py).
+
+Storage in these tests is a local folder that every fake node sees (they are one machine), so specs state
+it with run.shared_storage=true, as a user does for an NFS mount."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.pretrained import CHECKPOINTS_TAG
+from orchestrator.tracking import TRIAL_TAG
+from tests.cluster_helpers import LocalCluster, RayHead, private_env, ray_cli
+from tests.real_runs import (
+    CHECKPOINT_EVERY,
+    MlflowServer,
+    assert_one_point_per_step,
+    checkpoint_on_disk,
+    descendants,
+    orchestrator,
+    runs_of,
+    wait_for,
+    write_spec,
+)
+
+pytestmark = pytest.mark.slow
+
+TRAIN_WORKER = "ray::RayTrainWorker"
+TRIAL_DRIVER = "ray::ImplicitFunc"
+"""The process title of a Tune function trainable: our trial driver."""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head (no CPUs: it runs the trial drivers and their Train controllers, never training) + 2 worker nodes
+    of 2 CPUs each: 3 nodes."""
+    cluster = LocalCluster(num_cpus=0)
+    try:
+        workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
+        yield cluster, workers
+    finally:
+        cluster.shutdown()
+
+
+def cluster_spec(folder: Path, name: str, uri: str, **sections) -> Path:
+    """tests/real_runs.py's tiny spec, with a patient tracking client: on 2 busy cores a create-run request
+    that times out client-side and is retried can leave a second run behind."""
+    return write_spec(folder, name, uri, tracking={"timeout_s": 15}, **sections)
+
+
+def joined(cluster: LocalCluster) -> dict[str, str]:
+    return private_env(cluster.temp_dir, RAY_ADDRESS=cluster.address)
+
+
+def children(uri: str, experiment: str) -> tuple[list, list]:
+    runs = runs_of(uri, experiment)
+    return ([r for r in runs if r.data.tags.get("orchestrator.role") == "sweep"],
+            [r for r in runs if r.data.tags.get("orchestrator.role") == "trial"])
+
+
+def test_node_local_storage_is_refused_on_a_multi_node_cluster(tmp_path, cluster, server):
+    """A local storage_path on a 3-node cluster: refused once connected, naming run.storage_path and both fixes
+    (s3://, or run.shared_storage=true for a shared mount), before any trial starts. The same check's other
+    cases (SQLite or file tracking URIs, an autoscaling head alone): tests/test_cluster_checks.py."""
+    cluster, _ = cluster
+    spec = cluster_spec(tmp_path, "local-storage", server.uri, optim={"lr": {"grid": [3e-3, 1e-3]}})
+    proc = orchestrator(tmp_path, "sweep", str(spec), env=joined(cluster))
+    assert proc.wait(180) == 2, proc.output[-3000:]
+    assert re.search(r"run\.storage_path='[^']+' is a local folder, but the Ray cluster has 3 nodes", proc.output)
+    assert "s3://" in proc.output and "run.shared_storage=true" in proc.output, proc.output[-3000:]
+    assert not (tmp_path / "runs" / "local-storage" / "trials").exists()
+
+def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server):
+    """3 trials on 3 nodes (drivers on the head, one Train worker each on the 2 worker nodes); once every trial
+    has a checkpoint, the worker node holding a Train worker is removed (all its processes SIGKILLed, as a
+    machine lost without notice) and a replacement joins. The lost trials' Train runs restart from their last
+    checkpoint on the other nodes under their living drivers: the sweep ends with 1 parent + 3 children, all
+    FINISHED, each child holding one point per metric at every step (none missing, none logged twice)."""
+    cluster, workers = cluster
+    steps = 32  # room after the first checkpoints for the node loss to land mid-run
+    spec = cluster_spec(tmp_path, "node-loss", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]}, "max_steps": steps},
+                      run={"shared_storage": True})
+    proc = orchestrator(tmp_path, "sweep", str(spec), env=joined(cluster))
+    trials = tmp_path / "runs" / "node-loss" / "trials"
+
+    def all_checkpointed() -> bool:
+        folders = list(trials.glob("train-*"))
+        return len(folders) == 3 and all(checkpoint_on_disk(f, CHECKPOINT_EVERY) for f in folders)
+
+    wait_for(all_checkpointed, 400, "a checkpoint of every trial", proc)
+    hosting = {w["node_id"]: [pid for pid, cmd in descendants(w["raylet_pid"]) if cmd.startswith(TRAIN_WORKER)]
+               for w in workers}
+    lost = max(workers, key=lambda w: len(hosting[w["node_id"]]))
+    assert hosting[lost["node_id"]], f"no Train worker on a worker node: {hosting}"
+    on_head = [cmd for _, cmd in descendants(cluster.head["raylet_pid"])]
+    print("on the head:", sorted({cmd.split(" ")[0] for cmd in on_head}))
+    print("on the workers:", {w["node_id"][:8]: sorted({c.split(" ")[0] for _, c in descendants(w["raylet_pid"])})
+                              for w in workers})
+    assert not any(cmd.startswith(TRAIN_WORKER) for cmd in on_head)
+    assert sum(cmd.startswith(TRIAL_DRIVER) for cmd in on_head) == 3, on_head  # drivers outlive any worker node
+    cluster.remove_node(lost["node_id"])
+    replacement = cluster.add_node(num_cpus=2)
+    moved = len(hosting[lost["node_id"]])
+
+    assert proc.wait(600) == 0, proc.output[-5000:]
+    assert "3 trials: 3 finished, 0 errored, 0 unfinished" in proc.output, proc.output[-3000:]
+    resumed = [int(s) for s in re.findall(r"resumed from step (\d+)", proc.output)]
+    print(f"node loss: {moved} Train worker(s) on the lost node; resumed from steps {resumed}")
+    assert len(resumed) >= moved and all(CHECKPOINT_EVERY <= s < steps for s in resumed), proc.output[-5000:]
+    [parent], kids = children(server.uri, "node-loss")
+    assert parent.info.status == "FINISHED"
+    assert len(kids) == 3 and {k.info.status for k in kids} == {"FINISHED"}, [(k.info.run_name, k.info.status) for k in kids]
+    for kid in kids:
+        assert kid.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert_one_point_per_step(server.uri, kid.info.run_id, last_step=steps)
+    cluster.remove_node(replacement["node_id"])
+
+
+def peak_overlap(runs: list) -> int:
+    """Most runs RUNNING at one time, from MLflow's start and end times."""
+    events = sorted([(r.info.start_time, 1) for r in runs] + [(r.info.end_time, -1) for r in runs],
+                    key=lambda e: (e[0], e[1]))
+    peak = current = 0
+    for _, change in events:
+        current += change
+        peak = max(peak, current)
+    return peak
+
+
+def test_autoscaler_adds_nodes_for_a_sweep_larger_than_the_cluster_at_launch(tmp_path, server):
+    """Head with no CPUs and 0 workers up; the fake autoscaler may add up to 3 one-CPU workers. The sweep is not
+    refused for want of CPUs (its check counts what the autoscaler may add), its trials' worker groups make
+    the autoscaler add nodes, and more trials run at once than the cluster at launch could hold (none)."""
+    head = RayHead(num_cpus=0, autoscaling={"worker_types": {"cpu_worker": {"resources": {"CPU": 1}, "max_workers": 3}},
+                                            "max_workers": 3})
+    try:
+        spec = cluster_spec(tmp_path, "autoscale", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]}, "max_steps": 8},
+                          run={"shared_storage": True})
+        proc = orchestrator(tmp_path, "sweep", str(spec), env={**head.env, "RAY_ADDRESS": head.address})
+        assert proc.wait(600) == 0, proc.output[-5000:]
+        assert "3 trials: 3 finished, 0 errored, 0 unfinished" in proc.output, proc.output[-3000:]
+        raylets = len([p for p in (Path(head.temp_dir)).glob("session_latest/logs/raylet*.out")])
+        parents, kids = children(server.uri, "autoscale")
+        assert len(parents) == 1, [(r.info.run_name, r.info.status, r.data.tags) for r in parents]
+        parent = parents[0]
+        overlap = peak_overlap(kids)
+        print(f"autoscaler: {raylets} raylets (head + added workers), peak trials at once {overlap}")
+        assert parent.info.status == "FINISHED" and {k.info.status for k in kids} == {"FINISHED"}
+        assert raylets >= 3 and overlap >= 2, (raylets, overlap)
+    finally:
+        head.stop()
+
+
+def _dashboard_installed(python: str) -> bool:
+    """`ray job submit` talks to the Jobs API of Ray's dashboard, which needs ray[default]'s packages."""
+    probe = "import aiohttp_cors, opencensus, prometheus_client, grpc"
+    return subprocess.run([python, "-c", probe], capture_output=True, check=False).returncode == 0
+
+
+def test_ray_job_submit_runs_a_sweep_with_relative_paths_from_its_working_dir(tmp_path):
+    """The documented cluster workflow against a local head that runs everything (one node, so local paths
+    are fine): `ray job submit --working-dir . -- python -m orchestrator sweep spec.yaml` with relative
+    task.files, run.storage_path and a SQLite tracking.uri. Every trial driver reads them in the job's
+    working dir (not Tune's trial folder): the one SQLite store holds the parent and both children, FINISHED,
+    and each child's checkpoints are under the sweep's folder there."""
+    python = sys.executable
+    if not _dashboard_installed(python):
+        pytest.skip("`ray job submit` needs Ray's dashboard: pip install 'ray[default]' (the [cluster] extra)")
+    work = tmp_path / "project"
+    (work / "data").mkdir(parents=True)
+    words = ["the", "a", "model", "attention", "head", "layer", "token", "sequence", "learns", "predicts", "next", "word", "from", "context"]
+    text = "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(5 + i % 6)) for i in range(400))
+    (work / "data" / "train.txt").write_text(text)
+    (work / "data" / "valid.txt").write_text(text[:2000])
+    spec = cluster_spec(work, "submitted", "sqlite:///mlflow.db", optim={"lr": {"grid": [3e-3, 1e-3]}, "max_steps": 8},
+                      task={"dataset": "files",
+                            "files": {"train": "data/train.txt", "validation": "data/valid.txt"}},
+                      run={"storage_path": "runs"})
+    head = RayHead(num_cpus=2, dashboard=True, python=python)
+    try:
+        submit = subprocess.run(
+            [*ray_cli(python), "job", "submit", "--address", head.dashboard_url, "--working-dir", ".",
+             "--", "python", "-m", "orchestrator", "sweep", spec.name],
+            cwd=work, env=head.env, capture_output=True, text=True, timeout=600, check=False)
+        output = submit.stdout + submit.stderr
+        assert submit.returncode == 0, output[-5000:]
+        assert "2 trials: 2 finished, 0 errored, 0 unfinished" in output, output[-3000:]
+        # Where Ray unpacked the working dir: the job's cwd, so the relative paths' home.
+        [job_dir] = {p.parent.resolve() for p in Path(head.temp_dir).glob("session_2*/runtime_resources/**/submitted.yaml")
+                     if (p.parent / "mlflow.db").is_file()}
+        uri = f"sqlite:///{job_dir / 'mlflow.db'}"
+        [parent], kids = children(uri, "submitted")
+        assert parent.info.status == "FINISHED" and len(kids) == 2, [k.info.status for k in kids]
+        sweep = job_dir / "runs" / "submitted"
+        for kid in kids:
+            assert kid.info.status == "FINISHED"
+            assert kid.data.tags[CHECKPOINTS_TAG] == str(sweep / "trials" / f"train-{kid.data.tags[TRIAL_TAG]}")
+        assert not list(sweep.glob("trial_*/runs")) and not list(sweep.glob("trial_*/mlflow.db"))
+    finally:
+        head.stop()
