@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,13 +60,14 @@ def kill_all(pids: list[int]) -> None:
 
 
 def end_ray_in(temp_dir: str) -> None:
-    """SIGKILL every process of the Ray cluster that lives in `temp_dir`, until none is left."""
+    """SIGKILL every process of the Ray cluster that lives in `temp_dir`, until none is left; then its files."""
     for _ in range(5):
         pids = processes_of(temp_dir)
         if not pids:
-            return
+            break
         kill_all(pids)
         time.sleep(0.5)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class LocalCluster:
