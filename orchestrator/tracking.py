@@ -211,6 +211,12 @@ def git_commit(root: Path | None = None) -> str:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
+def _search_run(client: MlflowClient, experiment_id: str, tag: str, value: str) -> str | None:
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=1,
+                              order_by=["attributes.start_time DESC"])
+    return runs[0].info.run_id if runs else None
+
+
 class MlflowTracker:
     """A guarded MlflowClient: each call returns None (with a TrackingWarning) instead of raising."""
 
@@ -288,20 +294,17 @@ class MlflowTracker:
 
     def find_run(self, experiment_id: str, tag: str, value: str) -> str | None:
         """The newest run of the experiment whose `tag` equals `value` (e.g. a trial's child run)."""
-        def search(client: MlflowClient) -> str | None:
-            runs = client.search_runs(
-                [experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=1,
-                order_by=["attributes.start_time DESC"],
-            )
-            return runs[0].info.run_id if runs else None
+        return self._call("run search", lambda client: _search_run(client, experiment_id, tag, value))
 
-        return self._call("run search", search)
+    def create_run(self, experiment_id: str, run_name: str, tags: Mapping[str, str],
+                   key: tuple[str, str] | None = None) -> str | None:
+        """A new run; with `key`, each attempt first looks for the run carrying it: a create the server did but
+        whose answer timed out is found by the retry instead of being made twice."""
+        def create(client: MlflowClient) -> str:
+            found = _search_run(client, experiment_id, *key) if key is not None else None
+            return found or client.create_run(experiment_id, run_name=run_name, tags=dict(tags)).info.run_id
 
-    def create_run(self, experiment_id: str, run_name: str, tags: Mapping[str, str]) -> str | None:
-        return self._call(
-            f"run creation ({run_name})",
-            lambda client: client.create_run(experiment_id, run_name=run_name, tags=dict(tags)).info.run_id,
-        )
+        return self._call(f"run creation ({run_name})", create)
 
     def _reopen(self, run_id: str) -> str:
         self._call("run reopen", lambda client: client.update_run(run_id, status="RUNNING"))
@@ -319,7 +322,7 @@ class MlflowTracker:
         found = self.find_run(experiment_id, *handle.key)
         if found:
             return self._reopen(found)
-        run_id = self.create_run(experiment_id, handle.run_name, handle.tags)
+        run_id = self.create_run(experiment_id, handle.run_name, handle.tags, key=handle.key)
         if run_id is not None:
             self.log_params(run_id, handle.params)
             with tempfile.TemporaryDirectory() as tmp:

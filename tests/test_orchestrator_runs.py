@@ -253,6 +253,30 @@ def test_lr_schedules_warm_up_then_decay(schedule):
         assert tail[-1] < 0.1
 
 
+def test_a_create_whose_answer_was_lost_is_not_made_twice(tmp_path):
+    """The server made the run but its answer timed out (a loaded server): the retry finds the run by its key."""
+    from orchestrator.tracking import MlflowTracker, run_handle
+
+    class AnswerLostOnce(MlflowClient):
+        lost = 0
+
+        def create_run(self, *args, **kwargs):
+            run = super().create_run(*args, **kwargs)
+            if not AnswerLostOnce.lost:
+                AnswerLostOnce.lost += 1
+                raise TimeoutError("read timed out")  # what the client sees; the store has the run
+            return run
+
+    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", retries=2, timeout_s=1, backoff_s=0.0)
+    tracker._client = AnswerLostOnce(tracking_uri=tracker.uri)
+    handle = run_handle({}, "name: once\n", experiment="once", run_name="run", role="run", kind="mha", commit="abc",
+                        key=("orchestrator.run", "/runs/once"))
+    run_id = tracker.ensure_run(handle)
+    assert AnswerLostOnce.lost == 1 and run_id is not None
+    experiment = MlflowClient(tracker.uri).get_experiment_by_name("once").experiment_id
+    assert [r.info.run_id for r in MlflowClient(tracker.uri).search_runs([experiment])] == [run_id]
+
+
 def test_run_opened_during_an_outage_gets_its_backlog(tmp_path):
     """The store is unreachable at the start (a file stands where its folder must be), then comes up: the run
     is created then from the launcher's handle (tags and params included), the metrics logged meanwhile arrive
