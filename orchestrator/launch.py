@@ -106,7 +106,9 @@ def connect() -> None:
         # installed (cluster.yaml setup_commands) and Train V2 is Ray 2.60's default.
         ray.init(address=address, **ray_init_kwargs())
     else:
-        ray.init(runtime_env=ray_runtime_env(), **ray_init_kwargs())
+        # No dashboard on a local Ray (installed with ray[default], e.g. the [cluster] extra): it costs start-up
+        # time and memory, and MLflow is where a run is watched. `ray start --head` on a cluster keeps Ray's default.
+        ray.init(runtime_env=ray_runtime_env(), include_dashboard=False, **ray_init_kwargs())
 
 
 def _check_cluster(spec: ExperimentSpec) -> ClusterView:
