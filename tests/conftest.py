@@ -33,3 +33,17 @@ def ray_cluster():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One real `mlflow server` on 127.0.0.1 for the process-level tests (tests/real_runs.py): starting one
+    costs about 25 s on 2 busy cores, and each case logs to an experiment of its own."""
+    from tests.real_runs import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

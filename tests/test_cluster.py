@@ -21,7 +21,6 @@ from orchestrator.tracking import TRIAL_TAG
 from tests.cluster_helpers import LocalCluster, RayHead, private_env, ray_cli
 from tests.real_runs import (
     CHECKPOINT_EVERY,
-    MlflowServer,
     assert_one_point_per_step,
     checkpoint_on_disk,
     descendants,
@@ -36,16 +35,6 @@ pytestmark = pytest.mark.slow
 TRAIN_WORKER = "ray::RayTrainWorker"
 TRIAL_DRIVER = "ray::ImplicitFunc"
 """The process title of a Tune function trainable: our trial driver."""
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

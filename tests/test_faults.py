@@ -34,16 +34,6 @@ from tests.real_runs import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def kill_after_checkpoint(proc: Proc, run_folder: Path, step: int, uri: str, experiment: str) -> int:
     """SIGKILL the launcher as soon as checkpoint `step` is complete on disk; the last step it logged."""
     wait_for(lambda: checkpoint_on_disk(run_folder, step), 300, f"checkpoint {step}", proc)
