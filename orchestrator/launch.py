@@ -246,10 +246,11 @@ def _claim(spec: ExperimentSpec, kind: str, resume: bool, tracker: MlflowTracker
 
 def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, worker: WorkerConfig,
                   callbacks: list | None = None):
-    """The TorchTrainer of one run: DDP over `run.workers` ranks; Ray keeps the `run.keep_checkpoints` best
-    checkpoints by the spec's metric plus always the latest (for resume)."""
+    """The TorchTrainer of one run: DDP or FSDP over `run.workers` ranks, whose collectives time out after
+    run.collective_timeout_s; Ray keeps the `run.keep_checkpoints` best checkpoints by the spec's metric plus
+    always the latest (for resume)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from orchestrator.ray_console import train_logging_config, worker_runtime_env
     from orchestrator.worker import train_loop_per_worker
@@ -260,6 +261,8 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={WORKER_CONFIG: worker},
+        # Rank 0 evaluates alone while the others wait in their next collective: the timeout must outlast it.
+        torch_config=TorchConfig(timeout_s=spec.run.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=spec.run.workers, use_gpu=spec.run.gpus_per_worker > 0,
                                      resources_per_worker=resources),
         run_config=RunConfig(
