@@ -12,6 +12,12 @@ Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
    seconds from its start (task build included) to its first window. Both pay the tokenizer training (fresh cache).
 3. Start-up of a sweep (`orchestrator.launch.run_sweep`, two grid trials, one at a time) to its first
    reported metric, with the tokenizer cache already warm.
+4. Start-up of `orchestrator train` as a user runs it, on a warm machine: a fresh `python -m orchestrator
+   train spec.yaml --verbose` process (its own local Ray) with the tokenizer cache warm, from the process
+   start to its first metric in the MLflow store, and where that time goes: seconds until Ray's "Started a
+   local Ray instance" line, until the Train controller's "Started training worker group" line, and until
+   the worker's first console step line (each output line is stamped as it arrives). Against the plain
+   core's first window with a warm cache. `--cli-only` measures just this.
 
 Metric times come from the run's MLflow SQLite store, read with the standard library's sqlite3 (the
 experiments/runs/metrics tables), so that no code outside orchestrator/ imports mlflow (STYLE.md section 5).
@@ -24,7 +30,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -37,7 +47,7 @@ import torch
 from benchmarks.harness import Row, results_dir, write_csv
 from benchmarks.mlflow_store import first_metric_ms, metric_history
 from orchestrator.local_run import train_locally
-from orchestrator.spec import ExperimentSpec, study_from_raw, validate_spec
+from orchestrator.spec import ExperimentSpec, spec_to_yaml, study_from_raw, validate_spec
 
 TOKENS_PER_S = "train/tokens_per_s"
 
@@ -160,9 +170,73 @@ def measure(scale: Scale, workdir: Path) -> list[Row]:
         {"measurement": "sweep_seconds_to_first_metric", "ray": sweep_startup, "plain": plain.first_window_s,
          "windows": f"warm cache; {len(sweep.trials)} trials; errors {sweep.errors}", **common},
     ]
-    for row in rows:
-        row["ray_over_plain"] = row["ray"] / row["plain"] if row["plain"] and math.isfinite(row["plain"]) else math.nan
-        row["ray_minus_plain"] = row["ray"] - row["plain"]
+    return rows
+
+
+# --- `orchestrator train` as a user starts it ---------------------------------------------------------------
+
+PHASES = {
+    "ray_started": re.compile(r"Started a local Ray instance"),
+    "workers_started": re.compile(r"Started training worker group"),
+    "first_console_step": re.compile(r"\] step \d+/\d+"),
+}
+
+
+def cli_run(spec: ExperimentSpec, workdir: Path) -> dict[str, float]:
+    """`python -m orchestrator train` on `spec` in a fresh process: seconds from its start to each phase's
+    first output line and to its first metric in the MLflow store."""
+    path = workdir / f"{spec.name}.yaml"
+    path.write_text(spec_to_yaml(spec))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    env.pop("RAY_ADDRESS", None)  # its own local Ray, as a user's first command starts
+    seen: dict[str, float] = {}
+    started_ms, start = time.time() * 1000, time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "orchestrator", "train", str(path), "--verbose"], cwd=workdir,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-30:]
+        for phase, pattern in PHASES.items():
+            if phase not in seen and pattern.search(line):
+                seen[phase] = time.perf_counter() - start
+    if proc.wait() != 0:
+        raise RuntimeError(f"orchestrator train failed:\n{''.join(tail)}")
+    uri = spec.tracking.uri
+    run_ids = [r for (r,) in _run_ids(uri, spec.tracking.experiment or spec.name)]
+    first_ms = first_metric_ms(uri, run_ids)
+    seen["first_metric"] = math.nan if first_ms is None else (first_ms - started_ms) / 1000
+    return seen
+
+
+def _run_ids(uri: str, experiment: str) -> list[tuple[str]]:
+    import sqlite3
+
+    path = uri[len("sqlite:///"):]
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        return db.execute("SELECT r.run_uuid FROM runs r JOIN experiments e ON r.experiment_id = e.experiment_id "
+                          "WHERE e.name = ?", (experiment,)).fetchall()
+
+
+def measure_cli(scale: Scale, workdir: Path) -> list[Row]:
+    """Measurement 4: warm the tokenizer cache (and the OS's file cache) with a plain run, then time a fresh
+    `orchestrator train` process against a second, warm plain run; both stop after their first window."""
+    storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
+    short = Scale(**{**scale.__dict__, "max_steps": scale.log_every})
+    warm_cache = workdir / "runs" / ".cache"
+    raw = bench_spec("ray-overhead-cli", short, storage, uri)
+    raw["run"]["final_eval"] = False
+    spec = validate_spec(raw)
+    plain_run(spec, warm_cache)  # fills the cache the launcher's runs share (run.storage_path/.cache)
+    plain = plain_run(spec, warm_cache)
+    phases = cli_run(spec, workdir)
+    common = {"d_model": scale.d_model, "layers": scale.layers, "seq_len": scale.seq_len,
+              "batch_size": scale.batch_size, "max_steps": short.max_steps, "log_every": scale.log_every,
+              "threads": scale.cpus}
+    rows: list[Row] = [{"measurement": "cli_warm_seconds_to_first_metric", "ray": phases["first_metric"],
+                        "plain": plain.first_window_s, "windows": "warm cache; fresh process", **common}]
+    for phase in PHASES:
+        rows.append({"measurement": f"cli_warm_seconds_to_{phase}", "ray": phases.get(phase, math.nan),
+                     "plain": math.nan, "windows": "phase of the run above", **common})
     return rows
 
 
@@ -173,6 +247,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=None, help="override the scale's steps")
     parser.add_argument("--workdir", default=None, help="runs + MLflow store (default: a fresh temporary folder)")
     parser.add_argument("--name", default="ray_overhead", help="file stem of the CSV")
+    parser.add_argument("--cli-only", action="store_true", help="only measurement 4 (warm `orchestrator train`)")
     return parser.parse_args(argv)
 
 
@@ -185,7 +260,12 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         if (workdir / "runs").exists():
             raise SystemExit(f"--workdir {workdir} already holds runs/; give an empty folder (runs are not reused)")
-        rows = measure(scale, workdir)
+        rows = [] if args.cli_only else measure(scale, workdir)
+        rows += measure_cli(scale, workdir)
+        for row in rows:
+            plain = row["plain"]
+            row["ray_over_plain"] = row["ray"] / plain if plain and math.isfinite(plain) else math.nan
+            row["ray_minus_plain"] = row["ray"] - plain
     for row in rows:
         print(f"{row['measurement']:32s} ray {row['ray']:10.2f}  plain {row['plain']:10.2f}  "
               f"ratio {row['ray_over_plain']:.3f}", flush=True)

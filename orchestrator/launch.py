@@ -258,6 +258,12 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
     resources = {"CPU": spec.run.cpus_per_worker}
     if spec.run.gpus_per_worker:
         resources["GPU"] = spec.run.gpus_per_worker
+    runtime_env = worker_runtime_env()
+    # Ray starts its worker processes at niceness 15 (RAY_worker_niceness) so that its own daemons stay
+    # responsive; a training worker then loses every CPU contest on a shared node (measured in
+    # benchmarks/RESULTS.md, "Ray overhead"). The workers that train run at the launcher's priority, as Ray's
+    # job supervisor does for drivers (env var read by the worker's core at start-up).
+    runtime_env = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), "RAY_worker_niceness": "0"}}
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={WORKER_CONFIG: worker},
@@ -275,7 +281,7 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
                                                checkpoint_score_order=spec.mode),
             callbacks=callbacks or [],
             logging_config=train_logging_config(),
-            worker_runtime_env=worker_runtime_env(),
+            worker_runtime_env=runtime_env,
         ),
     )
 

@@ -116,6 +116,14 @@ def test_fp16_autocast_trains_close_to_fp32(tmp_path):
     assert "train/skipped_steps" not in ref.history[0][1]  # fp32 has no scaler to report on
 
 
+@pytest.mark.parametrize("embedding", ["standard", "define", "adaptive"])
+def test_every_embedding_trains_under_fp16_autocast(embedding, tmp_path):
+    raw = tiny_raw(max_steps=2)
+    raw["model"] = {**raw["model"], "embedding": EMBEDDINGS[embedding], "tie_output": False}
+    _, hooks = train_locally(spec_of(raw, precision="fp16", log_every=1), cache_dir=tmp_path / "cache")
+    assert all(math.isfinite(v) for v in curve(hooks, "train/loss").values())
+
+
 # --- activation checkpointing ------------------------------------------------------------------------------
 
 
