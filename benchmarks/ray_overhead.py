@@ -24,6 +24,7 @@ experiments/runs/metrics tables), so that no code outside orchestrator/ imports 
 
     python -m benchmarks.ray_overhead --out benchmarks/results            # full
     python -m benchmarks.ray_overhead --quick --out benchmarks/results    # about a minute (Ray start-up)
+    python -m benchmarks.ray_overhead --compare before.csv after.csv      # plot two runs' rows side by side
 """
 
 from __future__ import annotations
@@ -240,6 +241,41 @@ def measure_cli(scale: Scale, workdir: Path) -> list[Row]:
     return rows
 
 
+def plot_comparison(before: Path, after: Path, path: Path) -> Path:
+    """Two CSVs of this benchmark (e.g. before and after a change, same machine) side by side: the Ray / plain
+    throughput ratio, and the seconds to the first metric of each start-up measurement."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on servers
+    import matplotlib.pyplot as plt
+
+    from benchmarks.harness import read_csv
+
+    runs = {"before": {r["measurement"]: r for r in read_csv(before)},
+            "after": {r["measurement"]: r for r in read_csv(after)}}
+    startups = [m for m in runs["after"] if m.endswith("seconds_to_first_metric") and m in runs["before"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [1, 3]})
+    for offset, (label, rows) in zip((-0.2, 0.2), runs.items()):
+        ratio = float(rows["steady_tokens_per_s"]["ray_over_plain"])
+        left.bar([offset], [ratio], width=0.4, label=label)
+        left.annotate(f"{ratio:.2f}", (offset, ratio), ha="center", va="bottom", fontsize=8)
+        seconds = [float(rows[m]["ray"]) for m in startups]
+        xs = [i + offset for i in range(len(startups))]
+        right.bar(xs, seconds, width=0.4, label=label)
+        for x, value in zip(xs, seconds):
+            right.annotate(f"{value:.0f}", (x, value), ha="center", va="bottom", fontsize=8)
+    left.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    left.set_xticks([])
+    left.set_title("steady tokens/s, Ray / plain", fontsize=9)
+    right.set_xticks(range(len(startups)), [m.replace("_seconds_to_first_metric", "") for m in startups])
+    right.set_title("seconds from launch to the first metric (with Ray)", fontsize=9)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results", help="results root; files go to <out>/<machine>/")
@@ -248,11 +284,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=None, help="runs + MLflow store (default: a fresh temporary folder)")
     parser.add_argument("--name", default="ray_overhead", help="file stem of the CSV")
     parser.add_argument("--cli-only", action="store_true", help="only measurement 4 (warm `orchestrator train`)")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE_CSV", "AFTER_CSV"),
+                        help="no measurement: plot two CSVs of this benchmark side by side (next to AFTER_CSV)")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
+    if args.compare:
+        before, after = map(Path, args.compare)
+        print(f"wrote {plot_comparison(before, after, after.with_name(after.stem + '_vs_before.png'))}")
+        return []
     scale = QUICK if args.quick else FULL
     if args.max_steps:
         scale = Scale(**{**scale.__dict__, "max_steps": args.max_steps})

@@ -312,3 +312,16 @@ def test_possible_combinations_validate():
     for run in ({"precision": "fp16"}, {"strategy": "fsdp", "gpus_per_worker": 1, "precision": "bf16"},
                 {"compile": True, "activation_checkpointing": True, "checkpoint_upload": "async"}):
         validate_spec({**raw, "run": {**raw["run"], **run}})
+
+
+def test_compile_benchmark_writes_a_row_per_kind_and_a_plot(tmp_path):
+    """benchmarks/compile_speed.py at toy size with the trace-only backend (inductor's minutes are its own
+    run): one row per kind with both step times, and the plot."""
+    from benchmarks import compile_speed
+
+    rows = compile_speed.main(["--out", str(tmp_path), "--kinds", "mha", "linformer", "--backend", "eager",
+                               "--d-model", "16", "--layers", "1", "--seq-len", "32", "--batch-size", "2",
+                               "--warmup", "1", "--steps", "1", "--name", "toy"])
+    assert [r["kind"] for r in rows] == ["mha", "linformer"]
+    assert all(r["status"] == "ok" and r["eager_step_s"] > 0 and r["compiled_step_s"] > 0 for r in rows)
+    assert len(list(tmp_path.glob("*/toy.png"))) == 1 and len(list(tmp_path.glob("*/toy.csv"))) == 1
