@@ -325,3 +325,18 @@ def test_compile_benchmark_writes_a_row_per_kind_and_a_plot(tmp_path):
     assert [r["kind"] for r in rows] == ["mha", "linformer"]
     assert all(r["status"] == "ok" and r["eager_step_s"] > 0 and r["compiled_step_s"] > 0 for r in rows)
     assert len(list(tmp_path.glob("*/toy.png"))) == 1 and len(list(tmp_path.glob("*/toy.csv"))) == 1
+
+
+def test_tf32_switch_sets_cuda_matmul_and_conv_precision_and_leaves_cpu_alone():
+    from orchestrator.trainer import set_tf32
+
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    saved = matmul.fp32_precision, conv.fp32_precision
+    try:
+        for tf32, expected in ((True, "tf32"), (False, "ieee")):
+            set_tf32(validate_spec(tiny_raw()).run.model_copy(update={"tf32": tf32}), torch.device("cuda"))
+            assert (matmul.fp32_precision, conv.fp32_precision) == (expected, expected)
+        set_tf32(validate_spec(tiny_raw()).run, torch.device("cpu"))  # CPU: nothing changes
+        assert matmul.fp32_precision == "ieee"
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = saved
