@@ -137,40 +137,62 @@ def steady(windows: Sequence[tuple[int, float]], max_steps: int) -> float:
 # --- with Ray ------------------------------------------------------------------------------------------
 
 
-def measure(scale: Scale, workdir: Path) -> list[Row]:
-    from orchestrator.launch import run_sweep, run_training
+def ray_run(spec: ExperimentSpec, uri: str) -> tuple[list[tuple[int, float]], float]:
+    """A one-worker Ray Train run of `spec`: its tokens/s windows and seconds from launch to its first metric."""
+    from orchestrator.launch import run_training
+
+    launched_ms = time.time() * 1000
+    outcome = run_training(spec)
+    assert outcome.mlflow_run_id is not None, "the benchmark needs the MLflow store to read the run's metrics"
+    windows = [(step, value) for step, value, _ in metric_history(uri, outcome.mlflow_run_id, TOKENS_PER_S)]
+    first_ms = first_metric_ms(uri, [outcome.mlflow_run_id])
+    return windows, math.nan if first_ms is None else (first_ms - launched_ms) / 1000
+
+
+def measure(scale: Scale, workdir: Path, *, rounds: int = 1, sweep: bool = True) -> list[Row]:
+    """Measurements 1-3. With `rounds` > 1 the steady state is measured in that many (plain, Ray) pairs, the
+    order swapped every round, so that load from other processes on a shared machine hits both sides alike;
+    the rounds after the first train half as many steps (their caches are warm)."""
+    from orchestrator.launch import run_sweep
 
     storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
     run_spec = validate_spec(bench_spec("ray-overhead-run", scale, storage, uri))
 
     plain = plain_run(run_spec, workdir / "plain-cache")  # its own, cold cache: same start-up work as the run
-    launched_ms = time.time() * 1000
-    outcome = run_training(run_spec)
-    assert outcome.mlflow_run_id is not None, "the benchmark needs the MLflow store to read the run's metrics"
-    ray_windows = [(step, value) for step, value, _ in metric_history(uri, outcome.mlflow_run_id, TOKENS_PER_S)]
-    run_first_ms = first_metric_ms(uri, [outcome.mlflow_run_id])
+    ray_windows, run_startup = ray_run(run_spec, uri)
+    ray_steadies, plain_steadies = [steady(ray_windows, scale.max_steps)], [steady(plain.windows, scale.max_steps)]
+    later = Scale(**{**scale.__dict__, "max_steps": max(scale.max_steps // 2, 4 * scale.log_every)})
+    for index in range(1, rounds):
+        spec = validate_spec(bench_spec(f"ray-overhead-run-{index}", later, storage, uri))
+        sides = [lambda: ray_run(spec, uri)[0], lambda: plain_run(spec, workdir / "plain-cache").windows]
+        ray_side, plain_side = sides if index % 2 else sides[::-1]
+        first, second = ray_side(), plain_side()
+        ray_w, plain_w = (first, second) if index % 2 else (second, first)
+        ray_steadies.append(steady(ray_w, later.max_steps))
+        plain_steadies.append(steady(plain_w, later.max_steps))
 
-    sweep_raw = bench_spec("ray-overhead-sweep", scale, storage, uri)
-    sweep_raw["optim"]["seed"] = {"grid": [0, 1]}
-    sweep_started_ms = time.time() * 1000
-    sweep = run_sweep(study_from_raw(sweep_raw))
-    child_ids = [t["mlflow_run_id"] for t in sweep.trials if t.get("mlflow_run_id")]
-    sweep_first_ms = first_metric_ms(uri, child_ids)
-
-    ray_steady, plain_steady = steady(ray_windows, scale.max_steps), steady(plain.windows, scale.max_steps)
-    run_startup = math.nan if run_first_ms is None else (run_first_ms - launched_ms) / 1000
-    sweep_startup = math.nan if sweep_first_ms is None else (sweep_first_ms - sweep_started_ms) / 1000
     common = {"d_model": scale.d_model, "layers": scale.layers, "seq_len": scale.seq_len,
               "batch_size": scale.batch_size, "max_steps": scale.max_steps, "log_every": scale.log_every,
               "threads": scale.cpus}
+    ratios = [r / p for r, p in zip(ray_steadies, plain_steadies)]
     rows = [
-        {"measurement": "steady_tokens_per_s", "ray": ray_steady, "plain": plain_steady,
-         "windows": f"{len(ray_windows)}/{len(plain.windows)}", **common},
+        {"measurement": "steady_tokens_per_s", "ray": statistics.median(ray_steadies),
+         "plain": statistics.median(plain_steadies), "windows": f"{len(ray_windows)}/{len(plain.windows)}",
+         "rounds": rounds, "round_ratios": " ".join(f"{r:.3f}" for r in ratios),
+         "median_round_ratio": statistics.median(ratios), **common},
         {"measurement": "run_seconds_to_first_metric", "ray": run_startup, "plain": plain.first_window_s,
          "windows": "cold tokenizer cache", **common},
-        {"measurement": "sweep_seconds_to_first_metric", "ray": sweep_startup, "plain": plain.first_window_s,
-         "windows": f"warm cache; {len(sweep.trials)} trials; errors {sweep.errors}", **common},
     ]
+    if sweep:
+        sweep_raw = bench_spec("ray-overhead-sweep", scale, storage, uri)
+        sweep_raw["optim"]["seed"] = {"grid": [0, 1]}
+        sweep_started_ms = time.time() * 1000
+        outcome = run_sweep(study_from_raw(sweep_raw))
+        child_ids = [t["mlflow_run_id"] for t in outcome.trials if t.get("mlflow_run_id")]
+        sweep_first_ms = first_metric_ms(uri, child_ids)
+        sweep_startup = math.nan if sweep_first_ms is None else (sweep_first_ms - sweep_started_ms) / 1000
+        rows.append({"measurement": "sweep_seconds_to_first_metric", "ray": sweep_startup, "plain": plain.first_window_s,
+                     "windows": f"warm cache; {len(outcome.trials)} trials; errors {outcome.errors}", **common})
     return rows
 
 
@@ -284,6 +306,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=None, help="runs + MLflow store (default: a fresh temporary folder)")
     parser.add_argument("--name", default="ray_overhead", help="file stem of the CSV")
     parser.add_argument("--cli-only", action="store_true", help="only measurement 4 (warm `orchestrator train`)")
+    parser.add_argument("--rounds", type=int, default=1, help="(plain, Ray) pairs for the steady state, order "
+                        "swapped each round (a shared machine's load then hits both sides alike)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip measurement 3 (the two-trial sweep)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE_CSV", "AFTER_CSV"),
                         help="no measurement: plot two CSVs of this benchmark side by side (next to AFTER_CSV)")
     return parser.parse_args(argv)
@@ -302,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         if (workdir / "runs").exists():
             raise SystemExit(f"--workdir {workdir} already holds runs/; give an empty folder (runs are not reused)")
-        rows = [] if args.cli_only else measure(scale, workdir)
+        rows = [] if args.cli_only else measure(scale, workdir, rounds=args.rounds, sweep=not args.no_sweep)
         rows += measure_cli(scale, workdir)
         for row in rows:
             plain = row["plain"]
