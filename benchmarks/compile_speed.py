@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Row, describe_error, interleaved_medians, results_dir, write_csv
+from benchmarks.harness import (
+    Row,
+    describe_error,
+    interleaved_medians,
+    results_dir,
+    write_csv,
+)
 from models.attention import ATTENTION_KINDS
 from orchestrator.spec import validate_spec
 from orchestrator.trainer import Trainer, train_step

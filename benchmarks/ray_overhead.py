@@ -48,7 +48,12 @@ import torch
 from benchmarks.harness import Row, results_dir, write_csv
 from benchmarks.mlflow_store import first_metric_ms, metric_history
 from orchestrator.local_run import train_locally
-from orchestrator.spec import ExperimentSpec, spec_to_yaml, study_from_raw, validate_spec
+from orchestrator.spec import (
+    ExperimentSpec,
+    spec_to_yaml,
+    study_from_raw,
+    validate_spec,
+)
 
 TOKENS_PER_S = "train/tokens_per_s"
 
@@ -164,7 +169,8 @@ def measure(scale: Scale, workdir: Path, *, rounds: int = 1, sweep: bool = True)
     later = Scale(**{**scale.__dict__, "max_steps": max(scale.max_steps // 2, 4 * scale.log_every)})
     for index in range(1, rounds):
         spec = validate_spec(bench_spec(f"ray-overhead-run-{index}", later, storage, uri))
-        sides = [lambda: ray_run(spec, uri)[0], lambda: plain_run(spec, workdir / "plain-cache").windows]
+        sides = [lambda spec=spec: ray_run(spec, uri)[0],
+                 lambda spec=spec: plain_run(spec, workdir / "plain-cache").windows]
         ray_side, plain_side = sides if index % 2 else sides[::-1]
         first, second = ray_side(), plain_side()
         ray_w, plain_w = (first, second) if index % 2 else (second, first)
