@@ -30,7 +30,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from models import checkpoint_activations
