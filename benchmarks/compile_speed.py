@@ -91,7 +91,7 @@ def measure_kind(kind: str, args: argparse.Namespace, cache: Path) -> Row:
     reasons = sorted(torch._dynamo.utils.counters["graph_break"], key=len)[:2]
     return {**row, "status": "ok", "eager_step_s": eager_s, "compiled_step_s": compiled_s,
             "speedup": eager_s / compiled_s, "compile_s": max(0.0, compiled_warm_s - eager_warm_s),
-            "graph_breaks": breaks, "break_reasons": " | ".join(" ".join(r.split())[:90] for r in reasons).replace(",", ";"),
+            "graph_breaks": breaks, "break_reasons": "; ".join(" ".join(r.split())[:90] for r in reasons).replace(",", ";"),
             "repeats": args.steps}
 
 
