@@ -12,19 +12,30 @@ Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
    seconds from its start (task build included) to its first window. Both pay the tokenizer training (fresh cache).
 3. Start-up of a sweep (`orchestrator.launch.run_sweep`, two grid trials, one at a time) to its first
    reported metric, with the tokenizer cache already warm.
+4. Start-up of `orchestrator train` as a user runs it, on a warm machine: a fresh `python -m orchestrator
+   train spec.yaml --verbose` process (its own local Ray) with the tokenizer cache warm, from the process
+   start to its first metric in the MLflow store, and where that time goes: seconds until Ray's "Started a
+   local Ray instance" line, until the Train controller's "Started training worker group" line, and until
+   the worker's first console step line (each output line is stamped as it arrives). Against the plain
+   core's first window with a warm cache. `--cli-only` measures just this.
 
 Metric times come from the run's MLflow SQLite store, read with the standard library's sqlite3 (the
 experiments/runs/metrics tables), so that no code outside orchestrator/ imports mlflow (STYLE.md section 5).
 
     python -m benchmarks.ray_overhead --out benchmarks/results            # full
     python -m benchmarks.ray_overhead --quick --out benchmarks/results    # about a minute (Ray start-up)
+    python -m benchmarks.ray_overhead --compare before.csv after.csv      # plot two runs' rows side by side
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -37,7 +48,12 @@ import torch
 from benchmarks.harness import Row, results_dir, write_csv
 from benchmarks.mlflow_store import first_metric_ms, metric_history
 from orchestrator.local_run import train_locally
-from orchestrator.spec import ExperimentSpec, study_from_raw, validate_spec
+from orchestrator.spec import (
+    ExperimentSpec,
+    spec_to_yaml,
+    study_from_raw,
+    validate_spec,
+)
 
 TOKENS_PER_S = "train/tokens_per_s"
 
@@ -126,44 +142,166 @@ def steady(windows: Sequence[tuple[int, float]], max_steps: int) -> float:
 # --- with Ray ------------------------------------------------------------------------------------------
 
 
-def measure(scale: Scale, workdir: Path) -> list[Row]:
-    from orchestrator.launch import run_sweep, run_training
+def ray_run(spec: ExperimentSpec, uri: str) -> tuple[list[tuple[int, float]], float]:
+    """A one-worker Ray Train run of `spec`: its tokens/s windows and seconds from launch to its first metric."""
+    from orchestrator.launch import run_training
+
+    launched_ms = time.time() * 1000
+    outcome = run_training(spec)
+    assert outcome.mlflow_run_id is not None, "the benchmark needs the MLflow store to read the run's metrics"
+    windows = [(step, value) for step, value, _ in metric_history(uri, outcome.mlflow_run_id, TOKENS_PER_S)]
+    first_ms = first_metric_ms(uri, [outcome.mlflow_run_id])
+    return windows, math.nan if first_ms is None else (first_ms - launched_ms) / 1000
+
+
+def measure(scale: Scale, workdir: Path, *, rounds: int = 1, sweep: bool = True) -> list[Row]:
+    """Measurements 1-3. With `rounds` > 1 the steady state is measured in that many (plain, Ray) pairs, the
+    order swapped every round, so that load from other processes on a shared machine hits both sides alike;
+    the rounds after the first train half as many steps (their caches are warm)."""
+    from orchestrator.launch import run_sweep
 
     storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
     run_spec = validate_spec(bench_spec("ray-overhead-run", scale, storage, uri))
 
     plain = plain_run(run_spec, workdir / "plain-cache")  # its own, cold cache: same start-up work as the run
-    launched_ms = time.time() * 1000
-    outcome = run_training(run_spec)
-    assert outcome.mlflow_run_id is not None, "the benchmark needs the MLflow store to read the run's metrics"
-    ray_windows = [(step, value) for step, value, _ in metric_history(uri, outcome.mlflow_run_id, TOKENS_PER_S)]
-    run_first_ms = first_metric_ms(uri, [outcome.mlflow_run_id])
+    ray_windows, run_startup = ray_run(run_spec, uri)
+    ray_steadies, plain_steadies = [steady(ray_windows, scale.max_steps)], [steady(plain.windows, scale.max_steps)]
+    later = Scale(**{**scale.__dict__, "max_steps": max(scale.max_steps // 2, 4 * scale.log_every)})
+    for index in range(1, rounds):
+        spec = validate_spec(bench_spec(f"ray-overhead-run-{index}", later, storage, uri))
+        sides = [lambda spec=spec: ray_run(spec, uri)[0],
+                 lambda spec=spec: plain_run(spec, workdir / "plain-cache").windows]
+        ray_side, plain_side = sides if index % 2 else sides[::-1]
+        first, second = ray_side(), plain_side()
+        ray_w, plain_w = (first, second) if index % 2 else (second, first)
+        ray_steadies.append(steady(ray_w, later.max_steps))
+        plain_steadies.append(steady(plain_w, later.max_steps))
 
-    sweep_raw = bench_spec("ray-overhead-sweep", scale, storage, uri)
-    sweep_raw["optim"]["seed"] = {"grid": [0, 1]}
-    sweep_started_ms = time.time() * 1000
-    sweep = run_sweep(study_from_raw(sweep_raw))
-    child_ids = [t["mlflow_run_id"] for t in sweep.trials if t.get("mlflow_run_id")]
-    sweep_first_ms = first_metric_ms(uri, child_ids)
-
-    ray_steady, plain_steady = steady(ray_windows, scale.max_steps), steady(plain.windows, scale.max_steps)
-    run_startup = math.nan if run_first_ms is None else (run_first_ms - launched_ms) / 1000
-    sweep_startup = math.nan if sweep_first_ms is None else (sweep_first_ms - sweep_started_ms) / 1000
     common = {"d_model": scale.d_model, "layers": scale.layers, "seq_len": scale.seq_len,
               "batch_size": scale.batch_size, "max_steps": scale.max_steps, "log_every": scale.log_every,
               "threads": scale.cpus}
+    ratios = [r / p for r, p in zip(ray_steadies, plain_steadies)]
     rows = [
-        {"measurement": "steady_tokens_per_s", "ray": ray_steady, "plain": plain_steady,
-         "windows": f"{len(ray_windows)}/{len(plain.windows)}", **common},
+        {"measurement": "steady_tokens_per_s", "ray": statistics.median(ray_steadies),
+         "plain": statistics.median(plain_steadies), "windows": f"{len(ray_windows)}/{len(plain.windows)}",
+         "rounds": rounds, "round_ratios": " ".join(f"{r:.3f}" for r in ratios),
+         "median_round_ratio": statistics.median(ratios), **common},
         {"measurement": "run_seconds_to_first_metric", "ray": run_startup, "plain": plain.first_window_s,
          "windows": "cold tokenizer cache", **common},
-        {"measurement": "sweep_seconds_to_first_metric", "ray": sweep_startup, "plain": plain.first_window_s,
-         "windows": f"warm cache; {len(sweep.trials)} trials; errors {sweep.errors}", **common},
     ]
-    for row in rows:
-        row["ray_over_plain"] = row["ray"] / row["plain"] if row["plain"] and math.isfinite(row["plain"]) else math.nan
-        row["ray_minus_plain"] = row["ray"] - row["plain"]
+    if sweep:
+        sweep_raw = bench_spec("ray-overhead-sweep", scale, storage, uri)
+        sweep_raw["optim"]["seed"] = {"grid": [0, 1]}
+        sweep_started_ms = time.time() * 1000
+        outcome = run_sweep(study_from_raw(sweep_raw))
+        child_ids = [t["mlflow_run_id"] for t in outcome.trials if t.get("mlflow_run_id")]
+        sweep_first_ms = first_metric_ms(uri, child_ids)
+        sweep_startup = math.nan if sweep_first_ms is None else (sweep_first_ms - sweep_started_ms) / 1000
+        rows.append({"measurement": "sweep_seconds_to_first_metric", "ray": sweep_startup, "plain": plain.first_window_s,
+                     "windows": f"warm cache; {len(outcome.trials)} trials; errors {outcome.errors}", **common})
     return rows
+
+
+# --- `orchestrator train` as a user starts it ---------------------------------------------------------------
+
+PHASES = {
+    "ray_started": re.compile(r"Started a local Ray instance"),
+    "workers_started": re.compile(r"Started training worker group"),
+    "first_console_step": re.compile(r"\] step \d+/\d+"),
+}
+
+
+def cli_run(spec: ExperimentSpec, workdir: Path) -> dict[str, float]:
+    """`python -m orchestrator train` on `spec` in a fresh process: seconds from its start to each phase's
+    first output line and to its first metric in the MLflow store."""
+    path = workdir / f"{spec.name}.yaml"
+    path.write_text(spec_to_yaml(spec))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    env.pop("RAY_ADDRESS", None)  # its own local Ray, as a user's first command starts
+    seen: dict[str, float] = {}
+    started_ms, start = time.time() * 1000, time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "orchestrator", "train", str(path), "--verbose"], cwd=workdir,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-30:]
+        for phase, pattern in PHASES.items():
+            if phase not in seen and pattern.search(line):
+                seen[phase] = time.perf_counter() - start
+    if proc.wait() != 0:
+        raise RuntimeError(f"orchestrator train failed:\n{''.join(tail)}")
+    uri = spec.tracking.uri
+    run_ids = [r for (r,) in _run_ids(uri, spec.tracking.experiment or spec.name)]
+    first_ms = first_metric_ms(uri, run_ids)
+    seen["first_metric"] = math.nan if first_ms is None else (first_ms - started_ms) / 1000
+    return seen
+
+
+def _run_ids(uri: str, experiment: str) -> list[tuple[str]]:
+    import sqlite3
+
+    path = uri[len("sqlite:///"):]
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        return db.execute("SELECT r.run_uuid FROM runs r JOIN experiments e ON r.experiment_id = e.experiment_id "
+                          "WHERE e.name = ?", (experiment,)).fetchall()
+
+
+def measure_cli(scale: Scale, workdir: Path) -> list[Row]:
+    """Measurement 4: warm the tokenizer cache (and the OS's file cache) with a plain run, then time a fresh
+    `orchestrator train` process against a second, warm plain run; both stop after their first window."""
+    storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
+    short = Scale(**{**scale.__dict__, "max_steps": scale.log_every})
+    warm_cache = workdir / "runs" / ".cache"
+    raw = bench_spec("ray-overhead-cli", short, storage, uri)
+    raw["run"]["final_eval"] = False
+    spec = validate_spec(raw)
+    plain_run(spec, warm_cache)  # fills the cache the launcher's runs share (run.storage_path/.cache)
+    plain = plain_run(spec, warm_cache)
+    phases = cli_run(spec, workdir)
+    common = {"d_model": scale.d_model, "layers": scale.layers, "seq_len": scale.seq_len,
+              "batch_size": scale.batch_size, "max_steps": short.max_steps, "log_every": scale.log_every,
+              "threads": scale.cpus}
+    rows: list[Row] = [{"measurement": "cli_warm_seconds_to_first_metric", "ray": phases["first_metric"],
+                        "plain": plain.first_window_s, "windows": "warm cache; fresh process", **common}]
+    for phase in PHASES:
+        rows.append({"measurement": f"cli_warm_seconds_to_{phase}", "ray": phases.get(phase, math.nan),
+                     "plain": math.nan, "windows": "phase of the run above", **common})
+    return rows
+
+
+def plot_comparison(before: Path, after: Path, path: Path) -> Path:
+    """Two CSVs of this benchmark (e.g. before and after a change, same machine) side by side: the Ray / plain
+    throughput ratio, and the seconds to the first metric of each start-up measurement."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on servers
+    import matplotlib.pyplot as plt
+
+    from benchmarks.harness import read_csv
+
+    runs = {"before": {r["measurement"]: r for r in read_csv(before)},
+            "after": {r["measurement"]: r for r in read_csv(after)}}
+    startups = [m for m in runs["after"] if m.endswith("seconds_to_first_metric") and m in runs["before"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [1, 3]})
+    for offset, (label, rows) in zip((-0.2, 0.2), runs.items()):
+        ratio = float(rows["steady_tokens_per_s"]["ray_over_plain"])
+        left.bar([offset], [ratio], width=0.4, label=label)
+        left.annotate(f"{ratio:.2f}", (offset, ratio), ha="center", va="bottom", fontsize=8)
+        seconds = [float(rows[m]["ray"]) for m in startups]
+        xs = [i + offset for i in range(len(startups))]
+        right.bar(xs, seconds, width=0.4, label=label)
+        for x, value in zip(xs, seconds):
+            right.annotate(f"{value:.0f}", (x, value), ha="center", va="bottom", fontsize=8)
+    left.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    left.set_xticks([])
+    left.set_title("steady tokens/s, Ray / plain", fontsize=9)
+    right.set_xticks(range(len(startups)), [m.replace("_seconds_to_first_metric", "") for m in startups])
+    right.set_title("seconds from launch to the first metric (with Ray)", fontsize=9)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -173,11 +311,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=None, help="override the scale's steps")
     parser.add_argument("--workdir", default=None, help="runs + MLflow store (default: a fresh temporary folder)")
     parser.add_argument("--name", default="ray_overhead", help="file stem of the CSV")
+    parser.add_argument("--cli-only", action="store_true", help="only measurement 4 (warm `orchestrator train`)")
+    parser.add_argument("--rounds", type=int, default=1, help="(plain, Ray) pairs for the steady state, order "
+                        "swapped each round (a shared machine's load then hits both sides alike)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip measurement 3 (the two-trial sweep)")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE_CSV", "AFTER_CSV"),
+                        help="no measurement: plot two CSVs of this benchmark side by side (next to AFTER_CSV)")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
+    if args.compare:
+        before, after = map(Path, args.compare)
+        print(f"wrote {plot_comparison(before, after, after.with_name(after.stem + '_vs_before.png'))}")
+        return []
     scale = QUICK if args.quick else FULL
     if args.max_steps:
         scale = Scale(**{**scale.__dict__, "max_steps": args.max_steps})
@@ -185,7 +333,12 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         if (workdir / "runs").exists():
             raise SystemExit(f"--workdir {workdir} already holds runs/; give an empty folder (runs are not reused)")
-        rows = measure(scale, workdir)
+        rows = [] if args.cli_only else measure(scale, workdir, rounds=args.rounds, sweep=not args.no_sweep)
+        rows += measure_cli(scale, workdir)
+        for row in rows:
+            plain = row["plain"]
+            row["ray_over_plain"] = row["ray"] / plain if plain and math.isfinite(plain) else math.nan
+            row["ray_minus_plain"] = row["ray"] - plain
     for row in rows:
         print(f"{row['measurement']:32s} ray {row['ray']:10.2f}  plain {row['plain']:10.2f}  "
               f"ratio {row['ray_over_plain']:.3f}", flush=True)

@@ -2,6 +2,6 @@
 
 from models.classifier import SequenceClassifier
 from models.config import ModelConfig
-from models.transformer import LanguageModel, Seq2SeqTransformer
+from models.transformer import LanguageModel, Seq2SeqTransformer, checkpoint_activations
 
-__all__ = ["LanguageModel", "ModelConfig", "Seq2SeqTransformer", "SequenceClassifier"]
+__all__ = ["LanguageModel", "ModelConfig", "Seq2SeqTransformer", "SequenceClassifier", "checkpoint_activations"]

@@ -141,7 +141,9 @@ class AdaptiveInput(nn.Module):
         for lo, hi, table, proj in zip(self.bounds, self.bounds[1:], self.tables, self.projections):
             in_band_BT = (tokens_BT >= lo) & (tokens_BT < hi)
             if in_band_BT.any():
-                out_BTD = out_BTD.index_put((in_band_BT,), proj(table(tokens_BT[in_band_BT] - lo)))
+                band_ND = proj(table(tokens_BT[in_band_BT] - lo))
+                # Under autocast (bf16 / fp16) the projection returns the low precision; the sum stays in the weights'.
+                out_BTD = out_BTD.index_put((in_band_BT,), band_ND.to(out_BTD.dtype))
         return out_BTD * self.scale
 
     def output_weight(self) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from models.attention import build_attention
 from models.config import ModelConfig
@@ -124,14 +125,24 @@ class TransformerStack(nn.Module):
         # Held, not registered (the model owns it): a reversible backward must return its gradients too.
         object.__setattr__(self, "_shared_state", shared_state)
         self.ln_final = nn.LayerNorm(cfg.d_model)
+        self.checkpoint_layers = False
+        """Set from outside (`checkpoint_activations`): recompute each layer in backward instead of storing it."""
 
     def forward(self, x_BTD, key_padding_mask_BT=None, memory_BSD=None, memory_padding_mask_BS=None):
         if self.reversible:
+            # RevNet blocks store no activations already: they recompute them from the outputs in backward.
             params = list(self.layers.parameters()) + list(self._shared_state.parameters())
             y1_BTD, y2_BTD = reversible_stack(list(self.layers), x_BTD, x_BTD, params, key_padding_mask_BT)
             return self.ln_final((y1_BTD + y2_BTD) / 2)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
-            x_BTD = layer(x_BTD, key_padding_mask_BT, memory_BSD, memory_padding_mask_BS)
+            if recompute:
+                # Non-reentrant checkpoint: keeps the RNG state, so dropout and LSH hashing draw the same in the
+                # recompute; shared cross-layer parameters receive their gradients as usual.
+                x_BTD = checkpoint(layer, x_BTD, key_padding_mask_BT, memory_BSD, memory_padding_mask_BS,
+                                   use_reentrant=False)
+            else:
+                x_BTD = layer(x_BTD, key_padding_mask_BT, memory_BSD, memory_padding_mask_BS)
         return self.ln_final(x_BTD)
 
 
@@ -150,6 +161,15 @@ class TransformerStack(nn.Module):
             new_memory.append(states_BSD[:, max(0, states_BSD.shape[1] - self.mem_len):].detach())
             x_BTD = layer.forward_with_memory(x_BTD, memory_BMD)
         return self.ln_final(x_BTD), new_memory
+
+
+def checkpoint_activations(model: nn.Module) -> int:
+    """Turn on activation checkpointing in every layer stack of `model` (run.activation_checkpointing: applied
+    from outside, the model code stays single-device and eager); returns how many stacks it reached."""
+    stacks = [m for m in model.modules() if isinstance(m, TransformerStack)]
+    for stack in stacks:
+        stack.checkpoint_layers = True
+    return len(stacks)
 
 
 class EmbeddingInput(nn.Module):

@@ -259,10 +259,11 @@ def _claim(spec: ExperimentSpec, kind: str, resume: bool, tracker: MlflowTracker
 
 def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, worker: WorkerConfig,
                   callbacks: list | None = None):
-    """The TorchTrainer of one run: DDP over `run.workers` ranks; Ray keeps the `run.keep_checkpoints` best
-    checkpoints by the spec's metric plus always the latest (for resume)."""
+    """The TorchTrainer of one run: DDP or FSDP over `run.workers` ranks, whose collectives time out after
+    run.collective_timeout_s; Ray keeps the `run.keep_checkpoints` best checkpoints by the spec's metric plus
+    always the latest (for resume)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from orchestrator.ray_console import train_logging_config, worker_runtime_env
     from orchestrator.worker import train_loop_per_worker
@@ -270,9 +271,17 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
     resources = {"CPU": spec.run.cpus_per_worker}
     if spec.run.gpus_per_worker:
         resources["GPU"] = spec.run.gpus_per_worker
+    runtime_env = worker_runtime_env()
+    # Ray starts its worker processes at niceness 15 (RAY_worker_niceness) so that its own daemons stay
+    # responsive; a training worker then loses every CPU contest on a shared node (measured in
+    # benchmarks/RESULTS.md, "Ray overhead"). The workers that train run at the launcher's priority, as Ray's
+    # job supervisor does for drivers (env var read by the worker's core at start-up).
+    runtime_env = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), "RAY_worker_niceness": "0"}}
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={WORKER_CONFIG: worker},
+        # Rank 0 evaluates alone while the others wait in their next collective: the timeout must outlast it.
+        torch_config=TorchConfig(timeout_s=spec.run.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=spec.run.workers, use_gpu=spec.run.gpus_per_worker > 0,
                                      resources_per_worker=resources),
         run_config=RunConfig(
@@ -285,7 +294,7 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
                                                checkpoint_score_order=spec.mode),
             callbacks=callbacks or [],
             logging_config=train_logging_config(),
-            worker_runtime_env=worker_runtime_env(),
+            worker_runtime_env=runtime_env,
         ),
     )
 

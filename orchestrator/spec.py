@@ -100,8 +100,33 @@ class RunSettings(_Section):
     """GPUs per worker; 0 trains on CPU with the gloo backend."""
     cpus_per_worker: float = 1
     """CPUs reserved per worker."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """bf16 autocast (GPU only) or plain fp32."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fp32; bf16 autocast (GPU only); or fp16 autocast with dynamic loss scaling (GradScaler; for GPUs without
+    bf16 such as V100/T4; also runs on CPU, slowly): overflowing steps are skipped and counted (train/skipped_steps)."""
+    tf32: bool = True
+    """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores (Ampere and newer; no effect on CPU or
+    older GPUs): ~10-bit mantissa products, fp32 accumulation."""
+    compile: bool = False
+    """torch.compile the model (in place, before DDP/FSDP wrapping); the first steps pay the compilation."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile backend: inductor generates kernels (C++ on CPU with the machine's compiler, Triton on GPU);
+    aot_eager and eager only trace (cheap; for checking that a model compiles)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer layer's activations in backward instead of storing them (torch.utils.checkpoint):
+    about one extra forward per step for activation memory of one layer. Reversible stacks already recompute."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How Ray Train's prepare_model wraps the model across workers: ddp (replicated) or fsdp (sharded
+    parameters, gradients and optimizer state; needs GPUs: torch's FSDP has no CPU backend)."""
+    collective_timeout_s: int = 1800
+    """Timeout of the process group's collectives (Ray's TorchConfig(timeout_s)): rank 0 evaluates alone while
+    the other ranks wait at the next collective, so raise it above the time of one evaluation on long splits."""
+    prefetch_batches: int = 2
+    """Batches built ahead on a background thread (pinned memory on CUDA) while the device trains; 0 builds
+    them on the training thread. The order and resume positions are the same either way."""
+    checkpoint_upload: Literal["sync", "async"] = "sync"
+    """sync: a report returns once its checkpoint is in storage and registered by Ray. async: training goes on
+    while Ray uploads it in the background (ray.train.report's checkpoint_upload_mode); at most one upload is in
+    flight, so a kill during an upload resumes from the checkpoint before (up to 2 x checkpoint_every steps back)."""
     checkpoint_every: int = 500
     """Optimizer steps between checkpoints (the last step always checkpoints)."""
     keep_checkpoints: int = 2
@@ -152,6 +177,16 @@ class RunSettings(_Section):
             raise ValueError("run.precision=bf16 needs GPUs (run.gpus_per_worker > 0); use precision: fp32 on CPU")
         if self.max_failures < -1:
             raise ValueError("run.max_failures must be >= 0, or -1 for unlimited retries")
+        if self.strategy == "fsdp" and self.gpus_per_worker == 0:
+            raise ValueError("run.strategy=fsdp needs GPUs (run.gpus_per_worker > 0): torch's FullyShardedDataParallel "
+                             "has no CPU backend; use strategy: ddp on CPU")
+        if self.strategy == "fsdp" and self.precision == "fp16":
+            raise ValueError("run.precision=fp16 is not supported with run.strategy=fsdp (its sharded gradients need "
+                             "a sharded loss scaler); use precision: bf16 with fsdp, or strategy: ddp with fp16")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"run.collective_timeout_s must be > 0 (got {self.collective_timeout_s})")
+        if self.prefetch_batches < 0:
+            raise ValueError(f"run.prefetch_batches must be >= 0 (got {self.prefetch_batches}); 0 disables prefetching")
         return self
 
     @property

@@ -1,8 +1,10 @@
 """The training core: the one loop that trains a spec's task and model, without Ray or MLflow.
 
-Shape of a step (nanoGPT's train.py): `grad_accum` micro-batches -> bf16 autocast on GPU -> backward of
-loss / grad_accum (DDP all-reduces on the last micro-batch only) -> clip -> AdamW -> LR schedule. Around the
-steps, `Cadence` says when to log, evaluate, report and checkpoint; `Best` keeps the best value of the spec's
+Shape of a step (nanoGPT's train.py): `grad_accum` micro-batches -> bf16 / fp16 autocast -> backward of
+loss / grad_accum (DDP all-reduces on the last micro-batch only; fp16 scales the loss first) -> unscale ->
+clip -> AdamW (skipped when fp16 gradients overflowed) -> LR schedule. No micro-batch waits for the device:
+losses are summed on it and read once per logging window, and batches are built ahead on a background thread
+(`Prefetcher`, pinned memory on CUDA). Around the steps, `Cadence` says when to log, evaluate, report and checkpoint; `Best` keeps the best value of the spec's
 metric; `checkpoint_state` captures what resumes the run exactly (model, optimizer, schedule, scaler, every
 rank's data position and RNG states incl. CUDA, best so far).
 
@@ -15,8 +17,10 @@ golden-loss test), and the throughput benchmark (`train_step` alone). What diffe
 from __future__ import annotations
 
 import math
+import queue
 import random
 import resource
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
@@ -26,10 +30,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel
 
+from models import checkpoint_activations
 from orchestrator.checkpoint import TrainingState, capture_rng, restore_rng
 from orchestrator.schedules import lr_lambda
-from orchestrator.spec import ExperimentSpec, OptimConfig
+from orchestrator.spec import ExperimentSpec, OptimConfig, RunSettings
 from tasks import Batch, Task, WorkerContext, build_task
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -42,9 +53,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+_WRAPPERS = (nn.parallel.DistributedDataParallel, FullyShardedDataParallel)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module under a DDP (or any `.module`) wrapper: what checkpoints and evaluation see."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    """The module under a DDP or FSDP wrapper: what checkpoints and evaluation see. (`run.compile` compiles
+    that module in place, so its state_dict keys stay those of the eager model.)"""
+    return model.module if isinstance(model, _WRAPPERS) else model
+
+
+def set_tf32(run: RunSettings, device: torch.device) -> None:
+    """TF32 matmuls and convolutions on CUDA per run.tf32 (a process-wide switch: one run per worker process)."""
+    if device.type == "cuda":
+        precision = "tf32" if run.tf32 else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -173,7 +196,7 @@ class Best:
 
 @dataclass
 class Optimization:
-    """AdamW, its warmup + decay schedule and the (disabled until fp16) gradient scaler of `optim`."""
+    """AdamW, its warmup + decay schedule and the gradient scaler of `optim` (enabled for fp16 only)."""
 
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -181,7 +204,9 @@ class Optimization:
     grad_accum: int
     grad_clip: float | None
     autocast_dtype: torch.dtype | None
-    """bf16 autocast on CUDA; None trains in fp32."""
+    """bf16 autocast on CUDA, fp16 autocast anywhere; None trains in fp32."""
+    skipped_steps: int = 0
+    """fp16 steps skipped so far in this process because a gradient overflowed (inf/NaN after unscaling)."""
 
     @classmethod
     def build(cls, model: nn.Module, optim: OptimConfig, device: torch.device, precision: str = "fp32") -> Optimization:
@@ -189,10 +214,10 @@ class Optimization:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
                                       betas=optim.betas, weight_decay=optim.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
-        # bf16 keeps fp32's exponent range, so no loss scaling; the disabled scaler keeps the checkpoint format
-        # ready for fp16.
-        scaler = torch.amp.GradScaler(device.type, enabled=False)
-        dtype = torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
+        # bf16 keeps fp32's exponent range, so only fp16 scales the loss (its gradients would underflow); the
+        # disabled scaler of the other precisions keeps one checkpoint format.
+        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16 if device.type == "cuda" else None}.get(precision)
         return cls(optimizer, scheduler, scaler, optim.grad_accum, optim.grad_clip, dtype)
 
     @property
@@ -208,25 +233,111 @@ def train_step(model: nn.Module, micro_batches: Iterator[Batch], loss_fn: LossFn
     The loss of each micro-batch is its mean over its own target tokens, scaled by 1 / grad_accum (each
     micro-batch weighs the same in the gradient, as in nanoGPT); the meter weights by tokens for logging.
     """
-    is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    wrapped = isinstance(model, _WRAPPERS)
     for micro in range(opt.grad_accum):
         batch = next(micro_batches).to(device)
-        # Gradients are all-reduced once, on the last micro-batch (DDP's no_sync on the others).
-        sync = model.no_sync() if is_ddp and micro < opt.grad_accum - 1 else nullcontext()
+        # Gradients are all-reduced once, on the last micro-batch (DDP's / FSDP's no_sync on the others); the
+        # backward must run inside no_sync too, since that is where the reduction hooks fire.
+        sync = model.no_sync() if wrapped and micro < opt.grad_accum - 1 else nullcontext()
         autocast = (torch.autocast(device.type, dtype=opt.autocast_dtype) if opt.autocast_dtype is not None
                     else nullcontext())
-        with sync, autocast:
-            loss = loss_fn(model, batch)
-        (loss / opt.grad_accum).backward()
+        with sync:
+            with autocast:
+                loss = loss_fn(model, batch)
+            # fp16: the scaled loss keeps small gradients above fp16's underflow (a no-op when disabled).
+            opt.scaler.scale(loss / opt.grad_accum).backward()
         if meter is not None:
-            meter.add(loss, batch.n_tokens)
+            meter.add(loss, batch.n_tokens)  # n_tokens is a host int: counting tokens never syncs
+    scaling = opt.scaler.is_enabled()
+    if scaling:
+        # Clipping must see the true gradients, so unscale first; step() then does not unscale again.
+        opt.scaler.unscale_(opt.optimizer)
     if opt.grad_clip is not None:
-        nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
-    opt.optimizer.step()
+        if isinstance(model, FullyShardedDataParallel):
+            model.clip_grad_norm_(opt.grad_clip)  # the norm over every rank's shard, not this rank's alone
+        else:
+            nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+    skipped = False
+    if scaling:
+        # GradScaler.step skips the update when unscale_ found inf/NaN, and update() then lowers the scale: a
+        # lower scale is how a skipped step shows (the step already read found_inf on the host, so reading the
+        # scale adds no wait of its own).
+        scale = opt.scaler.get_scale()
+        opt.scaler.step(opt.optimizer)
+        opt.scaler.update()
+        skipped = opt.scaler.get_scale() < scale
+    else:
+        opt.optimizer.step()
     opt.optimizer.zero_grad(set_to_none=True)
     lr = opt.lr
-    opt.scheduler.step()
+    if skipped:
+        # No update happened, so the schedule does not advance either (as Accelerate's optimizer_step_was_skipped).
+        opt.skipped_steps += 1
+    else:
+        opt.scheduler.step()
     return lr
+
+
+# --- batches ahead of the device ---------------------------------------------------------------------------
+
+
+def pinned(batch: Batch) -> Batch:
+    """The batch in page-locked host memory, so that `Batch.to(cuda)` (non_blocking) copies asynchronously."""
+    return Batch({k: v.pin_memory() for k, v in batch.tensors.items()}, batch.n_tokens)
+
+
+class Prefetcher:
+    """Runs a task's batch stream on a background thread, `depth` batches ahead of the training thread.
+
+    The stream is consumed in its own order by one thread, so the batches and the positions after them are
+    exactly those of the stream itself; only their construction (tokenising, masking, packing, pinning)
+    overlaps the step. Batch construction draws no global RNG (tasks seed each batch by its identity), so
+    dropout streams on the training thread are unchanged. An error in the stream is raised on the training
+    thread at the batch it would have been.
+    """
+
+    _END = object()
+
+    def __init__(self, stream: Iterator[tuple[Batch, Any]], depth: int, pin: bool):
+        self._stream, self._pin = stream, pin
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="batch-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _fill(self) -> None:
+        try:
+            for batch, position in self._stream:
+                if not self._put((pinned(batch) if self._pin else batch, position)):
+                    return
+            self._put(self._END)
+        except BaseException as err:  # noqa: BLE001 - handed to the training thread, which raises it
+            self._put(err)
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> tuple[Batch, Any]:
+        item = self._queue.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the thread (the batches it built ahead are dropped; positions come from consumed batches)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 # --- the loop ---------------------------------------------------------------------------------------------
@@ -271,13 +382,21 @@ class Trainer:
                gather: Callable[[Any], list[Any]] | None = None,
                initialize: Callable[[nn.Module], None] | None = None) -> Trainer:
         """Build the task and model with the same initial weights on every rank (the spec's seed), let
-        `initialize` change them (pretrained weights, frozen parameters: orchestrator/pretrained.py), wrap the
-        model (DDP, device placement), then give each rank its own stream for dropout and masking."""
+        `initialize` change them (pretrained weights, frozen parameters: orchestrator/pretrained.py), apply
+        run.activation_checkpointing and run.compile to the module, wrap the model (DDP / FSDP, device
+        placement), then give each rank its own stream for dropout and masking."""
         seed_everything(spec.optim.seed)
+        set_tf32(spec.run, ctx.device)
         task = build_task(spec.task, spec.model, ctx)
         model = task.build_model()
         if initialize is not None:
             initialize(model)
+        if spec.run.activation_checkpointing:
+            checkpoint_activations(model)
+        if spec.run.compile:
+            # In place (nn.Module.compile): the module keeps its parameters' names, so checkpoints, evaluation
+            # and DDP see the eager model's state_dict; compiled before wrapping, as torch's DDP notes advise.
+            model.compile(backend=spec.run.compile_backend)
         model = wrap(model)
         seed_everything(spec.optim.seed + 1000 * ctx.rank)
         return cls(spec, task, model, ctx.device, ctx.rank, ctx.world_size, gather or (lambda obj: [obj]))
@@ -287,8 +406,13 @@ class Trainer:
     def restore(self, state: TrainingState) -> None:
         """Continue from a checkpoint of this run: weights, optimizer, schedule, step, best, and this rank's
         data position, stream state and RNG (a run resumed on fewer ranks keeps the positions it has)."""
-        unwrap(self.model).load_state_dict(state.model)
-        self.opt.optimizer.load_state_dict(state.optimizer)
+        if isinstance(self.model, FullyShardedDataParallel):
+            # Every rank loads the full (unsharded, parameter-named) state and keeps its shard of it.
+            set_state_dict(self.model, self.opt.optimizer, model_state_dict=state.model,
+                           optim_state_dict=state.optimizer, options=StateDictOptions(full_state_dict=True))
+        else:
+            unwrap(self.model).load_state_dict(state.model)
+            self.opt.optimizer.load_state_dict(state.optimizer)
         self.opt.scheduler.load_state_dict(state.scheduler)
         self.opt.scaler.load_state_dict(state.scaler)
         self.step = state.step
@@ -308,10 +432,16 @@ class Trainer:
         # A task's state between batches (Transformer-XL memory) belongs with its position; most tasks have none.
         stream_state = getattr(self.task, "stream_state", None)
         streams = self.gather(stream_state() if stream_state is not None else None)
+        if isinstance(self.model, FullyShardedDataParallel):
+            # Gathering the shards is a collective: every rank takes part, rank 0 alone receives the full state.
+            model_state, optim_state = get_state_dict(
+                self.model, self.opt.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        elif self.rank == 0:
+            model_state, optim_state = unwrap(self.model).state_dict(), self.opt.optimizer.state_dict()
         if self.rank != 0:
             return None
         return TrainingState(
-            step=self.step, model=unwrap(self.model).state_dict(), optimizer=self.opt.optimizer.state_dict(),
+            step=self.step, model=model_state, optimizer=optim_state,
             scheduler=self.opt.scheduler.state_dict(), scaler=self.opt.scaler.state_dict(),
             data_positions=positions, rng=rngs, mlflow_run_id=mlflow_run_id, stream_states=streams,
             spec=self.spec.model_dump(mode="json"),
@@ -323,21 +453,43 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """The task's validation metrics on rank 0 ({} elsewhere: Task.evaluate scores the whole split by
         itself). The unwrapped module, because DDP's forward would wait for the other ranks."""
-        if self.rank != 0:
-            return {}
-        self.model.eval()
-        with torch.no_grad():
-            metrics = self.task.evaluate(unwrap(self.model))
-        self.model.train()
+        # FSDP: the module's parameters are shards; gathering them in full is a collective of every rank.
+        full = (FullyShardedDataParallel.summon_full_params(self.model, writeback=False)
+                if isinstance(self.model, FullyShardedDataParallel) else nullcontext())
+        with full:
+            if self.rank != 0:
+                return {}
+            self.model.eval()
+            with torch.no_grad():
+                metrics = self.task.evaluate(unwrap(self.model))
+            self.model.train()
         return metrics
 
-    def _batches(self) -> Iterator[Batch]:
-        for batch, self.position in self.task.train_batches(self.position):
+    def _batches(self, stream: Iterator[tuple[Batch, dict[str, Any]]]) -> Iterator[Batch]:
+        for batch, self.position in stream:
             yield batch
+
+    def _window_metrics(self, meter: LossMeter, lr: float, skipped_before: int) -> dict[str, float]:
+        metrics = {**meter.read(self.world_size), "lr": lr, "memory/peak_gb": peak_memory_gb(self.device)}
+        if self.opt.scaler.is_enabled():
+            # fp16: steps of this window whose gradients overflowed (skipped, the scale lowered), and the scale.
+            metrics["train/skipped_steps"] = float(self.opt.skipped_steps - skipped_before)
+            metrics["train/loss_scale"] = self.opt.scaler.get_scale()
+        return metrics
 
     def fit(self, hooks: TrainerHooks) -> None:
         """Train from `self.step` to optim.max_steps."""
-        meter, batches = LossMeter(), self._batches()
+        stream = self.task.train_batches(self.position)
+        depth = self.spec.run.prefetch_batches
+        prefetcher = Prefetcher(stream, depth, pin=self.device.type == "cuda") if depth > 0 else None
+        try:
+            self._fit(hooks, self._batches(prefetcher if prefetcher is not None else stream))
+        finally:
+            if prefetcher is not None:
+                prefetcher.close()
+
+    def _fit(self, hooks: TrainerHooks, batches: Iterator[Batch]) -> None:
+        meter, skipped_before = LossMeter(), self.opt.skipped_steps
         self.model.train()
         while self.step < self.spec.optim.max_steps:
             lr = train_step(self.model, batches, self.task.loss, self.opt, self.device, meter)
@@ -346,7 +498,8 @@ class Trainer:
             train_metrics: dict[str, float] = {}
             stop_on_nan = self.spec.run.stop_on_nan
             if self.cadence.logs(step):
-                train_metrics = {**meter.read(self.world_size), "lr": lr, "memory/peak_gb": peak_memory_gb(self.device)}
+                train_metrics = self._window_metrics(meter, lr, skipped_before)
+                skipped_before = self.opt.skipped_steps
                 if stop_on_nan:
                     check_finite(train_metrics, step, lr)
             if self.cadence.reports(step):

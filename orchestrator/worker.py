@@ -1,8 +1,9 @@
 """Ray Train glue around the training core (orchestrator/trainer.py): what only a Ray worker does.
 
-Rank and device from Ray's context, DDP through `ray.train.torch.prepare_model`, resume from
-`ray.train.get_checkpoint()`, and at every report step one `ray.train.report` on all ranks, with a
-checkpoint written by rank 0 when one is due (Ray docs, train/user-guides/checkpoints). Rank 0 logs to the
+Rank and device from Ray's context, DDP or FSDP through `ray.train.torch.prepare_model` (run.strategy), resume
+from `ray.train.get_checkpoint()`, and at every report step one `ray.train.report` on all ranks, with a
+checkpoint written by rank 0 when one is due (Ray docs, train/user-guides/checkpoints), uploaded to storage
+before the report returns or, with run.checkpoint_upload=async, in Ray's background thread. Rank 0 logs to the
 console and to the MLflow run the launcher described (`WorkerConfig.run`); the worker never creates, tags or
 ends runs.
 """
@@ -14,6 +15,7 @@ import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,11 @@ import pyarrow.fs
 import ray.train
 import ray.train.torch
 import torch.distributed as dist
+from torch import nn
 
 from orchestrator.checkpoint import CHECKPOINT_NAME, TrainingState, read_checkpoint, write_checkpoint
 from orchestrator.pretrained import load as load_pretrained
+from models.config import AdaptiveInputConfig
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.tracking import (
     ConsoleLogger,
@@ -52,6 +56,24 @@ def _gather(obj: Any, world_size: int) -> list[Any]:
     return out
 
 
+def has_unused_parameters(spec: ExperimentSpec) -> bool:
+    """Whether a step can leave trainable parameters without a gradient, which DDP must be told of.
+
+    An untied adaptive input (model.embedding.kind=adaptive, model.tie_output=false) looks up a band's table only
+    when the batch holds one of its tokens, so a batch without rare tokens leaves the rare bands' tables and
+    projections out of the graph. Tied, the output layer uses every band on every step. (Checked against a probe
+    of every embedding kind, tied and untied, in tests/test_scale_features.py.)
+    """
+    return isinstance(spec.model.embedding, AdaptiveInputConfig) and not spec.model.tie_output
+
+
+def prepare(model: nn.Module, spec: ExperimentSpec) -> nn.Module:
+    """Ray's prepare_model with the spec's strategy. DDP searches the graph for unused parameters only where a
+    config can have them: the search costs a graph traversal every step."""
+    kwargs = {"find_unused_parameters": True} if spec.run.strategy == "ddp" and has_unused_parameters(spec) else None
+    return ray.train.torch.prepare_model(model, parallel_strategy=spec.run.strategy, parallel_strategy_kwargs=kwargs)
+
+
 class RayHooks:
     """The core's hooks under Ray Train: console + MLflow on rank 0, `ray.train.report` on every rank."""
 
@@ -60,6 +82,8 @@ class RayHooks:
         self.tracker: MlflowTracker | None = None
         self.mlflow: MlflowLogger | None = None
         self.logger = MetricsLogger()
+        self._uploading: list[Path] = []
+        """Temporary folders of checkpoints Ray may still be uploading (run.checkpoint_upload=async)."""
         if rank == 0:
             tracking = spec.tracking
             self.tracker = MlflowTracker(tracking.uri, retries=tracking.retries, timeout_s=tracking.timeout_s,
@@ -92,6 +116,10 @@ class RayHooks:
         if not checkpoint:
             ray.train.report(report)
             return
+        asynchronous = self.spec.run.checkpoint_upload == "async"
+        if asynchronous:
+            # One upload in flight: the previous checkpoint is committed before the next is handed over.
+            self.wait_for_uploads()
         tmp = Path(tempfile.mkdtemp(prefix="orchestrator-ckpt-"))
         try:
             ckpt = None
@@ -99,14 +127,39 @@ class RayHooks:
                 folder = write_checkpoint(tmp, state, spec_to_yaml(self.spec), trainer.task.artifacts().get("tokenizer"))
                 ckpt = ray.train.Checkpoint.from_directory(str(folder))
             # Named by step, not Ray's timestamp default, so storage listings read as a training history.
-            ray.train.report(report, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_{step:09d}")
-        finally:
+            upload = partial(ray.train.report, report, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_{step:09d}")
+            if asynchronous:
+                # Ray copies the folder to storage on its own thread and deletes it afterwards; the training
+                # thread goes on as soon as the report is queued.
+                upload(checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                       delete_local_checkpoint_after_upload=True)
+            else:
+                upload()
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if asynchronous:
+            self._uploading.append(tmp)
+            return
+        shutil.rmtree(tmp, ignore_errors=True)
+        self._wait_for_commit()
+
+    def _wait_for_commit(self) -> None:
         if self.rank == 0:
             # The controller registers a reported checkpoint (and saves its snapshot) on its next poll of the
             # workers; until then a killed run would resume from the one before. Waiting for the commit keeps
             # "on disk" and "registered" one step apart, so a resume recomputes at most checkpoint_every steps.
             ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+
+    def wait_for_uploads(self) -> None:
+        """Block until the checkpoints reported asynchronously are uploaded and registered (a no-op when none
+        are), then drop their emptied temporary folders."""
+        if not self._uploading:
+            return
+        self._wait_for_commit()
+        for tmp in self._uploading:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._uploading.clear()
 
     def after_step(self, step: int) -> None:
         if self.cfg.fail_at_step is not None and step == self.cfg.fail_at_step:
@@ -166,7 +219,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         assert cfg.init_checkpoint is not None, "the launcher resolves model.init_from into init_checkpoint"
         pretrained = load_pretrained(cfg.init_checkpoint, Path(tempfile.mkdtemp(prefix="init-from-")))
         ctx = replace(ctx, tokenizer_path=pretrained.tokenizer)
-    trainer = Trainer.create(spec, ctx, wrap=ray.train.torch.prepare_model,
+    trainer = Trainer.create(spec, ctx, wrap=lambda model: prepare(model, spec),
                              gather=lambda obj: _gather(obj, world_size),
                              initialize=pretrained.initializer(spec.model.freeze) if pretrained else None)
 
@@ -191,6 +244,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     status = "FAILED"
     try:
         trainer.fit(hooks)
+        hooks.wait_for_uploads()  # the last checkpoint is in storage before the run is called finished
         status = "FINISHED"
         hooks.log_artifacts(trainer.task.artifacts())
     finally:

@@ -1,0 +1,79 @@
+"""Scale features through Ray Train on the session's local Ray (2 CPUs): a 2-worker DDP run over gloo whose
+untied adaptive input leaves parameters unused on some steps, trained in fp16 with loss scaling and
+asynchronous checkpoint upload; and the collective timeout reaching Ray's TorchConfig.
+
+One run (tens of steps of a tiny masked LM) for the module: it is the expensive part."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from orchestrator.checkpoint import read_checkpoint
+from orchestrator.launch import build_trainer, run_training
+from orchestrator.spec import validate_spec
+from orchestrator.worker import has_unused_parameters
+from orchestrator.worker_config import WorkerConfig
+
+pytestmark = pytest.mark.slow
+
+
+def raw_spec(root: Path, **run) -> dict:
+    return {
+        "name": "scale-ddp",
+        "task": {"kind": "mlm", "seq_len": 16, "batch_size": 4, "vocab_size": 120, "eval_batches": 2,
+                 "builtin": {"train_sentences": 300, "eval_sentences": 30}},
+        # The last band (ids 117-119) is missing from most batches: untied, its table and projection then get
+        # no gradient, which DDP without find_unused_parameters refuses on the next step.
+        "model": {"d_model": 16, "layers": 1, "ffn": 32, "max_seq_len": 16, "dropout": 0.1, "tie_output": False,
+                  "embedding": {"kind": "adaptive", "cutoffs": [20, 117]}, "attention": {"kind": "mha", "heads": 2}},
+        "optim": {"lr": 3e-3, "max_steps": 6, "warmup_steps": 1, "seed": 7},
+        "run": {"workers": 2, "cpus_per_worker": 0.5, "checkpoint_every": 2, "eval_every": 2, "log_every": 1,
+                "keep_checkpoints": 5, "storage_path": str(root / "runs"), "final_eval": False, **run},
+        "tracking": {"uri": f"sqlite:///{root / 'mlflow.db'}", "retries": 2, "timeout_s": 2},
+    }
+
+
+def test_collective_timeout_reaches_torch_config(tmp_path):
+    spec = validate_spec(raw_spec(tmp_path, collective_timeout_s=123))
+    worker = WorkerConfig(spec=spec.model_dump(mode="json"), run=None, label="x", cache_dir=str(tmp_path),
+                          run_path=str(tmp_path / "runs" / "x"))
+    trainer = build_trainer(spec, run_name="x", storage_path=spec.run.storage_path, worker=worker)
+    assert trainer.backend_config.timeout_s == 123
+    assert trainer.run_config.worker_runtime_env["env_vars"]["RAY_worker_niceness"] == "0"
+
+
+def test_worker_niceness_variable_sets_the_priority_of_ray_workers(ray_cluster):
+    """What build_trainer's RAY_worker_niceness=0 relies on: Ray starts workers at niceness 15 unless a
+    worker's runtime env says otherwise."""
+    import os
+
+    @ray_cluster.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    default = ray_cluster.get(niceness.remote())
+    raised = ray_cluster.get(niceness.options(runtime_env={"env_vars": {"RAY_worker_niceness": "0"}}).remote())
+    assert (default, raised) == (15, 0)
+
+
+def test_two_worker_ddp_with_unused_parameters_fp16_and_async_upload(ray_cluster, tmp_path):
+    spec = validate_spec(raw_spec(tmp_path, precision="fp16", checkpoint_upload="async"))
+    assert has_unused_parameters(spec)
+    outcome = run_training(spec)
+
+    client = MlflowClient(spec.tracking.uri)
+    metrics = client.get_run(outcome.mlflow_run_id).data.metrics
+    assert "train/skipped_steps" in metrics and "train/loss_scale" in metrics
+    skipped = [m.value for m in client.get_metric_history(outcome.mlflow_run_id, "train/skipped_steps")]
+    assert len(skipped) == 6 and all(v in (0.0, 1.0) for v in skipped)
+    # Every checkpoint reached storage, readable, with both ranks' data positions (the last one before the run
+    # was called finished: the worker waits for its upload).
+    run_folder = Path(spec.run.storage_path) / spec.name
+    steps = sorted(read_checkpoint(path).step for path in run_folder.glob("checkpoint_0*"))
+    assert steps == [2, 4, 6]
+    state = read_checkpoint(run_folder / "checkpoint_000000006")
+    assert len(state.data_positions) == 2 and len(state.rng) == 2
+    assert outcome.checkpoint is not None and Path(outcome.checkpoint).name == "checkpoint_000000006"
