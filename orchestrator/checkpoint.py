@@ -89,6 +89,29 @@ def join(location: str, *parts: str) -> str:
     return "/".join([location.rstrip("/"), *parts])
 
 
+DIVERGED_FILE = "diverged.txt"
+"""In a Train run's folder once its loss became NaN or infinite (run.stop_on_nan): the reason, one line."""
+
+
+def mark_diverged(run_folder: str, reason: str) -> None:
+    """Record that the run diverged. Resuming it from its checkpoints would diverge again (same state, data and
+    RNG), so retries (run.max_failures, tune.max_failures, `orchestrator resume`) stop at once with the reason
+    instead of training up to the same step again."""
+    fs, path = storage_fs(join(run_folder, DIVERGED_FILE))
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path) as f:
+        f.write(reason.encode())
+
+
+def diverged(run_folder: str) -> str | None:
+    """The reason the run at `run_folder` diverged, or None."""
+    fs, path = storage_fs(join(run_folder, DIVERGED_FILE))
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        return f.read().decode().strip() or "the loss became NaN or infinite"
+
+
 def cache_dir_of(storage_path: str) -> str:
     """Tokenizers and prepared data: next to the runs when storage is local, else in the user's cache."""
     if "://" not in storage_path:

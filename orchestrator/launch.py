@@ -22,7 +22,7 @@ import pyarrow.fs
 import ray
 import yaml
 
-from orchestrator.checkpoint import cache_dir_of, checkpoint_steps
+from orchestrator.checkpoint import cache_dir_of, checkpoint_steps, diverged
 from orchestrator.checkpoint import join as _join
 from orchestrator.checkpoint import storage_fs as _fs
 from orchestrator.cluster_resources import HEAD_RESOURCE, ClusterView, view_cluster
@@ -358,6 +358,11 @@ def _fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, track
     hint = f"\n{advice}" if advice else ""
     try:
         try:
+            # A retried trial or a resume of a run that diverged (run.stop_on_nan) would diverge again: say so now,
+            # instead of starting its workers to train back to the same step.
+            reason = diverged(_join(trainer.run_config.storage_path, trainer.run_config.name))
+            if reason is not None:
+                raise LaunchError(f"{label} failed: NonFiniteLoss: {reason}{hint}")
             result = trainer.fit()
         except TrainingFailedError as err:
             raise LaunchError(f"{label} failed: {failure_reason(err)}{hint}") from None

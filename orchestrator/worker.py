@@ -25,7 +25,14 @@ import ray.train.torch
 import torch.distributed as dist
 from torch import nn
 
-from orchestrator.checkpoint import CHECKPOINT_NAME, TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.checkpoint import (
+    CHECKPOINT_NAME,
+    TrainingState,
+    diverged,
+    mark_diverged,
+    read_checkpoint,
+    write_checkpoint,
+)
 from orchestrator.pretrained import load as load_pretrained
 from models.config import AdaptiveInputConfig
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
@@ -38,7 +45,7 @@ from orchestrator.tracking import (
     device_tags,
     start_system_metrics,
 )
-from orchestrator.trainer import Cadence, Trainer, unwrap
+from orchestrator.trainer import Cadence, NonFiniteLoss, Trainer, unwrap
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
 from tasks.base import WorkerContext
 
@@ -210,6 +217,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point; `config[WORKER_CONFIG]` is the launcher's WorkerConfig."""
     cfg: WorkerConfig = config[WORKER_CONFIG]
     spec = ExperimentSpec.model_validate(cfg.spec)
+    if (reason := diverged(cfg.run_path)) is not None:  # a retry of a run that diverged: it would again
+        raise NonFiniteLoss(f"{reason} (before this retry; it diverges again from its checkpoints)")
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     ctx = WorkerContext(rank=rank, world_size=world_size, seed=spec.optim.seed,
@@ -243,7 +252,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         sys.stdout.write(f"[{cfg.label}] resumed from step {trainer.step} (MLflow run {hooks.run_id})\n")
     status = "FAILED"
     try:
-        trainer.fit(hooks)
+        try:
+            trainer.fit(hooks)
+        except NonFiniteLoss as err:
+            mark_diverged(cfg.run_path, str(err))
+            raise
         hooks.wait_for_uploads()  # the last checkpoint is in storage before the run is called finished
         status = "FINISHED"
         hooks.log_artifacts(trainer.task.artifacts())

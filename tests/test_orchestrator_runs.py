@@ -253,6 +253,35 @@ def test_lr_schedules_warm_up_then_decay(schedule):
         assert tail[-1] < 0.1
 
 
+def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
+    """The worker marks a NaN run's folder; a retried trial or a resume then fails at once with the reason."""
+    from types import SimpleNamespace
+
+    from orchestrator.checkpoint import diverged, mark_diverged
+    from orchestrator.launch import _fit_and_finish
+    from orchestrator.tracking import MlflowTracker, run_handle
+
+    folder = tmp_path / "runs" / "nan"
+    assert diverged(str(folder)) is None
+    mark_diverged(str(folder), "train/loss is nan at step 7 (lr 10)")
+
+    class NeverFit:
+        run_config = SimpleNamespace(storage_path=str(tmp_path / "runs"), name="nan")
+
+        def fit(self):
+            raise AssertionError("a diverged run must not start its workers again")
+
+    spec = validate_spec(tiny_spec("nan", {"storage": str(tmp_path / "runs"), "uri": f"sqlite:///{tmp_path}/m.db"}))
+    tracker = MlflowTracker(spec.tracking.uri)
+    handle = run_handle({}, "", experiment="nan", run_name="nan", role="run", kind="mha", commit="abc",
+                        key=("orchestrator.run", str(folder)))
+    with pytest.raises(LaunchError, match=r"run 'nan' failed: NonFiniteLoss: train/loss is nan at step 7"):
+        _fit_and_finish(spec, NeverFit(), handle, tracker, str(tmp_path), label="run 'nan'", advice=None)
+    [run] = MlflowClient(spec.tracking.uri).search_runs(
+        [MlflowClient(spec.tracking.uri).get_experiment_by_name("nan").experiment_id])
+    assert run.info.status == "FAILED"
+
+
 def test_a_create_whose_answer_was_lost_is_not_made_twice(tmp_path):
     """The server made the run but its answer timed out (a loaded server): the retry finds the run by its key."""
     from orchestrator.tracking import MlflowTracker, run_handle
