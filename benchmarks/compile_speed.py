@@ -30,6 +30,7 @@ from benchmarks.harness import (
     describe_error,
     interleaved_medians,
     results_dir,
+    save_figure,
     write_csv,
 )
 from models.attention import ATTENTION_KINDS
@@ -111,10 +112,7 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("eager step time / compiled")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

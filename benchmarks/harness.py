@@ -260,6 +260,16 @@ def plot_loglog(
     return path
 
 
+def save_figure(fig: Any, path: Path, dpi: int = 120) -> Path:
+    """Lay the figure out, write it to `path` and free it (pyplot keeps every open figure otherwise)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def results_dir(out: str | Path, device: torch.device) -> Path:
     """`<out>/<machine label>/`, created."""
     folder = Path(out) / machine_label(device)

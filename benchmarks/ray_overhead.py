@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Row, results_dir, write_csv
+from benchmarks.harness import Row, results_dir, save_figure, write_csv
 from benchmarks.mlflow_store import first_metric_ms, metric_history
 from orchestrator.local_run import train_locally
 from orchestrator.spec import (
@@ -298,10 +298,7 @@ def plot_comparison(before: Path, after: Path, path: Path) -> Path:
     right.set_xticks(range(len(startups)), [m.replace("_seconds_to_first_metric", "") for m in startups])
     right.set_title("seconds from launch to the first metric (with Ray)", fontsize=9)
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
