@@ -166,7 +166,7 @@ def portable_params(spec: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _short_path(value: str) -> str:
-    local = value[len("file://"):] if value.startswith("file://") else value
+    local = value.removeprefix("file://")
     if local.startswith(("/", "~")) and "\n" not in local:
         return "/".join(Path(local).parts[-2:])
     return value
@@ -298,10 +298,15 @@ class MlflowTracker:
 
     def create_run(self, experiment_id: str, run_name: str, tags: Mapping[str, str],
                    key: tuple[str, str] | None = None) -> str | None:
-        """A new run; with `key`, each attempt first looks for the run carrying it: a create the server did but
-        whose answer timed out is found by the retry instead of being made twice."""
+        """A new run; with `key`, a retried attempt first looks for the run carrying it: a create the server did
+        but whose answer timed out is found by the retry instead of being made twice. (The first attempt does not
+        look: ensure_run searched by the key just before.)"""
+        attempts = 0
+
         def create(client: MlflowClient) -> str:
-            found = _search_run(client, experiment_id, *key) if key is not None else None
+            nonlocal attempts
+            attempts += 1
+            found = _search_run(client, experiment_id, *key) if key is not None and attempts > 1 else None
             return found or client.create_run(experiment_id, run_name=run_name, tags=dict(tags)).info.run_id
 
         return self._call(f"run creation ({run_name})", create)

@@ -19,22 +19,24 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs
 import ray.train
 import ray.train.torch
 import torch.distributed as dist
 from torch import nn
 
+from models.config import AdaptiveInputConfig
 from orchestrator.checkpoint import (
     CHECKPOINT_NAME,
     TrainingState,
+    checkpoint_steps,
     diverged,
+    join,
     mark_diverged,
     read_checkpoint,
+    storage_fs,
     write_checkpoint,
 )
 from orchestrator.pretrained import load as load_pretrained
-from models.config import AdaptiveInputConfig
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.tracking import (
     ConsoleLogger,
@@ -188,11 +190,8 @@ def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> Tra
     """The newest readable checkpoint of this run: Ray's registered latest, or a newer complete one on disk
     that a kill kept Ray from registering; an unreadable one (truncated, corrupt) is skipped, said, and the
     one before it is taken."""
-    candidates: dict[str, ray.train.Checkpoint] = {}
-    fs, path = pyarrow.fs.FileSystem.from_uri(run_path)
-    for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True)):
-        if info.type == pyarrow.fs.FileType.Directory and CHECKPOINT_NAME.match(info.base_name):
-            candidates[info.base_name] = ray.train.Checkpoint(info.path, filesystem=fs)
+    fs, path = storage_fs(run_path)
+    candidates = {name: ray.train.Checkpoint(join(path, name), filesystem=fs) for name in checkpoint_steps(run_path)}
     if registered is not None:
         candidates.setdefault(Path(registered.path).name, registered)
     skipped: list[str] = []
