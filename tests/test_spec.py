@@ -97,12 +97,13 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["optim.warmup_steps=20"], ["optim.warmup_steps=20", "max_steps=10"]),
         (["run.workers=2", "run.gpus_per_worker=0.5"], ["run.gpus_per_worker=0.5", "run.workers=2", "NCCL"]),
         (["run.gpus_per_worker=1.5"], ["run.gpus_per_worker=1.5", "whole number"]),
+        (["tracking.system_metrics_interval_s=0"], ["tracking.system_metrics_interval_s must be > 0"]),
         (["model.d_model=abc"], ["model.d_model", "integer"]),
         (["name=has space"], ["name"]),
     ],
     ids=["unknown-kind", "k-over-seq-len", "typo-attention", "typo-optim", "typo-union-member", "moved-field",
          "no-close-name", "metric-not-produced", "seq-len",
-         "bf16-cpu", "fractional-gpu-ddp", "gpu-over-one-not-whole", "warmup", "type", "name"],
+         "bf16-cpu", "fractional-gpu-ddp", "gpu-over-one-not-whole", "system-metrics-interval", "warmup", "type", "name"],
 )
 def test_errors_name_the_field_and_the_fix(tmp_path, overrides, expected):
     path = write(tmp_path, base_raw())
