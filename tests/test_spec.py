@@ -103,7 +103,8 @@ def test_yaml_and_dotted_overrides(tmp_path):
     ],
     ids=["unknown-kind", "k-over-seq-len", "typo-attention", "typo-optim", "typo-union-member", "moved-field",
          "no-close-name", "metric-not-produced", "seq-len",
-         "bf16-cpu", "fractional-gpu-ddp", "gpu-over-one-not-whole", "system-metrics-interval", "warmup", "type", "name"],
+         "bf16-cpu", "warmup", "fractional-gpu-ddp", "gpu-over-one-not-whole", "system-metrics-interval", "type",
+         "name"],
 )
 def test_errors_name_the_field_and_the_fix(tmp_path, overrides, expected):
     path = write(tmp_path, base_raw())
