@@ -203,7 +203,10 @@ def last_logged_step(uri: str, experiment: str) -> int:
 
 
 def checkpoint_on_disk(run_folder: Path, step: int) -> bool:
-    return (run_folder / f"checkpoint_{step:09d}" / "state.pt").is_file()
+    """A complete checkpoint of step `step` or later: Ray deletes early checkpoints once `run.keep_checkpoints`
+    better ones exist, so a trial that ran ahead no longer holds the one of `step` itself."""
+    return any(int(folder.name.removeprefix("checkpoint_")) >= step and (folder / "state.pt").is_file()
+               for folder in run_folder.glob("checkpoint_*") if folder.name.removeprefix("checkpoint_").isdigit())
 
 
 def resumed_step(output: str) -> int:

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 
 def kill_after_checkpoint(proc: Proc, run_folder: Path, step: int, uri: str, experiment: str) -> int:
-    """SIGKILL the launcher as soon as checkpoint `step` is complete on disk; the last step it logged."""
+    """SIGKILL the launcher as soon as a checkpoint of `step` or later is complete on disk; the last step it logged."""
     wait_for(lambda: checkpoint_on_disk(run_folder, step), 300, f"checkpoint {step}", proc)
     kill_tree(proc)
     return last_logged_step(uri, experiment)
