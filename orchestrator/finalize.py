@@ -151,11 +151,10 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
                     cache_dir: str | None = None) -> list[dict[str, Any]]:
     """`orchestrator evaluate`: score a finished run (or every trial of a sweep) again, in this process, and
     log the metrics to its MLflow run. One dict per run: label, checkpoint, which, metrics."""
-    import os
-
     from orchestrator.checkpoint import cache_dir_of, read_checkpoint
+    from orchestrator.ray_env import use_train_v2
 
-    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # before ray.train is imported: Result.from_path reads V2 storage
+    use_train_v2()  # Result.from_path reads V2 storage
     from ray.train import Result
 
     out = []

@@ -27,10 +27,6 @@ from orchestrator.checkpoint import join as _join
 from orchestrator.checkpoint import storage_fs as _fs
 from orchestrator.cluster_resources import HEAD_RESOURCE, ClusterView, view_cluster
 from orchestrator.finalize import final_evaluation
-from orchestrator.pretrained import CHECKPOINTS_TAG
-from orchestrator.pretrained import preflight as check_init_from
-from orchestrator.progress import VERBOSE_ENV, SweepProgress, describe_config, set_verbose, verbose
-from orchestrator.sweep_summary import summarize_sweep
 from orchestrator.preflight import (
     LOCK_FILE,
     LaunchError,
@@ -40,7 +36,16 @@ from orchestrator.preflight import (
     check_tracking,
     name_lock,
 )
-from orchestrator.search_space import grid_points, resolve, to_param_space, validation_points
+from orchestrator.pretrained import CHECKPOINTS_TAG
+from orchestrator.pretrained import preflight as check_init_from
+from orchestrator.progress import SweepProgress, describe_config, set_verbose, verbose
+from orchestrator.ray_env import start_local_ray, train_worker_env, use_train_v2
+from orchestrator.search_space import (
+    grid_points,
+    resolve,
+    to_param_space,
+    validation_points,
+)
 from orchestrator.spec import (
     ExperimentSpec,
     SpecError,
@@ -51,6 +56,7 @@ from orchestrator.spec import (
     study_from_raw,
     validate_spec,
 )
+from orchestrator.sweep_summary import summarize_sweep
 from orchestrator.tracking import (
     RUN_KEY_TAG,
     SPOOL_FILE,
@@ -65,7 +71,6 @@ from orchestrator.tracking import (
 from orchestrator.trainer import Cadence
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 META_FILE = "orchestrator.json"
 """Written next to a run's or sweep's Ray files: what `orchestrator resume NAME` needs (spec, MLflow ids)."""
 TRIALS_DIR = "trials"
@@ -77,28 +82,18 @@ PRETRAIN_DIR = "pretrain"
 # --- Ray ---------------------------------------------------------------------------------------------
 
 
-def ray_runtime_env() -> dict[str, Any]:
-    """Environment of every Ray worker: Train V2 on, trial drivers stay in the launcher's cwd (relative data
-    paths keep working), and this checkout importable even when it is not pip-installed."""
-    from orchestrator.ray_console import runtime_env_extras  # Ray's own output turned down unless --verbose
-
-    pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    extras = runtime_env_extras()
-    return {**extras, "env_vars": {"RAY_TRAIN_V2_ENABLED": "1", "RAY_CHDIR_TO_TRIAL_DIR": "0", "PYTHONPATH": pythonpath,
-                                   VERBOSE_ENV: "1" if verbose() else "0", **extras.get("env_vars", {})}}
-
-
 def connect() -> None:
-    """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), else start a local one; Ray's own
-    logs as quiet as the launcher's verbosity says (orchestrator/ray_console.py)."""
-    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # read when ray.train is first imported
+    """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), else start a local one
+    (orchestrator/ray_env.py says what its processes get); Ray's own logs as quiet as the launcher's verbosity
+    says (orchestrator/ray_console.py)."""
+    use_train_v2()
     # Tune copies this variable from the launcher's environment into every trial actor's (tune/execution/
     # class_cache.py), on a local Ray and on a cluster joined through RAY_ADDRESS alike, where the job's runtime
-    # env, not ray_runtime_env(), applies: trial drivers then stay in the launcher's working directory.
+    # env applies: trial drivers then stay in the launcher's working directory.
     os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
     if ray.is_initialized():
         return
-    from orchestrator.ray_console import ray_init_kwargs  # imports ray.train: after the line above
+    from orchestrator.ray_console import ray_init_kwargs  # imports ray.train, as V2 since use_train_v2()
 
     address = os.environ.get("RAY_ADDRESS")
     if address:
@@ -106,9 +101,7 @@ def connect() -> None:
         # installed (cluster.yaml setup_commands) and Train V2 is Ray 2.60's default.
         ray.init(address=address, **ray_init_kwargs())
     else:
-        # No dashboard on a local Ray (installed with ray[default], e.g. the [cluster] extra): it costs start-up
-        # time and memory, and MLflow is where a run is watched. `ray start --head` on a cluster keeps Ray's default.
-        ray.init(runtime_env=ray_runtime_env(), include_dashboard=False, **ray_init_kwargs())
+        start_local_ray(**ray_init_kwargs())
 
 
 def _check_cluster(spec: ExperimentSpec) -> ClusterView:
@@ -265,18 +258,12 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from orchestrator.ray_console import train_logging_config, worker_runtime_env
+    from orchestrator.ray_console import train_logging_config
     from orchestrator.worker import train_loop_per_worker
 
     resources = {"CPU": spec.run.cpus_per_worker}
     if spec.run.gpus_per_worker:
         resources["GPU"] = spec.run.gpus_per_worker
-    runtime_env = worker_runtime_env()
-    # Ray starts its worker processes at niceness 15 (RAY_worker_niceness) so that its own daemons stay
-    # responsive; a training worker then loses every CPU contest on a shared node (measured in
-    # benchmarks/RESULTS.md, "Ray overhead"). The workers that train run at the launcher's priority, as Ray's
-    # job supervisor does for drivers (env var read by the worker's core at start-up).
-    runtime_env = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), "RAY_worker_niceness": "0"}}
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={WORKER_CONFIG: worker},
@@ -294,7 +281,7 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
                                                checkpoint_score_order=spec.mode),
             callbacks=callbacks or [],
             logging_config=train_logging_config(),
-            worker_runtime_env=runtime_env,
+            worker_runtime_env=train_worker_env(),
         ),
     )
 
@@ -467,7 +454,7 @@ def _extends(meta: Mapping[str, Any], spec: ExperimentSpec) -> bool:
 def _close_finished(spec: ExperimentSpec, meta: Mapping[str, Any], tracker: MlflowTracker,
                     handle: RunHandle) -> RunOutcome:
     """`resume` of a run that had finished training: send what its spool still holds and end its MLflow run."""
-    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # before ray.train is imported: Result.from_path reads V2 storage
+    use_train_v2()  # Result.from_path reads V2 storage
     from ray.train import Result
 
     if handle.run_id is not None and not tracker.end_run(handle.run_id, "FINISHED"):

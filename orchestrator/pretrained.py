@@ -12,7 +12,6 @@ the worker that needs them.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
@@ -28,7 +27,6 @@ from pydantic import ValidationError
 from torch import nn
 
 from models.classifier import load_encoder
-
 from orchestrator.checkpoint import (
     SPEC_FILE,
     STATE_FILE,
@@ -38,6 +36,7 @@ from orchestrator.checkpoint import (
     read_checkpoint,
     storage_fs,
 )
+from orchestrator.ray_env import use_train_v2
 from orchestrator.spec import ExperimentSpec, SpecError
 
 CHECKPOINTS_TAG = "orchestrator.checkpoints"
@@ -103,7 +102,7 @@ def _best_checkpoint(run_folder: str, value: str) -> tuple[str, ExperimentSpec] 
     newest = join(run_folder, max(steps, key=steps.get))
     spec = _read_spec(newest, value)
     try:
-        os.environ["RAY_TRAIN_V2_ENABLED"] = "1"  # before ray.train is imported: Result.from_path reads V2 storage
+        use_train_v2()  # Result.from_path reads V2 storage
         from ray.train import Result
 
         from orchestrator.finalize import choose_checkpoint

@@ -6,7 +6,7 @@ Without --verbose:
   few seconds that the state API cannot be asked when Ray runs without its dashboard);
 - Ray Train's `RunConfig(logging_config=LoggingConfig(log_level=ERROR))`: its `ray.train` logs in the
   controller and workers (worker group start, checkpoint uploads);
-- the job's `worker_process_setup_hook` (`quiet_worker_process`): the one Ray Train logger outside
+- `worker.quiet_train_reports`, first thing in every Train worker's loop: the one Ray Train logger outside
   `ray.train`, which logs the repr of every TrainingReport at INFO;
 - Tune's `RunConfig(verbose=0)` with its legacy reporter (`RAY_AIR_NEW_OUTPUT=0`: the new one prints its
   experiment header at every verbosity), and its `ray.tune` logger off: a failed trial's traceback is in its
@@ -33,7 +33,6 @@ from ray.tune import Callback
 from ray.util.queue import Empty, Queue
 
 from orchestrator.progress import (
-    VERBOSE_ENV,
     SweepProgress,
     emit,
     report_line,
@@ -52,34 +51,8 @@ def ray_init_kwargs() -> dict[str, Any]:
     return {"logging_level": logging.ERROR, "logging_config": ray.LoggingConfig(encoding="TEXT", log_level=QUIET_LEVEL)}
 
 
-def runtime_env_extras() -> dict[str, Any]:
-    """Additions to the job's runtime env of a local Ray (none with --verbose): a cluster joined through
-    RAY_ADDRESS keeps its job's own, so there the TrainingReport lines still show."""
-    if verbose():
-        return {}
-    # Not RAY_BACKEND_LOG_LEVEL: Ray's C++ core announces that setting at INFO in every process it starts.
-    return {"worker_process_setup_hook": "orchestrator.ray_console.quiet_worker_process"}
-
-
-def quiet_worker_process() -> None:
-    """Runs first in every worker process of a quiet job. Ray Train's execution context logs each report's
-    TrainingReport repr through a logger named by its file path (`logging.getLogger(__file__)`), outside
-    `ray.train`, so Ray Train's LoggingConfig does not reach it; its level is set here, by that name."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
-    if spec is not None and spec.origin:
-        logging.getLogger(spec.origin).setLevel(logging.WARNING)
-
-
 def train_logging_config() -> TrainLoggingConfig:
     return TrainLoggingConfig(log_level="INFO" if verbose() else QUIET_LEVEL)
-
-
-def worker_runtime_env() -> dict[str, Any]:
-    """Train workers' environment on top of the job's: the verbosity, which `tracking.ConsoleLogger` reads
-    (set per run, so it also reaches workers of a cluster joined through RAY_ADDRESS)."""
-    return {"env_vars": {VERBOSE_ENV: "1" if verbose() else "0"}}
 
 
 def quiet_tune() -> int:

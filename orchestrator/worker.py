@@ -10,6 +10,7 @@ ends runs.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from orchestrator.checkpoint import (
     write_checkpoint,
 )
 from orchestrator.pretrained import load as load_pretrained
+from orchestrator.progress import verbose
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.tracking import (
     ConsoleLogger,
@@ -212,8 +214,24 @@ def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> Tra
     return None
 
 
+def quiet_train_reports() -> None:
+    """Called first in every Train worker's loop: without --verbose, Ray Train's execution context, which logs
+    each report's TrainingReport repr at INFO through a logger named by its file path (`logging.getLogger(
+    __file__)`, outside `ray.train`, so Ray Train's LoggingConfig does not reach it), logs warnings only. Set
+    here rather than by a job-wide setup hook: that needs a job runtime env (ray_env.py says why there is none
+    on a local Ray), and the loop runs on a joined cluster too. Here, not in ray_console.py, which imports Tune."""
+    if verbose():
+        return
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
+    if spec is not None and spec.origin:
+        logging.getLogger(spec.origin).setLevel(logging.WARNING)
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point; `config[WORKER_CONFIG]` is the launcher's WorkerConfig."""
+    quiet_train_reports()
     cfg: WorkerConfig = config[WORKER_CONFIG]
     spec = ExperimentSpec.model_validate(cfg.spec)
     if (reason := diverged(cfg.run_path)) is not None:  # a retry of a run that diverged: it would again

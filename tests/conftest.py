@@ -3,8 +3,6 @@ for it: tests that never request it (spec, search space, cluster YAML) run witho
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -23,12 +21,11 @@ def _one_torch_thread():
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A 2-CPU, 0-GPU local Ray cluster (explicit counts keep tests machine-independent)."""
-    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
     import ray
 
-    from orchestrator.launch import ray_runtime_env
+    from orchestrator.ray_env import start_local_ray
 
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, runtime_env=ray_runtime_env())
+    start_local_ray(num_cpus=2, num_gpus=0)
     try:
         yield ray
     finally:

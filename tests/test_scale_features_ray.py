@@ -42,12 +42,28 @@ def test_collective_timeout_reaches_torch_config(tmp_path):
                           run_path=str(tmp_path / "runs" / "x"))
     trainer = build_trainer(spec, run_name="x", storage_path=spec.run.storage_path, worker=worker)
     assert trainer.backend_config.timeout_s == 123
-    assert trainer.run_config.worker_runtime_env["env_vars"]["RAY_worker_niceness"] == "0"
 
 
-def test_worker_niceness_variable_sets_the_priority_of_ray_workers(ray_cluster):
-    """What build_trainer's RAY_worker_niceness=0 relies on: Ray starts workers at niceness 15 unless a
-    worker's runtime env says otherwise."""
+def test_train_workers_get_their_environment_from_the_raylet_locally_and_a_runtime_env_on_a_cluster(monkeypatch):
+    """On a Ray the launcher started, the raylet gave every worker the environment (no runtime env of the
+    Train workers' own); on a joined cluster the Train workers get the verbosity and normal priority."""
+    from orchestrator import ray_env
+
+    monkeypatch.setattr(ray_env, "_started_here", True)
+    assert ray_env.train_worker_env() is None
+    monkeypatch.setattr(ray_env, "_started_here", False)
+    monkeypatch.setenv(ray_env.LOCAL_RAY, "1")  # a trial driver of a local Ray: set by its raylet
+    assert ray_env.train_worker_env() is None
+    monkeypatch.delenv(ray_env.LOCAL_RAY)
+    monkeypatch.setenv("ORCHESTRATOR_VERBOSE", "1")
+    assert ray_env.train_worker_env() == {"env_vars": {"ORCHESTRATOR_VERBOSE": "1", "RAY_worker_niceness": "0"}}
+
+
+def test_workers_of_a_local_ray_run_at_normal_priority_and_the_variable_reaches_them_on_a_cluster(ray_cluster):
+    """Ray starts its workers at niceness 15 unless RAY_worker_niceness says otherwise: the local Ray
+    (ray_env.start_local_ray, as the session's test Ray is started) gives every worker 0 through the raylet's
+    environment, and a runtime env's value, as train_worker_env gives Train workers on a joined cluster, is
+    what the worker takes."""
     import os
 
     @ray_cluster.remote(num_cpus=0)
@@ -55,8 +71,27 @@ def test_worker_niceness_variable_sets_the_priority_of_ray_workers(ray_cluster):
         return os.nice(0)
 
     default = ray_cluster.get(niceness.remote())
-    raised = ray_cluster.get(niceness.options(runtime_env={"env_vars": {"RAY_worker_niceness": "0"}}).remote())
-    assert (default, raised) == (15, 0)
+    set_by_runtime_env = ray_cluster.get(niceness.options(runtime_env={"env_vars": {"RAY_worker_niceness": "15"}}).remote())
+    assert (default, set_by_runtime_env) == (0, 15)
+
+
+def test_the_local_ray_leaves_the_launchers_environment_as_it_was(ray_cluster):
+    """The variables the local Ray's processes get are set only while the raylet starts: left in the
+    launcher's environment, Ray Train would copy RAY_TRAIN_V2_ENABLED and the preemption switch into every
+    controller, and later subprocesses of the same process (a test session's) would inherit them."""
+    import os
+
+    from orchestrator.ray_env import LOCAL_RAY, TRAIN_V2, on_local_ray
+
+    assert on_local_ray()
+    for name in (TRAIN_V2, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "RAY_prestart_worker_first_driver", LOCAL_RAY):
+        assert name not in os.environ, name
+
+    @ray_cluster.remote(num_cpus=0)
+    def seen() -> dict:
+        return {name: os.environ.get(name) for name in (TRAIN_V2, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", LOCAL_RAY)}
+
+    assert ray_cluster.get(seen.remote()) == {TRAIN_V2: "1", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", LOCAL_RAY: "1"}
 
 
 def test_two_worker_ddp_with_unused_parameters_fp16_and_async_upload(ray_cluster, tmp_path):

@@ -1,0 +1,103 @@
+"""The environment of the project's Ray processes: one place that says which variables they get and how.
+
+A local Ray (the launcher's own `ray.init`) gets them through the raylet: `start_local_ray` sets them in the
+launcher's environment only while `ray.init` starts the raylet, which passes its environment to every worker
+process it starts (so the launcher's own environment, which Ray Train and Tune copy into the actors they
+create, stays as the user left it). Two of them trim what a run starts on one machine:
+- no workers started ahead of time: Ray starts one per CPU when the first job connects, but they only serve
+  tasks with an empty runtime env, and every actor of a Train run has one (the controller is created with
+  Ray Train's own env vars, and its actors inherit them), so they never ran anything of a run and only took
+  CPU while the run's own processes started;
+- no preemption watcher actor: one machine is not preempted (on a cluster it stays on).
+benchmarks/RESULTS.md, "Time to first metric", lists the processes a run starts and when.
+
+A cluster joined through RAY_ADDRESS keeps its job's own environment (nodes set theirs up, cluster.yaml), so
+there the Train workers get what they need through Ray Train's `worker_runtime_env` (`train_worker_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from orchestrator.progress import VERBOSE_ENV, verbose
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
+LOCAL_RAY = "ORCHESTRATOR_LOCAL_RAY"
+"""Set to 1 in every process of a Ray the launcher started itself (through the raylet's environment)."""
+WORKER_NICENESS = "RAY_worker_niceness"
+
+_started_here = False
+"""This process started the local Ray it is connected to (its own environment no longer says so)."""
+
+
+def use_train_v2() -> None:
+    """Import `ray.train` as Train V2 (Ray reads the variable when `ray.train` is first imported; V2 is Ray
+    2.60's default, this keeps it so where a user's environment says otherwise). The variable is unset again
+    afterwards: left set, Ray Train would copy it into each run's controller (it propagates the Train
+    variables the driver set), and the controller would then not fit a prestarted worker."""
+    if "ray.train" in sys.modules or TRAIN_V2 in os.environ:
+        return
+    os.environ[TRAIN_V2] = "1"
+    try:
+        import ray.train  # noqa: F401
+    finally:
+        del os.environ[TRAIN_V2]
+
+
+def local_ray_environment() -> dict[str, str]:
+    """Every process of a local Ray: Train V2; trial drivers in the launcher's working directory (relative data
+    paths keep working); this checkout importable even when not pip-installed; the launcher's verbosity; Ray's
+    workers at normal priority (Ray starts them at niceness 15 so that its daemons stay responsive, and a
+    training worker then loses every CPU contest on a shared machine: benchmarks/RESULTS.md, "Ray overhead");
+    no preemption watcher and no prestarted workers (the module's docstring says why)."""
+    pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {TRAIN_V2: "1", "RAY_CHDIR_TO_TRIAL_DIR": "0", "PYTHONPATH": pythonpath,
+            VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0",
+            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_first_driver": "0", LOCAL_RAY: "1"}
+
+
+@contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def start_local_ray(**init_kwargs: Any) -> None:
+    """`ray.init` of a local Ray whose every process has `local_ray_environment()`; this process's own
+    environment is as it was afterwards (a test session's later subprocesses, and Ray Train's copying of the
+    driver's variables, see none of it)."""
+    global _started_here
+    import ray
+
+    use_train_v2()
+    with _environment(local_ray_environment()):
+        # No dashboard: it costs start-up time and memory, and MLflow is where a run is watched.
+        ray.init(include_dashboard=False, **init_kwargs)
+    _started_here = True
+
+
+def on_local_ray() -> bool:
+    return _started_here or os.environ.get(LOCAL_RAY) == "1"
+
+
+def train_worker_env() -> dict[str, Any] | None:
+    """Ray Train's `worker_runtime_env`: none on a local Ray (the raylet gave every worker the environment);
+    on a joined cluster the launcher's verbosity, which `tracking.ConsoleLogger` reads, and normal priority
+    for the training process (as Ray's job supervisor does for drivers)."""
+    if on_local_ray():
+        return None
+    return {"env_vars": {VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0"}}
