@@ -16,8 +16,11 @@ Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
    train spec.yaml --verbose` process (its own local Ray) with the tokenizer cache warm, from the process
    start to its first metric in the MLflow store, and where that time goes: seconds until Ray's "Started a
    local Ray instance" line, until the Train controller's "Started training worker group" line, and until
-   the worker's first console step line (each output line is stamped as it arrives). Against the plain
-   core's first window with a warm cache. `--cli-only` measures just this.
+   the worker's first console step line (each output line is stamped as it arrives), and when each Ray
+   actor of the run got its process (`process:TrainController`, `process:RayTrainWorker`, ...: the process
+   titles below the launcher, polled every 0.1 s). Against the plain core's first window with a warm cache.
+   `--cli-only` measures just this, `--rounds N` times; `--against CHECKOUT` alternates it with another
+   checkout's (before/after a change, on the same machine and load).
 
 Metric times come from the run's MLflow SQLite store, read with the standard library's sqlite3 (the
 experiments/runs/metrics tables), so that no code outside orchestrator/ imports mlflow (STYLE.md section 5).
@@ -25,6 +28,7 @@ experiments/runs/metrics tables), so that no code outside orchestrator/ imports 
     python -m benchmarks.ray_overhead --out benchmarks/results            # full
     python -m benchmarks.ray_overhead --quick --out benchmarks/results    # about a minute (Ray start-up)
     python -m benchmarks.ray_overhead --compare before.csv after.csv      # plot two runs' rows side by side
+    python -m benchmarks.ray_overhead --cli-only --rounds 3 --against /tmp/before   # start-up, A/B
 """
 
 from __future__ import annotations
@@ -211,27 +215,62 @@ PHASES = {
 }
 
 
-def cli_run(spec: ExperimentSpec, workdir: Path) -> dict[str, float]:
-    """`python -m orchestrator train` on `spec` in a fresh process: seconds from its start to each phase's
-    first output line and to its first metric in the MLflow store."""
-    path = workdir / f"{spec.name}.yaml"
-    path.write_text(spec_to_yaml(spec))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+RAY_PROCESS = re.compile(r"^ray::([A-Za-z_]+)")
+"""A Ray worker's process title names its actor (or `IDLE`): when each of a run's actors got its process."""
+
+
+@dataclass(frozen=True)
+class Checkout:
+    """A source tree whose `orchestrator train` is timed: this one, or another (`--against`)."""
+    label: str
+    root: Path
+
+
+def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout) -> dict[str, float]:
+    """`python -m orchestrator train PATH name=NAME` from `checkout` in a fresh process: seconds from its start
+    to each phase's first output line, to the first time each Ray actor's process title appears below it
+    (`process:<Actor>`, polled every 0.1 s), and to its first metric in the MLflow store."""
+    import threading
+
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout.root), os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ADDRESS", None)  # its own local Ray, as a user's first command starts
     seen: dict[str, float] = {}
     started_ms, start = time.time() * 1000, time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "orchestrator", "train", str(path), "--verbose"], cwd=workdir,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "orchestrator", "train", str(path), f"name={name}",
+                             "--verbose"], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     tail: list[str] = []
-    for line in proc.stdout:
-        tail = (tail + [line])[-30:]
-        for phase, pattern in PHASES.items():
-            if phase not in seen and pattern.search(line):
-                seen[phase] = time.perf_counter() - start
+
+    def read() -> None:
+        nonlocal tail
+        for line in proc.stdout:
+            tail = (tail + [line])[-30:]
+            for phase, pattern in PHASES.items():
+                if phase not in seen and pattern.search(line):
+                    seen[phase] = time.perf_counter() - start
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    launcher = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            children = launcher.children(recursive=True)
+        except psutil.Error:
+            break
+        for child in children:
+            try:
+                match = RAY_PROCESS.match(" ".join(child.cmdline()))
+            except psutil.Error:
+                continue
+            if match and match.group(1) != "IDLE":
+                seen.setdefault(f"process:{match.group(1)}", time.perf_counter() - start)
+        time.sleep(0.1)
+    reader.join()
     if proc.wait() != 0:
-        raise RuntimeError(f"orchestrator train failed:\n{''.join(tail)}")
-    uri = spec.tracking.uri
-    run_ids = [r for (r,) in _run_ids(uri, spec.tracking.experiment or spec.name)]
+        raise RuntimeError(f"orchestrator train ({checkout.label}) failed:\n{''.join(tail)}")
+    run_ids = [r for (r,) in _run_ids(uri, name)]
     first_ms = first_metric_ms(uri, run_ids)
     seen["first_metric"] = math.nan if first_ms is None else (first_ms - started_ms) / 1000
     return seen
@@ -246,26 +285,49 @@ def _run_ids(uri: str, experiment: str) -> list[tuple[str]]:
                           "WHERE e.name = ?", (experiment,)).fetchall()
 
 
-def measure_cli(scale: Scale, workdir: Path) -> list[Row]:
-    """Measurement 4: warm the tokenizer cache (and the OS's file cache) with a plain run, then time a fresh
-    `orchestrator train` process against a second, warm plain run; both stop after their first window."""
+def measure_cli(scale: Scale, workdir: Path, *, rounds: int = 1, against: Path | None = None) -> list[Row]:
+    """Measurement 4: warm the tokenizer cache (and the OS's file cache) with a plain run, then time fresh
+    `orchestrator train` processes against a second, warm plain run; all stop after their first window.
+    With `against` (another checkout), its `orchestrator train` alternates with this one's, `rounds` times
+    each, order swapped every round (a shared machine's load then hits both alike): medians per checkout."""
     storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
     short = Scale(**{**scale.__dict__, "max_steps": scale.log_every})
     warm_cache = workdir / "runs" / ".cache"
     raw = bench_spec("ray-overhead-cli", short, storage, uri)
     raw["run"]["final_eval"] = False
     spec = validate_spec(raw)
+    path = workdir / f"{spec.name}.yaml"
+    path.write_text(spec_to_yaml(spec))
     plain_run(spec, warm_cache)  # fills the cache the launcher's runs share (run.storage_path/.cache)
     plain = plain_run(spec, warm_cache)
-    phases = cli_run(spec, workdir)
+    checkouts = [Checkout("this", Path.cwd())] + ([Checkout("against", against.resolve())] if against else [])
+    samples: dict[str, list[dict[str, float]]] = {c.label: [] for c in checkouts}
+    for round_ in range(rounds):
+        for checkout in checkouts if round_ % 2 == 0 else checkouts[::-1]:
+            phases = cli_run(path, f"cli-{checkout.label}-{round_}", uri, workdir, checkout)
+            print(f"round {round_} {checkout.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
+            samples[checkout.label].append(phases)
     common = {"d_model": scale.d_model, "layers": scale.layers, "seq_len": scale.seq_len,
               "batch_size": scale.batch_size, "max_steps": short.max_steps, "log_every": scale.log_every,
-              "threads": scale.cpus}
-    rows: list[Row] = [{"measurement": "cli_warm_seconds_to_first_metric", "ray": phases["first_metric"],
-                        "plain": plain.first_window_s, "windows": "warm cache; fresh process", **common}]
-    for phase in PHASES:
-        rows.append({"measurement": f"cli_warm_seconds_to_{phase}", "ray": phases.get(phase, math.nan),
-                     "plain": math.nan, "windows": "phase of the run above", **common})
+              "threads": scale.cpus, "rounds": rounds}
+    keys = ["first_metric", *PHASES]
+    keys += sorted({k for runs in samples.values() for phases in runs for k in phases if k not in keys},
+                   key=lambda k: statistics.median(p.get(k, math.inf) for p in samples["this"]))
+
+    def median(label: str, key: str) -> float:
+        values = [p[key] for p in samples[label] if key in p]
+        return statistics.median(values) if values else math.nan
+
+    rows: list[Row] = []
+    for key in keys:
+        row: Row = {"measurement": f"cli_warm_seconds_to_{key}", "ray": median("this", key),
+                    "plain": plain.first_window_s if key == "first_metric" else math.nan,
+                    "windows": "warm cache; fresh process" if key == "first_metric" else "phase of the run above",
+                    "samples": ";".join(f"{p.get(key, math.nan):.2f}" for p in samples["this"]), **common}
+        if against is not None:
+            row["against"] = median("against", key)
+            row["against_samples"] = ";".join(f"{p.get(key, math.nan):.2f}" for p in samples["against"])
+        rows.append(row)
     return rows
 
 
@@ -310,8 +372,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--name", default="ray_overhead", help="file stem of the CSV")
     parser.add_argument("--cli-only", action="store_true", help="only measurement 4 (warm `orchestrator train`)")
     parser.add_argument("--rounds", type=int, default=1, help="(plain, Ray) pairs for the steady state, order "
-                        "swapped each round (a shared machine's load then hits both sides alike)")
+                        "swapped each round (a shared machine's load then hits both sides alike); with --cli-only, "
+                        "`orchestrator train` start-ups per checkout")
     parser.add_argument("--no-sweep", action="store_true", help="skip measurement 3 (the two-trial sweep)")
+    parser.add_argument("--against", default=None, metavar="CHECKOUT",
+                        help="with --cli-only: another checkout of this project (e.g. `git worktree add /tmp/before "
+                        "HEAD~1`), whose `orchestrator train` alternates with this one's --rounds times")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE_CSV", "AFTER_CSV"),
                         help="no measurement: plot two CSVs of this benchmark side by side (next to AFTER_CSV)")
     return parser.parse_args(argv)
@@ -331,14 +397,16 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         if (workdir / "runs").exists():
             raise SystemExit(f"--workdir {workdir} already holds runs/; give an empty folder (runs are not reused)")
         rows = [] if args.cli_only else measure(scale, workdir, rounds=args.rounds, sweep=not args.no_sweep)
-        rows += measure_cli(scale, workdir)
+        rows += measure_cli(scale, workdir, rounds=args.rounds if args.cli_only else 1,
+                            against=Path(args.against) if args.against else None)
         for row in rows:
             plain = row["plain"]
             row["ray_over_plain"] = row["ray"] / plain if plain and math.isfinite(plain) else math.nan
             row["ray_minus_plain"] = row["ray"] - plain
     for row in rows:
-        print(f"{row['measurement']:32s} ray {row['ray']:10.2f}  plain {row['plain']:10.2f}  "
-              f"ratio {row['ray_over_plain']:.3f}", flush=True)
+        against = f"  against {row['against']:10.2f}" if "against" in row else ""
+        print(f"{row['measurement']:48s} ray {row['ray']:10.2f}  plain {row['plain']:10.2f}  "
+              f"ratio {row['ray_over_plain']:.3f}{against}", flush=True)
     print(f"wrote {write_csv(rows, results_dir(args.out, torch.device('cpu')) / f'{args.name}.csv')}")
     return rows
 
