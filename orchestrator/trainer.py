@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -283,7 +283,7 @@ def train_step(model: nn.Module, micro_batches: Iterator[Batch], loss_fn: LossFn
 
 def pinned(batch: Batch) -> Batch:
     """The batch in page-locked host memory, so that `Batch.to(cuda)` (non_blocking) copies asynchronously."""
-    return Batch({k: v.pin_memory() for k, v in batch.tensors.items()}, batch.n_tokens)
+    return replace(batch, tensors={k: v.pin_memory() for k, v in batch.tensors.items()})
 
 
 class Prefetcher:

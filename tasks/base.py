@@ -7,7 +7,7 @@ worker loop (orchestrator/worker.py) drives it, and only plain numbers and files
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
@@ -36,9 +36,12 @@ class Batch:
 
     tensors: dict[str, torch.Tensor]
     n_tokens: int
+    segment: tuple[int, int] | None = None
+    """Transformer-XL training: the (epoch, index) of this segment, whose memory the loss reads. Host ints,
+    like n_tokens: as a tensor on the device, reading it would sync the host every step."""
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch({k: v.to(device, non_blocking=True) for k, v in self.tensors.items()}, self.n_tokens)
+        return replace(self, tensors={k: v.to(device, non_blocking=True) for k, v in self.tensors.items()})
 
 
 class Task(Protocol):

@@ -235,13 +235,14 @@ class CausalLMTask(_LanguageModelTask):
         for epoch, index, after in ordered_positions(self.n_train_segments, position):
             tokens_BL, lengths_B = segment(self.train_rows, full_B, index, self.cfg.seq_len)
             batch = self._make_batch(tokens_BL, lengths_B, None)
-            batch.tensors["segment"] = torch.tensor([epoch, index])
+            batch.segment = (epoch, index)
             yield batch, after
 
     def _loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         if self.memory is None:
             return super()._loss_sum(model, batch)
-        epoch, index = batch.tensors["segment"].tolist()
+        assert batch.segment is not None, "train_batches gives every Transformer-XL batch its segment"
+        epoch, index = batch.segment
         tokens_BT, targets_BT = batch.tensors["tokens"], batch.tensors["targets"]
         memory = self.memory.for_segment(model, epoch, index, tokens_BT.shape[0], tokens_BT.device)
         logits_BTV, new_memory = model(tokens_BT, memory=memory)

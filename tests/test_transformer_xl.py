@@ -195,6 +195,10 @@ def test_training_segments_continue_each_row_of_the_stream(tmp_path):
     batches = task.train_batches()
     (b0, _), (b1, after) = next(batches), next(batches)
     assert after == {"epoch": 0, "step": 2}
+    # The segment id is host metadata that survives the copy to the device: read as a device tensor, it would
+    # sync the host every step.
+    assert (b0.segment, b1.segment, b1.to(torch.device("cpu")).segment) == ((0, 0), (0, 1), (0, 1))
+    assert set(b1.tensors) == {"tokens", "targets"}
     for row in range(4):
         np.testing.assert_array_equal(b0.tensors["tokens"][row].numpy(), rows[row, 0:16])
         np.testing.assert_array_equal(b1.tensors["tokens"][row].numpy(), rows[row, 16:32])
