@@ -68,7 +68,6 @@ from orchestrator.tracking import (
     portable_params,
     run_handle,
 )
-from orchestrator.trainer import Cadence
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
 
 META_FILE = "orchestrator.json"
@@ -509,6 +508,8 @@ def _tune_config(study: Study, cluster: ClusterView):
         # the step ("evaluations"): Tune's training_iteration restarts at 1 in a resumed trial.
         # stop_last_trials=False: a trial that reaches max_t ends by itself. Stopping it from Tune at its last
         # report would kill its driver while the Train run is still shutting down (cf. ray#54305).
+        from orchestrator.trainer import Cadence  # torch.distributed with it: only a sweep's ASHA needs it here
+
         scheduler = ASHAScheduler(time_attr="evaluations", max_t=Cadence.of(spec).report_count(),
                                   grace_period=settings.grace_period, reduction_factor=settings.reduction_factor,
                                   stop_last_trials=False)
