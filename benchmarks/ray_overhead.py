@@ -226,7 +226,8 @@ class Checkout:
     root: Path
 
 
-def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout) -> dict[str, float]:
+def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout,
+            address: str | None = None) -> dict[str, float]:
     """`python -m orchestrator train PATH name=NAME` from `checkout` in a fresh process: seconds from its start
     to each phase's first output line, to the first time each Ray actor's process title appears below it
     (`process:<Actor>`, polled every 0.1 s), and to its first metric in the MLflow store."""
@@ -235,7 +236,9 @@ def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout) 
     import psutil
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout.root), os.environ.get("PYTHONPATH")]))}
-    env.pop("RAY_ADDRESS", None)  # its own local Ray, as a user's first command starts
+    env.pop("RAY_ADDRESS", None)  # its own local Ray, as a user's first command starts, unless told to join one
+    if address:
+        env["RAY_ADDRESS"] = address
     seen: dict[str, float] = {}
     started_ms, start = time.time() * 1000, time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-u", "-m", "orchestrator", "train", str(path), f"name={name}",
@@ -285,11 +288,13 @@ def _run_ids(uri: str, experiment: str) -> list[tuple[str]]:
                           "WHERE e.name = ?", (experiment,)).fetchall()
 
 
-def measure_cli(scale: Scale, workdir: Path, *, rounds: int = 1, against: Path | None = None) -> list[Row]:
+def measure_cli(scale: Scale, workdir: Path, *, rounds: int = 1, against: Path | None = None,
+                address: str | None = None) -> list[Row]:
     """Measurement 4: warm the tokenizer cache (and the OS's file cache) with a plain run, then time fresh
     `orchestrator train` processes against a second, warm plain run; all stop after their first window.
     With `against` (another checkout), its `orchestrator train` alternates with this one's, `rounds` times
-    each, order swapped every round (a shared machine's load then hits both alike): medians per checkout."""
+    each, order swapped every round (a shared machine's load then hits both alike): medians per checkout.
+    With `address`, every run joins that running Ray instead of starting its own."""
     storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
     short = Scale(**{**scale.__dict__, "max_steps": scale.log_every})
     warm_cache = workdir / "runs" / ".cache"
@@ -304,12 +309,12 @@ def measure_cli(scale: Scale, workdir: Path, *, rounds: int = 1, against: Path |
     samples: dict[str, list[dict[str, float]]] = {c.label: [] for c in checkouts}
     for round_ in range(rounds):
         for checkout in checkouts if round_ % 2 == 0 else checkouts[::-1]:
-            phases = cli_run(path, f"cli-{checkout.label}-{round_}", uri, workdir, checkout)
+            phases = cli_run(path, f"cli-{checkout.label}-{round_}", uri, workdir, checkout, address)
             print(f"round {round_} {checkout.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
             samples[checkout.label].append(phases)
     common = {"d_model": scale.d_model, "layers": scale.layers, "seq_len": scale.seq_len,
               "batch_size": scale.batch_size, "max_steps": short.max_steps, "log_every": scale.log_every,
-              "threads": scale.cpus, "rounds": rounds}
+              "threads": scale.cpus, "rounds": rounds, "ray_instance": f"joined {address}" if address else "local, per run"}
     keys = ["first_metric", *PHASES]
     keys += sorted({k for runs in samples.values() for phases in runs for k in phases if k not in keys},
                    key=lambda k: statistics.median(p.get(k, math.inf) for p in samples["this"]))
@@ -378,6 +383,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--against", default=None, metavar="CHECKOUT",
                         help="with --cli-only: another checkout of this project (e.g. `git worktree add /tmp/before "
                         "HEAD~1`), whose `orchestrator train` alternates with this one's --rounds times")
+    parser.add_argument("--address", default=None, help="with --cli-only: join this running Ray (e.g. `ray start "
+                        "--head --num-cpus 2 --port 6390`) instead of starting one per run")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE_CSV", "AFTER_CSV"),
                         help="no measurement: plot two CSVs of this benchmark side by side (next to AFTER_CSV)")
     return parser.parse_args(argv)
@@ -398,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
             raise SystemExit(f"--workdir {workdir} already holds runs/; give an empty folder (runs are not reused)")
         rows = [] if args.cli_only else measure(scale, workdir, rounds=args.rounds, sweep=not args.no_sweep)
         rows += measure_cli(scale, workdir, rounds=args.rounds if args.cli_only else 1,
-                            against=Path(args.against) if args.against else None)
+                            against=Path(args.against) if args.against else None, address=args.address)
         for row in rows:
             plain = row["plain"]
             row["ray_over_plain"] = row["ray"] / plain if plain and math.isfinite(plain) else math.nan
