@@ -215,8 +215,9 @@ PHASES = {
 }
 
 
-RAY_PROCESS = re.compile(r"^ray::([A-Za-z_]+)")
-"""A Ray worker's process title names its actor (or `IDLE`): when each of a run's actors got its process."""
+RAY_PROCESS = re.compile(r"^ray::(_?[A-Z][A-Za-z_]*)")
+"""A Ray worker's process title names its actor class (or `IDLE`; a task's is lower case): when each of a
+run's actors got its process."""
 
 
 @dataclass(frozen=True)
@@ -273,19 +274,18 @@ def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout,
     reader.join()
     if proc.wait() != 0:
         raise RuntimeError(f"orchestrator train ({checkout.label}) failed:\n{''.join(tail)}")
-    run_ids = [r for (r,) in _run_ids(uri, name)]
+    run_ids = [r for (r,) in _run_ids(uri, name)]  # a run's MLflow run is named after it
     first_ms = first_metric_ms(uri, run_ids)
     seen["first_metric"] = math.nan if first_ms is None else (first_ms - started_ms) / 1000
     return seen
 
 
-def _run_ids(uri: str, experiment: str) -> list[tuple[str]]:
+def _run_ids(uri: str, run_name: str) -> list[tuple[str]]:
     import sqlite3
 
     path = uri[len("sqlite:///"):]
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-        return db.execute("SELECT r.run_uuid FROM runs r JOIN experiments e ON r.experiment_id = e.experiment_id "
-                          "WHERE e.name = ?", (experiment,)).fetchall()
+        return db.execute("SELECT run_uuid FROM runs WHERE name = ?", (run_name,)).fetchall()
 
 
 def measure_cli(scale: Scale, workdir: Path, *, rounds: int = 1, against: Path | None = None,
