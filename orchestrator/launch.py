@@ -409,17 +409,14 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
         handle = _handle(spec, run_name=spec.name, role="run", commit=commit, key=(RUN_KEY_TAG, run_path),
                          run_path=run_path).with_run_id((meta or {}).get("mlflow_run_id"))
         check_tracking(spec, tracker)
+        finished = meta is not None and meta.get("status") == "FINISHED" and not _extends(meta, spec)
+        if not finished:
+            connect()
+            _check_cluster(spec)  # before the MLflow run: a cluster that cannot run it leaves nothing behind
         handle = handle.with_run_id(tracker.ensure_run(handle))
-        if meta is not None and meta.get("status") == "FINISHED" and not _extends(meta, spec):
+        if finished:
             return _close_finished(spec, meta, tracker, handle)
         record = {"kind": "run", "name": spec.name, "spec": spec.model_dump(mode="json"), "commit": commit}
-        try:
-            connect()
-            _check_cluster(spec)
-        except BaseException:
-            if handle.run_id is not None:
-                tracker.end_run(handle.run_id, "FAILED")
-            raise
         write_meta(storage, spec.name, {**record, "mlflow_run_id": handle.run_id})
         train_spec, init_checkpoint = _stage_to_train(spec, storage_path=run_path, run_name=PRETRAIN_DIR,
                                                       mlflow_name=f"{spec.name}-pretrain", commit=commit,
@@ -611,13 +608,13 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
                             experiment=spec.tracking.experiment or spec.name, run_name=spec.name, role="sweep",
                             kind=None, commit=commit, key=(RUN_KEY_TAG, sweep_path))
         check_tracking(spec, tracker)
+        connect()
+        cluster = _check_cluster(spec)  # before the parent run: a cluster that cannot run it leaves nothing behind
         parent_run_id = tracker.ensure_run(parent.with_run_id((meta or {}).get("parent_run_id")))
         status = "FAILED"
         try:
             if resume:
                 _send_trial_spools(spec, tracker)
-            connect()
-            cluster = _check_cluster(spec)
             write_meta(storage, spec.name, {"kind": "sweep", "name": spec.name, "raw": study.raw,
                                             "parent_run_id": parent_run_id, "commit": commit})
             trainable = _trainable(study, parent_run_id, commit, fail_at_step)

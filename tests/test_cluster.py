@@ -67,7 +67,7 @@ def children(uri: str, experiment: str) -> tuple[list, list]:
 
 def test_node_local_storage_is_refused_on_a_multi_node_cluster(tmp_path, cluster, server):
     """A local storage_path on a 3-node cluster: refused once connected, naming run.storage_path and both fixes
-    (s3://, or run.shared_storage=true for a shared mount), before any trial starts. The same check's other
+    (s3://, or run.shared_storage=true for a shared mount), before any trial starts and before any MLflow run. The same check's other
     cases (SQLite or file tracking URIs, an autoscaling head alone): tests/test_cluster_checks.py."""
     cluster, _ = cluster
     spec = cluster_spec(tmp_path, "local-storage", server.uri, optim={"lr": {"grid": [3e-3, 1e-3]}})
@@ -76,6 +76,7 @@ def test_node_local_storage_is_refused_on_a_multi_node_cluster(tmp_path, cluster
     assert re.search(r"run\.storage_path='[^']+' is a local folder, but the Ray cluster has 3 nodes", proc.output)
     assert "s3://" in proc.output and "run.shared_storage=true" in proc.output, proc.output[-3000:]
     assert not (tmp_path / "runs" / "local-storage" / "trials").exists()
+    assert runs_of(server.uri, "local-storage") == []  # refused before the sweep's parent run: nothing to clean up
 
 def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server):
     """3 trials on 3 nodes (drivers on the head, one Train worker each on the 2 worker nodes); once every trial
