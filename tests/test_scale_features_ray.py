@@ -112,3 +112,16 @@ def test_two_worker_ddp_with_unused_parameters_fp16_and_async_upload(ray_cluster
     state = read_checkpoint(run_folder / "checkpoint_000000006")
     assert len(state.data_positions) == 2 and len(state.rng) == 2
     assert outcome.checkpoint is not None and Path(outcome.checkpoint).name == "checkpoint_000000006"
+
+
+def test_a_run_the_cluster_cannot_hold_is_refused_before_its_mlflow_run(ray_cluster, tmp_path):
+    """4 CPUs per worker on the 2-CPU test Ray: refused naming the fields, and no MLflow run is left behind
+    (the cluster is checked before the run is made, not marked FAILED after)."""
+    from orchestrator.spec import SpecError
+
+    spec = validate_spec(raw_spec(tmp_path, workers=1, cpus_per_worker=4))
+    with pytest.raises(SpecError, match=r"run.cpus_per_worker=4 asks for 4 CPUs but the connected Ray cluster has 2"):
+        run_training(spec)
+    client = MlflowClient(spec.tracking.uri)
+    experiment = client.get_experiment_by_name(spec.tracking.experiment or spec.name)
+    assert experiment is None or client.search_runs([experiment.experiment_id]) == []
