@@ -114,7 +114,8 @@ def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server):
     assert "3 trials: 3 finished, 0 errored, 0 unfinished" in proc.output, proc.output[-3000:]
     resumed = [int(s) for s in re.findall(r"resumed from step (\d+)", proc.output)]
     print(f"node loss: {moved} Train worker(s) on the lost node; resumed from steps {resumed}")
-    assert len(resumed) >= moved and all(CHECKPOINT_EVERY <= s < steps for s in resumed), proc.output[-5000:]
+    # A trial lost right after its last checkpoint resumes at max_steps and ends at once: still no step lost.
+    assert len(resumed) >= moved and all(CHECKPOINT_EVERY <= s <= steps for s in resumed), proc.output[-5000:]
     [parent], kids = children(server.uri, "node-loss")
     assert parent.info.status == "FINISHED"
     assert len(kids) == 3 and {k.info.status for k in kids} == {"FINISHED"}, [(k.info.run_name, k.info.status) for k in kids]
