@@ -160,3 +160,16 @@ def test_ray_overhead_plain_run_windows(tmp_path):
     assert 0 < result.first_window_s < 60
     assert ray_overhead.steady(result.windows, scale.max_steps) > 0
     assert not (tmp_path / "runs").exists()  # no Ray storage and no checkpoints: the core alone
+
+
+@pytest.mark.parametrize("title, actor", [
+    ("ray::TrainController.__init__", "TrainController"),
+    ("ray::_AutoscalingCoordinatorActor.request_resources", "_AutoscalingCoordinatorActor"),
+    ("ray::RayTrainWorker", "RayTrainWorker"),
+    ("ray::IDLE", "IDLE"),  # measure_cli skips it
+    ("ray::execute._set_torch_distributed_env_vars", None),  # a task, not an actor's process
+    ("/usr/bin/python -m orchestrator train spec.yaml", None),
+], ids=["init", "private-actor", "actor", "idle", "task", "not-ray"])
+def test_ray_overhead_names_each_actor_by_its_process_title(title, actor):
+    match = ray_overhead.RAY_PROCESS.match(title)
+    assert (match.group(1) if match else None) == actor
