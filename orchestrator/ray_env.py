@@ -38,9 +38,8 @@ _started_here = False
 
 def use_train_v2() -> None:
     """Import `ray.train` as Train V2 (Ray reads the variable when `ray.train` is first imported; V2 is Ray
-    2.60's default, this keeps it so where a user's environment says otherwise). The variable is unset again
-    afterwards: left set, Ray Train would copy it into each run's controller (it propagates the Train
-    variables the driver set), and the controller would then not fit a prestarted worker."""
+    2.60's default; this makes sure of it). The variable is unset again afterwards, so that Ray Train and Tune,
+    which copy the Train variables a driver set into the actors they create, have nothing of ours to copy."""
     if "ray.train" in sys.modules or TRAIN_V2 in os.environ:
         return
     os.environ[TRAIN_V2] = "1"

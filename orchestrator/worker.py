@@ -218,8 +218,8 @@ def quiet_train_reports() -> None:
     """Called first in every Train worker's loop: without --verbose, Ray Train's execution context, which logs
     each report's TrainingReport repr at INFO through a logger named by its file path (`logging.getLogger(
     __file__)`, outside `ray.train`, so Ray Train's LoggingConfig does not reach it), logs warnings only. Set
-    here rather than by a job-wide setup hook: that needs a job runtime env (ray_env.py says why there is none
-    on a local Ray), and the loop runs on a joined cluster too. Here, not in ray_console.py, which imports Tune."""
+    here rather than by a job-wide setup hook: that needs a job runtime env, which a local Ray does not have
+    (ray_env.py), and the loop runs on a joined cluster too. Here, not in ray_console.py, which imports Tune."""
     if verbose():
         return
     import importlib.util
