@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 from mlflow import MlflowClient
-from mlflow.entities import Run, ViewType
+from mlflow.entities import Run, RunStatus, ViewType
 
 from orchestrator.report_metrics import (
     MethodGroup,
@@ -114,9 +114,8 @@ def build_report(
     summary = summarize(groups, metric, mode, reference, lower_reference)
     warnings = list(summary.warnings)
     if left_out:
-        counts = ", ".join(f"{n} {status}" for status, n in sorted(left_out.items()))
-        warnings.append(f"{sum(left_out.values())} run(s) left out by status ({counts}: failed, stopped early by "
-                        "ASHA, interrupted or still running); `--status all` compares them at their last value")
+        warnings.append(f"{sum(left_out.values())} run(s) left out by status ({_counts(left_out)}: failed, stopped "
+                        "early by ASHA, interrupted or still running); `--status all` compares them at their last value")
     skipped = sum(metric not in record.metrics for record in records)
     if skipped:
         warnings.append(
@@ -237,16 +236,23 @@ def _with_status(runs: Sequence[Run], statuses: Sequence[str] | None) -> tuple[l
     if statuses is None:
         return list(runs), {}
     wanted = {status.upper() for status in statuses}
+    known = {RunStatus.to_string(status) for status in RunStatus.all_status()}
+    if unknown := sorted(wanted - known):
+        raise ReportError(f"--status {','.join(unknown)}: not an MLflow run status; use a comma-separated list of "
+                          f"{', '.join(sorted(known))}, or 'all'")
     left_out: dict[str, int] = {}
     for run in runs:
         if run.info.status not in wanted:
             left_out[run.info.status] = left_out.get(run.info.status, 0) + 1
     kept = [run for run in runs if run.info.status in wanted]
     if not kept:
-        counts = ", ".join(f"{n} {status}" for status, n in sorted(left_out.items()))
-        raise ReportError(f"no run to compare has status {'/'.join(sorted(wanted))} (there are {counts}); wait for "
-                          "the sweep to finish, or pass --status all to compare runs at their last value")
+        raise ReportError(f"no run to compare has status {'/'.join(sorted(wanted))} (there are {_counts(left_out)}); "
+                          "wait for the sweep to finish, or pass --status all to compare runs at their last value")
     return kept, left_out
+
+
+def _counts(by_status: Mapping[str, int]) -> str:
+    return ", ".join(f"{n} {status}" for status, n in sorted(by_status.items()))
 
 
 def _spec_setting(records: Sequence[RunRecord], key: str) -> str | None:

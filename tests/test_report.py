@@ -403,3 +403,6 @@ def test_runs_that_did_not_finish_are_left_out_unless_asked_for(store, tmp_path)
     with pytest.raises(ReportError, match="no run to compare has status RUNNING.*--status all"):
         build_report(store["uri"], "statuses", metric="val/ppl", out_dir=tmp_path / "c", log_to_mlflow=False,
                      statuses=["running"])
+    with pytest.raises(ReportError, match=r"--status FINSHED: not an MLflow run status; use .*FINISHED.*or 'all'"):
+        build_report(store["uri"], "statuses", metric="val/ppl", out_dir=tmp_path / "d", log_to_mlflow=False,
+                     statuses=["finshed", "failed"])
