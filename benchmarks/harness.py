@@ -154,24 +154,29 @@ def measure(
     return Measurement("ok", statistics.median(times), min(times), n_timed, peak, first)
 
 
+def alternating(fns: Mapping[str, Callable[[int], Any]], rounds: int) -> dict[str, list[Any]]:
+    """Each function's results over `rounds` rounds (each is called with the round's index), called in turn
+    within every round, the order swapped every round so that neither side always runs right after the other.
+
+    Alternating A, B, B, A, A, B... means a burst of load from other processes on a shared machine hits every
+    side alike, so their comparison is fairer than back-to-back loops.
+    """
+    results: dict[str, list[Any]] = {name: [] for name in fns}
+    for round_index in range(rounds):
+        order = list(fns.items()) if round_index % 2 == 0 else list(reversed(fns.items()))
+        for name, fn in order:
+            results[name].append(fn(round_index))
+    return results
+
+
 def interleaved_medians(
     fns: Mapping[str, Callable[[], Any]], device: torch.device, *, warmup: int, repeats: int
 ) -> dict[str, list[float]]:
-    """Times of each function over `repeats` rounds, calling them in turn within every round.
-
-    Alternating A, B, A, B... means a burst of load from other processes on a shared machine hits both
-    sides alike, so their ratio is fairer than two back-to-back timing loops.
-    """
+    """Times of each function over `repeats` rounds, calling them in turn within every round (`alternating`)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for round_index in range(repeats):
-        # Swap the order every round so neither side always runs right after the other.
-        order = list(fns.items()) if round_index % 2 == 0 else list(reversed(fns.items()))
-        for name, fn in order:
-            times[name].append(timed_call(fn, device))
-    return times
+    return alternating({name: lambda _, fn=fn: timed_call(fn, device) for name, fn in fns.items()}, repeats)
 
 
 def add_ratios(rows: list[Row], *, key: str, baseline: Callable[[Row], bool], columns: Mapping[str, str]) -> None:
@@ -253,18 +258,17 @@ def plot_loglog(
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="center right")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1 - 2.4 / (5.0 * columns + 2.6), 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    # The legend sits right of the panels: keep that strip out of the layout.
+    return save_figure(fig, path, dpi=80, rect=(0, 0, 1 - 2.4 / (5.0 * columns + 2.6), 1))
 
 
-def save_figure(fig: Any, path: Path, dpi: int = 120) -> Path:
-    """Lay the figure out, write it to `path` and free it (pyplot keeps every open figure otherwise)."""
+def save_figure(fig: Any, path: Path, dpi: int = 120, rect: tuple[float, float, float, float] | None = None) -> Path:
+    """Lay the figure out (within `rect` of it, when given), write it to `path` and free it (pyplot keeps every
+    open figure otherwise)."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

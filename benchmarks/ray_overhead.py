@@ -44,12 +44,13 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.harness import Row, results_dir, save_figure, write_csv
+from benchmarks.harness import Row, alternating, results_dir, save_figure, write_csv
 from benchmarks.mlflow_store import first_metric_ms, metric_history
 from orchestrator.local_run import train_locally
 from orchestrator.spec import (
@@ -171,15 +172,16 @@ def measure(scale: Scale, workdir: Path, *, rounds: int = 1, sweep: bool = True)
     ray_windows, run_startup = ray_run(run_spec, uri)
     ray_steadies, plain_steadies = [steady(ray_windows, scale.max_steps)], [steady(plain.windows, scale.max_steps)]
     later = Scale(**{**scale.__dict__, "max_steps": max(scale.max_steps // 2, 4 * scale.log_every)})
-    for index in range(1, rounds):
-        spec = validate_spec(bench_spec(f"ray-overhead-run-{index}", later, storage, uri))
-        sides = [lambda spec=spec: ray_run(spec, uri)[0],
-                 lambda spec=spec: plain_run(spec, workdir / "plain-cache").windows]
-        ray_side, plain_side = sides if index % 2 else sides[::-1]
-        first, second = ray_side(), plain_side()
-        ray_w, plain_w = (first, second) if index % 2 else (second, first)
-        ray_steadies.append(steady(ray_w, later.max_steps))
-        plain_steadies.append(steady(plain_w, later.max_steps))
+
+    def later_spec(index: int) -> ExperimentSpec:  # one run name per round, the same on both sides
+        return validate_spec(bench_spec(f"ray-overhead-run-{index + 1}", later, storage, uri))
+
+    later_rounds = alternating({
+        "ray": lambda i: steady(ray_run(later_spec(i), uri)[0], later.max_steps),
+        "plain": lambda i: steady(plain_run(later_spec(i), workdir / "plain-cache").windows, later.max_steps),
+    }, rounds - 1)
+    ray_steadies += later_rounds["ray"]
+    plain_steadies += later_rounds["plain"]
 
     common = {"d_model": scale.d_model, "layers": scale.layers, "seq_len": scale.seq_len,
               "batch_size": scale.batch_size, "max_steps": scale.max_steps, "log_every": scale.log_every,
@@ -306,12 +308,13 @@ def measure_cli(scale: Scale, workdir: Path, *, rounds: int = 1, against: Path |
     plain_run(spec, warm_cache)  # fills the cache the launcher's runs share (run.storage_path/.cache)
     plain = plain_run(spec, warm_cache)
     checkouts = [Checkout("this", Path.cwd())] + ([Checkout("against", against.resolve())] if against else [])
-    samples: dict[str, list[dict[str, float]]] = {c.label: [] for c in checkouts}
-    for round_ in range(rounds):
-        for checkout in checkouts if round_ % 2 == 0 else checkouts[::-1]:
-            phases = cli_run(path, f"cli-{checkout.label}-{round_}", uri, workdir, checkout, address)
-            print(f"round {round_} {checkout.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
-            samples[checkout.label].append(phases)
+
+    def timed(round_: int, checkout: Checkout) -> dict[str, float]:
+        phases = cli_run(path, f"cli-{checkout.label}-{round_}", uri, workdir, checkout, address)
+        print(f"round {round_} {checkout.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
+        return phases
+
+    samples = alternating({c.label: partial(timed, checkout=c) for c in checkouts}, rounds)
     common = {"d_model": scale.d_model, "layers": scale.layers, "seq_len": scale.seq_len,
               "batch_size": scale.batch_size, "max_steps": short.max_steps, "log_every": scale.log_every,
               "threads": scale.cpus, "rounds": rounds, "ray_instance": f"joined {address}" if address else "local, per run"}
