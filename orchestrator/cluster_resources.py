@@ -53,9 +53,8 @@ def view_cluster() -> ClusterView:
 
 def _autoscaler_limits(head: Mapping[str, float]) -> dict[str, float] | None:
     """Resources of the largest cluster the autoscaler may build; None without an autoscaler."""
-    from ray._private.state import (
-        state,  # Ray Train V2's own source (worker_group.py) for the same check
-    )
+    # Ray Train V2's own source (worker_group.py) for the same check.
+    from ray._private.state import state
 
     try:
         recorded = state.get_max_resources_from_cluster_config()

@@ -4,9 +4,9 @@ Shape of a step (nanoGPT's train.py): `grad_accum` micro-batches -> bf16 / fp16 
 loss / grad_accum (DDP all-reduces on the last micro-batch only; fp16 scales the loss first) -> unscale ->
 clip -> AdamW (skipped when fp16 gradients overflowed) -> LR schedule. No micro-batch waits for the device:
 losses are summed on it and read once per logging window, and batches are built ahead on a background thread
-(`Prefetcher`, pinned memory on CUDA). Around the steps, `Cadence` says when to log, evaluate, report and checkpoint; `Best` keeps the best value of the spec's
-metric; `checkpoint_state` captures what resumes the run exactly (model, optimizer, schedule, scaler, every
-rank's data position and RNG states incl. CUDA, best so far).
+(`Prefetcher`, pinned memory on CUDA). Around the steps, `Cadence` says when to log, evaluate, report and
+checkpoint; `Best` keeps the best value of the spec's metric; `checkpoint_state` captures what resumes the run
+exactly (model, optimizer, schedule, scaler, every rank's data position and RNG states incl. CUDA, best so far).
 
 Who drives it: the Ray Train worker (orchestrator/worker.py: rank, DDP, ray.train.report, checkpoints in Ray
 storage), the Ray-free runner (orchestrator/local_run.py: checkpoints in a folder; the benchmarks and the
