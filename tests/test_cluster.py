@@ -49,12 +49,6 @@ def cluster():
         cluster.shutdown()
 
 
-def cluster_spec(folder: Path, name: str, uri: str, **sections) -> Path:
-    """tests/real_runs.py's tiny spec, with a patient tracking client: on 2 busy cores a create-run request
-    that times out client-side and is retried can leave a second run behind."""
-    return write_spec(folder, name, uri, tracking={"timeout_s": 15}, **sections)
-
-
 def joined(cluster: LocalCluster) -> dict[str, str]:
     return private_env(cluster.temp_dir, RAY_ADDRESS=cluster.address)
 
@@ -70,7 +64,7 @@ def test_node_local_storage_is_refused_on_a_multi_node_cluster(tmp_path, cluster
     (s3://, or run.shared_storage=true for a shared mount), before any trial starts and before any MLflow run. The same check's other
     cases (SQLite or file tracking URIs, an autoscaling head alone): tests/test_cluster_checks.py."""
     cluster, _ = cluster
-    spec = cluster_spec(tmp_path, "local-storage", server.uri, optim={"lr": {"grid": [3e-3, 1e-3]}})
+    spec = write_spec(tmp_path, "local-storage", server.uri, optim={"lr": {"grid": [3e-3, 1e-3]}})
     proc = orchestrator(tmp_path, "sweep", str(spec), env=joined(cluster))
     assert proc.wait(180) == 2, proc.output[-3000:]
     assert re.search(r"run\.storage_path='[^']+' is a local folder, but the Ray cluster has 3 nodes", proc.output)
@@ -86,7 +80,7 @@ def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server):
     FINISHED, each child holding one point per metric at every step (none missing, none logged twice)."""
     cluster, workers = cluster
     steps = 32  # room after the first checkpoints for the node loss to land mid-run
-    spec = cluster_spec(tmp_path, "node-loss", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]}, "max_steps": steps},
+    spec = write_spec(tmp_path, "node-loss", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]}, "max_steps": steps},
                       run={"shared_storage": True})
     proc = orchestrator(tmp_path, "sweep", str(spec), env=joined(cluster))
     trials = tmp_path / "runs" / "node-loss" / "trials"
@@ -143,7 +137,7 @@ def test_autoscaler_adds_nodes_for_a_sweep_larger_than_the_cluster_at_launch(tmp
     head = RayHead(num_cpus=0, autoscaling={"worker_types": {"cpu_worker": {"resources": {"CPU": 1}, "max_workers": 3}},
                                             "max_workers": 3})
     try:
-        spec = cluster_spec(tmp_path, "autoscale", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]}, "max_steps": 8},
+        spec = write_spec(tmp_path, "autoscale", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]}, "max_steps": 8},
                           run={"shared_storage": True})
         proc = orchestrator(tmp_path, "sweep", str(spec), env={**head.env, "RAY_ADDRESS": head.address})
         assert proc.wait(600) == 0, proc.output[-5000:]
@@ -181,7 +175,7 @@ def test_ray_job_submit_runs_a_sweep_with_relative_paths_from_its_working_dir(tm
     text = "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(5 + i % 6)) for i in range(400))
     (work / "data" / "train.txt").write_text(text)
     (work / "data" / "valid.txt").write_text(text[:2000])
-    spec = cluster_spec(work, "submitted", "sqlite:///mlflow.db", optim={"lr": {"grid": [3e-3, 1e-3]}, "max_steps": 8},
+    spec = write_spec(work, "submitted", "sqlite:///mlflow.db", optim={"lr": {"grid": [3e-3, 1e-3]}, "max_steps": 8},
                       task={"dataset": "files",
                             "files": {"train": "data/train.txt", "validation": "data/valid.txt"}},
                       run={"storage_path": "runs"})
