@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from models.attention.config import LinformerConfig, MHAConfig, _ProjectionKindConfig
-from models.attention.registry import AttentionConfig, relative_unsupported_reason
+from models.attention.registry import ATTENTION, AttentionConfig, AttentionRegistry
 
 
 class StandardEmbeddingConfig(BaseModel):
@@ -139,6 +138,8 @@ class MemoryConfig(BaseModel):
 
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    attention_registry: ClassVar[AttentionRegistry] = ATTENTION
+    """The registry `attention` validates against and is built from (`for_registry` makes one for another)."""
 
     d_model: int = 256
     """Model width."""
@@ -160,8 +161,8 @@ class ModelConfig(BaseModel):
     memory: MemoryConfig | None = None
     """{mem_len: N}: Transformer-XL recurrence over consecutive segments (causal LM; needs relative positions
     when N > 0). null trains on shuffled independent blocks."""
-    attention: AttentionConfig = Field(default_factory=MHAConfig)
-    """The attention block: {kind: mha | sha | mqa | gqa | skv | el_att | mhe | linformer | lsh | hyper, heads, ...}."""
+    attention: AttentionConfig = Field(default_factory=ATTENTION.configs["mha"])
+    """The attention block: {kind, heads, and the kind's knobs}, a kind of `attention_registry` (e.g. mha, linformer)."""
     embedding: EmbeddingConfig = Field(default_factory=StandardEmbeddingConfig)
     """Token embedding: {kind: standard}, {kind: define, input_dim, width, depth, ...} or {kind: adaptive, cutoffs}."""
     tie_output: bool = True
@@ -178,7 +179,8 @@ class ModelConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _fill_attention(cls, data):
-        """Give the attention block the model's d_model and (for Linformer) its max_seq_len."""
+        """Give the attention block the model's d_model and whatever else its kind and its mechanism take from
+        the model (their configs' `fill_from_model`, e.g. Linformer's max_seq_len)."""
         if not isinstance(data, dict):
             return data
         attention = data.get("attention", {"kind": "mha"})
@@ -186,19 +188,13 @@ class ModelConfig(BaseModel):
             attention = attention.model_dump()
         attention = dict(attention)
         d_model = data.get("d_model", cls.model_fields["d_model"].default)
-        max_len = data.get("max_seq_len", cls.model_fields["max_seq_len"].default)
         attention.setdefault("d_model", d_model)
         if attention.get("d_model") != d_model:
             raise ValueError(f"model.attention.d_model={attention['d_model']} differs from model.d_model={d_model}; "
                              "leave model.attention.d_model unset")
-        if attention.get("kind") == "linformer":
-            attention.setdefault("max_seq_len", max_len)
-        mech = attention.get("mechanism")
-        if isinstance(mech, BaseModel):
-            mech = mech.model_dump()
-        if isinstance(mech, dict) and mech.get("kind") == "linformer":
-            attention["mechanism"] = {**mech, "max_seq_len": mech.get("max_seq_len") or max_len}
-        return {**data, "attention": attention}
+        model = {name: data.get(name, field.default) for name, field in cls.model_fields.items()
+                 if not field.is_required() and field.default_factory is None}
+        return {**data, "attention": cls.attention_registry.fill_from_model(attention, model)}
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -217,7 +213,7 @@ class ModelConfig(BaseModel):
                              f"{self.embedding.factor} shrink the last band below width 1 at d_model={self.d_model}; "
                              "use fewer cutoffs or a smaller factor")
         if self.positional == "relative":
-            reason = relative_unsupported_reason(self.attention)
+            reason = self.attention_registry.relative_unsupported_reason(self.attention)
             if reason is not None:
                 raise ValueError(reason)
             if self.reversible:
@@ -234,20 +230,17 @@ class ModelConfig(BaseModel):
             if self.reversible:
                 raise ValueError("model.memory is not supported with model.reversible=true (a RevNet block "
                                  "recomputes its input and has no cached states); drop one of them")
-        linformer = self.linformer_config
-        if linformer is not None:
-            if linformer.max_seq_len > self.max_seq_len:
-                raise ValueError(f"model.attention.max_seq_len={linformer.max_seq_len} exceeds model.max_seq_len="
-                                 f"{self.max_seq_len}; positions beyond model.max_seq_len cannot occur")
-            if isinstance(linformer.k, list) and len(linformer.k) != max(self.layers, self.decoder_layers or 0):
-                raise ValueError(f"model.attention.k lists {len(linformer.k)} values for {self.layers} layers; "
-                                 "give exactly one k per layer")
+        self.attention.mechanism.check_model(self)
         return self
 
-    @property
-    def linformer_config(self):
-        if isinstance(self.attention, LinformerConfig):
-            return self.attention.mechanism
-        if isinstance(self.attention, _ProjectionKindConfig) and self.attention.mechanism.kind == "linformer":
-            return self.attention.mechanism
-        return None
+    @classmethod
+    def for_registry(cls, registry: AttentionRegistry) -> type[ModelConfig]:
+        """This model config with `attention` validated against, and built from, `registry` (made by
+        models.attention.registry.make_registry, which must hold the default kind mha) instead of ATTENTION."""
+        field = cls.model_fields["attention"]
+        return create_model(
+            cls.__name__, __base__=cls, __module__=cls.__module__, __doc__=cls.__doc__,
+            attention_registry=(ClassVar[AttentionRegistry], registry),
+            attention=(registry.attention_config,
+                       Field(default_factory=registry.configs["mha"], description=field.description)),
+        )

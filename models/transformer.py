@@ -1,8 +1,9 @@
 """Pre-LN transformer: encoder, decoder, encoder-decoder, and the LM / translation heads.
 
 Read top to bottom: a layer is x + Attention(LN(x)) then x + FFN(LN(x)) (pre-LN, Xiong et al., 2020),
-the attention of each layer comes from `build_attention`, and every head is tied to the token embedding
-unless `model.tie_output` is false. Masks follow the attention contract: bool, True = padding.
+the attention of each layer comes from the model config's registry (`cfg.attention_registry.build_attention`),
+and every head is tied to the token embedding unless `model.tie_output` is false. Masks follow the attention
+contract: bool, True = padding.
 
 With `model.reversible` the same layers run as RevNet blocks (models/reversible.py, as in Reformer): the input
 is duplicated into two streams, y1 = x1 + Attention(LN(x2)), y2 = x2 + FFN(LN(y1)), and the final LayerNorm
@@ -25,7 +26,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from models.attention import build_attention
 from models.config import ModelConfig
 from models.embeddings import build_positions, build_token_embedding
 from models.kv_cache import DecoderCache, LayerKV
@@ -51,7 +51,8 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.causal = causal
         self.ln_attn = nn.LayerNorm(cfg.d_model)
-        self.attn = build_attention(cfg.attention, layer_index, shared_state, relative=cfg.positional == "relative")
+        self.attn = cfg.attention_registry.build_attention(cfg.attention, layer_index, shared_state,
+                                                         relative=cfg.positional == "relative")
         if causal and not self.attn.supports_causal:
             raise ValueError(
                 f"model.attention.kind={cfg.attention.kind} cannot be used with causal attention (causal LM or "
@@ -59,7 +60,8 @@ class TransformerLayer(nn.Module):
                 "a causal-capable kind"
             )
         self.ln_cross = nn.LayerNorm(cfg.d_model) if cross else None
-        self.cross = build_attention(cfg.attention, layer_index, shared_state, cross=True) if cross else None
+        self.cross = (cfg.attention_registry.build_attention(cfg.attention, layer_index, shared_state, cross=True)
+                      if cross else None)
         self.ln_ffn = nn.LayerNorm(cfg.d_model)
         self.ffn = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch.nn as nn
 
 from models import ModelConfig
-from models.attention import build_attention
 from tasks.base import Batch, Task, WorkerContext
 from tasks.classify import ClassificationTask
 from tasks.config import (
@@ -27,7 +26,7 @@ from tasks.translation import TranslationTask
 
 def _supports_causal(model_cfg: ModelConfig) -> bool:
     """Ask the attention module itself (a throwaway layer-0 instance), so new kinds need no table here."""
-    return build_attention(model_cfg.attention, 0, nn.ModuleDict()).supports_causal
+    return model_cfg.attention_registry.build_attention(model_cfg.attention, 0, nn.ModuleDict()).supports_causal
 
 
 def check_compatible(task_cfg: TaskConfig, model_cfg: ModelConfig) -> None:

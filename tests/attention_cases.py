@@ -6,22 +6,18 @@ import torch
 import torch.nn as nn
 
 from models import ModelConfig
-from models.attention import ATTENTION_KINDS, build_attention
+from models.attention import ATTENTION, ATTENTION_KINDS, build_attention
 
 D_MODEL, HEADS, MAX_LEN = 32, 4, 32
 
-# Knobs that make each kind meaningful at tiny sizes; kinds missing here run with their defaults.
-TINY_KNOBS: dict[str, dict] = {
-    "gqa": {"groups": 2},
-    "mhe": {"mode": "mul", "init_std": 0.1},
-    "linformer": {"k": 8, "sharing": "headwise"},
-    "lsh": {"bucket_size": 4, "n_hashes": 2},
-    "hyper": {"block_size": 4, "sample_size": 4, "min_seq_len": 8, "lsh_bits": 2},
-}
+
+def tiny_knobs(kind: str) -> dict:
+    """Knobs that make `kind` meaningful at these tiny sizes, as its config declares them (`tiny_knobs`)."""
+    return dict(ATTENTION.configs[kind].tiny_knobs)
 
 
 def attention_cfg(kind: str, d_model: int = D_MODEL, heads: int = HEADS, max_len: int = MAX_LEN, **knobs):
-    block = {"kind": kind, "heads": heads, **TINY_KNOBS.get(kind, {}), **knobs}
+    block = {"kind": kind, "heads": heads, **tiny_knobs(kind), **knobs}
     return ModelConfig(d_model=d_model, layers=1, ffn=2 * d_model, max_seq_len=max_len, attention=block).attention
 
 

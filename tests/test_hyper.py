@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from models import LanguageModel, ModelConfig
-from models.attention.config import MAX_LSH_BITS, HyperMechanismConfig
+from models.attention.hyper import MAX_LSH_BITS, HyperMechanismConfig
 from models.attention.hyper import HyperMechanism, gray_rank
 from models.attention.lse import exact_attention, merge_lse
 

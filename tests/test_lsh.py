@@ -12,9 +12,8 @@ from pydantic import ValidationError
 
 from models import ModelConfig
 from models.attention import build_attention
-from models.attention.config import LSHMechanismConfig
 from models.attention.lse import SELF_LOGIT
-from models.attention.lsh import LSHMechanism, default_n_buckets
+from models.attention.lsh import LSHMechanism, LSHMechanismConfig, default_n_buckets
 from models.attention.projections import MultiHeadProjection, SharedQKProjection
 
 B, H, E = 2, 2, 8

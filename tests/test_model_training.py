@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from models import LanguageModel, ModelConfig, Seq2SeqTransformer
 from models.attention import ATTENTION_KINDS
-from tests.attention_cases import TINY_KNOBS, causal_kinds
+from tests.attention_cases import causal_kinds, tiny_knobs
 from tests.training import fit, next_token_loss
 
 VOCAB, T, STEPS = 24, 16, 40
@@ -28,9 +28,8 @@ def _walks(n: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def _cfg(kind: str) -> ModelConfig:
-    knobs = {k: v for k, v in TINY_KNOBS.get(kind, {}).items()}
     return ModelConfig(d_model=32, layers=2, ffn=64, dropout=0.0, max_seq_len=T,
-                       attention={"kind": kind, "heads": 4, **knobs})
+                       attention={"kind": kind, "heads": 4, **tiny_knobs(kind)})
 
 
 def _train(model, batch_fn, steps: int = STEPS) -> tuple[float, float]:

@@ -24,7 +24,7 @@ from orchestrator.spec import SpecError, validate_spec
 from orchestrator.trainer import Prefetcher, Trainer, train_step
 from orchestrator.worker import has_unused_parameters
 from tasks import WorkerContext
-from tests.attention_cases import TINY_KNOBS
+from tests.attention_cases import tiny_knobs
 from tests.local_training import FailAtStep3
 from tests.test_trainer import tiny_raw
 
@@ -129,7 +129,7 @@ def test_every_embedding_trains_under_fp16_autocast(embedding, tmp_path):
 
 def _model(kind: str, *, causal: bool, reversible: bool = False) -> LanguageModel:
     cfg = ModelConfig(d_model=32, layers=2, ffn=64, max_seq_len=32, dropout=0.1, reversible=reversible,
-                      attention={"kind": kind, "heads": 4, **TINY_KNOBS.get(kind, {})})
+                      attention={"kind": kind, "heads": 4, **tiny_knobs(kind)})
     torch.manual_seed(0)
     return LanguageModel(cfg, vocab_size=50, causal=causal)
 

@@ -8,11 +8,13 @@ rows are dropped by the loss anyway.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention.config import ExactMechanismConfig, _AttentionConfig
+from models.attention.base import _AttentionConfig, _MechanismConfig
 
 
 def exact_attention_bias(
@@ -31,6 +33,12 @@ def exact_attention_bias(
         allowed_BTS = allowed_BTS & ~key_padding_mask_BS[:, None, :]
     bias = torch.zeros(allowed_BTS.shape, dtype=dtype, device=device)
     return bias.masked_fill(~allowed_BTS, torch.finfo(dtype).min)[:, None]  # B, 1, T, S
+
+
+class ExactMechanismConfig(_MechanismConfig):
+    """Exact softmax attention: the mechanism of every projection kind unless its block names another."""
+
+    kind: Literal["exact"] = "exact"
 
 
 class ExactMechanism(nn.Module):

@@ -31,12 +31,14 @@ Differences from the official code (insuhan/hyper-attn), all deliberate (see doc
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pydantic import model_validator
 
-from models.attention.config import HyperMechanismConfig, _AttentionConfig
+from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.exact import ExactMechanism
 from models.attention.lse import exact_attention, merge_lse
 
@@ -48,6 +50,52 @@ PAPER_ROUTING_LEAK = (
     "off-diagonal block together, so a query's keys depend on later queries and its output changes when later "
     "inputs change; set model.attention.causal_routing=past_only for a causal model"
 )
+
+MAX_LSH_BITS = 30
+"""Hash codes are int64 sort keys multiplied by the sequence length, so 2^30 buckets is a safe ceiling."""
+
+
+class HyperMechanismConfig(_MechanismConfig):
+    """HyperAttention (Han, Jayaram, Karbasi, Mirrokni, Woodruff, Zandieh, 2023, arXiv 2310.05869)."""
+
+    kind: Literal["hyper"] = "hyper"
+    block_size: int = 256
+    """Size of the exact diagonal blocks in sortLSH order (the paper's b); inputs are padded internally."""
+    sample_size: int = 256
+    """Uniformly sampled keys per (batch, head) for the residual part (the paper's m); 0 = blocks only."""
+    min_seq_len: int = 4096
+    """Shorter inputs run exact attention; also the base case of the causal recursion."""
+    lsh_bits: int = 7
+    """SimHash hyperplanes r (2^r buckets ordered along a Gray code); the official code uses 7."""
+    seed: int = 0
+    """Seed of the hyperplanes; each layer derives its own from it, fixed for the model's life."""
+    causal_routing: Literal["past_only", "paper"] = "past_only"
+    """Under causal: past_only places each query in the key order by its own hash (a function of the past
+    only); paper sorts the queries of a block together, which LEAKS THE FUTURE."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "HyperMechanismConfig":
+        if self.block_size < 1:
+            raise ValueError(f"model.attention.block_size must be >= 1 (got {self.block_size}); the paper uses 256")
+        if self.sample_size < 0:
+            raise ValueError(f"model.attention.sample_size must be >= 0 (got {self.sample_size}); "
+                             "0 keeps only the diagonal blocks, the paper uses 256")
+        if self.min_seq_len < 2:
+            raise ValueError(f"model.attention.min_seq_len must be >= 2 (got {self.min_seq_len}); the causal "
+                             "recursion halves the sequence until it is at most min_seq_len long")
+        if not 1 <= self.lsh_bits <= MAX_LSH_BITS:
+            raise ValueError(f"model.attention.lsh_bits must be in [1, {MAX_LSH_BITS}] (got {self.lsh_bits}); "
+                             "it is the number of hash hyperplanes (2^lsh_bits buckets), the official code uses 7")
+        return self
+
+
+class HyperConfig(HyperMechanismConfig, _MechanismKindConfig):
+    """`mha` projections with the HyperAttention mechanism; the knobs sit at the top level of the block."""
+
+    kind: Literal["hyper"] = "hyper"  # type: ignore[assignment]
+
+    tiny_knobs = {"block_size": 4, "sample_size": 4, "min_seq_len": 8, "lsh_bits": 2}
+    bench_knobs = {"block_size": 16, "sample_size": 16, "min_seq_len": 32}
 
 
 def gray_rank(code: torch.Tensor, bits: int) -> torch.Tensor:

@@ -23,14 +23,96 @@ A causal-safe variant would need a different projection; see docs/attention.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pydantic import model_validator
 
-from models.attention.config import LinformerMechanismConfig, _AttentionConfig
+from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.exact import ExactMechanism
 from models.attention.projections import CompressedContext
+
+
+class LinformerMechanismConfig(_MechanismConfig):
+    """Linformer (Wang et al., 2020, arXiv 2006.04768): keys and values projected along the sequence."""
+
+    kind: Literal["linformer"] = "linformer"
+    k: int | list[int] = 128
+    """Projected length; a list gives one k per layer (the paper's nonuniform k)."""
+    sharing: Literal["none", "headwise", "kv", "layerwise"] = "headwise"
+    """none: E_i, F_i per head; headwise: one E, F per layer; kv: E = F per layer; layerwise: one E for the model."""
+    projection: Literal["linear", "mean", "max", "conv"] = "linear"
+    """linear: learned k x n matrix; mean/max pooling or a conv with kernel = stride = max_seq_len / k."""
+    max_seq_len: int | None = None
+    """Longest sequence the projection covers (defaults to model.max_seq_len); shorter inputs slice E/F."""
+
+    @classmethod
+    def fill_from_model(cls, block: dict[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
+        """In a `mechanism:` block, an unset max_seq_len (missing or null, as a dumped config has it) is the
+        model's."""
+        return {**block, "max_seq_len": block.get("max_seq_len") or model["max_seq_len"]}
+
+    def check_model(self, model: Any) -> None:
+        if self.max_seq_len > model.max_seq_len:
+            raise ValueError(f"model.attention.max_seq_len={self.max_seq_len} exceeds model.max_seq_len="
+                             f"{model.max_seq_len}; positions beyond model.max_seq_len cannot occur")
+        if isinstance(self.k, list) and len(self.k) != max(model.layers, model.decoder_layers or 0):
+            raise ValueError(f"model.attention.k lists {len(self.k)} values for {model.layers} layers; "
+                             "give exactly one k per layer")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LinformerMechanismConfig":
+        ks = self.k if isinstance(self.k, list) else [self.k]
+        if not ks or any(k < 1 for k in ks):
+            raise ValueError(f"model.attention.k must be >= 1 (got {self.k})")
+        if isinstance(self.k, list) and self.sharing == "layerwise":
+            raise ValueError(
+                "model.attention.k: a per-layer list of k cannot be used with sharing=layerwise "
+                "(one E serves every layer); use one integer k or another sharing mode"
+            )
+        if self.max_seq_len is not None:
+            too_big = [k for k in ks if k > self.max_seq_len]
+            if too_big:
+                raise ValueError(
+                    f"model.attention.k={too_big[0]} is larger than model.attention.max_seq_len="
+                    f"{self.max_seq_len}; the projection compresses the sequence, so choose k <= max_seq_len"
+                )
+            if self.projection != "linear":
+                bad = [k for k in ks if self.max_seq_len % k]
+                if bad:
+                    raise ValueError(
+                        f"model.attention.projection={self.projection} needs max_seq_len divisible by k "
+                        f"(kernel = stride = n / k); {self.max_seq_len} % {bad[0]} != 0: pick k among the "
+                        f"divisors of {self.max_seq_len}"
+                    )
+        return self
+
+    def k_for_layer(self, layer_index: int) -> int:
+        if isinstance(self.k, list):
+            if layer_index >= len(self.k):
+                raise ValueError(
+                    f"model.attention.k lists {len(self.k)} values but layer {layer_index} needs one: "
+                    "give one k per layer"
+                )
+            return self.k[layer_index]
+        return self.k
+
+
+class LinformerConfig(LinformerMechanismConfig, _MechanismKindConfig):
+    """`mha` projections with the Linformer mechanism; the knobs sit at the top level of the block."""
+
+    kind: Literal["linformer"] = "linformer"  # type: ignore[assignment]
+
+    tiny_knobs = {"k": 8, "sharing": "headwise"}
+    bench_knobs = {"k": 32, "sharing": "headwise"}
+
+    @classmethod
+    def fill_from_model(cls, block: dict[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
+        """At the top level of the block, max_seq_len defaults to model.max_seq_len."""
+        return {"max_seq_len": model["max_seq_len"], **block}
 
 
 def _linear_projection(heads: int | None, k: int, n: int) -> nn.Parameter:

@@ -35,11 +35,13 @@ Other differences from the reference implementations, all deliberate (see docs/l
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 import torch
 import torch.nn as nn
+from pydantic import model_validator
 
-from models.attention.config import LSHMechanismConfig, _AttentionConfig
+from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.lse import chunked_attention, merge_lse_many
 
 _LAYER_SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for realistic depths
@@ -49,6 +51,55 @@ PAPER_ROUTING_LEAK = (
     "depend on how many later tokens fall in lower buckets, so an output changes when later inputs change; "
     "set model.attention.causal_routing=past_only for a causal model"
 )
+
+
+class LSHMechanismConfig(_MechanismConfig):
+    """Reformer LSH attention (Kitaev, Kaiser, Levskaya, 2020, arXiv 2001.04451).
+
+    Not offered as a `mechanism:` on other projection schemes: hashing sorts queries and keys together, which
+    is only meaningful with the shared-QK projection of kind `lsh`.
+    """
+
+    kind: Literal["lsh"] = "lsh"
+    crossable = False
+    bucket_size: int = 64
+    """Chunk length of the sorted sequence; each chunk attends to itself and the previous chunk."""
+    n_hashes: int = 4
+    """Hash rounds, combined through their log-sum-exp; more rounds approach full attention."""
+    n_buckets: int | None = None
+    """Buckets per round (even); default 2 * seq_len / bucket_size rounded to an even number >= 2."""
+    seed: int = 0
+    """Seed of the fixed rotations (evaluation, and training with rotations=fixed); each layer derives its own."""
+    rotations: Literal["redraw", "fixed"] = "redraw"
+    """redraw: new rotations every training forward (trax, Hugging Face), replayed in a reversible backward;
+    fixed: one per layer from `seed` for the model's life. Evaluation always uses the fixed ones."""
+    logit_scale: Literal["none", "rsqrt_head_dim"] = "none"
+    """none: logits q.k/|k| (trax, Hugging Face); rsqrt_head_dim: q.k/|k|/sqrt(head_dim) (lucidrains)."""
+    causal_routing: Literal["past_only", "paper"] = "past_only"
+    """Under causal: past_only attends to the last bucket_size earlier keys of the query's own bucket (a
+    function of the past only); paper sorts and chunks the whole sequence, which LEAKS THE FUTURE."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "LSHMechanismConfig":
+        if self.bucket_size < 1:
+            raise ValueError(f"model.attention.bucket_size must be >= 1 (got {self.bucket_size}); "
+                             "typical values are 32 or 64")
+        if self.n_hashes < 1:
+            raise ValueError(f"model.attention.n_hashes must be >= 1 (got {self.n_hashes}); the paper uses 1-8")
+        if self.n_buckets is not None and (self.n_buckets < 2 or self.n_buckets % 2):
+            raise ValueError(f"model.attention.n_buckets must be an even number >= 2 (got {self.n_buckets}): "
+                             "angular LSH takes the argmax over [xR; -xR]; leave it unset for "
+                             "2 * seq_len / bucket_size")
+        return self
+
+
+class LSHConfig(LSHMechanismConfig, _MechanismKindConfig):
+    """Reformer: shared-QK projections (keys unit-normalised) with LSH attention; knobs at the top level."""
+
+    kind: Literal["lsh"] = "lsh"  # type: ignore[assignment]
+
+    tiny_knobs = {"bucket_size": 4, "n_hashes": 2}
+    bench_knobs = {"bucket_size": 16, "n_hashes": 2}
 
 
 def default_n_buckets(seq_len: int, bucket_size: int) -> int:

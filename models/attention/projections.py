@@ -12,25 +12,100 @@ Keys and values come in two steps: `keys_values` gives them compact (G <= H stor
 mqa, the shared seed head for mhe), each position from its own input row only, and `expand_heads` turns them
 into the H heads the mechanism sees. The compact form is what an incremental decoder caches (models/kv_cache.py):
 it is appended one position at a time and is as small as the scheme allows.
+
+The configs of the kinds that are a projection scheme (`MHAConfig` ... `MHEConfig`) sit here beside their
+schemes; models/attention/registry.py pairs each with its scheme.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pydantic import Field, model_validator
 
-from models.attention.config import (
-    ELAttConfig,
-    GQAConfig,
-    MHEConfig,
-    MQAConfig,
-    SHAConfig,
-    SKVConfig,
-    _AttentionConfig,
-)
+from models.attention.base import _AttentionConfig
+from models.attention.exact import ExactMechanismConfig
+
+
+# --- configs of the kinds that are a projection scheme (mha, sha, mqa, gqa, skv, el_att, mhe) ------
+
+
+class _ProjectionKindConfig(_AttentionConfig):
+    """A kind that is a projection scheme; its `mechanism:` block picks how the heads mix (exact by default)."""
+
+    mechanism: ExactMechanismConfig = Field(default_factory=ExactMechanismConfig)
+    """How heads mix tokens: exact softmax attention, or e.g. {kind: linformer, k: 64} to cross schemes."""
+    # Here the field takes exact only: the registry's copy of each projection kind (make_registry in
+    # models/attention/registry.py) widens it to the union of every crossable mechanism the registry holds.
+
+
+class MHAConfig(_ProjectionKindConfig):
+    """Multi-head attention (Vaswani et al., 2017)."""
+
+    kind: Literal["mha"] = "mha"
+
+
+class SHAConfig(_ProjectionKindConfig):
+    """Single-head attention: one head of dim d_model / heads, as the MHE paper's lower bound."""
+
+    kind: Literal["sha"] = "sha"
+
+
+class MQAConfig(_ProjectionKindConfig):
+    """Multi-query attention (Shazeer, 2019): one K and one V head shared by every query head."""
+
+    kind: Literal["mqa"] = "mqa"
+
+
+class GQAConfig(_ProjectionKindConfig):
+    """Grouped-query attention (Ainslie et al., 2023): `groups` K/V heads, each serving heads/groups queries."""
+
+    kind: Literal["gqa"] = "gqa"
+    groups: int = 2
+    """Number of K/V heads; must divide heads (groups = heads is mha, groups = 1 is mqa)."""
+
+    tiny_knobs = {"groups": 2}
+    bench_knobs = {"groups": 2}
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> "GQAConfig":
+        if self.groups < 1 or self.heads % self.groups:
+            raise ValueError(
+                f"model.attention.groups={self.groups} must be >= 1 and divide model.attention.heads={self.heads}"
+            )
+        return self
+
+
+class SKVConfig(_ProjectionKindConfig):
+    """Shared key-value projection (W^K = W^V), as the MHE paper describes its SKV baseline."""
+
+    kind: Literal["skv"] = "skv"
+
+
+class ELAttConfig(_ProjectionKindConfig):
+    """EL-attention (Yan et al., 2021): no K/V projections; the heads of the input act as keys and values."""
+
+    kind: Literal["el_att"] = "el_att"
+
+
+class MHEConfig(_ProjectionKindConfig):
+    """Multi-head embeddings (Xue & Aletras, 2023, arXiv 2310.07911)."""
+
+    kind: Literal["mhe"] = "mhe"
+    mode: Literal["add", "mul"] = "mul"
+    """add: A + e_i; mul: A * (1 + e_i)."""
+    init_std: float = 0.02
+    """Std of the near-zero normal init of the head embeddings (the paper leaves it open)."""
+
+    tiny_knobs = {"mode": "mul", "init_std": 0.1}
+    bench_knobs = {"mode": "mul"}
+
+
+# --- projection schemes ---------------------------------------------------------------------------
 
 
 def _split_heads(x_BTX: torch.Tensor, heads: int) -> torch.Tensor:

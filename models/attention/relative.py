@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention.config import _AttentionConfig
+from models.attention.base import _AttentionConfig
 
 RELATIVE_BIASES = "relative_biases"
 """Key of the model-owned u, v in `shared_state`."""
