@@ -29,6 +29,7 @@ loss difference with its standard error, and the largest change of any logit bef
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import tempfile
 import time
@@ -41,15 +42,17 @@ import torch
 
 from benchmarks.harness import Row, results_dir, write_csv
 from models import LanguageModel
+from models.attention import ATTENTION
 from orchestrator.local_run import train_locally
 from orchestrator.spec import ExperimentSpec, load_spec
 
 RECIPE = "configs/wikitext2.yaml"
-# Small buckets and blocks, so that at seq_len 128 routing decides what a query sees (at the defaults a
-# 128-token window is one chunk, i.e. exact attention, and nothing can leak).
-ATTENTION = {
-    "lsh": ["model.attention.bucket_size=16", "model.attention.n_hashes=2"],
-    "hyper": ["model.attention.block_size=16", "model.attention.sample_size=16", "model.attention.min_seq_len=32"],
+# The kinds with a `causal_routing` knob, with the knobs their configs declare for the small benchmarks: small
+# buckets and blocks, so that at seq_len 128 routing decides what a query sees (at the defaults a 128-token
+# window is one chunk, i.e. exact attention, and nothing can leak).
+ROUTED_KINDS = {
+    kind: [f"model.attention.{knob}={json.dumps(value)}" for knob, value in config_cls.bench_knobs.items()]
+    for kind, config_cls in ATTENTION.configs.items() if "causal_routing" in config_cls.model_fields
 }
 QUICK = ["task.files=null", "task.eval_split=validation", "task.builtin={train_sentences: 2000, eval_sentences: 200}",
          "task.vocab_size=500", "task.seq_len=64", "model.max_seq_len=64", "model.d_model=64", "model.ffn=128",
@@ -58,7 +61,7 @@ QUICK = ["task.files=null", "task.eval_split=validation", "task.builtin={train_s
 
 def leak_spec(kind: str, routing: str, steps: int, quick: bool, extra: Sequence[str] = ()) -> ExperimentSpec:
     overrides = [f"name=leak-{kind}-{routing}", f"model.attention.kind={kind}",
-                 f"model.attention.causal_routing={routing}", *ATTENTION[kind],
+                 f"model.attention.causal_routing={routing}", *ROUTED_KINDS[kind],
                  f"optim.max_steps={steps}", f"run.eval_every={steps}", f"run.checkpoint_every={steps}"]
     return load_spec(RECIPE, [*(QUICK if quick else []), *overrides, *extra])
 
@@ -146,7 +149,7 @@ def run(kinds: Sequence[str], routings: Sequence[str], steps: int, windows: int,
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results", help="results root; files go to <out>/<machine>/")
-    parser.add_argument("--kinds", nargs="*", default=list(ATTENTION), choices=list(ATTENTION))
+    parser.add_argument("--kinds", nargs="*", default=list(ROUTED_KINDS), choices=list(ROUTED_KINDS))
     parser.add_argument("--routings", nargs="*", default=["paper", "past_only"], choices=["paper", "past_only"])
     parser.add_argument("--steps", type=int, default=1200, help="training steps per model (the recipe's 1200)")
     parser.add_argument("--windows", type=int, default=256, help="test windows to cut")

@@ -6,7 +6,8 @@ compiled, from the same initial weights and batches. The compiled side's first s
 (`compile_s`: their time above the eager steps'); then both sides are timed in alternation
 (`harness.interleaved_medians`, so load from other processes hits both alike). A kind that cannot compile
 keeps its error in `status`; `graph_breaks` counts where dynamo fell back to eager Python (data-dependent
-shapes such as masked LM's scored positions, `.item()`-style host reads).
+shapes such as masked LM's scored positions, `.item()`-style host reads). Each kind runs with the knobs its
+config declares for the small benchmarks (`bench_knobs`, e.g. linformer k 32, lsh buckets of 16).
 
     python -m benchmarks.compile_speed --out benchmarks/results
     python -m benchmarks.compile_speed --kinds mha linformer --steps 5    # a subset
@@ -33,19 +34,10 @@ from benchmarks.harness import (
     save_figure,
     write_csv,
 )
-from models.attention import ATTENTION_KINDS
+from models.attention import ATTENTION, ATTENTION_KINDS
 from orchestrator.spec import validate_spec
 from orchestrator.trainer import Trainer, train_step
 from tasks import WorkerContext
-
-KNOBS: dict[str, dict[str, Any]] = {
-    "gqa": {"groups": 2},
-    "mhe": {"mode": "mul"},
-    "linformer": {"k": 32, "sharing": "headwise"},
-    "lsh": {"bucket_size": 16, "n_hashes": 2},
-    "hyper": {"block_size": 16, "sample_size": 16, "min_seq_len": 32, "lsh_bits": 3},
-}
-
 
 def bench_raw(kind: str, *, d_model: int, layers: int, seq_len: int, batch_size: int) -> dict[str, Any]:
     return {
@@ -53,7 +45,7 @@ def bench_raw(kind: str, *, d_model: int, layers: int, seq_len: int, batch_size:
         "task": {"kind": "mlm", "seq_len": seq_len, "batch_size": batch_size, "vocab_size": 1000,
                  "builtin": {"train_sentences": 2000, "eval_sentences": 20}},
         "model": {"d_model": d_model, "layers": layers, "ffn": 4 * d_model, "max_seq_len": seq_len, "dropout": 0.0,
-                  "attention": {"kind": kind, "heads": 4, **KNOBS.get(kind, {})}},
+                  "attention": {"kind": kind, "heads": 4, **ATTENTION.configs[kind].bench_knobs}},
         "optim": {"lr": 1e-3, "max_steps": 1000, "warmup_steps": 1, "seed": 0},
     }
 
