@@ -162,7 +162,7 @@ class ModelConfig(BaseModel):
     """{mem_len: N}: Transformer-XL recurrence over consecutive segments (causal LM; needs relative positions
     when N > 0). null trains on shuffled independent blocks."""
     attention: AttentionConfig = Field(default_factory=ATTENTION.configs["mha"])
-    """The attention block: {kind, heads, and the kind's knobs}, a kind of `attention_registry` (e.g. mha, linformer)."""
+    """The attention block: {kind, heads, and the kind's knobs}, one of the kinds of `attention_registry`."""
     embedding: EmbeddingConfig = Field(default_factory=StandardEmbeddingConfig)
     """Token embedding: {kind: standard}, {kind: define, input_dim, width, depth, ...} or {kind: adaptive, cutoffs}."""
     tie_output: bool = True
