@@ -232,7 +232,7 @@ def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, se
     the NaN trial errors again with its reason, the other finishes from its checkpoint with its ASHA clock
     (evaluations) continuing, and the summary counts 1 finished, 1 errored, exit 1, parent FAILED."""
     # No retries: the NaN trial would fail again on each (run.max_failures 2 x tune.max_failures 1 by default).
-    spec = write_spec(tmp_path, "sweep-kill", server.uri, optim={"lr": {"grid": [300.0, 3e-3]}, "warmup_steps": 3,
+    spec = write_spec(tmp_path, "sweep-kill", server.uri, optim={"lr": {"grid": [1e4, 3e-3]}, "warmup_steps": 3,
                                                                   "grad_clip": None},
                       run={"max_failures": 0}, tune={"max_failures": 0})
     first = orchestrator(tmp_path, "sweep", str(spec))
@@ -253,7 +253,7 @@ def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, se
     parent = next(r for r in runs if r.data.tags.get("orchestrator.role") == "sweep")
     children = {r.data.params["optim.lr"]: r for r in runs if r.data.tags.get("orchestrator.role") == "trial"}
     assert parent.info.status == "FAILED"
-    assert children["300.0"].info.status == "FAILED" and children["0.003"].info.status == "FINISHED"
+    assert children["10000.0"].info.status == "FAILED" and children["0.003"].info.status == "FINISHED"
     assert_one_point_per_step(server.uri, children["0.003"].info.run_id)
     assert "loss is nan at step" in resumed.output or "loss is inf at step" in resumed.output
 
