@@ -1,10 +1,50 @@
-"""Shared fixtures. `ray_cluster` starts ONE local Ray for the whole session, and only when a test asks
-for it: tests that never request it (spec, search space, cluster YAML) run without Ray."""
+"""Shared fixtures and the two test tiers.
+
+- The fast tier (`python -m pytest -q`, the README's command): every unit, method and kernel test and one small
+  end-to-end run on a local Ray.
+- The real-process tier (tests marked `slow`): Ray clusters of several nodes, the fake autoscaler, killed
+  launchers, real `mlflow server` processes, `ray job submit` and the browser. Collected always, run only with
+  `RUN_SLOW=1` (the convention of Hugging Face transformers' `@slow`); `RUN_SLOW=1 python -m pytest -q -m slow`
+  runs this tier alone, as `.ci/run` does after the fast tier.
+
+`ray_cluster` starts ONE local Ray for the whole session, and only when a test asks for it: tests that never
+request it (spec, search space, cluster YAML) run without Ray."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+RUN_SLOW = "RUN_SLOW"
+"""The switch of the real-process tier: set to 1 (or true/yes) to run the tests marked `slow`."""
+
+
+def _run_slow() -> bool:
+    return os.environ.get(RUN_SLOW, "").strip().lower() in ("1", "true", "yes")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without RUN_SLOW=1 the real-process tier is deselected (not skipped: it is not this command's work), and
+    the summary says how to run it."""
+    if _run_slow():
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+        config.hook.pytest_deselected(items=slow)
+        config.stash[_DESELECTED] = len(slow)
+
+
+_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    count = config.stash.get(_DESELECTED, 0)
+    if count:
+        terminalreporter.write_line(f"{count} real-process tests (marked slow) not run: "
+                                    f"{RUN_SLOW}=1 python -m pytest -q -m slow runs them")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,5 +1,6 @@
-"""End-to-end runs on the session's local Ray: a sweep's MLflow layout, resume after a failure, a 2-worker
-DDP run and a dead tracking server. Tiny MLM models on the built-in corpus; one trial at a time."""
+"""End-to-end runs on the session's local Ray: a sweep's MLflow layout (the fast tier's one end-to-end run),
+resume after a failure, a 2-worker DDP run and a dead tracking server (the real-process tier). Tiny MLM
+models on the built-in corpus; one trial at a time."""
 
 from __future__ import annotations
 
@@ -54,8 +55,9 @@ def loss_curve(client: MlflowClient, run_id: str) -> dict[int, float]:
     return {m.step: m.value for m in history}
 
 
-@pytest.mark.slow
 def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
+    """The fast tier's one end-to-end run (not marked slow): a 2-trial sweep on the session's local Ray, through
+    Tune, Ray Train and MLflow, with the layout every report and resume relies on."""
     raw = tiny_spec("sweep2", workspace,
                     model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "mhe", "heads": 2, "mode": "mul"}]}},
                     tune={"scheduler": "fifo"}, tracking={"system_metrics": True, "system_metrics_interval_s": 0.5})
