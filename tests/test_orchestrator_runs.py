@@ -101,7 +101,8 @@ def test_resume_continues_run_id_and_loss_curve(ray_cluster, workspace):
     reference = run_training(validate_spec(tiny_spec("uninterrupted", workspace, optim=optim, run=run)))
     assert reference.metrics["step"] == 6
 
-    spec = validate_spec(tiny_spec("interrupted", workspace, optim=optim, run=run))
+    # No retries: the injected failure recurs at step 3 on each (Ray Train's retry path: tests/test_faults.py).
+    spec = validate_spec(tiny_spec("interrupted", workspace, optim=optim, run={**run, "max_failures": 0}))
     with pytest.raises(LaunchError, match="orchestrator resume interrupted"):
         run_training(spec, fail_at_step=3)  # dies after step 3; its last checkpoint is step 2
     client = MlflowClient(workspace["uri"])
@@ -143,8 +144,9 @@ def test_resume_continues_run_id_and_loss_curve(ray_cluster, workspace):
 
 @pytest.mark.slow
 def test_resumed_sweep_restarts_a_failed_trial_from_its_checkpoint(ray_cluster, workspace):
-    raw = tiny_spec("sweep-resume", workspace, optim={"max_steps": 6}, run={"checkpoint_every": 2},
-                    tune={"scheduler": "fifo"})
+    # No retries (Ray Train's or Tune's): the injected failure recurs at step 3 on each.
+    raw = tiny_spec("sweep-resume", workspace, optim={"max_steps": 6}, run={"checkpoint_every": 2, "max_failures": 0},
+                    tune={"scheduler": "fifo", "max_failures": 0})
     failed = run_sweep(study_from_raw(raw), fail_at_step=3)  # the trial dies after step 3; checkpoint at 2
     assert failed.errors == 1 and len(failed.trials) == 1
     client = MlflowClient(workspace["uri"])

@@ -206,7 +206,7 @@ def ui(sweep):
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"orchestrator ui did not serve {url}: {proc.stdout.read() if proc.poll() is not None else ''}")
-            time.sleep(1)
+            time.sleep(0.2)
         yield url
     finally:
         os.killpg(proc.pid, 15)
