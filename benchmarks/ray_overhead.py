@@ -2,7 +2,7 @@
 
 Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
 
-1. Steady-state tokens/s of a one-worker Ray Train run (`orchestrator.launch.run_training`), read from the
+1. Steady-state tokens/s of a one-worker Ray Train run (`orchestrator.run.run_training`), read from the
    `train/tokens_per_s` windows the worker logs every `log_every` steps, against the same training core run
    in this process without Ray (`plain_run`: `orchestrator.local_run.train_locally` on the same spec, so the
    same `Trainer`, seeds, steps and window accounting as the worker; torch threads = the Ray worker's CPUs).
@@ -10,7 +10,7 @@ Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
    (warm-up) is dropped on both sides.
 2. Start-up of that run: seconds from the launch call to its first logged metric, against the plain run's
    seconds from its start (task build included) to its first window. Both pay the tokenizer training (fresh cache).
-3. Start-up of a sweep (`orchestrator.launch.run_sweep`, two grid trials, one at a time) to its first
+3. Start-up of a sweep (`orchestrator.sweep.run_sweep`, two grid trials, one at a time) to its first
    reported metric, with the tokenizer cache already warm.
 4. Start-up of `orchestrator train` as a user runs it, on a warm machine: a fresh `python -m orchestrator
    train spec.yaml --verbose` process (its own local Ray) with the tokenizer cache warm, from the process
@@ -149,7 +149,7 @@ def steady(windows: Sequence[tuple[int, float]], max_steps: int) -> float:
 
 def ray_run(spec: ExperimentSpec, uri: str) -> tuple[list[tuple[int, float]], float]:
     """A one-worker Ray Train run of `spec`: its tokens/s windows and seconds from launch to its first metric."""
-    from orchestrator.launch import run_training
+    from orchestrator.run import run_training
 
     launched_ms = time.time() * 1000
     outcome = run_training(spec)
@@ -163,7 +163,7 @@ def measure(scale: Scale, workdir: Path, *, rounds: int = 1, sweep: bool = True)
     """Measurements 1-3. With `rounds` > 1 the steady state is measured in that many (plain, Ray) pairs, the
     order swapped every round, so that load from other processes on a shared machine hits both sides alike;
     the rounds after the first train half as many steps (their caches are warm)."""
-    from orchestrator.launch import run_sweep
+    from orchestrator.sweep import run_sweep
 
     storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
     run_spec = validate_spec(bench_spec("ray-overhead-run", scale, storage, uri))

@@ -27,15 +27,10 @@ from pydantic import ValidationError
 from torch import nn
 
 from models.classifier import load_encoder
-from orchestrator.checkpoint import (
-    SPEC_FILE,
-    STATE_FILE,
-    TOKENIZER_FILE,
-    checkpoint_steps,
-    join,
-    read_checkpoint,
-    storage_fs,
-)
+from orchestrator.checkpoint import SPEC_FILE, STATE_FILE, TOKENIZER_FILE, read_checkpoint
+from orchestrator.finalize import choose_checkpoint
+from orchestrator.layout import checkpoint_steps, is_remote, join, storage_fs
+from orchestrator.layout import resolve as resolve_location
 from orchestrator.ray_env import use_train_v2
 from orchestrator.spec import ExperimentSpec, SpecError
 
@@ -65,8 +60,8 @@ def _kind(location: str) -> pyarrow.fs.FileType:
 
 def _run_folder_of(value: str, spec: ExperimentSpec) -> str:
     """The storage location `model.init_from` names (a checkpoint or a run folder), or a SpecError."""
-    if "://" in value or Path(value).expanduser().exists():
-        return value if "://" in value else str(Path(value).expanduser().resolve())
+    if is_remote(value) or Path(value).expanduser().exists():
+        return resolve_location(value)
     storage = spec.run.storage_path
     named = join(storage, value)
     if _kind(named) == pyarrow.fs.FileType.Directory:
@@ -103,9 +98,7 @@ def _best_checkpoint(run_folder: str, value: str) -> tuple[str, ExperimentSpec] 
     spec = _read_spec(newest, value)
     try:
         use_train_v2()  # Result.from_path reads V2 storage
-        from ray.train import Result
-
-        from orchestrator.finalize import choose_checkpoint
+        from ray.train import Result  # deferred: after use_train_v2, and only for a run folder
 
         chosen = choose_checkpoint(Result.from_path(run_folder), spec, "best", split=None)
     except Exception:  # noqa: BLE001 - no Ray run state (a copied folder): fall back to the newest checkpoint
@@ -236,7 +229,7 @@ def load(location: str, keep_dir: Path) -> LoadedPretraining:
         state = read_checkpoint(Path(path))
         tokenizer = Path(shutil.copy(Path(path) / TOKENIZER_FILE, keep_dir / TOKENIZER_FILE))
         return LoadedPretraining(state=state, tokenizer=tokenizer, location=location)
-    import ray.train
+    import ray.train  # deferred: local training (orchestrator/local_run.py) reads local checkpoints without Ray
 
     with ray.train.Checkpoint(path, filesystem=fs).as_directory() as directory:
         state = read_checkpoint(Path(directory))

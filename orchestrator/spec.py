@@ -32,6 +32,7 @@ from orchestrator.search_space import (
     Domain,
     SearchSpaceError,
     find_domains,
+    grid_points,
     resolve,
     set_path,
     validation_points,
@@ -674,6 +675,13 @@ def _trial_label(assignment: Mapping[str, Any]) -> str:
     if not assignment:
         return "spec"
     return "trial {" + ", ".join(f"{k}={v!r}" for k, v in assignment.items()) + "}"
+
+
+def expected_trials(study: Study) -> int:
+    """Trials the sweep runs: every grid combination num_samples times, or num_samples draws."""
+    settings = study.base.tune
+    per_sample = len(grid_points(study.domains)) if settings.search == "grid" else 1
+    return per_sample * settings.num_samples
 
 
 def study_from_raw(raw: Mapping[str, Any]) -> Study:

@@ -9,18 +9,15 @@ shows from storage alone, and the MLflow part says why it is absent. Reads only;
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from orchestrator.checkpoint import checkpoint_steps
-from orchestrator.launch import META_FILE, TRIALS_DIR, _join, _subfolders, expected_trials, read_meta
-from orchestrator.preflight import LOCK_FILE, LaunchError, _alive
-from orchestrator.spec import study_from_raw, validate_spec
+from orchestrator.layout import META_FILE, RunLayout, latest_checkpoint, resolve
+from orchestrator.preflight import LaunchError, process_alive
+from orchestrator.spec import expected_trials, study_from_raw, validate_spec
 from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, ui_url
 
 UI_ADDRESS = "http://127.0.0.1:5000"
@@ -69,45 +66,36 @@ class Status:
         return (min if self.mode == "min" else max)(scored, key=lambda r: r.best)
 
 
-def _launcher(folder: str) -> str:
-    if "://" in folder:
+def _launcher(layout: RunLayout) -> str:
+    if layout.lock_path is None:
         return "unknown (remote storage has no lock)"
-    path = Path(folder) / LOCK_FILE
-    try:
-        holder = json.loads(path.read_text() or "{}")
-    except (OSError, json.JSONDecodeError):
+    holder = layout.lock_holder()
+    if holder is None:
         return "none"
     pid, host = holder.get("pid"), holder.get("host")
-    if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+    if host == socket.gethostname() and isinstance(pid, int) and not process_alive(pid):
         return "none (a launcher died; its lock is taken over by the next one)"
     return f"live: pid {pid} on {host} since {holder.get('since', '?')}"
 
 
-def _last_checkpoint(folder: str) -> str | None:
-    steps = checkpoint_steps(folder)
-    return _join(folder, max(steps, key=steps.get)) if steps else None
-
-
 def read_status(name: str, storage: str) -> Status:
     """The storage half of the status; `add_mlflow` adds the rest."""
-    meta = read_meta(storage, name)
+    layout = RunLayout(storage, name)
+    meta = layout.read_meta()
     if meta is None:
         raise LaunchError(f"nothing named {name!r} in {storage} (no {META_FILE}); check the name and --storage-path")
-    folder = _join(storage, name)
     if meta["kind"] == "run":
         spec = validate_spec(meta["spec"], where=f"stored spec of {name}")
-        runs = [RunState(label=name, folder=folder, mlflow_run_id=meta.get("mlflow_run_id"),
-                         last_checkpoint=_last_checkpoint(folder))]
+        runs = [RunState(label=name, folder=layout.folder, mlflow_run_id=meta.get("mlflow_run_id"),
+                         last_checkpoint=latest_checkpoint(layout.folder))]
         expected = 1
     else:
         study = study_from_raw(meta["raw"])
         spec, expected = study.base, expected_trials(study)
-        trials = _join(folder, TRIALS_DIR)
-        runs = [RunState(label=entry.removeprefix("train-"), folder=_join(trials, entry),
-                         last_checkpoint=_last_checkpoint(_join(trials, entry)))
-                for entry in sorted(_subfolders(trials)) if entry.startswith("train-")]
-    return Status(kind=meta["kind"], name=name, folder=folder, metric=spec.metric, mode=spec.mode,
-                  max_steps=spec.optim.max_steps, launcher=_launcher(folder), runs=runs, expected=expected,
+        runs = [RunState(label=trial_id, folder=folder, last_checkpoint=latest_checkpoint(folder))
+                for trial_id, folder in layout.trials()]
+    return Status(kind=meta["kind"], name=name, folder=layout.folder, metric=spec.metric, mode=spec.mode,
+                  max_steps=spec.optim.max_steps, launcher=_launcher(layout), runs=runs, expected=expected,
                   tracking_uri=spec.tracking.uri, mlflow_run_id=meta.get("mlflow_run_id") or meta.get("parent_run_id"))
 
 
@@ -210,7 +198,6 @@ def format_status(status: Status) -> str:
 
 
 def status_cli(name: str, storage: str) -> int:
-    storage = storage if "://" in storage else str(Path(storage).expanduser().resolve())
-    print(format_status(add_mlflow(read_status(name, storage))))
+    print(format_status(add_mlflow(read_status(name, resolve(storage)))))
     return 0
 

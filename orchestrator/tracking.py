@@ -27,12 +27,15 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
 from orchestrator.progress import VERBOSE_ENV
+
+if TYPE_CHECKING:
+    from orchestrator.spec import TrackingSettings
 
 PARENT_TAG = "mlflow.parentRunId"
 TRIAL_TAG = "ray.trial_id"
@@ -397,6 +400,13 @@ class MlflowTracker:
             self._pending = deque((p for p in self._pending if id(p[1]) not in sent), maxlen=_MAX_BUFFERED_METRICS)
         self._save_spool()
 
+    def send_spooled(self) -> None:
+        """Send every point the spool holds, whichever run it belongs to (a launcher's last chance, before it
+        goes on: resume of a sweep whose trials ended during an outage)."""
+        self._load_spool()
+        for run_id in {rid for rid, _ in self._pending}:
+            self.flush(run_id, force=True)
+
     def _load_spool(self) -> None:
         """Take the spool as the unsent points. With a spool, every flush ends by mirroring the buffer into
         it, so the file is the whole truth: another process (the worker) may have sent or added points since."""
@@ -433,6 +443,12 @@ class MlflowTracker:
         """Every file under `directory`, as the artifact folder `artifact_path`."""
         self._call(f"artifact upload ({Path(directory).name}/)",
                    lambda client: client.log_artifacts(run_id, str(directory), artifact_path))
+
+
+def open_tracker(settings: TrackingSettings, spool: str | None = None) -> MlflowTracker:
+    """The tracker of a spec's `tracking:` block; with `spool`, a run folder's spool file (RunLayout)."""
+    return MlflowTracker(settings.uri, retries=settings.retries, timeout_s=settings.timeout_s,
+                         spool=Path(spool) if spool else None)
 
 
 # --- metrics fan-out ----------------------------------------------------------------------------------

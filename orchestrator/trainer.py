@@ -82,7 +82,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 @dataclass(frozen=True)
 class Cadence:
-    """When a step logs, evaluates and checkpoints: the one definition (launch.py counts ASHA's rungs with it).
+    """When a step logs, evaluates and checkpoints: the one definition (sweep.py counts ASHA's rungs with it).
 
     Every checkpoint step is also an evaluation step, so every checkpoint carries the metric that ranks it
     (Ray's CheckpointConfig score attribute); the last step always checkpoints.

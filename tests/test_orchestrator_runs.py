@@ -15,7 +15,10 @@ from mlflow import MlflowClient
 
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.finalize import evaluate_stored
-from orchestrator.launch import LaunchError, resume, run_sweep, run_training
+from orchestrator.preflight import LaunchError
+from orchestrator.resume import resume
+from orchestrator.run import run_training
+from orchestrator.sweep import run_sweep
 from orchestrator.spec import SpecError, study_from_raw, validate_spec
 from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, TrackingWarning
 
@@ -259,8 +262,8 @@ def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
     """The worker marks a NaN run's folder; a retried trial or a resume then fails at once with the reason."""
     from types import SimpleNamespace
 
-    from orchestrator.checkpoint import diverged, mark_diverged
-    from orchestrator.launch import _fit_and_finish
+    from orchestrator.layout import diverged, mark_diverged
+    from orchestrator.run import fit_and_finish
     from orchestrator.tracking import MlflowTracker, run_handle
 
     folder = tmp_path / "runs" / "nan"
@@ -278,7 +281,7 @@ def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
     handle = run_handle({}, "", experiment="nan", run_name="nan", role="run", kind="mha", commit="abc",
                         key=("orchestrator.run", str(folder)))
     with pytest.raises(LaunchError, match=r"run 'nan' failed: NonFiniteLoss: train/loss is nan at step 7"):
-        _fit_and_finish(spec, NeverFit(), handle, tracker, str(tmp_path), label="run 'nan'", advice=None)
+        fit_and_finish(spec, NeverFit(), handle, tracker, str(tmp_path), label="run 'nan'", advice=None)
     [run] = MlflowClient(spec.tracking.uri).search_runs(
         [MlflowClient(spec.tracking.uri).get_experiment_by_name("nan").experiment_id])
     assert run.info.status == "FAILED"
