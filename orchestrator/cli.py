@@ -213,13 +213,11 @@ def _set_verbosity(verbose: bool) -> None:
 
 def _runs_page(uri: str, base: str, args: argparse.Namespace) -> str | None:
     """The experiment's training-runs page (not MLflow 3's GenAI overview), when the store already has it."""
-    from mlflow import MlflowClient
-
-    from orchestrator.tracking import ui_url
+    from orchestrator.tracking.read import TrackingReader, ui_url  # deferred: mlflow only for `ui SPEC`
 
     spec = load_study(args.spec, args.overrides, args.scale).base
     try:
-        found = MlflowClient(tracking_uri=uri).get_experiment_by_name(spec.tracking.experiment)
+        found = TrackingReader(uri).experiment(spec.tracking.experiment)
     except Exception:  # noqa: BLE001 - no store yet: the UI still starts, on its experiment list
         return None
     return ui_url(base, found.experiment_id, metric=spec.metric, mode=spec.mode) if found else None

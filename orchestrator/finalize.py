@@ -26,7 +26,7 @@ from orchestrator.layout import EVALUATION_DIR, RunLayout, cache_dir_of, join
 from orchestrator.preflight import LaunchError
 from orchestrator.ray_env import use_train_v2
 from orchestrator.spec import ExperimentSpec
-from orchestrator.tracking import MlflowTracker
+from orchestrator.tracking.write import MlflowTracker
 
 Which = str
 """best | latest | a kept checkpoint's folder name (checkpoint_000002750); `evaluate_stored` also takes all."""

@@ -19,7 +19,7 @@ from orchestrator.layout import RunLayout, cache_dir_of, is_remote
 from orchestrator.spec import ExperimentSpec, SpecError
 
 if TYPE_CHECKING:  # mlflow is imported only by the commands that log
-    from orchestrator.tracking import MlflowTracker
+    from orchestrator.tracking.write import MlflowTracker
 
 class LaunchError(RuntimeError):
     """A run or sweep cannot be started or resumed; the message says why and what to do."""

@@ -33,9 +33,9 @@ from orchestrator.layout import checkpoint_steps, is_remote, join, storage_fs
 from orchestrator.layout import resolve as resolve_location
 from orchestrator.ray_env import use_train_v2
 from orchestrator.spec import ExperimentSpec, SpecError
+from orchestrator.tracking.describe import CHECKPOINTS_TAG
+from orchestrator.tracking.read import TrackingReader
 
-CHECKPOINTS_TAG = "orchestrator.checkpoints"
-"""MLflow tag of every run and trial: the storage folder (path or URI) of its Ray Train run and checkpoints."""
 LINEAGE_TAGS = ("init_from.run_id", "init_from.checkpoint", "init_from.step")
 """Tags of a fine-tuning run naming what it started from (the pretraining MLflow run, checkpoint and step)."""
 # Model fields that may differ between pretraining and fine-tuning: no parameter depends on them.
@@ -77,13 +77,9 @@ def _run_folder_of(value: str, spec: ExperimentSpec) -> str:
 
 
 def _checkpoints_tag(run_id: str, spec: ExperimentSpec) -> str | None:
-    from mlflow import MlflowClient
-
-    from orchestrator.tracking import configure_http
-
-    configure_http(spec.tracking.timeout_s)
     try:
-        return MlflowClient(spec.tracking.uri).get_run(run_id).data.tags.get(CHECKPOINTS_TAG)
+        reader = TrackingReader(spec.tracking.uri, timeout_s=spec.tracking.timeout_s)
+        return reader.run(run_id).data.tags.get(CHECKPOINTS_TAG)
     except Exception:  # noqa: BLE001 - no such run, or the store does not answer: the caller says what to give
         return None
 

@@ -32,15 +32,8 @@ from orchestrator.pretrained import preflight as check_init_from
 from orchestrator.progress import failure_reason, next_step, verbose
 from orchestrator.ray_env import start_local_ray, train_worker_env, use_train_v2
 from orchestrator.spec import ExperimentSpec, SpecError, check_gpus, spec_to_yaml
-from orchestrator.tracking import (
-    RUN_KEY_TAG,
-    MlflowTracker,
-    RunHandle,
-    git_commit,
-    open_tracker,
-    portable_params,
-    run_handle,
-)
+from orchestrator.tracking.describe import RUN_KEY_TAG, RunHandle, git_commit, portable_params, run_handle
+from orchestrator.tracking.write import MlflowTracker, open_tracker
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
 
 # --- Ray ---------------------------------------------------------------------------------------------

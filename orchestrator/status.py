@@ -13,12 +13,12 @@ import math
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from orchestrator.layout import META_FILE, RunLayout, latest_checkpoint, resolve
 from orchestrator.preflight import LaunchError, process_alive
 from orchestrator.spec import expected_trials, study_from_raw, validate_spec
-from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, ui_url
+from orchestrator.tracking.describe import TRIAL_TAG
+from orchestrator.tracking.read import TrackingReader, ui_url
 
 UI_ADDRESS = "http://127.0.0.1:5000"
 """Where `orchestrator ui` serves a local tracking store (its default --port)."""
@@ -107,24 +107,17 @@ def _last(metrics: Mapping[str, float], key: str) -> float | None:
 def add_mlflow(status: Status) -> Status:
     """Each run's MLflow state (a sweep's children found by parent and trial id); a store that does not
     answer leaves a note instead."""
-    from mlflow import MlflowClient
-
-    from orchestrator.tracking import configure_http
-
     if status.mlflow_run_id is None:
         status.mlflow_note = "no MLflow run id stored (the tracking server was down at launch?)"
         return status
-    configure_http(5)
     try:
-        client = MlflowClient(tracking_uri=status.tracking_uri)
-        top = client.get_run(status.mlflow_run_id)
+        reader = TrackingReader(status.tracking_uri, timeout_s=5)
+        top = reader.run(status.mlflow_run_id)
         status.experiment_id, status.mlflow_status = top.info.experiment_id, top.info.status
         if status.kind == "run":
             children = {status.runs[0].label: top}
         else:
-            found = client.search_runs([top.info.experiment_id],
-                                       filter_string=f"tags.`{PARENT_TAG}` = '{status.mlflow_run_id}'",
-                                       max_results=1000)
+            found = reader.children(top.info.experiment_id, status.mlflow_run_id)
             children = {run.data.tags.get(TRIAL_TAG, run.info.run_id): run for run in found}
     except Exception as err:  # noqa: BLE001 - status must work with the server down: storage still answers
         status.mlflow_note = f"MLflow at {status.tracking_uri} did not answer ({type(err).__name__}: {str(err)[:200]})"
@@ -137,7 +130,7 @@ def add_mlflow(status: Status) -> Status:
             status.runs.append(run)
         metrics = found.data.metrics
         run.mlflow_run_id, run.status = found.info.run_id, found.info.status
-        run.step = int(metrics["step"]) if "step" in metrics else _last_step(client, found.info.run_id, status.metric)
+        run.step = int(metrics["step"]) if "step" in metrics else _last_step(reader, found.info.run_id, status.metric)
         run.value, run.best = _last(metrics, status.metric), _last(metrics, f"best/{status.metric}")
         if run.best is None:
             run.best = run.value
@@ -146,10 +139,10 @@ def add_mlflow(status: Status) -> Status:
     return status
 
 
-def _last_step(client: Any, run_id: str, metric: str) -> int | None:
+def _last_step(reader: TrackingReader, run_id: str, metric: str) -> int | None:
     """The last step the run logged: train/loss is logged every log_every steps, the metric at evaluations."""
     for key in ("train/loss", metric):
-        history = client.get_metric_history(run_id, key)
+        history = reader.metric_history(run_id, key)
         if history:
             return max(point.step for point in history)
     return None

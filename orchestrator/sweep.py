@@ -32,15 +32,8 @@ from orchestrator.run import (
 from orchestrator.search_space import resolve, to_param_space, validation_points
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
 from orchestrator.sweep_summary import summarize_sweep
-from orchestrator.tracking import (
-    RUN_KEY_TAG,
-    TRIAL_TAG,
-    MlflowTracker,
-    flatten,
-    git_commit,
-    open_tracker,
-    run_handle,
-)
+from orchestrator.tracking.describe import RUN_KEY_TAG, TRIAL_TAG, flatten, git_commit, run_handle
+from orchestrator.tracking.write import MlflowTracker, open_tracker
 from orchestrator.worker_config import WorkerConfig
 
 DRIVER_RESOURCES = {HEAD_RESOURCE: 0.001}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.progress import describe_config
-from orchestrator.tracking import MlflowTracker
+from orchestrator.tracking.write import MlflowTracker
 
 NOTE_TAG = "mlflow.note.content"
 BEST_TRIAL_TAG = "sweep.best_trial"

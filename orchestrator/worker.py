@@ -39,15 +39,9 @@ from orchestrator.layout import (
 from orchestrator.pretrained import load as load_pretrained
 from orchestrator.progress import verbose
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
-from orchestrator.tracking import (
-    ConsoleLogger,
-    MetricsLogger,
-    MlflowLogger,
-    MlflowTracker,
-    RunHandle,
-    device_tags,
-    start_system_metrics,
-)
+from orchestrator.tracking.describe import RunHandle, device_tags
+from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger
+from orchestrator.tracking.write import MlflowTracker, start_system_metrics
 from orchestrator.trainer import Cadence, NonFiniteLoss, Trainer, unwrap
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
 from tasks.base import WorkerContext

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.tracking import RunHandle
+from orchestrator.tracking.describe import RunHandle
 
 WORKER_CONFIG = "worker"
 """The one key of Ray's train_loop_config: a `WorkerConfig`."""

@@ -18,7 +18,7 @@ from orchestrator.sweep import run_sweep
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.report import build_report
 from orchestrator.spec import study_from_raw, validate_spec
-from orchestrator.tracking import PARENT_TAG, ROLE_TAG
+from orchestrator.tracking.describe import PARENT_TAG, ROLE_TAG
 
 EVAL_SENTENCES = 24
 

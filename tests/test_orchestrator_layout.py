@@ -165,3 +165,9 @@ def test_status_of_a_stored_run_does_not_import_ray(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "no ray" in done.stdout, done.stdout + done.stderr
     assert f"last checkpoint: {storage}/unit/{checkpoint_name(2)}" in done.stdout
+
+
+def test_only_the_tracking_modules_build_mlflow_clients_or_create_runs():
+    tracking = set((PACKAGE / "tracking").glob("*.py"))
+    offenders = _offenders(r"MlflowClient\(|create_run|from mlflow|import mlflow", tracking)
+    assert not offenders, "read through orchestrator.tracking.read, write through .write:\n" + "\n".join(offenders)

@@ -20,7 +20,8 @@ from orchestrator.resume import resume
 from orchestrator.run import run_training
 from orchestrator.sweep import run_sweep
 from orchestrator.spec import SpecError, study_from_raw, validate_spec
-from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, TrackingWarning
+from orchestrator.tracking.describe import PARENT_TAG, TRIAL_TAG
+from orchestrator.tracking.write import TrackingWarning
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +205,8 @@ def unused_port() -> int:
 
 
 def test_tracker_with_dead_server_warns_then_skips_quickly(unused_port):
-    from orchestrator.tracking import MlflowTracker, RunHandle
+    from orchestrator.tracking.describe import RunHandle
+    from orchestrator.tracking.write import MlflowTracker
 
     tracker = MlflowTracker(f"http://127.0.0.1:{unused_port}", retries=2, timeout_s=1, backoff_s=0.01)
     with pytest.warns(TrackingWarning, match=f"127.0.0.1:{unused_port}.*retries in 30s"):
@@ -264,7 +266,8 @@ def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
 
     from orchestrator.layout import diverged, mark_diverged
     from orchestrator.run import fit_and_finish
-    from orchestrator.tracking import MlflowTracker, run_handle
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.write import MlflowTracker
 
     folder = tmp_path / "runs" / "nan"
     assert diverged(str(folder)) is None
@@ -289,7 +292,8 @@ def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
 
 def test_a_create_whose_answer_was_lost_is_not_made_twice(tmp_path):
     """The server made the run but its answer timed out (a loaded server): the retry finds the run by its key."""
-    from orchestrator.tracking import MlflowTracker, run_handle
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.write import MlflowTracker
 
     class AnswerLostOnce(MlflowClient):
         lost = 0
@@ -315,7 +319,9 @@ def test_run_opened_during_an_outage_gets_its_backlog(tmp_path):
     """The store is unreachable at the start (a file stands where its folder must be), then comes up: the run
     is created then from the launcher's handle (tags and params included), the metrics logged meanwhile arrive
     in order, and the run is left for its owner, the launcher, to end; the launcher finds the same run."""
-    from orchestrator.tracking import MlflowLogger, MlflowTracker, run_handle
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.loggers import MlflowLogger
+    from orchestrator.tracking.write import MlflowTracker
 
     store = tmp_path / "late"
     store.write_text("not a folder")
@@ -343,7 +349,9 @@ def test_restarted_logger_logs_each_step_once_and_spool_survives_the_process(tmp
     """A resumed worker recomputes steps it logged before its failure: they are not logged again. Points a
     dead server did not take wait in the spool file, and a later tracker (the launcher) sends them before it
     ends the run; until they are sent, the run is not ended."""
-    from orchestrator.tracking import MlflowLogger, MlflowTracker, run_handle
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.loggers import MlflowLogger
+    from orchestrator.tracking.write import MlflowTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     spool = tmp_path / "run" / "mlflow-spool.jsonl"
