@@ -16,7 +16,7 @@ from typing import Any
 
 from orchestrator.layout import parent, resolve
 from orchestrator.preflight import LaunchError, check_data_files
-from orchestrator.search_space import grid_points
+from orchestrator.spec.search_space import grid_points
 from orchestrator.spec import (
     SpecError,
     Study,
@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return status_cli(args.name, args.storage_path)
         if args.command == "evaluate":
-            from orchestrator.finalize import evaluate_stored
+            from orchestrator.evaluate import evaluate_stored
 
             storage = resolve(args.storage_path)
             try:

@@ -28,7 +28,7 @@ from torch import nn
 
 from models.classifier import load_encoder
 from orchestrator.checkpoint import SPEC_FILE, STATE_FILE, TOKENIZER_FILE, read_checkpoint
-from orchestrator.finalize import choose_checkpoint
+from orchestrator.evaluate import choose_checkpoint
 from orchestrator.layout import checkpoint_steps, is_remote, join, storage_fs
 from orchestrator.layout import resolve as resolve_location
 from orchestrator.ray_env import use_train_v2

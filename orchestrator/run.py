@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from orchestrator.cluster_resources import ClusterView, view_cluster
-from orchestrator.finalize import final_evaluation
+from orchestrator.evaluate import final_evaluation
 from orchestrator.layout import META_FILE, PRETRAIN_DIR, RunLayout, diverged, join, spool_of, trained_to
 from orchestrator.preflight import (
     LaunchError,

@@ -29,7 +29,7 @@ from orchestrator.run import (
     fit_and_finish,
     stage_to_train,
 )
-from orchestrator.search_space import resolve, to_param_space, validation_points
+from orchestrator.spec.search_space import resolve, to_param_space, validation_points
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
 from orchestrator.sweep_summary import summarize_sweep
 from orchestrator.tracking.describe import RUN_KEY_TAG, TRIAL_TAG, flatten, git_commit, run_handle

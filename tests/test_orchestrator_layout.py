@@ -87,6 +87,11 @@ def test_orchestrator_has_no_import_cycle():
     assert cycle is None, "import cycle among orchestrator modules: " + " -> ".join(cycle)
 
 
+def test_no_orchestrator_module_is_over_the_line_limit():
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these by responsibility (over {MAX_LINES} lines): {long}"
+
+
 def _code_files() -> list[Path]:
     return sorted([*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")])
 

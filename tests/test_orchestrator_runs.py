@@ -14,7 +14,7 @@ import torch
 from mlflow import MlflowClient
 
 from orchestrator.checkpoint import read_checkpoint
-from orchestrator.finalize import evaluate_stored
+from orchestrator.evaluate import evaluate_stored
 from orchestrator.preflight import LaunchError
 from orchestrator.resume import resume
 from orchestrator.run import run_training
@@ -248,7 +248,7 @@ def test_checkpoint_roundtrip_restores_rng(tmp_path):
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "inverse_sqrt", "constant"])
 def test_lr_schedules_warm_up_then_decay(schedule):
     from orchestrator.spec import OptimConfig
-    from orchestrator.schedules import lr_lambda
+    from orchestrator.optimizer_step import lr_lambda
 
     factor = lr_lambda(OptimConfig(schedule=schedule, warmup_steps=4, max_steps=20))
     assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

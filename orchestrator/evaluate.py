@@ -1,4 +1,5 @@
-"""After training: choose a run's checkpoint, score it on the test split, export the model, log it all.
+"""`orchestrator evaluate` and the final evaluation of every run: choose a run's checkpoint, score it on a split
+(orchestrator/scoring.py does the scoring, without Ray or MLflow), export the model, log it all.
 
 `orchestrator train` (and every sweep trial) ends here: the best checkpoint by the spec's metric (kept by
 Ray's CheckpointConfig score attribute next to the latest) is scored on all of the test split in a Ray task
@@ -21,7 +22,7 @@ from typing import Any
 import pyarrow.fs
 
 from orchestrator.checkpoint import read_checkpoint
-from orchestrator.evaluation import Evaluation, evaluate_checkpoint, split_task_config
+from orchestrator.scoring import Evaluation, evaluate_checkpoint, split_task_config
 from orchestrator.layout import EVALUATION_DIR, RunLayout, cache_dir_of, join
 from orchestrator.preflight import LaunchError
 from orchestrator.ray_env import use_train_v2
