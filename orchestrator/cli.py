@@ -16,10 +16,11 @@ from typing import Any
 
 from orchestrator.layout import parent, resolve
 from orchestrator.preflight import LaunchError, check_data_files
-from orchestrator.spec.search_space import grid_points
+from orchestrator.progress import set_verbose
 from orchestrator.spec import (
     SpecError,
     Study,
+    TrackingSettings,
     check_gpus,
     expected_trials,
     load_spec,
@@ -27,6 +28,7 @@ from orchestrator.spec import (
     local_gpu_count,
     spec_to_yaml,
 )
+from orchestrator.spec.search_space import grid_points
 
 DEFAULT_STORAGE = "runs"
 DEFAULT_UI_PORT = 5000
@@ -172,8 +174,6 @@ def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experim
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from orchestrator.spec import TrackingSettings
-
     uri = load_study(args.spec, args.overrides, args.scale).base.tracking.uri if args.spec else TrackingSettings().uri
     if uri.startswith(("http://", "https://")):
         print(f"tracking server already serves the UI at {uri}")
@@ -201,8 +201,6 @@ def _set_verbosity(verbose: bool) -> None:
     """Before Ray starts: the launcher's --verbose for Ray (orchestrator/ray_console.py), the workers, and
     MLflow's own Python logs (its database set-up lines)."""
     import logging
-
-    from orchestrator.progress import set_verbose
 
     set_verbose(verbose)
     if not verbose:
