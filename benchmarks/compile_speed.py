@@ -36,7 +36,8 @@ from benchmarks.harness import (
 )
 from models.attention import ATTENTION, ATTENTION_KINDS
 from orchestrator.spec import validate_spec
-from orchestrator.trainer import Trainer, train_step
+from orchestrator.optimizer_step import train_step
+from orchestrator.trainer import Trainer
 from tasks import WorkerContext
 
 def bench_raw(kind: str, *, d_model: int, layers: int, seq_len: int, batch_size: int) -> dict[str, Any]:

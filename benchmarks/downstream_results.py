@@ -21,16 +21,16 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.mlflow_store import metric_history, run_params, run_tags, runs_with_tag
+from orchestrator.layout import EVALUATION_DIR
+from orchestrator.tracking.describe import CHECKPOINTS_TAG, ROLE_TAG
+from orchestrator.tracking.read import TrackingReader
 
-ROLE_TAG = "orchestrator.role"
-CHECKPOINTS_TAG = "orchestrator.checkpoints"
 _KNOBS = ("mode", "k", "bucket_size", "n_hashes")
 
 
-def _last(uri: str, run_id: str, key: str) -> float | None:
-    history = metric_history(uri, run_id, key)
-    return history[-1][1] if history else None
+def _last(reader: TrackingReader, run_id: str, key: str) -> float | None:
+    history = reader.metric_history(run_id, key)
+    return history[-1].value if history else None
 
 
 def _label(params: dict[str, str]) -> str:
@@ -41,21 +41,25 @@ def _label(params: dict[str, str]) -> str:
 
 def collect(uri: str, experiment: str, out: Path) -> list[dict[str, object]]:
     out.mkdir(parents=True, exist_ok=True)
+    reader = TrackingReader(uri)
+    experiment_id = reader.experiment_id(experiment)
+    if experiment_id is None:
+        raise ValueError(f"no experiment {experiment!r} in {uri}")
     rows = []
-    for run_id in runs_with_tag(uri, experiment, ROLE_TAG, "trial") + runs_with_tag(uri, experiment, ROLE_TAG, "run"):
-        params, tags = run_params(uri, run_id), run_tags(uri, run_id)
-        if _last(uri, run_id, "test/acc") is None:
+    for run in reader.runs_with_tag(experiment_id, ROLE_TAG, "trial") + reader.runs_with_tag(experiment_id, ROLE_TAG, "run"):
+        run_id, params, tags = run.info.run_id, run.data.params, run.data.tags
+        if _last(reader, run_id, "test/acc") is None:
             continue  # not finished: no final evaluation yet
         pretrain_run = tags.get("init_from.run_id")
         row = {"method": _label(params), "seed": params["optim.seed"],
                "params_attention": params.get("params.attention"), "params_total": params.get("params.total"),
-               "dev_acc_last": _last(uri, run_id, "val/acc"), "dev_acc_best": _last(uri, run_id, "best/val/acc"),
-               "test_acc": _last(uri, run_id, "test/acc"), "test_f1": _last(uri, run_id, "test/f1"),
+               "dev_acc_last": _last(reader, run_id, "val/acc"), "dev_acc_best": _last(reader, run_id, "best/val/acc"),
+               "test_acc": _last(reader, run_id, "test/acc"), "test_f1": _last(reader, run_id, "test/f1"),
                "pretrained": pretrain_run is not None,
-               "pretrain_val_ppl": _last(uri, pretrain_run, "best/val/ppl") if pretrain_run else None,
+               "pretrain_val_ppl": _last(reader, pretrain_run, "best/val/ppl") if pretrain_run else None,
                "run_id": run_id}
         rows.append(row)
-        predictions = Path(tags[CHECKPOINTS_TAG]) / "evaluation" / "test.pred"
+        predictions = Path(tags[CHECKPOINTS_TAG]) / EVALUATION_DIR / "test.pred"
         if predictions.is_file():
             name = f"{row['method'].replace(' ', '_').replace('=', '')}-seed{row['seed']}.test.pred"
             shutil.copy(predictions, out / name)

@@ -2,7 +2,7 @@
 
 No parameter depends on `model.memory.mem_len` (the memory is layer inputs cached at run time), so the same
 weights can be evaluated with more, less or no memory. This scores a checkpoint folder of a run with
-`orchestrator.evaluation.evaluate_checkpoint` (what `orchestrator evaluate` runs) with `mem_len` replaced in
+`orchestrator.scoring.evaluate_checkpoint` (what `orchestrator evaluate` runs) with `mem_len` replaced in
 its model config: the whole split with memory, plus the word-level perplexity.
 
     python -m benchmarks.memory_swap RUNS/wikitext2-txl/checkpoint_000002500 --mem-len 0 128 \\
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from orchestrator.checkpoint import read_checkpoint
-from orchestrator.evaluation import evaluate_checkpoint
+from orchestrator.scoring import evaluate_checkpoint
 from orchestrator.spec import ExperimentSpec
 
 

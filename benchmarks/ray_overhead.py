@@ -2,7 +2,7 @@
 
 Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
 
-1. Steady-state tokens/s of a one-worker Ray Train run (`orchestrator.launch.run_training`), read from the
+1. Steady-state tokens/s of a one-worker Ray Train run (`orchestrator.run.run_training`), read from the
    `train/tokens_per_s` windows the worker logs every `log_every` steps, against the same training core run
    in this process without Ray (`plain_run`: `orchestrator.local_run.train_locally` on the same spec, so the
    same `Trainer`, seeds, steps and window accounting as the worker; torch threads = the Ray worker's CPUs).
@@ -10,7 +10,7 @@ Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
    (warm-up) is dropped on both sides.
 2. Start-up of that run: seconds from the launch call to its first logged metric, against the plain run's
    seconds from its start (task build included) to its first window. Both pay the tokenizer training (fresh cache).
-3. Start-up of a sweep (`orchestrator.launch.run_sweep`, two grid trials, one at a time) to its first
+3. Start-up of a sweep (`orchestrator.sweep.run_sweep`, two grid trials, one at a time) to its first
    reported metric, with the tokenizer cache already warm.
 4. Start-up of `orchestrator train` as a user runs it, on a warm machine: a fresh `python -m orchestrator
    train spec.yaml --verbose` process (its own local Ray) with the tokenizer cache warm, from the process
@@ -22,8 +22,8 @@ Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
    `--cli-only` measures just this, `--rounds N` times; `--against CHECKOUT` alternates it with another
    checkout's (before/after a change, on the same machine and load).
 
-Metric times come from the run's MLflow SQLite store, read with the standard library's sqlite3 (the
-experiments/runs/metrics tables), so that no code outside orchestrator/ imports mlflow (STYLE.md section 5).
+Metric times come from the run's MLflow store, read through orchestrator/tracking/read.py (runs found by their
+key tag), so that no code outside orchestrator/ imports mlflow (STYLE.md section 5).
 
     python -m benchmarks.ray_overhead --out benchmarks/results            # full
     python -m benchmarks.ray_overhead --quick --out benchmarks/results    # about a minute (Ray start-up)
@@ -51,14 +51,17 @@ from typing import Any
 import torch
 
 from benchmarks.harness import Row, alternating, results_dir, save_figure, write_csv
-from benchmarks.mlflow_store import first_metric_ms, metric_history
+from orchestrator.layout import RunLayout
 from orchestrator.local_run import train_locally
 from orchestrator.spec import (
     ExperimentSpec,
+    load_spec,
     spec_to_yaml,
     study_from_raw,
     validate_spec,
 )
+from orchestrator.tracking.describe import RUN_KEY_TAG
+from orchestrator.tracking.read import TrackingReader
 
 TOKENS_PER_S = "train/tokens_per_s"
 
@@ -149,13 +152,14 @@ def steady(windows: Sequence[tuple[int, float]], max_steps: int) -> float:
 
 def ray_run(spec: ExperimentSpec, uri: str) -> tuple[list[tuple[int, float]], float]:
     """A one-worker Ray Train run of `spec`: its tokens/s windows and seconds from launch to its first metric."""
-    from orchestrator.launch import run_training
+    from orchestrator.run import run_training
 
     launched_ms = time.time() * 1000
     outcome = run_training(spec)
     assert outcome.mlflow_run_id is not None, "the benchmark needs the MLflow store to read the run's metrics"
-    windows = [(step, value) for step, value, _ in metric_history(uri, outcome.mlflow_run_id, TOKENS_PER_S)]
-    first_ms = first_metric_ms(uri, [outcome.mlflow_run_id])
+    reader = TrackingReader(uri)
+    windows = [(point.step, point.value) for point in reader.metric_history(outcome.mlflow_run_id, TOKENS_PER_S)]
+    first_ms = reader.first_metric_ms([outcome.mlflow_run_id])
     return windows, math.nan if first_ms is None else (first_ms - launched_ms) / 1000
 
 
@@ -163,7 +167,7 @@ def measure(scale: Scale, workdir: Path, *, rounds: int = 1, sweep: bool = True)
     """Measurements 1-3. With `rounds` > 1 the steady state is measured in that many (plain, Ray) pairs, the
     order swapped every round, so that load from other processes on a shared machine hits both sides alike;
     the rounds after the first train half as many steps (their caches are warm)."""
-    from orchestrator.launch import run_sweep
+    from orchestrator.sweep import run_sweep
 
     storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
     run_spec = validate_spec(bench_spec("ray-overhead-run", scale, storage, uri))
@@ -201,7 +205,7 @@ def measure(scale: Scale, workdir: Path, *, rounds: int = 1, sweep: bool = True)
         sweep_started_ms = time.time() * 1000
         outcome = run_sweep(study_from_raw(sweep_raw))
         child_ids = [t["mlflow_run_id"] for t in outcome.trials if t.get("mlflow_run_id")]
-        sweep_first_ms = first_metric_ms(uri, child_ids)
+        sweep_first_ms = TrackingReader(uri).first_metric_ms(child_ids)
         sweep_startup = math.nan if sweep_first_ms is None else (sweep_first_ms - sweep_started_ms) / 1000
         rows.append({"measurement": "sweep_seconds_to_first_metric", "ray": sweep_startup, "plain": plain.first_window_s,
                      "windows": f"warm cache; {len(outcome.trials)} trials; errors {outcome.errors}", **common})
@@ -276,18 +280,12 @@ def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout,
     reader.join()
     if proc.wait() != 0:
         raise RuntimeError(f"orchestrator train ({checkout.label}) failed:\n{''.join(tail)}")
-    run_ids = [r for (r,) in _run_ids(uri, name)]  # a run's MLflow run is named after it
-    first_ms = first_metric_ms(uri, run_ids)
+    spec = load_spec(path, [f"name={name}"])  # found by its key: its storage folder
+    reader = TrackingReader(uri)
+    run_id = reader.run_of(spec.tracking.experiment, RUN_KEY_TAG, RunLayout(spec.run.storage_path, name).folder)
+    first_ms = reader.first_metric_ms([run_id])
     seen["first_metric"] = math.nan if first_ms is None else (first_ms - started_ms) / 1000
     return seen
-
-
-def _run_ids(uri: str, run_name: str) -> list[tuple[str]]:
-    import sqlite3
-
-    path = uri[len("sqlite:///"):]
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-        return db.execute("SELECT run_uuid FROM runs WHERE name = ?", (run_name,)).fetchall()
 
 
 def measure_cli(scale: Scale, workdir: Path, *, rounds: int = 1, against: Path | None = None,

@@ -25,16 +25,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.mlflow_store import find_run, metric_history, metric_keys, run_params, run_tags
+from orchestrator.layout import EVALUATION_DIR, RunLayout, resolve
+from orchestrator.tracking.describe import RUN_KEY_TAG
+from orchestrator.tracking.read import TrackingReader
 
 
 def summarise(uri: str, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(final summary, evaluation curve rows) of one run."""
-    keys = metric_keys(uri, run_id)
-    history = {key: metric_history(uri, run_id, key) for key in keys}
+    reader = TrackingReader(uri)
+    run = reader.run(run_id)
+    keys = sorted(run.data.metrics)
+    history = {key: [(m.step, m.value, m.timestamp) for m in reader.metric_history(run_id, key)] for key in keys}
     last = {key: rows[-1][1] for key, rows in history.items() if rows}
     train = history.get("train/loss", [])
-    params, tags = run_params(uri, run_id), run_tags(uri, run_id)
+    params, tags = run.data.params, run.data.tags
     summary: dict[str, Any] = {
         "run_id": run_id,
         "steps": max((step for step, _, _ in train), default=0),
@@ -57,15 +61,17 @@ def summarise(uri: str, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tracking-uri", required=True, help="sqlite:///path of the run's MLflow store")
+    parser.add_argument("--tracking-uri", required=True, help="the run's MLflow store (the spec's tracking.uri)")
     parser.add_argument("--experiment", required=True)
     parser.add_argument("--run", required=True, help="the run name (the spec's name)")
-    parser.add_argument("--storage", required=True, help="the spec's run.storage_path")
+    parser.add_argument("--storage", required=True, help="the spec's run.storage_path (finds the run by its key)")
     parser.add_argument("--stem", required=True, help="file stem, e.g. multi30k")
     parser.add_argument("--out", default="benchmarks/results/recipes")
     parser.add_argument("--command", required=True, help="the command that trained the run (recorded as is)")
     args = parser.parse_args(argv)
-    run_id = find_run(args.tracking_uri, args.experiment, args.run)
+    # The run's key: where `orchestrator train` stored it (the run's name alone may be reused by another store).
+    key = RunLayout(resolve(args.storage), args.run).folder
+    run_id = TrackingReader(args.tracking_uri).run_of(args.experiment, RUN_KEY_TAG, key)
     summary, curve = summarise(args.tracking_uri, run_id)
     summary["command"] = args.command
     out = Path(args.out)
@@ -75,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(k for row in curve for k in row)))
         writer.writeheader()
         writer.writerows(curve)
-    hypotheses = Path(args.storage) / args.run / "evaluation" / "test.hyp"
+    hypotheses = Path(key) / EVALUATION_DIR / "test.hyp"
     if hypotheses.exists():
         shutil.copy(hypotheses, out / f"{args.stem}.test.hyp")
     print(json.dumps(summary, indent=2))

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from benchmarks.harness import Row, interleaved_medians, peak_memory_bytes, results_dir, write_csv
 from models import LanguageModel, ModelConfig
 from orchestrator.spec import OptimConfig
-from orchestrator.trainer import LossFn, Optimization
-from orchestrator.trainer import train_step as core_train_step
+from orchestrator.optimizer_step import LossFn, Optimization
+from orchestrator.optimizer_step import train_step as core_train_step
 from tasks import Batch
 
 IGNORE = -100

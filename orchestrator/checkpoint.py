@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -19,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.fs
 import torch
+
+from orchestrator.layout import checkpoint_name
 
 STATE_FILE = "state.pt"
 SPEC_FILE = "spec.yaml"
-CHECKPOINT_NAME = re.compile(r"checkpoint_(\d+)$")
-"""A checkpoint folder's name in a run's storage folder (`write_checkpoint`, the worker's report): its step."""
 TOKENIZER_FILE = "tokenizer.model"
 """The run's sentencepiece model, so a checkpoint is scored or fine-tuned from without the run's data cache."""
 
@@ -84,59 +82,11 @@ class TrainingState:
     evaluation (and in checkpoints written before it was kept)."""
 
 
-def join(location: str, *parts: str) -> str:
-    """A path under a storage location, for local paths and URIs (s3://bucket/runs) alike."""
-    return "/".join([location.rstrip("/"), *parts])
-
-
-DIVERGED_FILE = "diverged.txt"
-"""In a Train run's folder once its loss became NaN or infinite (run.stop_on_nan): the reason, one line."""
-
-
-def mark_diverged(run_folder: str, reason: str) -> None:
-    """Record that the run diverged. Resuming it from its checkpoints would diverge again (same state, data and
-    RNG), so retries (run.max_failures, tune.max_failures, `orchestrator resume`) stop at once with the reason
-    instead of training up to the same step again."""
-    fs, path = storage_fs(join(run_folder, DIVERGED_FILE))
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(path) as f:
-        f.write(reason.encode())
-
-
-def diverged(run_folder: str) -> str | None:
-    """The reason the run at `run_folder` diverged, or None."""
-    fs, path = storage_fs(join(run_folder, DIVERGED_FILE))
-    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
-        return None
-    with fs.open_input_stream(path) as f:
-        return f.read().decode().strip() or "the loss became NaN or infinite"
-
-
-def cache_dir_of(storage_path: str) -> str:
-    """Tokenizers and prepared data: next to the runs when storage is local, else in the user's cache."""
-    if "://" not in storage_path:
-        return str(Path(storage_path) / ".cache")
-    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attention-orchestrator")
-
-
-def storage_fs(location: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    """The filesystem and path of a storage location: a URI, or a local path (made absolute)."""
-    return pyarrow.fs.FileSystem.from_uri(location if "://" in location else str(Path(location).resolve()))
-
-
-def checkpoint_steps(run_folder: str) -> dict[str, int]:
-    """The checkpoint folders of a Train run's storage folder, name -> step ({} without any, or no folder)."""
-    fs, path = storage_fs(run_folder)
-    return {info.base_name: int(m.group(1))
-            for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
-            if info.type == pyarrow.fs.FileType.Directory and (m := CHECKPOINT_NAME.match(info.base_name))}
-
-
 def write_checkpoint(parent: Path, state: TrainingState, spec_yaml: str, tokenizer: Path | None = None) -> Path:
-    """Write `state` as `parent/checkpoint_<step>` atomically (temp dir + rename), with the run's tokenizer."""
+    """Write `state` as `parent/<checkpoint_name(step)>` atomically (temp dir + rename), with the run's tokenizer."""
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
-    final = parent / f"checkpoint_{state.step:09d}"
+    final = parent / checkpoint_name(state.step)
     tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=parent))
     try:
         torch.save(state.__dict__, tmp / STATE_FILE)

@@ -12,20 +12,23 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from orchestrator.layout import parent, resolve
 from orchestrator.preflight import LaunchError, check_data_files
-from orchestrator.search_space import grid_points
+from orchestrator.progress import set_verbose
 from orchestrator.spec import (
     SpecError,
     Study,
+    TrackingSettings,
     check_gpus,
+    expected_trials,
     load_spec,
     load_study,
     local_gpu_count,
     spec_to_yaml,
 )
+from orchestrator.spec.search_space import grid_points
 
 DEFAULT_STORAGE = "runs"
 DEFAULT_UI_PORT = 5000
@@ -108,8 +111,7 @@ def _describe_grid(study: Study) -> str:
     lines = []
     points = grid_points(study.domains)
     sampled = [d for d in study.domains if not d.is_grid]
-    per_sample = len(points) if spec.tune.search == "grid" else 1
-    total = per_sample * spec.tune.num_samples
+    total = expected_trials(study)
     lines.append(f"search: {spec.tune.search}, scheduler: {spec.tune.scheduler}, metric: {spec.metric} ({spec.mode}), "
                  f"trials: {total}")
     if spec.tune.search == "grid":
@@ -145,7 +147,7 @@ def _sweep_line(outcome: Any) -> str:
     line = (f"sweep {outcome.name}: {len(outcome.trials)} trials: {counts['done']} finished, "
             f"{counts['error']} errored, {counts['unfinished']} unfinished")
     if outcome.interrupted or outcome.errors:
-        storage = str(Path(outcome.path).parent) if "://" not in outcome.path else outcome.path.rsplit("/", 1)[0]
+        storage = parent(outcome.path)
         what = "interrupted before every trial ended" if outcome.interrupted else "some trials errored"
         line += (f"\n{what}; continue the unfinished and errored trials from their checkpoints with "
                  f"`orchestrator resume {outcome.name} --storage-path {storage}`" if outcome.resumable else
@@ -172,8 +174,6 @@ def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experim
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from orchestrator.spec import TrackingSettings
-
     uri = load_study(args.spec, args.overrides, args.scale).base.tracking.uri if args.spec else TrackingSettings().uri
     if uri.startswith(("http://", "https://")):
         print(f"tracking server already serves the UI at {uri}")
@@ -202,8 +202,6 @@ def _set_verbosity(verbose: bool) -> None:
     MLflow's own Python logs (its database set-up lines)."""
     import logging
 
-    from orchestrator.progress import set_verbose
-
     set_verbose(verbose)
     if not verbose:
         # MLflow configured its logger when it was imported (above); the variable reaches Ray's processes.
@@ -213,13 +211,11 @@ def _set_verbosity(verbose: bool) -> None:
 
 def _runs_page(uri: str, base: str, args: argparse.Namespace) -> str | None:
     """The experiment's training-runs page (not MLflow 3's GenAI overview), when the store already has it."""
-    from mlflow import MlflowClient
-
-    from orchestrator.tracking import ui_url
+    from orchestrator.tracking.read import TrackingReader, ui_url  # deferred: mlflow only for `ui SPEC`
 
     spec = load_study(args.spec, args.overrides, args.scale).base
     try:
-        found = MlflowClient(tracking_uri=uri).get_experiment_by_name(spec.tracking.experiment or spec.name)
+        found = TrackingReader(uri).experiment(spec.tracking.experiment)
     except Exception:  # noqa: BLE001 - no store yet: the UI still starts, on its experiment list
         return None
     return ui_url(base, found.experiment_id, metric=spec.metric, mode=spec.mode) if found else None
@@ -251,7 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "ui":
             return _ui(args)
         if args.command == "resume":
-            from orchestrator.launch import SweepOutcome, resume
+            # Deferred here and below: Ray is imported only by the commands that run something.
+            from orchestrator.resume import resume
+            from orchestrator.sweep import SweepOutcome
 
             outcome = resume(args.name, args.storage_path, args.overrides)
             print(f"resumed {args.name}")
@@ -266,9 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return status_cli(args.name, args.storage_path)
         if args.command == "evaluate":
-            from orchestrator.finalize import evaluate_stored
+            from orchestrator.evaluate import evaluate_stored
 
-            storage = args.storage_path if "://" in args.storage_path else str(Path(args.storage_path).resolve())
+            storage = resolve(args.storage_path)
             try:
                 scored = evaluate_stored(args.name, storage, split=args.split, which=args.checkpoint)
             except ValueError as err:  # an unknown --checkpoint, a split the run's data does not have
@@ -295,14 +293,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         _check_local_gpus(study)
         # Ray is imported only from here on.
-        from orchestrator.launch import run_sweep, run_training
+        from orchestrator.run import run_training
+        from orchestrator.sweep import run_sweep
 
         if args.command == "train":
             outcome = run_training(spec)
-            _print_run(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment or spec.name)
+            _print_run(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment)
             return 0
         outcome = run_sweep(study)
-        _print_sweep(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment or spec.name, spec.metric)
+        _print_sweep(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment, spec.metric)
         return 1 if outcome.errors or outcome.interrupted else 0
     except SpecError as err:
         print(f"orchestrator: invalid spec: {err}", file=sys.stderr)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from orchestrator.checkpoint import read_checkpoint, write_checkpoint
+from orchestrator.layout import checkpoint_name, local_checkpoints
 from orchestrator.pretrained import load, preflight
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.trainer import Trainer
@@ -45,7 +46,7 @@ class LocalHooks:
                                 trainer.task.artifacts().get("tokenizer"))
         if trainer.best.step == step:
             self.best_checkpoint = path
-        for old in sorted(self.folder.glob("checkpoint_*")):
+        for old in local_checkpoints(self.folder):
             if old not in (path, self.best_checkpoint):
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -54,7 +55,7 @@ class LocalHooks:
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
-    found = sorted(Path(folder).glob("checkpoint_*"))
+    found = local_checkpoints(Path(folder))
     return found[-1] if found else None
 
 
@@ -70,7 +71,7 @@ def train_locally(spec: ExperimentSpec, *, cache_dir: Path, folder: Path | None 
     hooks = LocalHooks(spec, Path(folder) if folder is not None else None, on_metrics)
     if folder is not None and (latest := latest_checkpoint(Path(folder))) is not None:
         trainer.restore(read_checkpoint(latest))
-        best = Path(folder) / f"checkpoint_{trainer.best.step or 0:09d}"
+        best = Path(folder) / checkpoint_name(trainer.best.step or 0)
         hooks.best_checkpoint = best if best.exists() else None
     trainer.fit(hooks)
     return trainer, hooks

@@ -15,18 +15,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.checkpoint import cache_dir_of
+from orchestrator.layout import RunLayout, cache_dir_of, is_remote
 from orchestrator.spec import ExperimentSpec, SpecError
 
 if TYPE_CHECKING:  # mlflow is imported only by the commands that log
-    from orchestrator.tracking import MlflowTracker
+    from orchestrator.tracking.write import MlflowTracker
 
 class LaunchError(RuntimeError):
     """A run or sweep cannot be started or resumed; the message says why and what to do."""
-
-
-LOCK_FILE = ".orchestrator.lock"
-"""In a run's or sweep's storage folder while a launcher (train, sweep, resume) drives it."""
 
 
 def _data_files(spec: ExperimentSpec) -> list[tuple[str, list[Path]]]:
@@ -123,7 +119,7 @@ def check_multi_node(spec: ExperimentSpec, nodes: int, autoscaling: bool) -> Non
         return
     where = f"{nodes} nodes" + (" and an autoscaler that may add more" if autoscaling else "")
     storage = spec.run.storage_path
-    if "://" not in storage and not spec.run.shared_storage:
+    if not is_remote(storage) and not spec.run.shared_storage:
         raise SpecError(
             f"run.storage_path={storage!r} is a local folder, but the Ray cluster has {where}: each node would "
             "keep its own checkpoints, and a trial moved to another node could not resume. Use storage every node "
@@ -141,7 +137,8 @@ def check_multi_node(spec: ExperimentSpec, nodes: int, autoscaling: bool) -> Non
         )
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """A process of this host with that pid runs (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -152,29 +149,27 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def name_lock(folder: str, name: str) -> Iterator[None]:
-    """Hold `<folder>/.orchestrator.lock` (created exclusively) while this process drives run `name`: a second
-    train/sweep/resume of the same name is refused instead of racing the first over its checkpoints. A lock
-    left by a process of this host that is gone is taken over; on remote storage (a URI) there is no lock."""
-    if "://" in folder:
+def name_lock(layout: RunLayout) -> Iterator[None]:
+    """Hold the name's lock file (`RunLayout.lock_path`, created exclusively) while this process drives it: a
+    second train/sweep/resume of the same name is refused instead of racing the first over its checkpoints. A
+    lock left by a process of this host that is gone is taken over; on remote storage there is no lock."""
+    path = layout.lock_path
+    if path is None:
         yield
         return
-    path = Path(folder) / LOCK_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            try:
-                holder = json.loads(path.read_text() or "{}")
-            except (OSError, json.JSONDecodeError):
-                holder = {}
-            if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
+            holder = layout.lock_holder() or {}
+            if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and \
+                    not process_alive(holder["pid"]):
                 path.unlink(missing_ok=True)  # stale: its launcher was killed
                 continue
             raise LaunchError(
-                f"{name!r} is in use by process {holder.get('pid', '?')} on {holder.get('host', '?')} "
+                f"{layout.name!r} is in use by process {holder.get('pid', '?')} on {holder.get('host', '?')} "
                 f"(since {holder.get('since', '?')}); wait for it to end, or, if that process is gone, delete "
                 f"{path}") from None
         with os.fdopen(fd, "w") as f:

@@ -27,20 +27,15 @@ from pydantic import ValidationError
 from torch import nn
 
 from models.classifier import load_encoder
-from orchestrator.checkpoint import (
-    SPEC_FILE,
-    STATE_FILE,
-    TOKENIZER_FILE,
-    checkpoint_steps,
-    join,
-    read_checkpoint,
-    storage_fs,
-)
+from orchestrator.checkpoint import SPEC_FILE, STATE_FILE, TOKENIZER_FILE, read_checkpoint
+from orchestrator.evaluate import choose_checkpoint
+from orchestrator.layout import checkpoint_steps, is_remote, join, storage_fs
+from orchestrator.layout import resolve as resolve_location
 from orchestrator.ray_env import use_train_v2
 from orchestrator.spec import ExperimentSpec, SpecError
+from orchestrator.tracking.describe import CHECKPOINTS_TAG
+from orchestrator.tracking.read import TrackingReader
 
-CHECKPOINTS_TAG = "orchestrator.checkpoints"
-"""MLflow tag of every run and trial: the storage folder (path or URI) of its Ray Train run and checkpoints."""
 LINEAGE_TAGS = ("init_from.run_id", "init_from.checkpoint", "init_from.step")
 """Tags of a fine-tuning run naming what it started from (the pretraining MLflow run, checkpoint and step)."""
 # Model fields that may differ between pretraining and fine-tuning: no parameter depends on them.
@@ -65,8 +60,8 @@ def _kind(location: str) -> pyarrow.fs.FileType:
 
 def _run_folder_of(value: str, spec: ExperimentSpec) -> str:
     """The storage location `model.init_from` names (a checkpoint or a run folder), or a SpecError."""
-    if "://" in value or Path(value).expanduser().exists():
-        return value if "://" in value else str(Path(value).expanduser().resolve())
+    if is_remote(value) or Path(value).expanduser().exists():
+        return resolve_location(value)
     storage = spec.run.storage_path
     named = join(storage, value)
     if _kind(named) == pyarrow.fs.FileType.Directory:
@@ -82,13 +77,9 @@ def _run_folder_of(value: str, spec: ExperimentSpec) -> str:
 
 
 def _checkpoints_tag(run_id: str, spec: ExperimentSpec) -> str | None:
-    from mlflow import MlflowClient
-
-    from orchestrator.tracking import configure_http
-
-    configure_http(spec.tracking.timeout_s)
     try:
-        return MlflowClient(spec.tracking.uri).get_run(run_id).data.tags.get(CHECKPOINTS_TAG)
+        reader = TrackingReader(spec.tracking.uri, timeout_s=spec.tracking.timeout_s)
+        return reader.run(run_id).data.tags.get(CHECKPOINTS_TAG)
     except Exception:  # noqa: BLE001 - no such run, or the store does not answer: the caller says what to give
         return None
 
@@ -103,9 +94,7 @@ def _best_checkpoint(run_folder: str, value: str) -> tuple[str, ExperimentSpec] 
     spec = _read_spec(newest, value)
     try:
         use_train_v2()  # Result.from_path reads V2 storage
-        from ray.train import Result
-
-        from orchestrator.finalize import choose_checkpoint
+        from ray.train import Result  # deferred: after use_train_v2, and only for a run folder
 
         chosen = choose_checkpoint(Result.from_path(run_folder), spec, "best", split=None)
     except Exception:  # noqa: BLE001 - no Ray run state (a copied folder): fall back to the newest checkpoint
@@ -236,7 +225,7 @@ def load(location: str, keep_dir: Path) -> LoadedPretraining:
         state = read_checkpoint(Path(path))
         tokenizer = Path(shutil.copy(Path(path) / TOKENIZER_FILE, keep_dir / TOKENIZER_FILE))
         return LoadedPretraining(state=state, tokenizer=tokenizer, location=location)
-    import ray.train
+    import ray.train  # deferred: local training (orchestrator/local_run.py) reads local checkpoints without Ray
 
     with ray.train.Checkpoint(path, filesystem=fs).as_directory() as directory:
         state = read_checkpoint(Path(directory))

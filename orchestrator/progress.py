@@ -8,11 +8,14 @@ with Ray's own knobs and feeds these lines from the reports Ray hands the launch
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from orchestrator.layout import RunLayout
 
 VERBOSE_ENV = "ORCHESTRATOR_VERBOSE"
 """Set to 1 in the launcher and in every Train worker's environment by `--verbose`; `tracking.ConsoleLogger`
@@ -38,6 +41,23 @@ def emit(line: str) -> None:
 
 
 # --- lines ---------------------------------------------------------------------------------------------
+
+
+def failure_reason(err: BaseException) -> str:
+    """One line: the exception a Ray worker (or trial) raised, without Ray's wrapping and tracebacks."""
+    causes = list(getattr(err, "worker_failures", {}).values()) or [getattr(err, "controller_failure", None) or err]
+    lines = [line.strip() for line in str(causes[0]).splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Loss|Failure|Interrupt)\b.*:", line)]
+    text = (named or lines or [type(causes[0]).__name__])[-1]
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+def next_step(layout: RunLayout) -> str:
+    """What to do after a failure: resume only when there is a checkpoint to resume from."""
+    if layout.has_checkpoint():
+        return (f"continue it from its last checkpoint with `orchestrator resume {layout.name} "
+                f"--storage-path {layout.storage}`")
+    return "it stopped before its first checkpoint, so its name is free: fix the cause and start it again"
 
 
 def _number(value: Any) -> str:

@@ -32,9 +32,11 @@ from ray.train import UserCallback
 from ray.tune import Callback
 from ray.util.queue import Empty, Queue
 
+from orchestrator.preflight import LaunchError
 from orchestrator.progress import (
     SweepProgress,
     emit,
+    failure_reason,
     report_line,
     trial_label,
     verbose,
@@ -67,8 +69,6 @@ def quiet_tune() -> int:
 
 def _trial_error(trial: Any) -> str:
     """The one-line reason a trial failed, from the error Tune just wrote in the trial's local folder."""
-    from orchestrator.launch import LaunchError, failure_reason
-
     try:
         with open(trial.pickled_error_file, "rb") as f:
             error = cloudpickle.load(f)

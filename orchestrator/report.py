@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from mlflow import MlflowClient
-from mlflow.entities import Run, RunStatus, ViewType
 
 from orchestrator.report_metrics import (
     MethodGroup,
@@ -32,7 +30,9 @@ from orchestrator.report_metrics import (
     param_value,
     summarize,
 )
-from orchestrator.tracking import ROLE_TAG
+from orchestrator.tracking.describe import PARENT_TAG, ROLE_TAG
+from orchestrator.tracking.read import RUN_STATUSES, Run, TrackingReader
+from orchestrator.tracking.write import log_files, new_run
 from orchestrator.report_tables import markdown_document, rows_to_frame, rows_to_markdown
 from orchestrator.report_plots import (
     find_knob_sweeps,
@@ -44,14 +44,12 @@ from orchestrator.report_plots import (
 
 __all__ = ["Report", "ReportError", "build_report", "report_cli"]
 
-PARENT_TAG = "mlflow.parentRunId"
 # Marks the run this module creates when there is no sweep parent to attach to; such runs hold
 # only artifacts and are never read back as compared runs.
 REPORT_TAG = "orchestrator.report"
 ARTIFACT_DIR = "report"
 # Metrics tried in order when neither --metric nor the spec's `tune.metric` names one.
 _DEFAULT_METRICS = ("val/bleu", "val/ppl", "val/loss")
-_PAGE_SIZE = 1000
 
 
 @dataclass(frozen=True)
@@ -102,9 +100,9 @@ def build_report(
     if lower_reference is not None and lower_reference.strip().lower() in ("", "none"):
         lower_reference = None
     _check_store_exists(tracking_uri)
-    client = MlflowClient(tracking_uri=tracking_uri)
-    experiment_id = _experiment_id(client, experiment)
-    all_runs = _search_runs(client, experiment_id)
+    reader = TrackingReader(tracking_uri)
+    experiment_id = _experiment_id(reader, experiment)
+    all_runs = reader.runs(experiment_id)
     runs, left_out = _with_status(_compared_runs(all_runs, parent_run_id, experiment), statuses)
     records = [RunRecord(run.info.run_id, dict(run.data.params), dict(run.data.metrics)) for run in runs]
 
@@ -127,7 +125,7 @@ def build_report(
     table = rows_to_frame(summary.rows)
     files = [out_dir / "report.csv"]
     table.to_csv(files[0], index=False)
-    files += _write_plots(client, groups, summary, metric, mode, out_dir)
+    files += _write_plots(reader, groups, summary, metric, mode, out_dir)
     scope = f"children of parent run {parent_run_id}" if parent_run_id else "all runs of the experiment"
     markdown = markdown_document(
         experiment, metric, mode, summary, scope, len(records) - skipped, warnings, files
@@ -137,9 +135,9 @@ def build_report(
 
     mlflow_run_id = None
     if log_to_mlflow:
-        mlflow_run_id = parent_run_id or _single_parent(all_runs) or _new_report_run(client, experiment_id)
-        for path in files:
-            client.log_artifact(mlflow_run_id, str(path), artifact_path=ARTIFACT_DIR)
+        mlflow_run_id = parent_run_id or _single_parent(all_runs) or \
+            new_run(tracking_uri, experiment_id, run_name="report", tags={REPORT_TAG: "true"})
+        log_files(tracking_uri, mlflow_run_id, files, artifact_path=ARTIFACT_DIR)
     return Report(
         experiment=experiment,
         metric=metric,
@@ -168,10 +166,10 @@ def _check_store_exists(tracking_uri: str) -> None:
             )
 
 
-def _experiment_id(client: MlflowClient, name: str) -> str:
-    experiment = client.get_experiment_by_name(name)
+def _experiment_id(reader: TrackingReader, name: str) -> str:
+    experiment = reader.experiment(name)
     if experiment is None:
-        names = sorted(exp.name for exp in client.search_experiments(max_results=_PAGE_SIZE))
+        names = sorted(reader.experiment_names())
         raise ReportError(
             f"experiment {name!r} does not exist in this tracking store; existing experiments: "
             f"{', '.join(repr(n) for n in names) or '(none)'}. Check --experiment and --tracking-uri."
@@ -182,20 +180,6 @@ def _experiment_id(client: MlflowClient, name: str) -> str:
             f"--experiment-id {experiment.experiment_id}` to report on it."
         )
     return experiment.experiment_id
-
-
-def _search_runs(client: MlflowClient, experiment_id: str) -> list[Run]:
-    """Every active run of the experiment; the search API pages, so follow the page token."""
-    runs: list[Run] = []
-    token = None
-    while True:
-        page = client.search_runs(
-            [experiment_id], run_view_type=ViewType.ACTIVE_ONLY, max_results=_PAGE_SIZE, page_token=token
-        )
-        runs.extend(page)
-        token = page.token
-        if not token:
-            return runs
 
 
 def _parent_ids(runs: Sequence[Run]) -> set[str]:
@@ -236,7 +220,7 @@ def _with_status(runs: Sequence[Run], statuses: Sequence[str] | None) -> tuple[l
     if statuses is None:
         return list(runs), {}
     wanted = {status.upper() for status in statuses}
-    known = {RunStatus.to_string(status) for status in RunStatus.all_status()}
+    known = RUN_STATUSES
     if unknown := sorted(wanted - known):
         raise ReportError(f"--status {','.join(unknown)}: not an MLflow run status; use a comma-separated list of "
                           f"{', '.join(sorted(known))}, or 'all'")
@@ -325,11 +309,11 @@ def _groups_with_metric(records: Sequence[RunRecord], keys: Sequence[str], metri
     return group_runs([record for record in records if metric in record.metrics], keys)
 
 
-def _seed_mean_curve(client: MlflowClient, group: MethodGroup, metric: str) -> pd.Series:
+def _seed_mean_curve(reader: TrackingReader, group: MethodGroup, metric: str) -> pd.Series:
     """Mean over seeds of the metric history, step by step (steps a seed lacks are skipped)."""
     per_run = []
     for run in group.runs:
-        history = sorted(client.get_metric_history(run.run_id, metric), key=lambda m: (m.step, m.timestamp))
+        history = reader.metric_history(run.run_id, metric)
         if history:
             # A resumed run may log a step twice; the later value is the one that continued.
             values = {point.step: point.value for point in history}
@@ -340,7 +324,7 @@ def _seed_mean_curve(client: MlflowClient, group: MethodGroup, metric: str) -> p
 
 
 def _write_plots(
-    client: MlflowClient,
+    reader: TrackingReader,
     groups: Sequence[MethodGroup],
     summary: Summary,
     metric: str,
@@ -351,7 +335,7 @@ def _write_plots(
     written = [plot_score_vs_params(rows, metric, mode, out_dir / "score_vs_params.png")]
     by_label = {group.label: group for group in groups}
     # Table order (references first), so the curve colours match the reading order of the table.
-    curves = {row.label: _seed_mean_curve(client, by_label[row.label], metric) for row in rows}
+    curves = {row.label: _seed_mean_curve(reader, by_label[row.label], metric) for row in rows}
     written.append(plot_curves(curves, metric, mode, out_dir / "curves.png"))
     references = [row for row in rows if row.label in (summary.reference, summary.lower_reference)]
     for sweep in find_knob_sweeps(rows):
@@ -364,12 +348,6 @@ def _single_parent(runs: Sequence[Run]) -> str | None:
     known = {run.info.run_id for run in runs}
     parents = _parent_ids(runs) & known
     return parents.pop() if len(parents) == 1 else None
-
-
-def _new_report_run(client: MlflowClient, experiment_id: str) -> str:
-    run = client.create_run(experiment_id, run_name="report", tags={REPORT_TAG: "true"})
-    client.set_terminated(run.info.run_id)
-    return run.info.run_id
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -9,19 +9,16 @@ shows from storage alone, and the MLflow part says why it is absent. Reads only;
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-from orchestrator.checkpoint import checkpoint_steps
-from orchestrator.launch import META_FILE, TRIALS_DIR, _join, _subfolders, expected_trials, read_meta
-from orchestrator.preflight import LOCK_FILE, LaunchError, _alive
-from orchestrator.spec import study_from_raw, validate_spec
-from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, ui_url
+from orchestrator.layout import META_FILE, RunLayout, latest_checkpoint, resolve
+from orchestrator.preflight import LaunchError, process_alive
+from orchestrator.spec import expected_trials, study_from_raw, validate_spec
+from orchestrator.tracking.describe import TRIAL_TAG
+from orchestrator.tracking.read import TrackingReader, ui_url
 
 UI_ADDRESS = "http://127.0.0.1:5000"
 """Where `orchestrator ui` serves a local tracking store (its default --port)."""
@@ -69,45 +66,36 @@ class Status:
         return (min if self.mode == "min" else max)(scored, key=lambda r: r.best)
 
 
-def _launcher(folder: str) -> str:
-    if "://" in folder:
+def _launcher(layout: RunLayout) -> str:
+    if layout.lock_path is None:
         return "unknown (remote storage has no lock)"
-    path = Path(folder) / LOCK_FILE
-    try:
-        holder = json.loads(path.read_text() or "{}")
-    except (OSError, json.JSONDecodeError):
+    holder = layout.lock_holder()
+    if holder is None:
         return "none"
     pid, host = holder.get("pid"), holder.get("host")
-    if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+    if host == socket.gethostname() and isinstance(pid, int) and not process_alive(pid):
         return "none (a launcher died; its lock is taken over by the next one)"
     return f"live: pid {pid} on {host} since {holder.get('since', '?')}"
 
 
-def _last_checkpoint(folder: str) -> str | None:
-    steps = checkpoint_steps(folder)
-    return _join(folder, max(steps, key=steps.get)) if steps else None
-
-
 def read_status(name: str, storage: str) -> Status:
     """The storage half of the status; `add_mlflow` adds the rest."""
-    meta = read_meta(storage, name)
+    layout = RunLayout(storage, name)
+    meta = layout.read_meta()
     if meta is None:
         raise LaunchError(f"nothing named {name!r} in {storage} (no {META_FILE}); check the name and --storage-path")
-    folder = _join(storage, name)
     if meta["kind"] == "run":
         spec = validate_spec(meta["spec"], where=f"stored spec of {name}")
-        runs = [RunState(label=name, folder=folder, mlflow_run_id=meta.get("mlflow_run_id"),
-                         last_checkpoint=_last_checkpoint(folder))]
+        runs = [RunState(label=name, folder=layout.folder, mlflow_run_id=meta.get("mlflow_run_id"),
+                         last_checkpoint=latest_checkpoint(layout.folder))]
         expected = 1
     else:
         study = study_from_raw(meta["raw"])
         spec, expected = study.base, expected_trials(study)
-        trials = _join(folder, TRIALS_DIR)
-        runs = [RunState(label=entry.removeprefix("train-"), folder=_join(trials, entry),
-                         last_checkpoint=_last_checkpoint(_join(trials, entry)))
-                for entry in sorted(_subfolders(trials)) if entry.startswith("train-")]
-    return Status(kind=meta["kind"], name=name, folder=folder, metric=spec.metric, mode=spec.mode,
-                  max_steps=spec.optim.max_steps, launcher=_launcher(folder), runs=runs, expected=expected,
+        runs = [RunState(label=trial_id, folder=folder, last_checkpoint=latest_checkpoint(folder))
+                for trial_id, folder in layout.trials()]
+    return Status(kind=meta["kind"], name=name, folder=layout.folder, metric=spec.metric, mode=spec.mode,
+                  max_steps=spec.optim.max_steps, launcher=_launcher(layout), runs=runs, expected=expected,
                   tracking_uri=spec.tracking.uri, mlflow_run_id=meta.get("mlflow_run_id") or meta.get("parent_run_id"))
 
 
@@ -119,24 +107,17 @@ def _last(metrics: Mapping[str, float], key: str) -> float | None:
 def add_mlflow(status: Status) -> Status:
     """Each run's MLflow state (a sweep's children found by parent and trial id); a store that does not
     answer leaves a note instead."""
-    from mlflow import MlflowClient
-
-    from orchestrator.tracking import configure_http
-
     if status.mlflow_run_id is None:
         status.mlflow_note = "no MLflow run id stored (the tracking server was down at launch?)"
         return status
-    configure_http(5)
     try:
-        client = MlflowClient(tracking_uri=status.tracking_uri)
-        top = client.get_run(status.mlflow_run_id)
+        reader = TrackingReader(status.tracking_uri, timeout_s=5)
+        top = reader.run(status.mlflow_run_id)
         status.experiment_id, status.mlflow_status = top.info.experiment_id, top.info.status
         if status.kind == "run":
             children = {status.runs[0].label: top}
         else:
-            found = client.search_runs([top.info.experiment_id],
-                                       filter_string=f"tags.`{PARENT_TAG}` = '{status.mlflow_run_id}'",
-                                       max_results=1000)
+            found = reader.children(top.info.experiment_id, status.mlflow_run_id)
             children = {run.data.tags.get(TRIAL_TAG, run.info.run_id): run for run in found}
     except Exception as err:  # noqa: BLE001 - status must work with the server down: storage still answers
         status.mlflow_note = f"MLflow at {status.tracking_uri} did not answer ({type(err).__name__}: {str(err)[:200]})"
@@ -149,7 +130,7 @@ def add_mlflow(status: Status) -> Status:
             status.runs.append(run)
         metrics = found.data.metrics
         run.mlflow_run_id, run.status = found.info.run_id, found.info.status
-        run.step = int(metrics["step"]) if "step" in metrics else _last_step(client, found.info.run_id, status.metric)
+        run.step = int(metrics["step"]) if "step" in metrics else _last_step(reader, found.info.run_id, status.metric)
         run.value, run.best = _last(metrics, status.metric), _last(metrics, f"best/{status.metric}")
         if run.best is None:
             run.best = run.value
@@ -158,10 +139,10 @@ def add_mlflow(status: Status) -> Status:
     return status
 
 
-def _last_step(client: Any, run_id: str, metric: str) -> int | None:
+def _last_step(reader: TrackingReader, run_id: str, metric: str) -> int | None:
     """The last step the run logged: train/loss is logged every log_every steps, the metric at evaluations."""
     for key in ("train/loss", metric):
-        history = client.get_metric_history(run_id, key)
+        history = reader.metric_history(run_id, key)
         if history:
             return max(point.step for point in history)
     return None
@@ -210,7 +191,6 @@ def format_status(status: Status) -> str:
 
 
 def status_cli(name: str, storage: str) -> int:
-    storage = storage if "://" in storage else str(Path(storage).expanduser().resolve())
-    print(format_status(add_mlflow(read_status(name, storage))))
+    print(format_status(add_mlflow(read_status(name, resolve(storage)))))
     return 0
 

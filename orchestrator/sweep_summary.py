@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.progress import describe_config
-from orchestrator.tracking import MlflowTracker
+from orchestrator.tracking.write import MlflowTracker
 
 NOTE_TAG = "mlflow.note.content"
 BEST_TRIAL_TAG = "sweep.best_trial"
@@ -77,6 +77,7 @@ def summarize_sweep(*, tracking_uri: str, tracker: MlflowTracker, experiment: st
     """Log the comparison to the parent run; returns where the report's files are (None without them)."""
     if parent_run_id is None:
         return None
+    # Deferred: the report's pandas and matplotlib, only once a sweep has a parent run to summarize.
     from orchestrator.report import ReportError, build_report
     from orchestrator.report_tables import rows_to_markdown
 

@@ -26,36 +26,29 @@ import torch.distributed as dist
 from torch import nn
 
 from models.config import AdaptiveInputConfig
-from orchestrator.checkpoint import (
-    CHECKPOINT_NAME,
-    TrainingState,
+from orchestrator.checkpoint import TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.layout import (
+    checkpoint_name,
+    checkpoint_step,
     checkpoint_steps,
     diverged,
     join,
     mark_diverged,
-    read_checkpoint,
     storage_fs,
-    write_checkpoint,
 )
 from orchestrator.pretrained import load as load_pretrained
 from orchestrator.progress import verbose
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
-from orchestrator.tracking import (
-    ConsoleLogger,
-    MetricsLogger,
-    MlflowLogger,
-    MlflowTracker,
-    RunHandle,
-    device_tags,
-    start_system_metrics,
-)
+from orchestrator.tracking.describe import RunHandle, device_tags
+from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger
+from orchestrator.tracking.write import MlflowTracker, start_system_metrics
 from orchestrator.trainer import Cadence, NonFiniteLoss, Trainer, unwrap
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
 from tasks.base import WorkerContext
 
 
 class InjectedFailure(RuntimeError):
-    """Raised at `fail_at_step` (a fault-injection knob of launch.run_training) to exercise resume."""
+    """Raised at `fail_at_step` (a fault-injection knob of run.run_training) to exercise resume."""
 
 
 def _gather(obj: Any, world_size: int) -> list[Any]:
@@ -138,7 +131,7 @@ class RayHooks:
                 folder = write_checkpoint(tmp, state, spec_to_yaml(self.spec), trainer.task.artifacts().get("tokenizer"))
                 ckpt = ray.train.Checkpoint.from_directory(str(folder))
             # Named by step, not Ray's timestamp default, so storage listings read as a training history.
-            upload = partial(ray.train.report, report, checkpoint=ckpt, checkpoint_dir_name=f"checkpoint_{step:09d}")
+            upload = partial(ray.train.report, report, checkpoint=ckpt, checkpoint_dir_name=checkpoint_name(step))
             if asynchronous:
                 # Ray copies the folder to storage on its own thread and deletes it afterwards; the training
                 # thread goes on as soon as the report is queued.
@@ -175,7 +168,7 @@ class RayHooks:
     def after_step(self, step: int) -> None:
         if self.cfg.fail_at_step is not None and step == self.cfg.fail_at_step:
             raise InjectedFailure(f"injected failure after step {step} (the fail_at_step hook of "
-                                  "launch.run_training and run_sweep)")
+                                  "run.run_training and sweep.run_sweep)")
 
     def log_artifacts(self, files: Mapping[str, Path]) -> None:
         if self.tracker is None or self.run_id is None:
@@ -197,8 +190,7 @@ def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> Tra
     if registered is not None:
         candidates.setdefault(Path(registered.path).name, registered)
     skipped: list[str] = []
-    for name in sorted(candidates, key=lambda n: int(m.group(1)) if (m := CHECKPOINT_NAME.match(n)) else -1,
-                       reverse=True):
+    for name in sorted(candidates, key=lambda n: s if (s := checkpoint_step(n)) is not None else -1, reverse=True):
         try:
             with candidates[name].as_directory() as directory:
                 state = read_checkpoint(Path(directory))

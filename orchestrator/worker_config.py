@@ -1,4 +1,4 @@
-"""The typed configuration the launcher hands to every Ray Train worker (no Ray import: launch.py builds it
+"""The typed configuration the launcher hands to every Ray Train worker (no Ray import: run.py and sweep.py build it
 before `ray.train` may be imported, which must wait until Train V2 is switched on)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.tracking import RunHandle
+from orchestrator.tracking.describe import RunHandle
 
 WORKER_CONFIG = "worker"
 """The one key of Ray's train_loop_config: a `WorkerConfig`."""
@@ -27,7 +27,7 @@ class WorkerConfig:
     run_path: str
     """The Train run's storage folder (local path or URI): where its checkpoints are, registered or not."""
     spool: str | None = None
-    """Local file for metric points the tracking server has not taken yet (tracking.SPOOL_FILE in the run's
+    """Local file for metric points the tracking server has not taken yet (layout.SPOOL_FILE in the run's
     storage folder; None when storage is remote)."""
     fail_at_step: int | None = None
     """Raise InjectedFailure after this step (tests of resume)."""

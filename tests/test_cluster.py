@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.pretrained import CHECKPOINTS_TAG
-from orchestrator.tracking import TRIAL_TAG
+from orchestrator.tracking.describe import TRIAL_TAG
 from tests.cluster_helpers import LocalCluster, RayHead, private_env, ray_cli
 from tests.real_runs import (
     CHECKPOINT_EVERY,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cluster_resources import ClusterView, max_resources
-from orchestrator.launch import max_concurrent_trials, pin_paths
+from orchestrator.sweep import max_concurrent_trials, pin_paths
 from orchestrator.preflight import check_multi_node
 from orchestrator.spec import SpecError, study_from_raw, validate_spec
 

@@ -12,11 +12,13 @@ from mlflow import MlflowClient
 
 from benchmarks.downstream_results import collect
 from orchestrator.checkpoint import read_checkpoint
-from orchestrator.launch import _trained_to, run_sweep, run_training
+from orchestrator.layout import trained_to
+from orchestrator.run import run_training
+from orchestrator.sweep import run_sweep
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.report import build_report
 from orchestrator.spec import study_from_raw, validate_spec
-from orchestrator.tracking import PARENT_TAG, ROLE_TAG
+from orchestrator.tracking.describe import PARENT_TAG, ROLE_TAG
 
 EVAL_SENTENCES = 24
 
@@ -60,7 +62,7 @@ def test_two_stage_trial_pretrains_fine_tunes_and_links_the_runs(ray_cluster, tm
     pretrain_folder = Path(pretrain.data.tags[CHECKPOINTS_TAG])
     assert Path(finetune.data.tags["init_from.checkpoint"]).parent == pretrain_folder
     # a resumed trial skips a stage that checkpointed its last step, and only then
-    assert _trained_to(str(pretrain_folder), 4) and not _trained_to(str(pretrain_folder), 5)
+    assert trained_to(str(pretrain_folder), 4) and not trained_to(str(pretrain_folder), 5)
 
     # the fine-tuned checkpoints keep the pretraining tokenizer; the test predictions are one label a line
     finetune_folder = Path(finetune.data.tags[CHECKPOINTS_TAG])

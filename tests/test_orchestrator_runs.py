@@ -14,10 +14,14 @@ import torch
 from mlflow import MlflowClient
 
 from orchestrator.checkpoint import read_checkpoint
-from orchestrator.finalize import evaluate_stored
-from orchestrator.launch import LaunchError, resume, run_sweep, run_training
+from orchestrator.evaluate import evaluate_stored
+from orchestrator.preflight import LaunchError
+from orchestrator.resume import resume
+from orchestrator.run import run_training
+from orchestrator.sweep import run_sweep
 from orchestrator.spec import SpecError, study_from_raw, validate_spec
-from orchestrator.tracking import PARENT_TAG, TRIAL_TAG, TrackingWarning
+from orchestrator.tracking.describe import PARENT_TAG, TRIAL_TAG
+from orchestrator.tracking.write import TrackingWarning
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +207,8 @@ def unused_port() -> int:
 
 
 def test_tracker_with_dead_server_warns_then_skips_quickly(unused_port):
-    from orchestrator.tracking import MlflowTracker, RunHandle
+    from orchestrator.tracking.describe import RunHandle
+    from orchestrator.tracking.write import MlflowTracker
 
     tracker = MlflowTracker(f"http://127.0.0.1:{unused_port}", retries=2, timeout_s=1, backoff_s=0.01)
     with pytest.warns(TrackingWarning, match=f"127.0.0.1:{unused_port}.*retries in 30s"):
@@ -245,7 +250,7 @@ def test_checkpoint_roundtrip_restores_rng(tmp_path):
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "inverse_sqrt", "constant"])
 def test_lr_schedules_warm_up_then_decay(schedule):
     from orchestrator.spec import OptimConfig
-    from orchestrator.schedules import lr_lambda
+    from orchestrator.optimizer_step import lr_lambda
 
     factor = lr_lambda(OptimConfig(schedule=schedule, warmup_steps=4, max_steps=20))
     assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -261,9 +266,10 @@ def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
     """The worker marks a NaN run's folder; a retried trial or a resume then fails at once with the reason."""
     from types import SimpleNamespace
 
-    from orchestrator.checkpoint import diverged, mark_diverged
-    from orchestrator.launch import _fit_and_finish
-    from orchestrator.tracking import MlflowTracker, run_handle
+    from orchestrator.layout import diverged, mark_diverged
+    from orchestrator.run import fit_and_finish
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.write import MlflowTracker
 
     folder = tmp_path / "runs" / "nan"
     assert diverged(str(folder)) is None
@@ -280,7 +286,7 @@ def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
     handle = run_handle({}, "", experiment="nan", run_name="nan", role="run", kind="mha", commit="abc",
                         key=("orchestrator.run", str(folder)))
     with pytest.raises(LaunchError, match=r"run 'nan' failed: NonFiniteLoss: train/loss is nan at step 7"):
-        _fit_and_finish(spec, NeverFit(), handle, tracker, str(tmp_path), label="run 'nan'", advice=None)
+        fit_and_finish(spec, NeverFit(), handle, tracker, str(tmp_path), label="run 'nan'", advice=None)
     [run] = MlflowClient(spec.tracking.uri).search_runs(
         [MlflowClient(spec.tracking.uri).get_experiment_by_name("nan").experiment_id])
     assert run.info.status == "FAILED"
@@ -288,7 +294,8 @@ def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
 
 def test_a_create_whose_answer_was_lost_is_not_made_twice(tmp_path):
     """The server made the run but its answer timed out (a loaded server): the retry finds the run by its key."""
-    from orchestrator.tracking import MlflowTracker, run_handle
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.write import MlflowTracker
 
     class AnswerLostOnce(MlflowClient):
         lost = 0
@@ -314,7 +321,9 @@ def test_run_opened_during_an_outage_gets_its_backlog(tmp_path):
     """The store is unreachable at the start (a file stands where its folder must be), then comes up: the run
     is created then from the launcher's handle (tags and params included), the metrics logged meanwhile arrive
     in order, and the run is left for its owner, the launcher, to end; the launcher finds the same run."""
-    from orchestrator.tracking import MlflowLogger, MlflowTracker, run_handle
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.loggers import MlflowLogger
+    from orchestrator.tracking.write import MlflowTracker
 
     store = tmp_path / "late"
     store.write_text("not a folder")
@@ -342,7 +351,9 @@ def test_restarted_logger_logs_each_step_once_and_spool_survives_the_process(tmp
     """A resumed worker recomputes steps it logged before its failure: they are not logged again. Points a
     dead server did not take wait in the spool file, and a later tracker (the launcher) sends them before it
     ends the run; until they are sent, the run is not ended."""
-    from orchestrator.tracking import MlflowLogger, MlflowTracker, run_handle
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.loggers import MlflowLogger
+    from orchestrator.tracking.write import MlflowTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     spool = tmp_path / "run" / "mlflow-spool.jsonl"

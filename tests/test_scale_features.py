@@ -21,7 +21,8 @@ from models.attention import ATTENTION_KINDS
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.local_run import LocalHooks, latest_checkpoint, train_locally
 from orchestrator.spec import SpecError, validate_spec
-from orchestrator.trainer import Prefetcher, Trainer, train_step
+from orchestrator.optimizer_step import train_step
+from orchestrator.trainer import Prefetcher, Trainer
 from orchestrator.worker import has_unused_parameters
 from tasks import WorkerContext
 from tests.attention_cases import tiny_knobs

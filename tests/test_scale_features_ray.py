@@ -12,7 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from orchestrator.checkpoint import read_checkpoint
-from orchestrator.launch import build_trainer, run_training
+from orchestrator.run import build_trainer, run_training
 from orchestrator.spec import validate_spec
 from orchestrator.worker import has_unused_parameters
 from orchestrator.worker_config import WorkerConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.search_space import (
+from orchestrator.spec.search_space import (
     MAX_VALIDATED_POINTS,
     SearchSpaceError,
     find_domains,

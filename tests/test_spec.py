@@ -381,12 +381,15 @@ def test_train_and_sweep_refuse_to_overwrite_an_existing_run(tmp_path):
     """A name already used in the storage path is refused before Ray starts, with the resume command."""
     import ray
 
-    from orchestrator.launch import LaunchError, run_sweep, run_training, write_meta
+    from orchestrator.layout import RunLayout
+    from orchestrator.preflight import LaunchError
+    from orchestrator.run import run_training
+    from orchestrator.sweep import run_sweep
 
     ray_was_running = ray.is_initialized()  # another module's session fixture may have started it
     storage = tmp_path / "runs"
     raw = base_raw(run={"storage_path": str(storage)})
-    write_meta(str(storage), "unit", {"kind": "run"})
+    RunLayout(str(storage), "unit").write_meta({"kind": "run"})
     (storage / "unit" / "checkpoint_000000002").mkdir()  # it got as far as a checkpoint: the name is taken
     with pytest.raises(LaunchError, match=r"a run named 'unit' already exists .*`orchestrator resume unit"):
         run_training(load_spec(write(tmp_path, raw)))

@@ -13,10 +13,11 @@ import torch
 from models import LanguageModel, ModelConfig, Seq2SeqTransformer
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.export import load_model, export_model
-from orchestrator.finalize import choose_checkpoint
+from orchestrator.evaluate import choose_checkpoint
 from orchestrator.local_run import latest_checkpoint, train_locally
 from orchestrator.spec import validate_spec
-from orchestrator.trainer import Best, Cadence, LossMeter, Trainer
+from orchestrator.optimizer_step import LossMeter
+from orchestrator.trainer import Best, Cadence, Trainer
 from tasks import WorkerContext
 from tests.local_training import FailAtStep3
 
@@ -148,7 +149,7 @@ def test_outputs_are_uploaded_through_the_storage_filesystem_not_a_local_path(tm
     rooted elsewhere stands in for S3; the files must land under its root, not under the working directory."""
     import pyarrow.fs
 
-    from orchestrator.finalize import upload
+    from orchestrator.evaluate import upload
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "test.hyp").write_text("a hypothesis\n")

@@ -13,7 +13,7 @@ from models import LanguageModel, ModelConfig
 from models.attention.registry import RELATIVE_KINDS
 from models.attention.relative import RelativeBiases, RelativeMechanism, relative_sinusoids
 from orchestrator.checkpoint import read_checkpoint
-from orchestrator.evaluation import evaluate_checkpoint
+from orchestrator.scoring import evaluate_checkpoint
 from orchestrator.local_run import latest_checkpoint, train_locally
 from orchestrator.spec import SpecError, validate_spec
 from orchestrator.trainer import Trainer

@@ -252,7 +252,7 @@ def _close_assistant(page) -> None:
 def test_ui_runs_page_shows_the_parent_and_its_children_by_attention_kind(sweep, ui, browser):
     s, _ = sweep
     _, experiment, parent, children = _runs(s)
-    from orchestrator.tracking import ui_url
+    from orchestrator.tracking.read import ui_url
 
     # The experiment's own address opens on its training runs, not on MLflow 3's GenAI overview.
     page = _open(browser, ui_url(ui, experiment.experiment_id))

@@ -1,4 +1,5 @@
-"""After training: choose a run's checkpoint, score it on the test split, export the model, log it all.
+"""`orchestrator evaluate` and the final evaluation of every run: choose a run's checkpoint, score it on a split
+(orchestrator/scoring.py does the scoring, without Ray or MLflow), export the model, log it all.
 
 `orchestrator train` (and every sweep trial) ends here: the best checkpoint by the spec's metric (kept by
 Ray's CheckpointConfig score attribute next to the latest) is scored on all of the test split in a Ray task
@@ -20,14 +21,16 @@ from typing import Any
 
 import pyarrow.fs
 
-from orchestrator.evaluation import Evaluation, evaluate_checkpoint, split_task_config
+from orchestrator.checkpoint import read_checkpoint
+from orchestrator.scoring import Evaluation, evaluate_checkpoint, split_task_config
+from orchestrator.layout import EVALUATION_DIR, RunLayout, cache_dir_of, join
+from orchestrator.preflight import LaunchError
+from orchestrator.ray_env import use_train_v2
 from orchestrator.spec import ExperimentSpec
-from orchestrator.tracking import MlflowTracker
+from orchestrator.tracking.write import MlflowTracker
 
 Which = str
 """best | latest | a kept checkpoint's folder name (checkpoint_000002750); `evaluate_stored` also takes all."""
-EVALUATION_DIR = "evaluation"
-"""Sub-folder of a run's storage folder with the outputs of its final evaluation."""
 
 
 @dataclass(frozen=True)
@@ -125,35 +128,28 @@ def final_evaluation(spec: ExperimentSpec, result: Any, *, cache_dir: str, run_i
     # "DEFAULT" scheduling: outside a sweep trial's placement group, which reserves only its driver's CPU.
     task = ray.remote(**resources)(score_and_log).options(scheduling_strategy="DEFAULT")
     metrics = ray.get(task.remote(spec, chosen, "test", cache_dir=cache_dir, run_id=run_id,
-                                  destination=(result.filesystem, f"{result.path.rstrip('/')}/{EVALUATION_DIR}"),
+                                  destination=(result.filesystem, join(result.path, EVALUATION_DIR)),
                                   export=True))
     print(f"[{spec.name}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     return metrics
 
 
 def _stored_runs(storage: str, name: str) -> list[tuple[str, str]]:
-    """(label, Train run folder) of a stored run, or of every trial of a stored sweep."""
-    from orchestrator.launch import TRIALS_DIR, LaunchError, _join, read_meta
-
-    meta = read_meta(storage, name)
+    """(label, Train run folder) of a stored run, or of every Train run of a stored sweep (its trials' and their
+    pretraining stages')."""
+    layout = RunLayout(storage, name)
+    meta = layout.read_meta()
     if meta is None:
         raise LaunchError(f"nothing named {name!r} in {storage}; check the name and --storage-path")
     if meta["kind"] == "run":
-        return [(name, _join(storage, name))]
-    trials = _join(storage, name, TRIALS_DIR)
-    fs, path = pyarrow.fs.FileSystem.from_uri(trials)  # a storage URI, or an absolute local path
-    folders = sorted(info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
-                     if info.type == pyarrow.fs.FileType.Directory)
-    return [(f"{name} {folder.removeprefix('train-')}", _join(trials, folder)) for folder in folders]
+        return [(name, layout.folder)]
+    return [(f"{name} {label}", folder) for label, folder in layout.stage_runs()]
 
 
 def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Which = "best",
                     cache_dir: str | None = None) -> list[dict[str, Any]]:
     """`orchestrator evaluate`: score a finished run (or every trial of a sweep) again, in this process, and
     log the metrics to its MLflow run. One dict per run: label, checkpoint, which, metrics."""
-    from orchestrator.checkpoint import cache_dir_of, read_checkpoint
-    from orchestrator.ray_env import use_train_v2
-
     use_train_v2()  # Result.from_path reads V2 storage
     from ray.train import Result
 
@@ -177,8 +173,8 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
                 print(f"[{label}] {chosen.note}")
             print(f"[{label}] scoring the {chosen.which} checkpoint {Path(chosen.path).name} on the {split} split")
             metrics = score_and_log(spec, chosen, split, cache_dir=cache, run_id=state.mlflow_run_id,
-                                    destination=(result.filesystem, f"{result.path}/{folder}"), export=False)
+                                    destination=(result.filesystem, join(result.path, folder)), export=False)
             print(f"[{label}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
             out.append({"label": label, "checkpoint": chosen.path, "which": chosen.which, "metrics": metrics,
-                        "outputs": f"{run_path}/{folder}"})
+                        "outputs": join(run_path, folder)})
     return out

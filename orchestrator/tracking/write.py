@@ -1,5 +1,5 @@
-"""MLflow tracking that never stops training: one experiment per study, a parent run per sweep, a
-nested child run per trial (tag `mlflow.parentRunId`), and a run id that survives resume.
+"""Writing to MLflow without ever stopping training: run creation (the only place runs are made), tags, params,
+metrics, artifacts, and the spool that keeps metric points through an outage.
 
 Every MLflow call goes through `MlflowTracker._call`: short HTTP timeouts, a bounded number of
 attempts with exponential backoff, then a warning and a cool-down during which calls are skipped, so a
@@ -8,47 +8,33 @@ server is away are buffered (bounded) and, when the tracker has a spool file (a 
 written there too, so they survive the process: the launcher sends them before it ends the run, or a later
 `orchestrator resume` does. A resumed or restarted run logs each (metric, step) once: steps MLflow (or the
 spool) already holds are not sent again.
-
-Ray's MLflowLoggerCallback is deliberately not used: it keeps its trial -> run map in memory and
-opens a second run after Tuner.restore. Here the run id is stored in every checkpoint instead.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
-from orchestrator.progress import VERBOSE_ENV
+from orchestrator.tracking.describe import MAX_PARAM_CHARS, RunHandle
+from orchestrator.tracking.read import configure_http, logged_steps, newest_run_with_tag
 
-PARENT_TAG = "mlflow.parentRunId"
-TRIAL_TAG = "ray.trial_id"
-KIND_TAG = "method.family"
-COMMIT_TAG = "mlflow.source.git.commit"
-"""MLflow's own tag for the code version: the UI shows it with the run's source."""
-SOURCE_TAG = "mlflow.source.name"
-VERSION_TAGS_PREFIX = "versions."
-"""versions.torch, versions.ray, versions.mlflow, versions.python, versions.attention-orchestrator."""
-ROLE_TAG = "orchestrator.role"
-# MLflow accepts 6000-char param values, older servers 500: keep every value within the smaller limit.
-_MAX_PARAM_CHARS = 500
+if TYPE_CHECKING:
+    from orchestrator.spec import TrackingSettings
+
 _BATCH = 100  # log_batch takes at most 100 params (and 1000 metrics) per call
 _COOLDOWN_S = 30.0
 _MAX_COOLDOWN_S = 600.0
-_MAX_BUFFERED_METRICS = 20_000
+MAX_BUFFERED_METRICS = 20_000
 
 T = TypeVar("T")
 
@@ -59,79 +45,29 @@ EXPERIMENT_KIND = "custom_model_development"
 it, on the training runs. The values are the UI's `ExperimentKind` (mlflow/server/js); a tag an experiment
 already has (a user's choice in the UI) is kept."""
 
-RUN_KEY_TAG = "orchestrator.run"
-"""Storage path + name of a single run: finds its MLflow run again (a trial is found by TRIAL_TAG)."""
-SPOOL_FILE = "mlflow-spool.jsonl"
-"""In a run's storage folder: metric points not yet accepted by the tracking server, one JSON object a line."""
-
-
-@dataclass(frozen=True)
-class RunHandle:
-    """What identifies and describes one MLflow run. The launcher builds it (the one place tags are made);
-    `MlflowTracker.ensure_run` turns it into a run id, in the launcher or, after an outage, in the worker."""
-
-    experiment: str
-    run_name: str
-    key: tuple[str, str]
-    """(tag, value) unique to this run, so a retried trial or a restarted launcher finds it again."""
-    tags: Mapping[str, str] = field(default_factory=dict)
-    params: Mapping[str, str] = field(default_factory=dict)
-    """The flattened, resolved spec (logged once, when the run is created)."""
-    spec_yaml: str = ""
-    run_id: str | None = None
-
-    def with_run_id(self, run_id: str | None) -> RunHandle:
-        return replace(self, run_id=run_id) if run_id else self
-
-
-def run_handle(params: Mapping[str, Any], spec_yaml: str, *, experiment: str, run_name: str, role: str,
-               kind: str | None, commit: str, key: tuple[str, str], parent_run_id: str | None = None) -> RunHandle:
-    """The handle of a run, a trial or a sweep's parent: the one place run tags are made (role, method family,
-    commit, parent, key), with the params logged at creation (the flattened spec, or a sweep's tune.*)."""
-    tags = {ROLE_TAG: role, COMMIT_TAG: commit, SOURCE_TAG: "orchestrator", key[0]: key[1], **version_tags()}
-    if kind is not None:
-        tags[KIND_TAG] = kind
-    if parent_run_id:
-        tags[PARENT_TAG] = parent_run_id
-    return RunHandle(experiment=experiment, run_name=run_name, key=key, tags=tags,
-                     params={k: str(v) for k, v in params.items()}, spec_yaml=spec_yaml)
-
 
 class TrackingWarning(UserWarning):
     """MLflow was unreachable or refused a call; training continued without it."""
 
 
-def configure_http(timeout_s: float) -> None:
-    """Short per-request timeouts and no urllib3-level retries: `MlflowTracker` retries itself, bounded."""
-    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(1, math.ceil(timeout_s)))
-    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+def create_run(client: MlflowClient, experiment_id: str, run_name: str, tags: Mapping[str, str]) -> str:
+    """A new run: the one place runs are created (`MlflowTracker.ensure_run`, `new_run`)."""
+    return client.create_run(experiment_id, run_name=run_name, tags=dict(tags)).info.run_id
 
 
-def version_tags() -> dict[str, str]:
-    """The versions that decide what a run computes, as tags (a run compared months later says what made it)."""
-    import platform
-    from importlib import metadata
-
-    tags = {f"{VERSION_TAGS_PREFIX}python": platform.python_version()}
-    for package in ("torch", "ray", "mlflow", "attention-orchestrator"):
-        try:
-            tags[f"{VERSION_TAGS_PREFIX}{package}"] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            tags[f"{VERSION_TAGS_PREFIX}{package}"] = "not installed"
-    return tags
+def new_run(uri: str, experiment_id: str, run_name: str, tags: Mapping[str, str]) -> str:
+    """A run that holds only artifacts (a report with no sweep to attach to), created ended."""
+    client = MlflowClient(tracking_uri=uri)
+    run_id = create_run(client, experiment_id, run_name, tags)
+    client.set_terminated(run_id)
+    return run_id
 
 
-def device_tags(device: Any, world_size: int) -> dict[str, str]:
-    """What trained the run: `device.name` (the GPU model, or the CPU's) and `device.workers` (DDP ranks)."""
-    import platform
-
-    import torch
-
-    if getattr(device, "type", "cpu") == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
-    return {"device.name": name, "device.workers": str(world_size)}
+def log_files(uri: str, run_id: str, files: Iterable[Path], artifact_path: str) -> None:
+    """Files as artifacts of a run, raising when the store refuses them (a command the user waits on)."""
+    client = MlflowClient(tracking_uri=uri)
+    for path in files:
+        client.log_artifact(run_id, str(path), artifact_path=artifact_path)
 
 
 def start_system_metrics(uri: str, run_id: str, interval_s: float) -> Callable[[], None]:
@@ -147,74 +83,6 @@ def start_system_metrics(uri: str, run_id: str, interval_s: float) -> Callable[[
                       stacklevel=2)
         return lambda: None
     return monitor.finish
-
-
-MACHINE_SPECIFIC = ("run.storage_path", "tracking.uri")
-"""Where a run was stored and logged: not a property of the experiment (tags and spec.yaml keep them)."""
-
-
-def portable_params(spec: Mapping[str, Any]) -> dict[str, str]:
-    """The spec as MLflow params, comparable across machines: where it was stored and logged is left out, and a
-    local file or checkpoint path is shortened to its last two parts (`data/train.txt`), which name the data
-    without the user's home or the cluster's mount point. The whole spec stays in the run's spec.yaml."""
-    out = {}
-    for key, value in flatten(spec).items():
-        if key in MACHINE_SPECIFIC or key.endswith(tuple(f".{suffix}" for suffix in MACHINE_SPECIFIC)):
-            continue
-        out[key] = _short_path(value)
-    return out
-
-
-def _short_path(value: str) -> str:
-    local = value.removeprefix("file://")
-    if local.startswith(("/", "~")) and "\n" not in local:
-        return "/".join(Path(local).parts[-2:])
-    return value
-
-
-def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """`{"model": {"attention": {"k": 128}}}` -> `{"model.attention.k": "128"}`, values as MLflow strings."""
-    out: dict[str, str] = {}
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten(value, prefix=f"{path}."))
-        else:
-            out[path] = str(value)[:_MAX_PARAM_CHARS]
-    return out
-
-
-def ui_url(base: str, experiment_id: str, run_id: str | None = None, *, metric: str | None = None,
-           mode: str = "min") -> str:
-    """A page of the MLflow UI at `base`: a run's, or the experiment's training runs, sorted best first by
-    `metric` (sorting by a metric also lists a sweep's children flat, not folded under the parent).
-    `workflowType=machine_learning`: MLflow 3.17's UI opens every experiment in its GenAI view unless told,
-    whatever the experiment's kind tag says, once its workflow switch is on."""
-    from urllib.parse import quote
-
-    experiment = f"{base.rstrip('/')}/#/experiments/{experiment_id}"
-    if run_id:
-        return f"{experiment}/runs/{run_id}?workflowType=machine_learning"
-    if not metric:  # the experiment's own address: the UI picks the page for the workflow type
-        return f"{experiment}?workflowType=machine_learning"
-    order = f"&orderByKey={quote(f'metrics.`{metric}`', safe='')}&orderByAsc={'true' if mode == 'min' else 'false'}"
-    return f"{experiment}/runs?workflowType=machine_learning{order}"
-
-
-def git_commit(root: Path | None = None) -> str:
-    """The project's commit, or "unknown" outside a git checkout (e.g. a pip-installed cluster image)."""
-    root = root or Path(__file__).resolve().parents[1]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=root, capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-
-
-def _search_run(client: MlflowClient, experiment_id: str, tag: str, value: str) -> str | None:
-    runs = client.search_runs([experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=1,
-                              order_by=["attributes.start_time DESC"])
-    return runs[0].info.run_id if runs else None
 
 
 class MlflowTracker:
@@ -233,7 +101,7 @@ class MlflowTracker:
         self._client: MlflowClient | None = None
         self._down_until = 0.0
         self._failures = 0  # consecutive failed calls: each doubles the cool-down, up to _MAX_COOLDOWN_S
-        self._pending: deque[tuple[str, Metric]] = deque(maxlen=_MAX_BUFFERED_METRICS)
+        self._pending: deque[tuple[str, Metric]] = deque(maxlen=MAX_BUFFERED_METRICS)
         self.last_error: Exception | None = None
         """Why the last failed call failed (the launcher's preflight explains it)."""
         self._load_spool()
@@ -294,7 +162,7 @@ class MlflowTracker:
 
     def find_run(self, experiment_id: str, tag: str, value: str) -> str | None:
         """The newest run of the experiment whose `tag` equals `value` (e.g. a trial's child run)."""
-        return self._call("run search", lambda client: _search_run(client, experiment_id, tag, value))
+        return self._call("run search", lambda client: newest_run_with_tag(client, experiment_id, tag, value))
 
     def create_run(self, experiment_id: str, run_name: str, tags: Mapping[str, str],
                    key: tuple[str, str] | None = None) -> str | None:
@@ -306,8 +174,8 @@ class MlflowTracker:
         def create(client: MlflowClient) -> str:
             nonlocal attempts
             attempts += 1
-            found = _search_run(client, experiment_id, *key) if key is not None and attempts > 1 else None
-            return found or client.create_run(experiment_id, run_name=run_name, tags=dict(tags)).info.run_id
+            found = newest_run_with_tag(client, experiment_id, *key) if key is not None and attempts > 1 else None
+            return found or create_run(client, experiment_id, run_name, tags)
 
         return self._call(f"run creation ({run_name})", create)
 
@@ -354,11 +222,7 @@ class MlflowTracker:
     def last_steps(self, run_id: str) -> dict[str, int] | None:
         """Per metric, the last step the run holds in MLflow or in the spool (None when MLflow cannot be
         asked): a resumed run re-computes the steps after its checkpoint and must not log them again."""
-        def history(client: MlflowClient) -> dict[str, int]:
-            keys = client.get_run(run_id).data.metrics
-            return {key: max(m.step for m in client.get_metric_history(run_id, key)) for key in keys}
-
-        last = self._call("metric history", history)
+        last = self._call("metric history", lambda client: logged_steps(client, run_id))
         if last is None:
             return None
         for rid, metric in self._pending:
@@ -369,7 +233,7 @@ class MlflowTracker:
     # --- params, tags, metrics, artifacts ------------------------------------------------------------
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
-        items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
+        items = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
         for i in range(0, len(items), _BATCH):
             chunk = items[i : i + _BATCH]
             self._call("param logging", lambda client, chunk=chunk: client.log_batch(run_id, params=chunk))
@@ -394,8 +258,15 @@ class MlflowTracker:
                           force=force) is None:
                 break
             sent = {id(m) for m in batch}
-            self._pending = deque((p for p in self._pending if id(p[1]) not in sent), maxlen=_MAX_BUFFERED_METRICS)
+            self._pending = deque((p for p in self._pending if id(p[1]) not in sent), maxlen=MAX_BUFFERED_METRICS)
         self._save_spool()
+
+    def send_spooled(self) -> None:
+        """Send every point the spool holds, whichever run it belongs to (a launcher's last chance, before it
+        goes on: resume of a sweep whose trials ended during an outage)."""
+        self._load_spool()
+        for run_id in {rid for rid, _ in self._pending}:
+            self.flush(run_id, force=True)
 
     def _load_spool(self) -> None:
         """Take the spool as the unsent points. With a spool, every flush ends by mirroring the buffer into
@@ -403,7 +274,7 @@ class MlflowTracker:
         if self.spool is None:
             return
         rows = self.spool.read_text().splitlines() if self.spool.is_file() else []
-        self._pending = deque(maxlen=_MAX_BUFFERED_METRICS)
+        self._pending = deque(maxlen=MAX_BUFFERED_METRICS)
         for line in rows:
             try:
                 row = json.loads(line)
@@ -435,102 +306,7 @@ class MlflowTracker:
                    lambda client: client.log_artifacts(run_id, str(directory), artifact_path))
 
 
-# --- metrics fan-out ----------------------------------------------------------------------------------
-
-
-class BaseLogger(Protocol):
-    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
-
-    def close(self, status: str = "FINISHED") -> None: ...
-
-
-class ConsoleLogger:
-    """One concise line per logging step: `[name] step 200/1000 | train/loss 3.1200 | val/ppl 25.1 ...`.
-
-    Only with `orchestrator ... --verbose` (ORCHESTRATOR_VERBOSE=1 in the worker's environment; unset, as
-    outside the launcher, counts as verbose): by default the launcher prints one line per report itself
-    (orchestrator/ray_console.py), without Ray's `(RayTrainWorker pid=...)` prefix on every line."""
-
-    def __init__(self, label: str, max_steps: int, *, enabled: bool | None = None):
-        self.label = label
-        self.max_steps = max_steps
-        self.enabled = os.environ.get(VERBOSE_ENV, "1") == "1" if enabled is None else enabled
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        parts = [f"{k} {v:.4g}" for k, v in metrics.items()]
-        self._write(f"[{self.label}] step {step}/{self.max_steps} | " + " | ".join(parts))
-
-    def close(self, status: str = "FINISHED") -> None:
-        self._write(f"[{self.label}] {status.lower()}")
-
-    def _write(self, line: str) -> None:
-        if not self.enabled:
-            return
-        # Not print(): Ray Train patches print on workers to tee into its logger, which shows every line twice.
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-
-class MlflowLogger:
-    """Metrics of one MLflow run, through a guarded tracker.
-
-    The run is opened through `open_run` (`MlflowTracker.ensure_run` of the launcher's handle, which also logs
-    params when it creates the run); when the server is down at the start,
-    metrics wait in a bounded backlog and the run is opened as soon as the server answers, so a run that
-    started during an outage still ends up complete in MLflow.
-    """
-
-    def __init__(self, tracker: MlflowTracker, open_run: Callable[[], str | None]):
-        self.tracker = tracker
-        self._open_run = open_run
-        self._backlog: deque[tuple[dict[str, float], int]] = deque(maxlen=_MAX_BUFFERED_METRICS)
-        self._last: dict[str, int] | None = None
-        """Per metric, the last step the run already holds; None until MLflow was asked."""
-        self.run_id: str | None = open_run()
-        self._ensure_run()
-
-    def _ensure_run(self) -> bool:
-        """The run is open and its logged steps known (what an earlier attempt logged or spooled)."""
-        if self.run_id is None and self.tracker.available:
-            self.run_id = self._open_run()
-        if self.run_id is not None and self._last is None and self.tracker.available:
-            self.tracker.flush(self.run_id)  # an earlier attempt's spool first, so its steps count as logged
-            self._last = self.tracker.last_steps(self.run_id)
-        if self._last is None:
-            return False
-        while self._backlog:
-            self._send(*self._backlog.popleft())
-        return True
-
-    def _send(self, metrics: Mapping[str, float], step: int) -> None:
-        # A resumed run recomputes the steps after its checkpoint: the first attempt's points stay, once.
-        fresh = {k: v for k, v in metrics.items() if step > self._last.get(k, -1)}
-        self._last.update({k: step for k in fresh})
-        if fresh:
-            self.tracker.log_metrics(self.run_id, fresh, step)
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self._ensure_run():
-            self._send(metrics, step)
-        else:
-            self._backlog.append((dict(metrics), step))
-
-    def close(self, status: str = "FINISHED") -> None:
-        """Send what is buffered (what cannot be sent stays in the spool); the launcher ends the run."""
-        if self._ensure_run():
-            self.tracker.flush(self.run_id)
-
-
-class MetricsLogger:
-    """The container every metric goes through (console + MLflow on rank 0, nothing elsewhere)."""
-
-    def __init__(self, loggers: list[BaseLogger] | None = None):
-        self.loggers = list(loggers or [])
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        for logger in self.loggers:
-            logger.log(metrics, step)
-
-    def close(self, status: str = "FINISHED") -> None:
-        for logger in self.loggers:
-            logger.close(status)
+def open_tracker(settings: TrackingSettings, spool: str | None = None) -> MlflowTracker:
+    """The tracker of a spec's `tracking:` block; with `spool`, a run folder's spool file (RunLayout)."""
+    return MlflowTracker(settings.uri, retries=settings.retries, timeout_s=settings.timeout_s,
+                         spool=Path(spool) if spool else None)

@@ -111,7 +111,8 @@ def _parse_domain(path: str, node: Mapping[str, Any]) -> Domain:
     return Domain(path, kind, (lo, hi))
 
 
-def _is_domain(node: Any) -> bool:
+def is_domain(node: Any) -> bool:
+    """A search domain (`{grid: [...]}`): a mapping with one key, a domain kind."""
     return isinstance(node, Mapping) and len(node) == 1 and next(iter(node)) in DOMAIN_KINDS
 
 
@@ -120,12 +121,12 @@ def find_domains(raw: Mapping[str, Any], prefix: str = "") -> list[Domain]:
     found: list[Domain] = []
     for key, node in raw.items():
         path = f"{prefix}{key}"
-        if _is_domain(node):
+        if is_domain(node):
             found.append(_parse_domain(path, node))
         elif isinstance(node, Mapping):
             found.extend(find_domains(node, prefix=f"{path}."))
-        elif isinstance(node, list) and any(_is_domain(item) or isinstance(item, Mapping) for item in node):
-            nested = [item for item in node if _is_domain(item) or (isinstance(item, Mapping) and find_domains(item))]
+        elif isinstance(node, list) and any(is_domain(item) or isinstance(item, Mapping) for item in node):
+            nested = [item for item in node if is_domain(item) or (isinstance(item, Mapping) and find_domains(item))]
             if nested:
                 raise SearchSpaceError(
                     f"{path}: search domains inside a list are not supported; make the whole list the domain, "

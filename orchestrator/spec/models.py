@@ -1,41 +1,20 @@
-"""The experiment spec: pydantic models of every block, YAML loading with dotted overrides, and
-validation that names the field to fix, all before Ray is started.
-
-A spec file holds `name`, `task`, `model`, `optim`, `run`, `tune` and `tracking`. Any value may be a
-search domain (`{grid: [...]}`, see orchestrator/search_space.py); such a spec is a *study*, run with
-`orchestrator sweep`, and every grid combination is validated as a full spec up front. A spec file may
-also start from another with `base: other.yaml` and give only what differs (`read_yaml`, `merge_base`).
-"""
+"""The pydantic models of a spec: one typed block per component (optim, run, tune, tracking; the task's and the
+model's come from tasks/ and models/), every field documented under it, constraints between fields checked in
+validators whose messages name the field and the fix."""
 
 from __future__ import annotations
 
-import difflib
-import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from models import ModelConfig
-from orchestrator.search_space import (
-    DOMAIN_KINDS,
-    Domain,
-    SearchSpaceError,
-    find_domains,
-    resolve,
-    set_path,
-    validation_points,
-)
+from orchestrator.layout import resolve as resolve_location
+from orchestrator.spec.merge import merge_mappings
+from orchestrator.spec.messages import describe_errors
 from tasks import check_compatible
 from tasks.config import TaskConfig
 
@@ -156,7 +135,7 @@ class RunSettings(_Section):
     @classmethod
     def _absolute_storage(cls, value: str) -> str:
         # Ray workers (and Tune trial drivers) do not share the launcher's cwd: keep only absolute paths.
-        return value if "://" in value else str(Path(value).expanduser().resolve())
+        return resolve_location(value)
 
     @model_validator(mode="after")
     def _check(self) -> RunSettings:
@@ -345,9 +324,9 @@ class ExperimentSpec(_Section):
         raw["tune"] = {**raw["tune"], "metric": None, "mode": None}  # the pretraining task's own
         raw["task"] = {}  # the stage names its task in full: the fine-tuning task's fields mean nothing to it
         try:
-            return ExperimentSpec.model_validate(_merge(raw, self.pretrain))
+            return ExperimentSpec.model_validate(merge_mappings(raw, self.pretrain))
         except ValidationError as err:
-            raise ValueError("pretrain: " + _describe(err, self.pretrain).strip()) from None
+            raise ValueError("pretrain: " + describe_errors(err, self.pretrain, ExperimentSpec).strip()) from None
 
     def finetuning_spec(self, init_from: str) -> ExperimentSpec:
         """Stage 2 of a two-stage spec: this spec, fine-tuned from the pretraining run stored at `init_from`."""
@@ -365,346 +344,6 @@ class ExperimentSpec(_Section):
 
 
 _PRETRAIN_FIELDS = ("task", "optim", "run")
-
-
-# --- loading --------------------------------------------------------------------------------------
-
-
-def _read_mapping(path: Path, missing: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise SpecError(missing)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise SpecError(f"{path}: not valid YAML: {err}") from err
-    if not isinstance(data, dict):
-        raise SpecError(f"{path}: a spec is a mapping with name/task/model/... keys, got {type(data).__name__}")
-    return data
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping in a spec file, with its `base:` chain merged in (see `merge_base`); a clear error for a
-    missing file, a non-mapping document, a missing base file or a cycle of bases."""
-    path = Path(path)
-    return _read_with_bases(
-        path, f"spec file {str(path)!r} not found; pass the path of a YAML spec such as configs/smoke.yaml", ())
-
-
-def _read_with_bases(path: Path, missing: str, chain: tuple[Path, ...]) -> dict[str, Any]:
-    raw = _read_mapping(path, missing)
-    if "base" not in raw:
-        return raw
-    base_name = raw.pop("base")
-    if not isinstance(base_name, str) or not base_name:
-        raise SpecError(f"{path}: base must be the path of another spec file (relative to this one), "
-                        f"e.g. base: mhe.yaml; got {base_name!r}")
-    if "name" not in raw:
-        raise SpecError(f"{path}: name is required in a spec with base: {base_name} (a base's name is never "
-                        "inherited: it names the storage folder and the MLflow experiment); add e.g. "
-                        f"name: {path.stem.replace('_', '-')}")
-    base_path = (path.parent / base_name).resolve()
-    seen = (*chain, path.resolve())
-    if base_path in seen:
-        cycle = " -> ".join(str(p) for p in (*seen[seen.index(base_path):], base_path))
-        raise SpecError(f"{path}: base: {base_name} makes a cycle of bases ({cycle}); remove one of these "
-                        "base: fields")
-    missing = (f"{path}: base: {base_name} not found (looked for {base_path}; a base path is relative to the "
-               "file that names it)")
-    return merge_base(_read_with_bases(base_path, missing, seen), raw)
-
-
-# What makes a study itself: never taken from a base (the child's name also renames its scales, and
-# tracking.experiment then defaults to the child's name).
-_IDENTITY_KEYS = ("name", "tracking.experiment")
-
-
-def _without_identity(base: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in base.items() if k != "name"}
-    if isinstance(out.get("tracking"), Mapping):
-        out["tracking"] = {k: v for k, v in out["tracking"].items() if k != "experiment"}
-    if isinstance(out.get("scales"), Mapping):
-        out["scales"] = {
-            scale: ({k: v for k, v in entries.items() if k not in _IDENTITY_KEYS}
-                    if isinstance(entries, Mapping) else entries)
-            for scale, entries in out["scales"].items()
-        }
-    return out
-
-
-def _is_domain(node: Any) -> bool:
-    return isinstance(node, Mapping) and len(node) == 1 and next(iter(node)) in DOMAIN_KINDS
-
-
-def _merge(base: Any, child: Any) -> Any:
-    if not (isinstance(base, Mapping) and isinstance(child, Mapping)) or _is_domain(base) or _is_domain(child):
-        return child  # scalars, lists, null and search domains replace whole, in either direction
-    if "kind" in child and child["kind"] != base.get("kind"):
-        return child  # another kind: the base's knobs belong to its own kind
-    out = dict(base)
-    for key, value in child.items():
-        out[key] = _merge(base[key], value) if key in base else value
-    return out
-
-
-def merge_base(base: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
-    """The child spec's mapping deep-merged over its base's (both as read, their own `base:` resolved).
-
-    - Mappings merge key by key, recursively; keys the child adds come after the base's.
-    - Scalars, lists and null replace whole, and so do search domains (`{grid: [...]}`) in either direction: a
-      child domain replaces the base's value, and a child value replaces the base's domain.
-    - A child mapping whose `kind` differs from the base mapping's (or where the base's names none) replaces it
-      whole, so `model.attention: {kind: mha, heads: 8}` over a Linformer block keeps no stale `k`.
-    - `scales:` merge per scale name, then per dotted key: the child's value for a key replaces the base's, and
-      the base's other keys still apply.
-    - `name` and `tracking.experiment` (also as scale entries) are never inherited: the child names itself.
-    """
-    base = _without_identity(base)
-    child = dict(child)
-    base_scales, child_scales = base.pop("scales", None), child.pop("scales", None)
-    out = _merge(base, child)
-    if "name" in child:  # first, where a spec file has it
-        out = {"name": child["name"], **out}
-    if isinstance(base_scales, Mapping) and isinstance(child_scales, Mapping):
-        scales = dict(base_scales)
-        for scale, entries in child_scales.items():
-            inherited = scales.get(scale)
-            both = isinstance(inherited, Mapping) and isinstance(entries, Mapping)
-            scales[scale] = {**inherited, **entries} if both else entries
-        out["scales"] = scales
-    elif base_scales is not None or child_scales is not None:
-        out["scales"] = child_scales if child_scales is not None else base_scales
-    return out
-
-
-def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Dotted `key.path=value` overrides; values are parsed as YAML (`k=64`, `sharing=kv`, `lr={grid: [1, 2]}`)."""
-    out = dict(raw)
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key or not re.fullmatch(r"[A-Za-z0-9_.]+", key):
-            raise SpecError(f"override {item!r} is not key.path=value; e.g. model.attention.k=64")
-        try:
-            parsed = yaml.safe_load(value) if value else ""
-        except yaml.YAMLError as err:
-            raise SpecError(f"override {item!r}: value is not valid YAML: {err}") from err
-        out = _assign(out, key, parsed, f"override {item!r}")
-    return out
-
-
-def _assign(raw: Mapping[str, Any], key: str, value: Any, label: str) -> dict[str, Any]:
-    _refuse_path_through_domain(raw, key, label)
-    try:
-        return set_path(raw, key, value)
-    except SearchSpaceError as err:
-        raise SpecError(f"{label}: {err}") from err
-
-
-RESUME_OVERRIDES = ("optim.max_steps", "run.max_failures", "run.checkpoint_every", "run.eval_every", "run.log_every",
-                    "run.keep_checkpoints", "run.workers", "run.cpus_per_worker", "run.gpus_per_worker",
-                    "run.final_eval", "tracking.")
-"""What `orchestrator resume NAME key=value` may change: how long and where a run goes on and where it logs.
-Everything else (model, task, data order, optimizer) shaped the checkpoints it continues from."""
-
-
-def apply_resume_overrides(raw: Mapping[str, Any], overrides: Sequence[str], *, kind: str) -> dict[str, Any]:
-    """The stored spec (`kind` run) or study (`kind` sweep) with the overrides a resume may make."""
-    for item in overrides:
-        key = item.partition("=")[0]
-        if not any(key == allowed or (allowed.endswith(".") and key.startswith(allowed)) for allowed in RESUME_OVERRIDES):
-            raise SpecError(f"resume override {item!r}: {key} cannot change on resume (its checkpoints were trained "
-                            f"with the stored value); resume may change {', '.join(RESUME_OVERRIDES)}*. To change "
-                            "anything else, start a new run from a checkpoint with model.init_from")
-        if kind == "sweep" and key == "optim.max_steps":
-            raise SpecError("resume override optim.max_steps: a sweep resumes only its unfinished trials (its finished "
-                            "ones and ASHA's rungs stay as they were); train a chosen trial further with "
-                            "`orchestrator train SPEC model.init_from=<its MLflow run id>` or start a longer sweep")
-    return apply_overrides(raw, overrides)
-
-
-def apply_scale(raw: Mapping[str, Any], scale: str | None) -> dict[str, Any]:
-    """Drop the spec's `scales:` block and, with `scale`, apply that named set of dotted overrides.
-
-    A study keeps its full size in the body and smaller sizes as overrides (`scales: {tiny: {model.d_model: 64,
-    ...}}`), so the CPU version cannot drift from the real one. A scale also renames the study to
-    `<name>-<scale>` (unless it sets `name` itself): its runs get their own storage folder and MLflow experiment
-    instead of mixing into the full study's.
-    """
-    out = dict(raw)
-    scales = out.pop("scales", None) or {}
-    if not isinstance(scales, Mapping) or not all(isinstance(v, Mapping) for v in scales.values()):
-        raise SpecError("scales must map a scale name to dotted overrides, e.g. scales: {tiny: {model.d_model: 64}}")
-    if scale is None:
-        return out
-    if scale not in scales:
-        known = ", ".join(sorted(scales)) or "none"
-        raise SpecError(f"--scale {scale}: this spec defines no such scale (its scales: {known}); "
-                        "pick one of them or add it under scales:")
-    for key, value in scales[scale].items():
-        out = _assign(out, str(key), value, f"scales.{scale}.{key}")
-    if "name" not in scales[scale] and isinstance(out.get("name"), str):
-        out["name"] = f"{out['name']}-{scale}"
-    return out
-
-
-def _refuse_path_through_domain(raw: Mapping[str, Any], key: str, label: str) -> None:
-    """`model.attention.kind=mha` on a spec whose model.attention is a grid would silently break the grid."""
-    node: Any = raw
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        node = node.get(part) if isinstance(node, Mapping) else None
-        if _is_domain(node):
-            prefix = ".".join(parts[: i + 1])
-            raise SpecError(
-                f"{label}: {prefix} is a search domain ({{{next(iter(node))}: ...}}); override it whole, "
-                f"e.g. {prefix}=<value> or {prefix}={{grid: [...]}}"
-            )
-
-
-def _field_path(loc: Sequence[Any], raw: Any) -> str:
-    """A pydantic error location as the spec's dotted path, without the union tags pydantic inserts."""
-    parts: list[str] = []
-    node = raw
-    for item in loc:
-        if isinstance(node, Mapping) and item not in node and node.get("kind") == item:
-            continue  # discriminated-union tag, e.g. ('model', 'attention', 'linformer', 'k')
-        parts.append(str(item))
-        node = node.get(item) if isinstance(node, Mapping) else None
-    return ".".join(parts)
-
-
-# Fields that other tools (or an older layout) spell differently; named in the unknown-field error.
-_MOVED_FIELDS = {
-    "warmup": "optim.warmup_steps",
-    "batch_tokens": "task.batch_size (LM tasks: sequences per worker micro-batch) or task.max_tokens (translation: "
-                    "tokens per worker micro-batch), times optim.grad_accum and run.workers per step",
-    "batch_size": "task.batch_size",
-    "max_tokens": "task.max_tokens",
-    "lr_schedule": "optim.schedule",
-    "num_heads": "model.attention.heads",
-}
-
-
-def _model_classes(annotation: Any) -> list[type[BaseModel]]:
-    """The pydantic models an annotation may hold (through Optional, unions and Annotated)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [cls for arg in get_args(annotation) for cls in _model_classes(arg)]
-
-
-def _known_fields(loc: Sequence[Any]) -> list[str]:
-    """The field names valid next to the last item of `loc`, walking ExperimentSpec's models; a discriminated
-    union's tag (e.g. 'linformer' in model.attention.linformer.k) narrows the union to its member."""
-    classes: list[type[BaseModel]] = [ExperimentSpec]
-    for item in loc[:-1]:
-        inside = [c for cls in classes if item in cls.model_fields
-                  for c in _model_classes(cls.model_fields[item].annotation)]
-        if not inside:  # a union tag: keep the members whose `kind` is this literal
-            inside = [cls for cls in classes
-                      if "kind" in cls.model_fields and item in get_args(cls.model_fields["kind"].annotation)]
-        classes = inside
-        if not classes:
-            return []
-    return sorted({name for cls in classes for name in cls.model_fields})
-
-
-def _unknown_field_message(loc: Sequence[Any]) -> str:
-    name = str(loc[-1])
-    hints = []
-    if name in _MOVED_FIELDS:
-        hints.append(f"this spec calls it {_MOVED_FIELDS[name]}")
-    known = _known_fields(loc)
-    close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
-    if close and not hints:
-        hints.append("did you mean " + " or ".join(close) + "?")
-    if known and not close:
-        hints.append("valid fields here: " + ", ".join(known))
-    hint = ("; " + "; ".join(hints)) if hints else ""
-    return f"unknown field{hint} (docs/orchestrator.md lists every block's fields)"
-
-
-def _describe(err: ValidationError, raw: Mapping[str, Any]) -> str:
-    lines = []
-    for item in err.errors():
-        path = _field_path(item["loc"], raw)
-        msg = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            msg = _unknown_field_message(item["loc"])
-        elif item["type"] == "missing":
-            msg = "required field is missing; add it to the spec"
-        lines.append(f"  {path}: {msg}" if path else f"  {msg}")
-    return "\n".join(lines)
-
-
-def validate_spec(raw: Mapping[str, Any], *, where: str = "spec") -> ExperimentSpec:
-    """A resolved spec (no search domains) as an ExperimentSpec, or a SpecError naming every bad field."""
-    try:
-        domains = find_domains(raw)
-    except SearchSpaceError as err:
-        raise SpecError(f"{where}: {err}") from err
-    if domains:
-        paths = ", ".join(d.path for d in domains)
-        raise SpecError(
-            f"{where} has search domains ({paths}); run it with `orchestrator sweep`, or pin them with "
-            f"overrides such as {domains[0].path}=<value>"
-        )
-    try:
-        return ExperimentSpec.model_validate(raw)
-    except ValidationError as err:
-        raise SpecError(f"{where} is invalid:\n{_describe(err, raw)}") from None
-    except ValueError as err:  # raised outside pydantic's wrapping, e.g. by a task compatibility check
-        raise SpecError(f"{where} is invalid:\n  {err}") from None
-
-
-@dataclass(frozen=True)
-class Study:
-    """A spec with its search domains: what `validate` prints and `sweep` launches."""
-
-    raw: dict[str, Any]
-    """The spec as written (plus overrides), domains included; stored with a sweep to resume it."""
-    domains: list[Domain]
-    base: ExperimentSpec
-    """The first validated trial; the settings no domain touches (run, tune, tracking) come from it."""
-
-    def spec_for(self, assignment: Mapping[str, Any]) -> ExperimentSpec:
-        """The full spec of one trial."""
-        return validate_spec(resolve(self.raw, assignment), where=_trial_label(assignment))
-
-
-def _trial_label(assignment: Mapping[str, Any]) -> str:
-    if not assignment:
-        return "spec"
-    return "trial {" + ", ".join(f"{k}={v!r}" for k, v in assignment.items()) + "}"
-
-
-def study_from_raw(raw: Mapping[str, Any]) -> Study:
-    """Validate a (possibly searched) spec: every grid combination, range edges and a few random draws."""
-    raw = dict(raw)
-    try:
-        domains = find_domains(raw)
-    except SearchSpaceError as err:
-        raise SpecError(f"spec: {err}") from err
-    for path in ("name", "tune", "run", "tracking"):
-        if any(d.path == path or d.path.startswith(path + ".") for d in domains):
-            raise SpecError(
-                f"{path} cannot be searched: it configures the sweep itself; give it one value "
-                f"(search over task, model and optim fields)"
-            )
-    base: ExperimentSpec | None = None
-    for assignment in validation_points(domains) if domains else iter([{}]):
-        spec = validate_spec(resolve(raw, assignment), where=_trial_label(assignment))
-        base = base or spec
-    assert base is not None
-    return Study(raw=raw, domains=domains, base=base)
-
-
-def load_study(path: str | Path, overrides: Sequence[str] = (), scale: str | None = None) -> Study:
-    """Read a spec file, apply its `scale` and the CLI overrides, and validate every trial it describes."""
-    return study_from_raw(apply_overrides(apply_scale(read_yaml(path), scale), overrides))
-
-
-def load_spec(path: str | Path, overrides: Sequence[str] = (), scale: str | None = None) -> ExperimentSpec:
-    """Read and validate a single-run spec (no search domains)."""
-    return validate_spec(apply_overrides(apply_scale(read_yaml(path), scale), overrides), where=str(path))
 
 
 # --- resources --------------------------------------------------------------------------------------

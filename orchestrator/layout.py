@@ -1,0 +1,289 @@
+"""Where a run or a sweep keeps its files in storage: the one owner of those folder and file names.
+
+Storage is a local folder or a URI (s3://bucket/runs, gs://...), read and written through pyarrow.fs either
+way. Under `<storage>/<name>`:
+
+    orchestrator.json          the launcher's metadata: what `orchestrator resume NAME` needs (spec, MLflow ids)
+    .orchestrator.lock         while a launcher (train, sweep, resume) drives the name; local storage only
+    checkpoint_<step>/         a run's checkpoints (nine digits: a storage listing reads as a training history)
+    mlflow-spool.jsonl         metric points the tracking server has not taken yet; local storage only
+    diverged.txt               once the run's loss became NaN or infinite: the reason, one line
+    evaluation/                outputs of the final evaluation (and of `orchestrator evaluate`)
+    pretrain/                  a two-stage run's pretraining stage (a Train run folder of its own)
+    trials/train-<id>/         a sweep's Train run of each trial
+    trials/pretrain-<id>/      a two-stage trial's pretraining stage
+    report/                    a sweep's summary report, when storage is local
+
+Tokenizers and prepared data live next to the runs (`<storage>/.cache`) when storage is local, else in the
+user's cache. Every other module asks a `RunLayout` (or the helpers below) for these paths; nobody joins or
+parses the names by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs
+
+META_FILE = "orchestrator.json"
+"""Written next to a run's or sweep's Ray files: what `orchestrator resume NAME` needs (spec, MLflow ids)."""
+LOCK_FILE = ".orchestrator.lock"
+"""In a run's or sweep's storage folder while a launcher (train, sweep, resume) drives it."""
+TRIALS_DIR = "trials"
+"""Sub-folder of a sweep holding the Train run of each trial."""
+PRETRAIN_DIR = "pretrain"
+"""Sub-folder of a two-stage run holding its pretraining stage's Train run (a trial's is trials/pretrain-<id>)."""
+TRIAL_PREFIX = "train-"
+"""A trial's Train run folder under trials/: train-<trial id>."""
+TRIAL_PRETRAIN_PREFIX = "pretrain-"
+"""A two-stage trial's pretraining Train run folder under trials/: pretrain-<trial id>."""
+SPOOL_FILE = "mlflow-spool.jsonl"
+"""In a run's storage folder: metric points not yet accepted by the tracking server, one JSON object a line."""
+DIVERGED_FILE = "diverged.txt"
+"""In a Train run's folder once its loss became NaN or infinite (run.stop_on_nan): the reason, one line."""
+EVALUATION_DIR = "evaluation"
+"""Sub-folder of a run's storage folder with the outputs of its final evaluation."""
+REPORT_DIR = "report"
+"""Sub-folder of a sweep's folder with its summary report's files (local storage only)."""
+CACHE_DIR = ".cache"
+"""Tokenizers and prepared data, next to the runs of a local storage."""
+_CHECKPOINT_PREFIX = "checkpoint_"
+_CHECKPOINT_NAME = re.compile(rf"{_CHECKPOINT_PREFIX}(\d+)$")
+
+
+# --- any storage location --------------------------------------------------------------------------------
+
+
+def is_remote(location: str) -> bool:
+    """A URI (s3://, gs://, ...) rather than a path on this machine."""
+    return "://" in location
+
+
+def resolve(location: str) -> str:
+    """A URI as is, a local path made absolute (`~` expanded): what a launcher stores and compares."""
+    return location if is_remote(location) else str(Path(location).expanduser().resolve())
+
+
+def join(location: str, *parts: str) -> str:
+    """A path under a storage location, for local paths and URIs (s3://bucket/runs) alike."""
+    return "/".join([location.rstrip("/"), *parts])
+
+
+def parent(location: str) -> str:
+    """The folder holding `location` (a path or a URI)."""
+    return location.rsplit("/", 1)[0] if is_remote(location) else str(Path(location).parent)
+
+
+def storage_fs(location: str) -> tuple[pyarrow.fs.FileSystem, str]:
+    """The filesystem and path of a storage location: a URI, or a local path (made absolute)."""
+    return pyarrow.fs.FileSystem.from_uri(location if is_remote(location) else str(Path(location).resolve()))
+
+
+def subfolders(location: str) -> list[str]:
+    """Names of the folders directly under `location` ([] when it does not exist)."""
+    fs, path = storage_fs(location)
+    return [info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
+            if info.type == pyarrow.fs.FileType.Directory]
+
+
+def cache_dir_of(storage_path: str) -> str:
+    """Tokenizers and prepared data: next to the runs when storage is local, else in the user's cache."""
+    if not is_remote(storage_path):
+        return str(Path(storage_path) / CACHE_DIR)
+    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attention-orchestrator")
+
+
+# --- one Train run's folder ----------------------------------------------------------------------------
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder name of the checkpoint after `step` optimizer steps (`checkpoint_000002750`)."""
+    return f"{_CHECKPOINT_PREFIX}{step:09d}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step a checkpoint folder's name says, or None when the name is not a checkpoint's."""
+    found = _CHECKPOINT_NAME.match(name)
+    return int(found.group(1)) if found else None
+
+
+def checkpoint_steps(run_folder: str) -> dict[str, int]:
+    """The checkpoint folders of a Train run's storage folder, name -> step ({} without any, or no folder)."""
+    return {name: step for name in subfolders(run_folder) if (step := checkpoint_step(name)) is not None}
+
+
+def local_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoint folders under a local folder, oldest step first."""
+    return sorted(path for path in Path(folder).iterdir() if checkpoint_step(path.name) is not None) \
+        if Path(folder).is_dir() else []
+
+
+def latest_checkpoint(run_folder: str) -> str | None:
+    """The newest checkpoint folder of a Train run (path or URI), or None."""
+    steps = checkpoint_steps(run_folder)
+    return join(run_folder, max(steps, key=steps.get)) if steps else None
+
+
+def spool_of(run_folder: str) -> str | None:
+    """The metric spool of a Train run's folder; None on remote storage (the buffer stays in memory)."""
+    return None if is_remote(run_folder) else str(Path(run_folder) / SPOOL_FILE)
+
+
+def mark_diverged(run_folder: str, reason: str) -> None:
+    """Record that the run diverged. Resuming it from its checkpoints would diverge again (same state, data and
+    RNG), so retries (run.max_failures, tune.max_failures, `orchestrator resume`) stop at once with the reason
+    instead of training up to the same step again."""
+    fs, path = storage_fs(join(run_folder, DIVERGED_FILE))
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path) as f:
+        f.write(reason.encode())
+
+
+def diverged(run_folder: str) -> str | None:
+    """The reason the run at `run_folder` diverged, or None."""
+    fs, path = storage_fs(join(run_folder, DIVERGED_FILE))
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        return f.read().decode().strip() or "the loss became NaN or infinite"
+
+
+def trained_to(run_folder: str, max_steps: int) -> bool:
+    """The Train run at `run_folder` checkpointed its last step (a finished stage is not run again)."""
+    return max(checkpoint_steps(run_folder).values(), default=-1) >= max_steps
+
+
+# --- a run's or a sweep's folder -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The folders and files of the run or sweep `name` under `storage` (a local path or a URI)."""
+
+    storage: str
+    name: str
+
+    @property
+    def folder(self) -> str:
+        """The run's Train run folder, or the sweep's Tune experiment folder."""
+        return join(self.storage, self.name)
+
+    @property
+    def remote(self) -> bool:
+        return is_remote(self.storage)
+
+    @property
+    def cache_dir(self) -> str:
+        return cache_dir_of(self.storage)
+
+    @property
+    def spool(self) -> str | None:
+        """A single run's metric spool (None on remote storage)."""
+        return spool_of(self.folder)
+
+    @property
+    def pretrain_folder(self) -> str:
+        """A two-stage run's pretraining Train run."""
+        return join(self.folder, PRETRAIN_DIR)
+
+    @property
+    def trials_folder(self) -> str:
+        return join(self.folder, TRIALS_DIR)
+
+    def trial_folder(self, trial_id: str) -> str:
+        """The Train run folder of a sweep's trial."""
+        return join(self.trials_folder, self.trial_run_name(trial_id))
+
+    @staticmethod
+    def trial_run_name(trial_id: str) -> str:
+        """The Ray Train run name of a trial (its folder under trials/)."""
+        return f"{TRIAL_PREFIX}{trial_id}"
+
+    @staticmethod
+    def trial_pretrain_name(trial_id: str) -> str:
+        """The Ray Train run name of a two-stage trial's pretraining stage (its folder under trials/)."""
+        return f"{TRIAL_PRETRAIN_PREFIX}{trial_id}"
+
+    def spool_of_trial(self, trial_id: str) -> str | None:
+        """A trial's metric spool (None on remote storage)."""
+        return spool_of(self.trial_folder(trial_id))
+
+    def trial_spools(self) -> list[str]:
+        """The spool files that exist under trials/ (every trial's and pretraining stage's Train run)."""
+        spools = (spool_of(folder) for _, folder in self.stage_runs())
+        return [spool for spool in spools if spool is not None and Path(spool).is_file()]
+
+    def trials(self) -> list[tuple[str, str]]:
+        """(trial id, Train run folder) of every trial that has a folder, by id."""
+        return [(entry.removeprefix(TRIAL_PREFIX), join(self.trials_folder, entry))
+                for entry in sorted(subfolders(self.trials_folder)) if entry.startswith(TRIAL_PREFIX)]
+
+    def stage_runs(self) -> list[tuple[str, str]]:
+        """(label, folder) of every Train run under trials/, pretraining stages included (`pretrain-<id>`);
+        a trial's label is its id."""
+        return [(entry.removeprefix(TRIAL_PREFIX), join(self.trials_folder, entry))
+                for entry in sorted(subfolders(self.trials_folder))]
+
+    def run_folders(self) -> list[str]:
+        """Every Train run folder of the name: the run, its pretraining stage, every trial's (and stage's)."""
+        return [self.folder, self.pretrain_folder, *(folder for _, folder in self.stage_runs())]
+
+    def has_checkpoint(self) -> bool:
+        """The run, or a trial of the sweep, wrote a checkpoint: it can be resumed, and its name is taken."""
+        return any(checkpoint_steps(folder) for folder in self.run_folders())
+
+    @property
+    def report_dir(self) -> Path | None:
+        """Where a sweep's summary report's files go: the sweep's folder when storage is local."""
+        return None if self.remote else Path(self.folder) / REPORT_DIR
+
+    # --- metadata and lock ---------------------------------------------------------------------------
+
+    @property
+    def meta_path(self) -> str:
+        return join(self.folder, META_FILE)
+
+    def read_meta(self) -> dict[str, Any] | None:
+        fs, path = storage_fs(self.meta_path)
+        if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+            return None
+        with fs.open_input_stream(path) as f:
+            return json.loads(f.read().decode())
+
+    def write_meta(self, meta: Mapping[str, Any]) -> None:
+        fs, path = storage_fs(self.meta_path)
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as f:
+            f.write(json.dumps(meta, indent=2).encode())
+
+    @property
+    def lock_path(self) -> Path | None:
+        """The launcher's lock file; None on remote storage, which has no lock."""
+        return None if self.remote else Path(self.folder) / LOCK_FILE
+
+    def lock_holder(self) -> dict[str, Any] | None:
+        """What the lock says of the launcher holding it (pid, host, since), {} when unreadable; None when
+        there is no lock file (or no lock at all: remote storage)."""
+        if self.lock_path is None or not self.lock_path.exists():
+            return None
+        try:
+            return json.loads(self.lock_path.read_text() or "{}")
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def clear(self) -> None:
+        """Delete everything of the name but the lock (a first attempt that never reached a checkpoint)."""
+        fs, path = storage_fs(self.folder)
+        for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True)):
+            if info.base_name == LOCK_FILE:
+                continue  # the launcher's own
+            if info.type == pyarrow.fs.FileType.Directory:
+                fs.delete_dir(info.path)
+            else:
+                fs.delete_file(info.path)

@@ -1,0 +1,43 @@
+"""The experiment spec: pydantic models of every block, YAML loading with dotted overrides, and
+validation that names the field to fix, all before Ray is started.
+
+A spec file holds `name`, `task`, `model`, `optim`, `run`, `tune` and `tracking`. Any value may be a
+search domain (`{grid: [...]}`, see search_space.py here); such a spec is a *study*, run with
+`orchestrator sweep`, and every grid combination is validated as a full spec up front. A spec file may
+also start from another with `base: other.yaml` and give only what differs (`read_yaml`, `merge_base`).
+
+Modules: `models` (the pydantic blocks and ExperimentSpec), `loading` (files, `base:` chains, scales,
+overrides, validation, studies), `merge` (how a base and a child merge), `messages` (errors that name the
+field), `search_space` (the domain syntax and Tune's param space). The names below are the package's API.
+"""
+
+from orchestrator.spec.loading import (
+    RESUME_OVERRIDES,
+    Study,
+    apply_overrides,
+    apply_resume_overrides,
+    apply_scale,
+    expected_trials,
+    load_spec,
+    load_study,
+    read_yaml,
+    study_from_raw,
+    validate_spec,
+)
+from orchestrator.spec.merge import merge_base
+from orchestrator.spec.models import (
+    ExperimentSpec,
+    OptimConfig,
+    RunSettings,
+    SpecError,
+    TrackingSettings,
+    TuneSettings,
+    check_gpus,
+    local_gpu_count,
+    spec_to_yaml,
+)
+
+__all__ = ["RESUME_OVERRIDES", "ExperimentSpec", "OptimConfig", "RunSettings", "SpecError", "Study",
+           "TrackingSettings", "TuneSettings", "apply_overrides", "apply_resume_overrides", "apply_scale",
+           "check_gpus", "expected_trials", "load_spec", "load_study", "local_gpu_count", "merge_base", "read_yaml",
+           "spec_to_yaml", "study_from_raw", "validate_spec"]

@@ -1,0 +1,232 @@
+"""Reading a spec: YAML files with their `base:` chain, named scales, dotted overrides (also those a resume may
+make), validation into an `ExperimentSpec` with every bad field named, and a study's trials."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from orchestrator.spec.merge import merge_base
+from orchestrator.spec.messages import describe_errors
+from orchestrator.spec.models import ExperimentSpec, SpecError
+from orchestrator.spec.search_space import (
+    Domain,
+    SearchSpaceError,
+    find_domains,
+    grid_points,
+    is_domain,
+    resolve,
+    set_path,
+    validation_points,
+)
+
+def _read_mapping(path: Path, missing: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise SpecError(missing)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: a spec is a mapping with name/task/model/... keys, got {type(data).__name__}")
+    return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a spec file, with its `base:` chain merged in (see `merge_base`); a clear error for a
+    missing file, a non-mapping document, a missing base file or a cycle of bases."""
+    path = Path(path)
+    return _read_with_bases(
+        path, f"spec file {str(path)!r} not found; pass the path of a YAML spec such as configs/smoke.yaml", ())
+
+
+def _read_with_bases(path: Path, missing: str, chain: tuple[Path, ...]) -> dict[str, Any]:
+    raw = _read_mapping(path, missing)
+    if "base" not in raw:
+        return raw
+    base_name = raw.pop("base")
+    if not isinstance(base_name, str) or not base_name:
+        raise SpecError(f"{path}: base must be the path of another spec file (relative to this one), "
+                        f"e.g. base: mhe.yaml; got {base_name!r}")
+    if "name" not in raw:
+        raise SpecError(f"{path}: name is required in a spec with base: {base_name} (a base's name is never "
+                        "inherited: it names the storage folder and the MLflow experiment); add e.g. "
+                        f"name: {path.stem.replace('_', '-')}")
+    base_path = (path.parent / base_name).resolve()
+    seen = (*chain, path.resolve())
+    if base_path in seen:
+        cycle = " -> ".join(str(p) for p in (*seen[seen.index(base_path):], base_path))
+        raise SpecError(f"{path}: base: {base_name} makes a cycle of bases ({cycle}); remove one of these "
+                        "base: fields")
+    missing = (f"{path}: base: {base_name} not found (looked for {base_path}; a base path is relative to the "
+               "file that names it)")
+    return merge_base(_read_with_bases(base_path, missing, seen), raw)
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Dotted `key.path=value` overrides; values are parsed as YAML (`k=64`, `sharing=kv`, `lr={grid: [1, 2]}`)."""
+    out = dict(raw)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not re.fullmatch(r"[A-Za-z0-9_.]+", key):
+            raise SpecError(f"override {item!r} is not key.path=value; e.g. model.attention.k=64")
+        try:
+            parsed = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError as err:
+            raise SpecError(f"override {item!r}: value is not valid YAML: {err}") from err
+        out = _assign(out, key, parsed, f"override {item!r}")
+    return out
+
+
+def _assign(raw: Mapping[str, Any], key: str, value: Any, label: str) -> dict[str, Any]:
+    _refuse_path_through_domain(raw, key, label)
+    try:
+        return set_path(raw, key, value)
+    except SearchSpaceError as err:
+        raise SpecError(f"{label}: {err}") from err
+
+
+RESUME_OVERRIDES = ("optim.max_steps", "run.max_failures", "run.checkpoint_every", "run.eval_every", "run.log_every",
+                    "run.keep_checkpoints", "run.workers", "run.cpus_per_worker", "run.gpus_per_worker",
+                    "run.final_eval", "tracking.")
+"""What `orchestrator resume NAME key=value` may change: how long and where a run goes on and where it logs.
+Everything else (model, task, data order, optimizer) shaped the checkpoints it continues from."""
+
+
+def apply_resume_overrides(raw: Mapping[str, Any], overrides: Sequence[str], *, kind: str) -> dict[str, Any]:
+    """The stored spec (`kind` run) or study (`kind` sweep) with the overrides a resume may make."""
+    for item in overrides:
+        key = item.partition("=")[0]
+        if not any(key == allowed or (allowed.endswith(".") and key.startswith(allowed)) for allowed in RESUME_OVERRIDES):
+            raise SpecError(f"resume override {item!r}: {key} cannot change on resume (its checkpoints were trained "
+                            f"with the stored value); resume may change {', '.join(RESUME_OVERRIDES)}*. To change "
+                            "anything else, start a new run from a checkpoint with model.init_from")
+        if kind == "sweep" and key == "optim.max_steps":
+            raise SpecError("resume override optim.max_steps: a sweep resumes only its unfinished trials (its finished "
+                            "ones and ASHA's rungs stay as they were); train a chosen trial further with "
+                            "`orchestrator train SPEC model.init_from=<its MLflow run id>` or start a longer sweep")
+    return apply_overrides(raw, overrides)
+
+
+def apply_scale(raw: Mapping[str, Any], scale: str | None) -> dict[str, Any]:
+    """Drop the spec's `scales:` block and, with `scale`, apply that named set of dotted overrides.
+
+    A study keeps its full size in the body and smaller sizes as overrides (`scales: {tiny: {model.d_model: 64,
+    ...}}`), so the CPU version cannot drift from the real one. A scale also renames the study to
+    `<name>-<scale>` (unless it sets `name` itself): its runs get their own storage folder and MLflow experiment
+    instead of mixing into the full study's.
+    """
+    out = dict(raw)
+    scales = out.pop("scales", None) or {}
+    if not isinstance(scales, Mapping) or not all(isinstance(v, Mapping) for v in scales.values()):
+        raise SpecError("scales must map a scale name to dotted overrides, e.g. scales: {tiny: {model.d_model: 64}}")
+    if scale is None:
+        return out
+    if scale not in scales:
+        known = ", ".join(sorted(scales)) or "none"
+        raise SpecError(f"--scale {scale}: this spec defines no such scale (its scales: {known}); "
+                        "pick one of them or add it under scales:")
+    for key, value in scales[scale].items():
+        out = _assign(out, str(key), value, f"scales.{scale}.{key}")
+    if "name" not in scales[scale] and isinstance(out.get("name"), str):
+        out["name"] = f"{out['name']}-{scale}"
+    return out
+
+
+def _refuse_path_through_domain(raw: Mapping[str, Any], key: str, label: str) -> None:
+    """`model.attention.kind=mha` on a spec whose model.attention is a grid would silently break the grid."""
+    node: Any = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        node = node.get(part) if isinstance(node, Mapping) else None
+        if is_domain(node):
+            prefix = ".".join(parts[: i + 1])
+            raise SpecError(
+                f"{label}: {prefix} is a search domain ({{{next(iter(node))}: ...}}); override it whole, "
+                f"e.g. {prefix}=<value> or {prefix}={{grid: [...]}}"
+            )
+
+
+def validate_spec(raw: Mapping[str, Any], *, where: str = "spec") -> ExperimentSpec:
+    """A resolved spec (no search domains) as an ExperimentSpec, or a SpecError naming every bad field."""
+    try:
+        domains = find_domains(raw)
+    except SearchSpaceError as err:
+        raise SpecError(f"{where}: {err}") from err
+    if domains:
+        paths = ", ".join(d.path for d in domains)
+        raise SpecError(
+            f"{where} has search domains ({paths}); run it with `orchestrator sweep`, or pin them with "
+            f"overrides such as {domains[0].path}=<value>"
+        )
+    try:
+        return ExperimentSpec.model_validate(raw)
+    except ValidationError as err:
+        raise SpecError(f"{where} is invalid:\n{describe_errors(err, raw, ExperimentSpec)}") from None
+    except ValueError as err:  # raised outside pydantic's wrapping, e.g. by a task compatibility check
+        raise SpecError(f"{where} is invalid:\n  {err}") from None
+
+
+@dataclass(frozen=True)
+class Study:
+    """A spec with its search domains: what `validate` prints and `sweep` launches."""
+
+    raw: dict[str, Any]
+    """The spec as written (plus overrides), domains included; stored with a sweep to resume it."""
+    domains: list[Domain]
+    base: ExperimentSpec
+    """The first validated trial; the settings no domain touches (run, tune, tracking) come from it."""
+
+    def spec_for(self, assignment: Mapping[str, Any]) -> ExperimentSpec:
+        """The full spec of one trial."""
+        return validate_spec(resolve(self.raw, assignment), where=_trial_label(assignment))
+
+
+def _trial_label(assignment: Mapping[str, Any]) -> str:
+    if not assignment:
+        return "spec"
+    return "trial {" + ", ".join(f"{k}={v!r}" for k, v in assignment.items()) + "}"
+
+
+def expected_trials(study: Study) -> int:
+    """Trials the sweep runs: every grid combination num_samples times, or num_samples draws."""
+    settings = study.base.tune
+    per_sample = len(grid_points(study.domains)) if settings.search == "grid" else 1
+    return per_sample * settings.num_samples
+
+
+def study_from_raw(raw: Mapping[str, Any]) -> Study:
+    """Validate a (possibly searched) spec: every grid combination, range edges and a few random draws."""
+    raw = dict(raw)
+    try:
+        domains = find_domains(raw)
+    except SearchSpaceError as err:
+        raise SpecError(f"spec: {err}") from err
+    for path in ("name", "tune", "run", "tracking"):
+        if any(d.path == path or d.path.startswith(path + ".") for d in domains):
+            raise SpecError(
+                f"{path} cannot be searched: it configures the sweep itself; give it one value "
+                f"(search over task, model and optim fields)"
+            )
+    base: ExperimentSpec | None = None
+    for assignment in validation_points(domains) if domains else iter([{}]):
+        spec = validate_spec(resolve(raw, assignment), where=_trial_label(assignment))
+        base = base or spec
+    assert base is not None
+    return Study(raw=raw, domains=domains, base=base)
+
+
+def load_study(path: str | Path, overrides: Sequence[str] = (), scale: str | None = None) -> Study:
+    """Read a spec file, apply its `scale` and the CLI overrides, and validate every trial it describes."""
+    return study_from_raw(apply_overrides(apply_scale(read_yaml(path), scale), overrides))
+
+
+def load_spec(path: str | Path, overrides: Sequence[str] = (), scale: str | None = None) -> ExperimentSpec:
+    """Read and validate a single-run spec (no search domains)."""
+    return validate_spec(apply_overrides(apply_scale(read_yaml(path), scale), overrides), where=str(path))

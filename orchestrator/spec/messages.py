@@ -1,0 +1,85 @@
+"""Validation messages that name the field to fix: pydantic's errors as the spec's dotted paths, an unknown
+field with the close or valid names next to it, and fields other tools spell differently."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any, get_args
+
+from pydantic import BaseModel, ValidationError
+
+def _field_path(loc: Sequence[Any], raw: Any) -> str:
+    """A pydantic error location as the spec's dotted path, without the union tags pydantic inserts."""
+    parts: list[str] = []
+    node = raw
+    for item in loc:
+        if isinstance(node, Mapping) and item not in node and node.get("kind") == item:
+            continue  # discriminated-union tag, e.g. ('model', 'attention', 'linformer', 'k')
+        parts.append(str(item))
+        node = node.get(item) if isinstance(node, Mapping) else None
+    return ".".join(parts)
+
+
+# Fields that other tools (or an older layout) spell differently; named in the unknown-field error.
+_MOVED_FIELDS = {
+    "warmup": "optim.warmup_steps",
+    "batch_tokens": "task.batch_size (LM tasks: sequences per worker micro-batch) or task.max_tokens (translation: "
+                    "tokens per worker micro-batch), times optim.grad_accum and run.workers per step",
+    "batch_size": "task.batch_size",
+    "max_tokens": "task.max_tokens",
+    "lr_schedule": "optim.schedule",
+    "num_heads": "model.attention.heads",
+}
+
+
+def _model_classes(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation may hold (through Optional, unions and Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [cls for arg in get_args(annotation) for cls in _model_classes(arg)]
+
+
+def _known_fields(root: type[BaseModel], loc: Sequence[Any]) -> list[str]:
+    """The field names valid next to the last item of `loc`, walking the models under `root`; a discriminated
+    union's tag (e.g. 'linformer' in model.attention.linformer.k) narrows the union to its member."""
+    classes: list[type[BaseModel]] = [root]
+    for item in loc[:-1]:
+        inside = [c for cls in classes if item in cls.model_fields
+                  for c in _model_classes(cls.model_fields[item].annotation)]
+        if not inside:  # a union tag: keep the members whose `kind` is this literal
+            inside = [cls for cls in classes
+                      if "kind" in cls.model_fields and item in get_args(cls.model_fields["kind"].annotation)]
+        classes = inside
+        if not classes:
+            return []
+    return sorted({name for cls in classes for name in cls.model_fields})
+
+
+def _unknown_field_message(root: type[BaseModel], loc: Sequence[Any]) -> str:
+    name = str(loc[-1])
+    hints = []
+    if name in _MOVED_FIELDS:
+        hints.append(f"this spec calls it {_MOVED_FIELDS[name]}")
+    known = _known_fields(root, loc)
+    close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+    if close and not hints:
+        hints.append("did you mean " + " or ".join(close) + "?")
+    if known and not close:
+        hints.append("valid fields here: " + ", ".join(known))
+    hint = ("; " + "; ".join(hints)) if hints else ""
+    return f"unknown field{hint} (docs/orchestrator.md lists every block's fields)"
+
+
+def describe_errors(err: ValidationError, raw: Mapping[str, Any], root: type[BaseModel]) -> str:
+    """One line per error of `raw` validated as `root` (ExperimentSpec), each naming its field."""
+    lines = []
+    for item in err.errors():
+        path = _field_path(item["loc"], raw)
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            msg = _unknown_field_message(root, item["loc"])
+        elif item["type"] == "missing":
+            msg = "required field is missing; add it to the spec"
+        lines.append(f"  {path}: {msg}" if path else f"  {msg}")
+    return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""How a run is described to MLflow: tag names, the params of a spec, and `RunHandle`, the one description
+of a run that the launcher builds and `MlflowTracker.ensure_run` turns into a run (orchestrator/tracking/write.py).
+
+One experiment per study, a parent run per sweep, a nested child run per trial (tag `mlflow.parentRunId`), and a
+run id that survives resume. No MLflow import here: the worker's config carries a handle without one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+PARENT_TAG = "mlflow.parentRunId"
+TRIAL_TAG = "ray.trial_id"
+KIND_TAG = "method.family"
+COMMIT_TAG = "mlflow.source.git.commit"
+"""MLflow's own tag for the code version: the UI shows it with the run's source."""
+SOURCE_TAG = "mlflow.source.name"
+VERSION_TAGS_PREFIX = "versions."
+"""versions.torch, versions.ray, versions.mlflow, versions.python, versions.attention-orchestrator."""
+ROLE_TAG = "orchestrator.role"
+RUN_KEY_TAG = "orchestrator.run"
+"""Storage path + name of a single run: finds its MLflow run again (a trial is found by TRIAL_TAG)."""
+CHECKPOINTS_TAG = "orchestrator.checkpoints"
+"""MLflow tag of every run and trial: the storage folder (path or URI) of its Ray Train run and checkpoints."""
+# MLflow accepts 6000-char param values, older servers 500: keep every value within the smaller limit.
+MAX_PARAM_CHARS = 500
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """What identifies and describes one MLflow run. The launcher builds it (the one place tags are made);
+    `MlflowTracker.ensure_run` turns it into a run id, in the launcher or, after an outage, in the worker."""
+
+    experiment: str
+    run_name: str
+    key: tuple[str, str]
+    """(tag, value) unique to this run, so a retried trial or a restarted launcher finds it again."""
+    tags: Mapping[str, str] = field(default_factory=dict)
+    params: Mapping[str, str] = field(default_factory=dict)
+    """The flattened, resolved spec (logged once, when the run is created)."""
+    spec_yaml: str = ""
+    run_id: str | None = None
+
+    def with_run_id(self, run_id: str | None) -> RunHandle:
+        return replace(self, run_id=run_id) if run_id else self
+
+
+def run_handle(params: Mapping[str, Any], spec_yaml: str, *, experiment: str, run_name: str, role: str,
+               kind: str | None, commit: str, key: tuple[str, str], parent_run_id: str | None = None) -> RunHandle:
+    """The handle of a run, a trial or a sweep's parent: the one place run tags are made (role, method family,
+    commit, parent, key), with the params logged at creation (the flattened spec, or a sweep's tune.*)."""
+    tags = {ROLE_TAG: role, COMMIT_TAG: commit, SOURCE_TAG: "orchestrator", key[0]: key[1], **version_tags()}
+    if kind is not None:
+        tags[KIND_TAG] = kind
+    if parent_run_id:
+        tags[PARENT_TAG] = parent_run_id
+    return RunHandle(experiment=experiment, run_name=run_name, key=key, tags=tags,
+                     params={k: str(v) for k, v in params.items()}, spec_yaml=spec_yaml)
+
+
+def run_handle(params: Mapping[str, Any], spec_yaml: str, *, experiment: str, run_name: str, role: str,
+               kind: str | None, commit: str, key: tuple[str, str], parent_run_id: str | None = None) -> RunHandle:
+    """The handle of a run, a trial or a sweep's parent: the one place run tags are made (role, method family,
+    commit, parent, key), with the params logged at creation (the flattened spec, or a sweep's tune.*)."""
+    tags = {ROLE_TAG: role, COMMIT_TAG: commit, SOURCE_TAG: "orchestrator", key[0]: key[1], **version_tags()}
+    if kind is not None:
+        tags[KIND_TAG] = kind
+    if parent_run_id:
+        tags[PARENT_TAG] = parent_run_id
+    return RunHandle(experiment=experiment, run_name=run_name, key=key, tags=tags,
+                     params={k: str(v) for k, v in params.items()}, spec_yaml=spec_yaml)
+
+
+def version_tags() -> dict[str, str]:
+    """The versions that decide what a run computes, as tags (a run compared months later says what made it)."""
+    import platform
+    from importlib import metadata
+
+    tags = {f"{VERSION_TAGS_PREFIX}python": platform.python_version()}
+    for package in ("torch", "ray", "mlflow", "attention-orchestrator"):
+        try:
+            tags[f"{VERSION_TAGS_PREFIX}{package}"] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            tags[f"{VERSION_TAGS_PREFIX}{package}"] = "not installed"
+    return tags
+
+
+def device_tags(device: Any, world_size: int) -> dict[str, str]:
+    """What trained the run: `device.name` (the GPU model, or the CPU's) and `device.workers` (DDP ranks)."""
+    import platform
+
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return {"device.name": name, "device.workers": str(world_size)}
+
+
+MACHINE_SPECIFIC = ("run.storage_path", "tracking.uri")
+"""Where a run was stored and logged: not a property of the experiment (tags and spec.yaml keep them)."""
+
+
+def portable_params(spec: Mapping[str, Any]) -> dict[str, str]:
+    """The spec as MLflow params, comparable across machines: where it was stored and logged is left out, and a
+    local file or checkpoint path is shortened to its last two parts (`data/train.txt`), which name the data
+    without the user's home or the cluster's mount point. The whole spec stays in the run's spec.yaml."""
+    out = {}
+    for key, value in flatten(spec).items():
+        if key in MACHINE_SPECIFIC or key.endswith(tuple(f".{suffix}" for suffix in MACHINE_SPECIFIC)):
+            continue
+        out[key] = _short_path(value)
+    return out
+
+
+def _short_path(value: str) -> str:
+    local = value.removeprefix("file://")
+    if local.startswith(("/", "~")) and "\n" not in local:
+        return "/".join(Path(local).parts[-2:])
+    return value
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """`{"model": {"attention": {"k": 128}}}` -> `{"model.attention.k": "128"}`, values as MLflow strings."""
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, prefix=f"{path}."))
+        else:
+            out[path] = str(value)[:MAX_PARAM_CHARS]
+    return out
+
+
+def git_commit(root: Path | None = None) -> str:
+    """The project's commit, or "unknown" outside a git checkout (e.g. a pip-installed cluster image)."""
+    root = root or Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=root, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
