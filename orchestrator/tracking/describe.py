@@ -62,19 +62,6 @@ def run_handle(params: Mapping[str, Any], spec_yaml: str, *, experiment: str, ru
                      params={k: str(v) for k, v in params.items()}, spec_yaml=spec_yaml)
 
 
-def run_handle(params: Mapping[str, Any], spec_yaml: str, *, experiment: str, run_name: str, role: str,
-               kind: str | None, commit: str, key: tuple[str, str], parent_run_id: str | None = None) -> RunHandle:
-    """The handle of a run, a trial or a sweep's parent: the one place run tags are made (role, method family,
-    commit, parent, key), with the params logged at creation (the flattened spec, or a sweep's tune.*)."""
-    tags = {ROLE_TAG: role, COMMIT_TAG: commit, SOURCE_TAG: "orchestrator", key[0]: key[1], **version_tags()}
-    if kind is not None:
-        tags[KIND_TAG] = kind
-    if parent_run_id:
-        tags[PARENT_TAG] = parent_run_id
-    return RunHandle(experiment=experiment, run_name=run_name, key=key, tags=tags,
-                     params={k: str(v) for k, v in params.items()}, spec_yaml=spec_yaml)
-
-
 def version_tags() -> dict[str, str]:
     """The versions that decide what a run computes, as tags (a run compared months later says what made it)."""
     import platform
