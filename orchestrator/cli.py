@@ -29,6 +29,7 @@ from orchestrator.spec import (
     spec_to_yaml,
 )
 from orchestrator.spec.search_space import grid_points
+from orchestrator.tracking.describe import artifact_root
 
 DEFAULT_STORAGE = "runs"
 DEFAULT_UI_PORT = 5000
@@ -190,11 +191,19 @@ def _ui(args: argparse.Namespace) -> int:
     # One worker process: a UI for one user; MLflow's default of 4 uvicorn workers, each importing MLflow, ran
     # past uvicorn's start-up health check on a loaded 2-core machine, which then killed them in a loop.
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-           "--port", str(args.port), "--workers", "1"]
+           "--port", str(args.port), "--workers", "1", *_artifact_flags(uri)]
     try:
         return subprocess.call(cmd)
     except KeyboardInterrupt:
         return 0
+
+
+def _artifact_flags(uri: str) -> list[str]:
+    """The project's experiments keep their artifacts next to a SQLite store (tracking.describe.artifact_root),
+    and the UI reads them there; experiments made in the UI go there too, not to `./mlartifacts` of the folder
+    `orchestrator ui` was started in."""
+    root = artifact_root(uri)
+    return [] if root is None else ["--artifacts-destination", str(root)]
 
 
 def _set_verbosity(verbose: bool) -> None:

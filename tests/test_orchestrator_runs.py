@@ -70,6 +70,8 @@ def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
 
     client = MlflowClient(workspace["uri"])
     experiment = client.get_experiment_by_name("sweep2")
+    store = Path(workspace["uri"].removeprefix("sqlite:///")).parent
+    assert experiment.artifact_location == (store / "mlartifacts" / "sweep2").as_uri()  # not pytest's ./mlruns
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if PARENT_TAG not in r.data.tags]
     children = [r for r in runs if r.data.tags.get(PARENT_TAG) == outcome.parent_run_id]
@@ -381,3 +383,30 @@ def test_restarted_logger_logs_each_step_once_and_spool_survives_the_process(tmp
     assert launcher.end_run(resumed.run_id, "FINISHED") is True
     assert loss_curve(MlflowClient(uri), resumed.run_id)[5] == 5.0 and not spool.exists()
     assert MlflowClient(uri).get_run(resumed.run_id).info.status == "FINISHED"
+
+
+def test_artifacts_of_a_sqlite_store_live_next_to_it_whatever_the_working_directory(tmp_path, monkeypatch):
+    """A run started in another folder than its SQLite store's keeps its artifacts in `mlartifacts/` next to the
+    database, writes nothing to `./mlruns` of its working directory, and `orchestrator ui` serves them there."""
+    import subprocess
+
+    from orchestrator.cli import main
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.write import MlflowTracker
+
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    store.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    handle = run_handle({}, "name: far\n", experiment="far away", run_name="run", role="run", kind="mha",
+                        commit="abc", key=("orchestrator.run", "/runs/far"))
+    run_id = MlflowTracker(uri, retries=1).ensure_run(handle)
+    assert (store / "mlartifacts" / "far_away" / run_id / "artifacts" / "spec.yaml").read_text() == "name: far\n"
+    assert list(elsewhere.iterdir()) == []  # no ./mlruns, nothing else
+
+    commands = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: commands.append(cmd) or 0)
+    assert main(["ui", str(Path(__file__).parents[1] / "configs" / "smoke.yaml"), f"tracking.uri={uri}"]) == 0
+    [cmd] = commands
+    assert cmd[cmd.index("--artifacts-destination") + 1] == str(store / "mlartifacts")

@@ -7,6 +7,7 @@ run id that survives resume. No MLflow import here: the worker's config carries 
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,9 @@ CHECKPOINTS_TAG = "orchestrator.checkpoints"
 """MLflow tag of every run and trial: the storage folder (path or URI) of its Ray Train run and checkpoints."""
 # MLflow accepts 6000-char param values, older servers 500: keep every value within the smaller limit.
 MAX_PARAM_CHARS = 500
+ARTIFACTS_DIR = "mlartifacts"
+"""Beside a local SQLite store's database file: its artifacts, one folder per experiment the project created
+(the folder name `mlflow server` uses for the artifacts it serves)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,22 @@ def run_handle(params: Mapping[str, Any], spec_yaml: str, *, experiment: str, ru
         tags[PARENT_TAG] = parent_run_id
     return RunHandle(experiment=experiment, run_name=run_name, key=key, tags=tags,
                      params={k: str(v) for k, v in params.items()}, spec_yaml=spec_yaml)
+
+
+def artifact_root(uri: str) -> Path | None:
+    """Where the artifacts of a local SQLite store go: `mlartifacts/` next to its database file. None for a
+    server (it decides) or a file store (artifacts already live inside it). Without this, MLflow puts a SQLite
+    store's artifacts in `./mlruns` of whatever folder created the experiment."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or uri == prefix + ":memory:":
+        return None
+    return Path(uri[len(prefix):]).resolve().parent / ARTIFACTS_DIR
+
+
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """The artifact location of a new experiment of the store at `uri` (None: MLflow's default)."""
+    root = artifact_root(uri)
+    return None if root is None else (root / re.sub(r"[^\w.-]", "_", experiment)).as_uri()
 
 
 def version_tags() -> dict[str, str]:
