@@ -32,7 +32,7 @@ from orchestrator.run import (
 from orchestrator.spec.search_space import resolve, to_param_space, validation_points
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
 from orchestrator.sweep_summary import summarize_sweep
-from orchestrator.tracking.describe import RUN_KEY_TAG, TRIAL_TAG, flatten, git_commit, run_handle
+from orchestrator.tracking.describe import RUN_KEY_TAG, TRIAL_TAG, failure_tags, flatten, git_commit, run_handle
 from orchestrator.tracking.write import MlflowTracker, open_tracker
 from orchestrator.worker_config import WorkerConfig
 
@@ -301,5 +301,7 @@ def _close_children(tracker: MlflowTracker, spec: ExperimentSpec, trials: list[d
             continue
         trial["mlflow_run_id"] = run_id
         if tracker.run_status(run_id) == "RUNNING":
+            if trial["error"]:
+                tracker.set_tags(run_id, failure_tags(trial["error"]))
             tracker.end_run(run_id, "FAILED" if trial["error"] else "FINISHED" if trial["state"] == "done"
                             and trial["metrics"].get("step") == spec.optim.max_steps else "KILLED")

@@ -246,6 +246,10 @@ def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, se
     children = {r.data.params["optim.lr"]: r for r in runs if r.data.tags.get("orchestrator.role") == "trial"}
     assert parent.info.status == "FAILED"
     assert children["10000.0"].info.status == "FAILED" and children["0.003"].info.status == "FINISHED"
+    # The NaN trial's MLflow run says why it failed, and what to change.
+    nan_reason = children["10000.0"].data.tags["orchestrator.failure"]
+    assert re.search(r"loss is (nan|inf) at step", nan_reason) and "optim.lr" in nan_reason, nan_reason
+    assert nan_reason in children["10000.0"].data.tags["mlflow.note.content"]
     assert_one_point_per_step(server.uri, children["0.003"].info.run_id)
     assert "loss is nan at step" in resumed.output or "loss is inf at step" in resumed.output
 
