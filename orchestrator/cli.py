@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -153,6 +154,12 @@ def _sweep_line(outcome: Any) -> str:
         line += (f"\n{what}; continue the unfinished and errored trials from their checkpoints with "
                  f"`orchestrator resume {outcome.name} --storage-path {storage}`" if outcome.resumable else
                  f"\n{what}; no trial wrote a checkpoint, so the name is free: fix the cause and start it again")
+    diverged = [t for t in outcome.trials
+                if t["state"] == "error" and re.search(r"loss is -?(nan|inf)\b", t["error"] or "")]
+    if diverged:
+        line += (f"\n{len(diverged)} errored trial(s) diverged (NaN or inf loss), and a resume diverges again from "
+                 "the same checkpoint: change the spec (lower optim.lr, tighten optim.grad_clip, or set "
+                 "run.stop_on_nan=false) and start a sweep under another name")
     return line
 
 
