@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from orchestrator.spec import (
     spec_to_yaml,
 )
 from orchestrator.spec.search_space import grid_points
+from orchestrator.tracking.describe import artifact_root
 
 DEFAULT_STORAGE = "runs"
 DEFAULT_UI_PORT = 5000
@@ -152,6 +154,12 @@ def _sweep_line(outcome: Any) -> str:
         line += (f"\n{what}; continue the unfinished and errored trials from their checkpoints with "
                  f"`orchestrator resume {outcome.name} --storage-path {storage}`" if outcome.resumable else
                  f"\n{what}; no trial wrote a checkpoint, so the name is free: fix the cause and start it again")
+    diverged = [t for t in outcome.trials
+                if t["state"] == "error" and re.search(r"loss is -?(nan|inf)\b", t["error"] or "")]
+    if diverged:
+        line += (f"\n{len(diverged)} errored trial(s) diverged (NaN or inf loss), and a resume diverges again from "
+                 "the same checkpoint: change the spec (lower optim.lr, tighten optim.grad_clip, or set "
+                 "run.stop_on_nan=false) and start a sweep under another name")
     return line
 
 
@@ -190,11 +198,19 @@ def _ui(args: argparse.Namespace) -> int:
     # One worker process: a UI for one user; MLflow's default of 4 uvicorn workers, each importing MLflow, ran
     # past uvicorn's start-up health check on a loaded 2-core machine, which then killed them in a loop.
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-           "--port", str(args.port), "--workers", "1"]
+           "--port", str(args.port), "--workers", "1", *_artifact_flags(uri)]
     try:
         return subprocess.call(cmd)
     except KeyboardInterrupt:
         return 0
+
+
+def _artifact_flags(uri: str) -> list[str]:
+    """The project's experiments keep their artifacts next to a SQLite store (tracking.describe.artifact_root),
+    and the UI reads them there; experiments made in the UI go there too, not to `./mlartifacts` of the folder
+    `orchestrator ui` was started in."""
+    root = artifact_root(uri)
+    return [] if root is None else ["--artifacts-destination", str(root)]
 
 
 def _set_verbosity(verbose: bool) -> None:

@@ -8,6 +8,7 @@ way. Under `<storage>/<name>`:
     checkpoint_<step>/         a run's checkpoints (nine digits: a storage listing reads as a training history)
     mlflow-spool.jsonl         metric points the tracking server has not taken yet; local storage only
     diverged.txt               once the run's loss became NaN or infinite: the reason, one line
+    finished.json              once a sweep's trial finished (trained, scored, MLflow run ended): its last report
     evaluation/                outputs of the final evaluation (and of `orchestrator evaluate`)
     pretrain/                  a two-stage run's pretraining stage (a Train run folder of its own)
     trials/train-<id>/         a sweep's Train run of each trial
@@ -46,6 +47,7 @@ TRIAL_PRETRAIN_PREFIX = "pretrain-"
 SPOOL_FILE = "mlflow-spool.jsonl"
 """In a run's storage folder: metric points not yet accepted by the tracking server, one JSON object a line."""
 DIVERGED_FILE = "diverged.txt"
+FINISHED_FILE = "finished.json"
 """In a Train run's folder once its loss became NaN or infinite (run.stop_on_nan): the reason, one line."""
 EVALUATION_DIR = "evaluation"
 """Sub-folder of a run's storage folder with the outputs of its final evaluation."""
@@ -152,6 +154,29 @@ def diverged(run_folder: str) -> str | None:
         return None
     with fs.open_input_stream(path) as f:
         return f.read().decode().strip() or "the loss became NaN or infinite"
+
+
+def mark_finished(run_folder: str, metrics: Mapping[str, Any]) -> None:
+    """Record that the Train run at `run_folder` (a sweep's trial) finished: trained, scored and its MLflow run
+    ended, with its last report. A resumed sweep counts it finished from this, not from Tune's last result
+    (a launcher killed right after the trial ended never saved that), and does not run it again."""
+    fs, path = storage_fs(join(run_folder, FINISHED_FILE))
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
+    with fs.open_output_stream(path) as f:
+        f.write(json.dumps({"metrics": scalars}).encode())
+
+
+def finished(run_folder: str) -> dict[str, Any] | None:
+    """The last report of the finished Train run at `run_folder` (mark_finished), or None."""
+    fs, path = storage_fs(join(run_folder, FINISHED_FILE))
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        try:
+            return json.loads(f.read().decode())["metrics"]
+        except (ValueError, KeyError):
+            return None  # cut short: the trial runs again, as if unmarked
 
 
 def trained_to(run_folder: str, max_steps: int) -> bool:

@@ -32,7 +32,14 @@ from orchestrator.pretrained import preflight as check_init_from
 from orchestrator.progress import failure_reason, next_step, verbose
 from orchestrator.ray_env import start_local_ray, train_worker_env, use_train_v2
 from orchestrator.spec import ExperimentSpec, SpecError, check_gpus, spec_to_yaml
-from orchestrator.tracking.describe import RUN_KEY_TAG, RunHandle, git_commit, portable_params, run_handle
+from orchestrator.tracking.describe import (
+    RUN_KEY_TAG,
+    RunHandle,
+    failure_tags,
+    git_commit,
+    portable_params,
+    run_handle,
+)
 from orchestrator.tracking.write import MlflowTracker, open_tracker
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
 
@@ -207,7 +214,7 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
     the worker may have created the run after an outage at launch."""
     from ray.train import TrainingFailedError  # deferred: ray.train only after use_train_v2()
 
-    status, run_id = "FAILED", handle.run_id
+    status, run_id, failure = "FAILED", handle.run_id, None
     hint = f"\n{advice}" if advice else ""
     try:
         try:
@@ -215,10 +222,12 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
             # instead of starting its workers to train back to the same step.
             reason = diverged(join(trainer.run_config.storage_path, trainer.run_config.name))
             if reason is not None:
-                raise LaunchError(f"{label} failed: NonFiniteLoss: {reason}{hint}")
+                failure = f"NonFiniteLoss: {reason}"
+                raise LaunchError(f"{label} failed: {failure}{hint}")
             result = trainer.fit()
-        except TrainingFailedError as err:
-            raise LaunchError(f"{label} failed: {failure_reason(err)}{hint}") from None
+        except TrainingFailedError as err:  # NaN, an exception, or Ray Train past run.max_failures (a lost node)
+            failure = failure_reason(err)
+            raise LaunchError(f"{label} failed: {failure}{hint}") from None
         step = (result.metrics or {}).get("step")
         if step != spec.optim.max_steps:  # Ray Train's Ctrl-C handler aborts the run and fit() returns
             status = "KILLED"
@@ -241,8 +250,13 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
     except KeyboardInterrupt:
         status = "KILLED"
         raise
+    except Exception as err:
+        failure = failure or f"{type(err).__name__}: {failure_reason(err)}"
+        raise
     finally:
         run_id = run_id or tracker.ensure_run(handle)
+        if run_id is not None and status == "FAILED":
+            tracker.set_tags(run_id, failure_tags(failure or "the launcher stopped before the run ended"))
         if run_id is not None and not tracker.end_run(run_id, status):
             print(f"[{label}] the tracking server at {spec.tracking.uri} did not take every metric point; they "
                   f"wait in {tracker.spool or 'memory'} and the MLflow run stays open until "

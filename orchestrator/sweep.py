@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from orchestrator.cluster_resources import HEAD_RESOURCE, ClusterView
-from orchestrator.layout import RunLayout, is_remote
+from orchestrator.layout import RunLayout, finished, is_remote, mark_finished
 from orchestrator.preflight import check_data_files, check_labelled_data, check_tracking, name_lock
 from orchestrator.pretrained import preflight as check_init_from
 from orchestrator.progress import SweepProgress, describe_config, failure_reason, set_verbose, verbose
@@ -32,7 +32,7 @@ from orchestrator.run import (
 from orchestrator.spec.search_space import resolve, to_param_space, validation_points
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
 from orchestrator.sweep_summary import summarize_sweep
-from orchestrator.tracking.describe import RUN_KEY_TAG, TRIAL_TAG, flatten, git_commit, run_handle
+from orchestrator.tracking.describe import RUN_KEY_TAG, TRIAL_TAG, failure_tags, flatten, git_commit, run_handle
 from orchestrator.tracking.write import MlflowTracker, open_tracker
 from orchestrator.worker_config import WorkerConfig
 
@@ -77,6 +77,10 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     layout = RunLayout(spec.run.storage_path, spec.name)
     run_path = layout.trial_folder(trial_id)
     tracker = open_tracker(spec.tracking, layout.spool_of_trial(trial_id))
+    if finished(run_path) is not None:
+        # Finished before the launcher died, after Tune last saved its state: neither trained nor reopened again
+        # (the sweep's outcome counts it from its record and closes its child run if it was left RUNNING).
+        return
     # Found by trial id first: a retried or restored trial keeps its child run.
     handle = describe_run(spec, run_name=run_name, role="trial", commit=commit, key=(TRIAL_TAG, trial_id),
                           run_path=run_path, parent_run_id=parent_run_id)
@@ -90,7 +94,9 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
                           fail_at_step=fail_at_step, init_checkpoint=init_checkpoint)
     trainer = build_trainer(spec, run_name=layout.trial_run_name(trial_id), storage_path=layout.trials_folder,
                             worker=worker, callbacks=[TuneReportCallback()])
-    fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir, label=f"trial {trial_id}", advice=None)
+    result, _, final = fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir, label=f"trial {trial_id}",
+                                      advice=None)
+    mark_finished(run_path, {**dict(result.metrics or {}), **final})
 
 
 def _tune_config(study: Study, cluster: ClusterView):
@@ -245,16 +251,22 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
 
 
 def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_id: str | None) -> SweepOutcome:
-    """Per trial: done (it returned, or ASHA stopped it: Tune's last result says done), errored, or neither
-    (the sweep was interrupted); children left RUNNING are closed (KILLED, or FAILED when errored)."""
+    """Per trial: done (its run folder's record says it finished, or ASHA stopped it: Tune's last result says
+    done), errored, or neither (the sweep was interrupted); children left RUNNING are closed (KILLED, or FAILED
+    when errored). The record, not Tune's last result, decides for a finished trial: Tune saves its state now
+    and then, so after a launcher kill it may hold a finished trial as running."""
     spec = study.base
+    layout = RunLayout(spec.run.storage_path, spec.name)
     trials = []
     for result in grid:
         metrics = dict(result.metrics or {})
-        trial_id = metrics.get("trial_id") or Path(result.path).name
+        trial_id = metrics.get("trial_id") or Path(result.path).name.removeprefix("trial_")
         state = "error" if result.error else "done" if metrics.get("done") else "unfinished"
+        record = finished(layout.trial_folder(str(trial_id)))
+        if record is not None:  # the trial's own record, not Tune's last result (stale after a launcher kill)
+            state, metrics = "done", {**metrics, **record}
         trials.append({"trial_id": trial_id, "config": {k: v for k, v in (result.config or {}).items()},
-                       "state": state, "error": failure_reason(result.error) if result.error else None,
+                       "state": state, "error": failure_reason(result.error) if state == "error" else None,
                        "metrics": {k: v for k, v in metrics.items() if "/" in k or k in ("step", "evaluations")}})
     _close_children(tracker, spec, trials)
     errors = sum(t["state"] == "error" for t in trials)
@@ -301,5 +313,7 @@ def _close_children(tracker: MlflowTracker, spec: ExperimentSpec, trials: list[d
             continue
         trial["mlflow_run_id"] = run_id
         if tracker.run_status(run_id) == "RUNNING":
+            if trial["error"]:
+                tracker.set_tags(run_id, failure_tags(trial["error"]))
             tracker.end_run(run_id, "FAILED" if trial["error"] else "FINISHED" if trial["state"] == "done"
                             and trial["metrics"].get("step") == spec.optim.max_steps else "KILLED")

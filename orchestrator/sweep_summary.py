@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.progress import describe_config
+from orchestrator.tracking.describe import NOTE_TAG
 from orchestrator.tracking.write import MlflowTracker
 
-NOTE_TAG = "mlflow.note.content"
 BEST_TRIAL_TAG = "sweep.best_trial"
 BEST_RUN_TAG = "sweep.best_run_id"
 

@@ -246,8 +246,46 @@ def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, se
     children = {r.data.params["optim.lr"]: r for r in runs if r.data.tags.get("orchestrator.role") == "trial"}
     assert parent.info.status == "FAILED"
     assert children["10000.0"].info.status == "FAILED" and children["0.003"].info.status == "FINISHED"
+    # The NaN trial's MLflow run says why it failed, and what to change.
+    nan_reason = children["10000.0"].data.tags["orchestrator.failure"]
+    assert re.search(r"loss is (nan|inf) at step", nan_reason) and "optim.lr" in nan_reason, nan_reason
+    assert nan_reason in children["10000.0"].data.tags["mlflow.note.content"]
     assert_one_point_per_step(server.uri, children["0.003"].info.run_id)
     assert "loss is nan at step" in resumed.output or "loss is inf at step" in resumed.output
+    assert "1 errored trial(s) diverged (NaN or inf loss)" in resumed.output and "lower optim.lr" in resumed.output
+
+
+def test_sweep_driver_kill_after_two_of_three_trials_finished_resumes_to_all_finished(tmp_path, server):
+    """A 3-trial sweep SIGKILLed as soon as 2 trials are FINISHED in MLflow (before Tune saw them end): each
+    `resume` counts them finished from their run folders, does not train or reopen them, finishes the third,
+    and says "3 finished", exit 0; the parent and every child FINISHED, one point per metric per step."""
+    steps = 2 * CHECKPOINT_EVERY
+    spec = write_spec(tmp_path, "sweep-done", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]},
+                                                                 "max_steps": steps},
+                      tune={"max_concurrent": 2})
+    first = orchestrator(tmp_path, "sweep", str(spec))
+
+    def finished_children() -> list:
+        return [r for r in runs_of(server.uri, "sweep-done")
+                if r.data.tags.get("orchestrator.role") == "trial" and r.info.status == "FINISHED"]
+
+    wait_for(lambda: len(finished_children()) >= 2, 400, "two finished trials", first)
+    kill_tree(first)
+    done_before = {r.info.run_id: r.info.end_time for r in finished_children()}
+
+    for attempt in (1, 2):
+        resumed = orchestrator(tmp_path, "resume", "sweep-done", "--storage-path", str(tmp_path / "runs"))
+        assert resumed.wait(420) == 0, f"resume {attempt}: {resumed.output[-4000:]}"
+        assert "3 trials: 3 finished, 0 errored, 0 unfinished" in resumed.output, resumed.output[-4000:]
+    runs = runs_of(server.uri, "sweep-done")
+    [parent] = [r for r in runs if r.data.tags.get("orchestrator.role") == "sweep"]
+    children = [r for r in runs if r.data.tags.get("orchestrator.role") == "trial"]
+    assert parent.info.status == "FINISHED" and len(children) == 3
+    for child in children:
+        assert child.info.status == "FINISHED", child.data.tags.get("ray.trial_id")
+        assert_one_point_per_step(server.uri, child.info.run_id, last_step=steps)
+        if child.info.run_id in done_before:  # neither reopened nor ended again
+            assert child.info.end_time == done_before[child.info.run_id]
 
 
 def test_missing_or_empty_data_file_is_named_before_ray_starts(tmp_path):

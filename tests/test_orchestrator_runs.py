@@ -70,6 +70,8 @@ def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
 
     client = MlflowClient(workspace["uri"])
     experiment = client.get_experiment_by_name("sweep2")
+    store = Path(workspace["uri"].removeprefix("sqlite:///")).parent
+    assert experiment.artifact_location == (store / "mlartifacts" / "sweep2").as_uri()  # not pytest's ./mlruns
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if PARENT_TAG not in r.data.tags]
     children = [r for r in runs if r.data.tags.get(PARENT_TAG) == outcome.parent_run_id]
@@ -290,6 +292,47 @@ def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
     [run] = MlflowClient(spec.tracking.uri).search_runs(
         [MlflowClient(spec.tracking.uri).get_experiment_by_name("nan").experiment_id])
     assert run.info.status == "FAILED"
+    # The MLflow run says why, as a tag and as its description (not only the console).
+    assert run.data.tags["orchestrator.failure"] == "NonFiniteLoss: train/loss is nan at step 7 (lr 10)"
+    assert "train/loss is nan at step 7" in run.data.tags["mlflow.note.content"]
+
+
+@pytest.mark.parametrize("error, reason", [
+    ("lost", "ray.exceptions.ActorDiedError: the actor died unexpectedly: its node was lost"),
+    ("raised", "ValueError: bad batch"),
+], ids=["node-lost", "exception"])
+def test_the_reason_a_run_failed_is_on_its_mlflow_run(tmp_path, error, reason):
+    """Ray Train giving up (a node lost past run.max_failures, a worker's exception) or the launcher's own error:
+    the FAILED run carries the one-line reason as `orchestrator.failure` and as its MLflow description."""
+    from types import SimpleNamespace
+
+    from orchestrator.ray_env import use_train_v2
+    from orchestrator.run import fit_and_finish
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.write import MlflowTracker
+
+    use_train_v2()
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    class Fails:
+        run_config = SimpleNamespace(storage_path=str(tmp_path / "runs"), name="fails")
+
+        def fit(self):
+            if error == "lost":
+                raise WorkerGroupError("Training failed", {0: RuntimeError(reason)})
+            raise ValueError("bad batch")
+
+    spec = validate_spec(tiny_spec("fails", {"storage": str(tmp_path / "runs"), "uri": f"sqlite:///{tmp_path}/m.db"}))
+    tracker = MlflowTracker(spec.tracking.uri)
+    handle = run_handle({}, "", experiment="fails", run_name="fails", role="run", kind="mha", commit="abc",
+                        key=("orchestrator.run", str(tmp_path / "runs" / "fails")))
+    with pytest.raises(LaunchError if error == "lost" else ValueError):
+        fit_and_finish(spec, Fails(), handle, tracker, str(tmp_path), label="run 'fails'", advice=None)
+    client = MlflowClient(spec.tracking.uri)
+    [run] = client.search_runs([client.get_experiment_by_name("fails").experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["orchestrator.failure"] == reason
+    assert reason in run.data.tags["mlflow.note.content"]
 
 
 def test_a_create_whose_answer_was_lost_is_not_made_twice(tmp_path):
@@ -381,3 +424,30 @@ def test_restarted_logger_logs_each_step_once_and_spool_survives_the_process(tmp
     assert launcher.end_run(resumed.run_id, "FINISHED") is True
     assert loss_curve(MlflowClient(uri), resumed.run_id)[5] == 5.0 and not spool.exists()
     assert MlflowClient(uri).get_run(resumed.run_id).info.status == "FINISHED"
+
+
+def test_artifacts_of_a_sqlite_store_live_next_to_it_whatever_the_working_directory(tmp_path, monkeypatch):
+    """A run started in another folder than its SQLite store's keeps its artifacts in `mlartifacts/` next to the
+    database, writes nothing to `./mlruns` of its working directory, and `orchestrator ui` serves them there."""
+    import subprocess
+
+    from orchestrator.cli import main
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.write import MlflowTracker
+
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    store.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    handle = run_handle({}, "name: far\n", experiment="far away", run_name="run", role="run", kind="mha",
+                        commit="abc", key=("orchestrator.run", "/runs/far"))
+    run_id = MlflowTracker(uri, retries=1).ensure_run(handle)
+    assert (store / "mlartifacts" / "far_away" / run_id / "artifacts" / "spec.yaml").read_text() == "name: far\n"
+    assert list(elsewhere.iterdir()) == []  # no ./mlruns, nothing else
+
+    commands = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: commands.append(cmd) or 0)
+    assert main(["ui", str(Path(__file__).parents[1] / "configs" / "smoke.yaml"), f"tracking.uri={uri}"]) == 0
+    [cmd] = commands
+    assert cmd[cmd.index("--artifacts-destination") + 1] == str(store / "mlartifacts")

@@ -7,6 +7,7 @@ run id that survives resume. No MLflow import here: the worker's config carries 
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -26,8 +27,16 @@ RUN_KEY_TAG = "orchestrator.run"
 """Storage path + name of a single run: finds its MLflow run again (a trial is found by TRIAL_TAG)."""
 CHECKPOINTS_TAG = "orchestrator.checkpoints"
 """MLflow tag of every run and trial: the storage folder (path or URI) of its Ray Train run and checkpoints."""
+FAILURE_TAG = "orchestrator.failure"
+"""Why a run ended FAILED, in one line (NaN, an exception, Ray Train giving up after run.max_failures)."""
+NOTE_TAG = "mlflow.note.content"
+"""MLflow's run description, shown on the run's page: a failed run's reason, a sweep parent's comparison."""
 # MLflow accepts 6000-char param values, older servers 500: keep every value within the smaller limit.
 MAX_PARAM_CHARS = 500
+MAX_TAG_CHARS = 5000  # MLflow's limit for a tag value is 8000 characters
+ARTIFACTS_DIR = "mlartifacts"
+"""Beside a local SQLite store's database file: its artifacts, one folder per experiment the project created
+(the folder name `mlflow server` uses for the artifacts it serves)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,29 @@ def run_handle(params: Mapping[str, Any], spec_yaml: str, *, experiment: str, ru
         tags[PARENT_TAG] = parent_run_id
     return RunHandle(experiment=experiment, run_name=run_name, key=key, tags=tags,
                      params={k: str(v) for k, v in params.items()}, spec_yaml=spec_yaml)
+
+
+def failure_tags(reason: str) -> dict[str, str]:
+    """The tags that say on its MLflow run why a run FAILED: the reason as a tag (searchable, a column of the
+    runs page) and as the run's description."""
+    reason = reason[:MAX_TAG_CHARS]
+    return {FAILURE_TAG: reason, NOTE_TAG: f"**Failed:** {reason}\n"}
+
+
+def artifact_root(uri: str) -> Path | None:
+    """Where the artifacts of a local SQLite store go: `mlartifacts/` next to its database file. None for a
+    server (it decides) or a file store (artifacts already live inside it). Without this, MLflow puts a SQLite
+    store's artifacts in `./mlruns` of whatever folder created the experiment."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or uri == prefix + ":memory:":
+        return None
+    return Path(uri[len(prefix):]).resolve().parent / ARTIFACTS_DIR
+
+
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """The artifact location of a new experiment of the store at `uri` (None: MLflow's default)."""
+    root = artifact_root(uri)
+    return None if root is None else (root / re.sub(r"[^\w.-]", "_", experiment)).as_uri()
 
 
 def version_tags() -> dict[str, str]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
-from orchestrator.tracking.describe import MAX_PARAM_CHARS, RunHandle
+from orchestrator.tracking.describe import MAX_PARAM_CHARS, RunHandle, artifact_location
 from orchestrator.tracking.read import configure_http, logged_steps, newest_run_with_tag
 
 if TYPE_CHECKING:
@@ -153,7 +153,8 @@ class MlflowTracker:
         def get_or_create(client: MlflowClient) -> str:
             found = client.get_experiment_by_name(name)
             if found is None:
-                return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+                return client.create_experiment(name, artifact_location=artifact_location(self.uri, name),
+                                                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
             if EXPERIMENT_KIND_TAG not in found.tags:  # made before the tag existed, or by another client
                 client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
             return found.experiment_id
