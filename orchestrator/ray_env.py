@@ -75,6 +75,14 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+START_ATTEMPTS = 3
+"""Starts of a local Ray before its failure is the user's: Ray waits a fixed 30 s (ray/_private/node.py,
+`raylet_start_wait_time_s`, not configurable) for the raylet to register, which a 2-core machine under load
+can miss; the next start usually succeeds."""
+NODE_START_TIMEOUT = "The current node timed out during startup"
+"""The start of Ray's error when that wait runs out."""
+
+
 def start_local_ray(**init_kwargs: Any) -> None:
     """`ray.init` of a local Ray whose every process has `local_ray_environment()`; this process's own
     environment is as it was afterwards (a test session's later subprocesses, and Ray Train's copying of the
@@ -84,8 +92,17 @@ def start_local_ray(**init_kwargs: Any) -> None:
 
     use_train_v2()
     with _environment(local_ray_environment()):
-        # No dashboard: it costs start-up time and memory, and MLflow is where a run is watched.
-        ray.init(include_dashboard=False, **init_kwargs)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                # No dashboard: it costs start-up time and memory, and MLflow is where a run is watched.
+                ray.init(include_dashboard=False, **init_kwargs)
+                break
+            except Exception as err:  # Ray raises a bare Exception for it; only its own words tell it apart
+                if NODE_START_TIMEOUT not in str(err) or attempt == START_ATTEMPTS:
+                    raise
+                ray.shutdown()  # what Ray registered of the timed-out start
+                print(f"Ray's raylet did not register within Ray's own 30 s (a loaded machine); starting the local "
+                      f"Ray again ({attempt + 1}/{START_ATTEMPTS})", file=sys.stderr, flush=True)
     _started_here = True
 
 

@@ -1,0 +1,65 @@
+"""Starting a local Ray on a loaded machine: Ray's fixed 30 s wait for its raylet is retried, nothing else is.
+`ray.init` is replaced by a stand-in here; the real start is what every Ray test of the suite goes through."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+
+from orchestrator import ray_env
+
+
+class FakeRay:
+    def __init__(self, failures: list[Exception]):
+        self.failures, self.inits, self.shutdowns = list(failures), 0, 0
+
+    def init(self, **kwargs) -> None:
+        self.inits += 1
+        assert kwargs["include_dashboard"] is False and kwargs["num_cpus"] == 2
+        assert os.environ[ray_env.LOCAL_RAY] == "1"  # each attempt inherits the local Ray's environment
+        if self.failures:
+            raise self.failures.pop(0)
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    def install(*failures: Exception) -> FakeRay:
+        stand_in = FakeRay(list(failures))
+        monkeypatch.setattr(ray, "init", stand_in.init)
+        monkeypatch.setattr(ray, "shutdown", stand_in.shutdown)
+        monkeypatch.setattr(ray_env, "_started_here", False)
+        return stand_in
+    return install
+
+
+def timed_out() -> Exception:
+    return Exception(f"{ray_env.NODE_START_TIMEOUT}. This could happen because some of the raylet failed to "
+                     "startup or the GCS has become overloaded.")
+
+
+def test_a_raylet_that_missed_rays_30_s_wait_is_started_again(fake, capsys):
+    stand_in = fake(timed_out())
+    ray_env.start_local_ray(num_cpus=2)
+    assert (stand_in.inits, stand_in.shutdowns) == (2, 1)
+    assert ray_env.on_local_ray()
+    assert "starting the local Ray again (2/3)" in capsys.readouterr().err
+    assert ray_env.LOCAL_RAY not in os.environ  # the launcher's environment as it was
+
+
+def test_the_start_gives_up_after_its_attempts(fake):
+    stand_in = fake(*[timed_out() for _ in range(ray_env.START_ATTEMPTS)])
+    with pytest.raises(Exception, match=ray_env.NODE_START_TIMEOUT):
+        ray_env.start_local_ray(num_cpus=2)
+    assert stand_in.inits == ray_env.START_ATTEMPTS and not ray_env.on_local_ray()
+
+
+def test_any_other_start_failure_is_not_retried(fake):
+    stand_in = fake(ValueError("num_cpus must be >= 0"))
+    with pytest.raises(ValueError, match="num_cpus"):
+        ray_env.start_local_ray(num_cpus=2)
+    assert (stand_in.inits, stand_in.shutdowns) == (1, 0)
