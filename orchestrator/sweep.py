@@ -279,7 +279,7 @@ def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_i
         best = None  # no trial reported the metric
     return SweepOutcome(name=spec.name, path=grid.experiment_path, parent_run_id=parent_run_id, trials=trials,
                         best=best, errors=errors, interrupted=interrupted,
-                        resumable=RunLayout(spec.run.storage_path, spec.name).has_checkpoint(), metric=spec.metric)
+                        resumable=layout.has_checkpoint(), metric=spec.metric)
 
 
 def _summarize(study: Study, outcome: SweepOutcome, tracker: MlflowTracker) -> None:

@@ -19,6 +19,8 @@ import torch
 
 RUN_SLOW = "RUN_SLOW"
 """The switch of the real-process tier: set to 1 (or true/yes) to run the tests marked `slow`."""
+_DESELECTED = pytest.StashKey[int]()
+"""How many tests marked `slow` this session left out, for the summary line."""
 
 
 def _run_slow() -> bool:
@@ -36,8 +38,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=slow)
         config.stash[_DESELECTED] = len(slow)
 
-
-_DESELECTED = pytest.StashKey[int]()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
