@@ -18,6 +18,7 @@ there the Train workers get what they need through Ray Train's `worker_runtime_e
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.progress import VERBOSE_ENV, verbose
+from orchestrator.ray_reaper import OWNER_ENV, start_reaper
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
@@ -34,6 +36,9 @@ WORKER_NICENESS = "RAY_worker_niceness"
 
 _started_here = False
 """This process started the local Ray it is connected to (its own environment no longer says so)."""
+_owner = f"{os.getpid()}-{secrets.token_hex(4)}"
+"""This launcher, as the owner of its local Ray's processes (orchestrator/ray_reaper.py)."""
+_reaper = None
 
 
 def use_train_v2() -> None:
@@ -54,11 +59,13 @@ def local_ray_environment() -> dict[str, str]:
     paths keep working); this checkout importable even when not pip-installed; the launcher's verbosity; Ray's
     workers at normal priority (Ray starts them at niceness 15 so that its daemons stay responsive, and a
     training worker then loses every CPU contest on a shared machine: benchmarks/RESULTS.md, "Ray overhead");
-    no preemption watcher and no prestarted workers (the module's docstring says why)."""
+    no preemption watcher and no prestarted workers (the module's docstring says why); the launcher as owner, so
+    that they end with it (orchestrator/ray_reaper.py)."""
     pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {TRAIN_V2: "1", "RAY_CHDIR_TO_TRIAL_DIR": "0", "PYTHONPATH": pythonpath,
             VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0",
-            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_first_driver": "0", LOCAL_RAY: "1"}
+            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_first_driver": "0", LOCAL_RAY: "1",
+            OWNER_ENV: _owner}
 
 
 @contextmanager
@@ -86,11 +93,13 @@ NODE_START_TIMEOUT = "The current node timed out during startup"
 def start_local_ray(**init_kwargs: Any) -> None:
     """`ray.init` of a local Ray whose every process has `local_ray_environment()`; this process's own
     environment is as it was afterwards (a test session's later subprocesses, and Ray Train's copying of the
-    driver's variables, see none of it)."""
-    global _started_here
+    driver's variables, see none of it). Its processes end with this one, however it ends (ray_reaper.py)."""
+    global _started_here, _reaper
     import ray
 
     use_train_v2()
+    if _reaper is None:  # first: a launcher killed while Ray starts leaves nothing either
+        _reaper = start_reaper(_owner)
     with _environment(local_ray_environment()):
         for attempt in range(1, START_ATTEMPTS + 1):
             try:

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import ray
 
-from orchestrator import ray_env
+from orchestrator import ray_env, ray_reaper
 
 
 class FakeRay:
@@ -63,3 +67,32 @@ def test_any_other_start_failure_is_not_retried(fake):
     with pytest.raises(ValueError, match="num_cpus"):
         ray_env.start_local_ray(num_cpus=2)
     assert (stand_in.inits, stand_in.shutdowns) == (1, 0)
+
+
+# --- the local Ray ends with its launcher (orchestrator/ray_reaper.py) ------------------------------------------
+
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+"""A process that ignores SIGTERM, as Ray's DashboardAgent and RuntimeEnvAgent do."""
+
+
+def _stubborn(owner: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", STUBBORN], env={**os.environ, ray_reaper.OWNER_ENV: owner},
+                            stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout.readline() == b"up\n"  # its handler is installed
+    return proc
+
+
+def test_the_reaper_kills_its_owners_processes_when_the_launcher_ends_and_no_others():
+    mine, other = _stubborn("1-aa"), _stubborn("1-aab")  # a prefix of another owner's name is not that owner
+    try:
+        reaper = ray_reaper.start_reaper("1-aa")
+        time.sleep(0.3)
+        assert mine.poll() is None  # nothing happens while the launcher lives
+        reaper.stdin.close()  # what the kernel does when the launcher ends, a SIGKILL included
+        assert mine.wait(timeout=10) == -signal.SIGKILL
+        assert reaper.wait(timeout=15) == 0
+        assert other.poll() is None
+    finally:
+        for proc in (mine, other):
+            proc.kill()
+            proc.wait()
