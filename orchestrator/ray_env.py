@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.progress import VERBOSE_ENV, verbose
-from orchestrator.ray_reaper import OWNER_ENV, start_reaper
+from orchestrator.ray_reaper import OWNER_ENV, start_reaper, tell_session
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
@@ -104,7 +104,8 @@ def start_local_ray(**init_kwargs: Any) -> None:
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 # No dashboard: it costs start-up time and memory, and MLflow is where a run is watched.
-                ray.init(include_dashboard=False, **init_kwargs)
+                context = ray.init(include_dashboard=False, **init_kwargs)
+                tell_session(_reaper, context.address_info["session_dir"])
                 break
             except Exception as err:  # Ray raises a bare Exception for it; only its own words tell it apart
                 if NODE_START_TIMEOUT not in str(err) or attempt == START_ATTEMPTS:

@@ -5,11 +5,15 @@ monitor), but not the raylet's own children: after `kill -9` of a launcher, Ray'
 RuntimeEnvAgent live on, ignoring SIGTERM, and the Train workers go on training for seconds (and may write
 one more checkpoint) until they notice that their raylet is gone.
 
-So `start_local_ray` gives every process of its Ray a variable naming its owner (`OWNER_ENV`, through the
-raylet's environment, which every worker inherits) and starts this module as a small process of its own,
-reading a pipe from the launcher. The kernel closes that pipe when the launcher ends, for any reason; the
-reaper then SIGKILLs every process whose environment names that owner, until none is left. A launcher that
-ends normally has already shut its Ray down (Ray's atexit hook), so the reaper then finds nothing.
+So `start_local_ray` starts this module as a small process of its own, reading a pipe from the launcher, and
+tells it the session folder of each Ray it starts (`/tmp/ray/session_<time>_<pid>`, one per Ray instance). The
+kernel closes that pipe when the launcher ends, for any reason; the reaper then SIGKILLs, until none is left,
+every process of those sessions: any process with a file open (or its working directory) in a session folder,
+which every Ray process has (its log files), or whose environment names the launcher as owner (`OWNER_ENV`, set
+through the raylet's environment, which every worker inherits). The environment alone is not enough: Ray's
+processes rename themselves (setproctitle, `ray::DashboardAgent`), which on Linux may overwrite the memory
+that /proc/<pid>/environ shows. A launcher that ends normally has already shut its Ray down (Ray's atexit
+hook), so the reaper then finds nothing.
 Ray's own reaper (ray/_private/ray_process_reaper.py) is the same idea for the process group, used only
 where the kernel's fate sharing is missing; a process group is not the right unit here: a launcher started
 from a shell shares its group with the shell's other jobs.
@@ -29,9 +33,29 @@ SETTLE_S = 10.0
 """How long the reaper keeps looking for stragglers (a worker being spawned while the launcher died)."""
 
 
-def owned_by(owner: str) -> list[int]:
-    """The processes whose environment names `owner` (this one excluded)."""
+def _in_session(pid: str, sessions: tuple[str, ...]) -> bool:
+    """The process has a file open, or its working directory, in one of the session folders."""
+    if not sessions:
+        return False
+    links = [f"/proc/{pid}/cwd"]
+    try:
+        links += [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return False
+    for link in links:
+        try:
+            target = os.readlink(link)
+        except OSError:
+            continue
+        if target.startswith(sessions):
+            return True
+    return False
+
+
+def owned_by(owner: str, sessions: tuple[str, ...] = ()) -> list[int]:
+    """The processes of `owner`'s Ray (this one excluded): by session folder, or by environment."""
     needle = f"{OWNER_ENV}={owner}".encode()
+    sessions = tuple(folder.rstrip("/") + "/" for folder in sessions)
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -41,17 +65,17 @@ def owned_by(owner: str) -> list[int]:
                 environ = f.read().split(b"\0")
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if needle in environ:
+        if needle in environ or _in_session(entry, sessions):
             found.append(int(entry))
     return found
 
 
-def reap(owner: str, settle_s: float = SETTLE_S) -> int:
+def reap(owner: str, sessions: tuple[str, ...] = (), settle_s: float = SETTLE_S) -> int:
     """SIGKILL every process of `owner`'s Ray until a scan finds none twice in a row (or `settle_s` passed);
     how many were killed."""
     killed, quiet_scans, deadline = 0, 0, time.monotonic() + settle_s
     while quiet_scans < 2 and time.monotonic() < deadline:
-        pids = owned_by(owner)
+        pids = owned_by(owner, sessions)
         quiet_scans = 0 if pids else quiet_scans + 1
         for pid in pids:
             try:
@@ -61,6 +85,12 @@ def reap(owner: str, settle_s: float = SETTLE_S) -> int:
                 pass
         time.sleep(0.1)
     return killed
+
+
+def tell_session(reaper: subprocess.Popen, session_dir: str) -> None:
+    """Add a Ray session folder to those the reaper clears."""
+    reaper.stdin.write(f"{os.path.realpath(session_dir)}\n".encode())
+    reaper.stdin.flush()
 
 
 def start_reaper(owner: str) -> subprocess.Popen:
@@ -75,9 +105,8 @@ def start_reaper(owner: str) -> subprocess.Popen:
 def main() -> None:
     owner = sys.argv[1]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    while sys.stdin.buffer.read(4096):  # EOF: the launcher ended
-        pass
-    reap(owner)
+    sessions = tuple(line.decode().strip() for line in sys.stdin.buffer)  # until EOF: the launcher ended
+    reap(owner, tuple(filter(None, sessions)))
 
 
 if __name__ == "__main__":

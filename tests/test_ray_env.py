@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -25,6 +27,7 @@ class FakeRay:
         assert os.environ[ray_env.LOCAL_RAY] == "1"  # each attempt inherits the local Ray's environment
         if self.failures:
             raise self.failures.pop(0)
+        return SimpleNamespace(address_info={"session_dir": "/tmp/ray/session_stand_in"})
 
     def shutdown(self) -> None:
         self.shutdowns += 1
@@ -71,28 +74,37 @@ def test_any_other_start_failure_is_not_retried(fake):
 
 # --- the local Ray ends with its launcher (orchestrator/ray_reaper.py) ------------------------------------------
 
-STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
-"""A process that ignores SIGTERM, as Ray's DashboardAgent and RuntimeEnvAgent do."""
+STUBBORN = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "log = open(sys.argv[1], 'a') if len(sys.argv) > 1 else None; print('up', flush=True); time.sleep(120)")
+"""A process that ignores SIGTERM, as Ray's DashboardAgent and RuntimeEnvAgent do; with an argument, it keeps
+that file open (Ray's processes keep their log files in their session folder open)."""
 
 
-def _stubborn(owner: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", STUBBORN], env={**os.environ, ray_reaper.OWNER_ENV: owner},
+def _stubborn(owner: str, log: Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, ray_reaper.OWNER_ENV: owner} if owner else dict(os.environ)
+    proc = subprocess.Popen([sys.executable, "-c", STUBBORN, *([str(log)] if log else [])], env=env,
                             stdout=subprocess.PIPE, start_new_session=True)
     assert proc.stdout.readline() == b"up\n"  # its handler is installed
     return proc
 
 
-def test_the_reaper_kills_its_owners_processes_when_the_launcher_ends_and_no_others():
-    mine, other = _stubborn("1-aa"), _stubborn("1-aab")  # a prefix of another owner's name is not that owner
+def test_the_reaper_kills_its_owners_processes_when_the_launcher_ends_and_no_others(tmp_path):
+    """Found by the owner in its environment, or by a file open in the launcher's Ray session folder (Ray's
+    renamed processes may have lost the environment /proc shows); another owner's and another session's live."""
+    (tmp_path / "session_mine" / "logs").mkdir(parents=True)
+    (tmp_path / "session_mine_2").mkdir()
+    by_env, by_session = _stubborn("1-aa"), _stubborn("", tmp_path / "session_mine" / "logs" / "agent.log")
+    others = [_stubborn("1-aab"), _stubborn("", tmp_path / "session_mine_2" / "agent.log")]  # prefixes are not matches
     try:
         reaper = ray_reaper.start_reaper("1-aa")
+        ray_reaper.tell_session(reaper, str(tmp_path / "session_mine"))
         time.sleep(0.3)
-        assert mine.poll() is None  # nothing happens while the launcher lives
+        assert by_env.poll() is None and by_session.poll() is None  # nothing happens while the launcher lives
         reaper.stdin.close()  # what the kernel does when the launcher ends, a SIGKILL included
-        assert mine.wait(timeout=10) == -signal.SIGKILL
+        assert by_env.wait(timeout=10) == -signal.SIGKILL and by_session.wait(timeout=10) == -signal.SIGKILL
         assert reaper.wait(timeout=15) == 0
-        assert other.poll() is None
+        assert all(proc.poll() is None for proc in others)
     finally:
-        for proc in (mine, other):
+        for proc in (by_env, by_session, *others):
             proc.kill()
             proc.wait()
