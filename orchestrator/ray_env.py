@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -82,6 +83,20 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def own_address() -> dict[str, str]:
+    """The address the local Ray's GCS will have, given to every one of its processes as RAY_ADDRESS. Ray code
+    that looks its cluster up instead of using its connection (Ray Train's PlacementGroupCleaner asks the state
+    API with no address) otherwise scans the machine for GCS processes and fails as soon as a second Ray runs
+    there ("Found multiple active Ray instances"), e.g. another launcher's, and its thread dies with it."""
+    import ray._private.services
+
+    with socket.socket() as probe:  # a free port for the GCS (RAY_GCS_SERVER_PORT, read by ray/_private/node.py)
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    host = ray._private.services.get_node_ip_address()
+    return {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"{host}:{port}"}
+
+
 START_ATTEMPTS = 3
 """Starts of a local Ray before its failure is the user's: Ray waits a fixed 30 s (ray/_private/node.py,
 `raylet_start_wait_time_s`, not configurable) for the raylet to register, which a 2-core machine under load
@@ -103,8 +118,10 @@ def start_local_ray(**init_kwargs: Any) -> None:
     with _environment(local_ray_environment()):
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
-                # No dashboard: it costs start-up time and memory, and MLflow is where a run is watched.
-                context = ray.init(include_dashboard=False, **init_kwargs)
+                with _environment(own_address()):
+                    # No dashboard: it costs start-up time and memory, and MLflow is where a run is watched.
+                    # address="local": a new Ray, whatever RAY_ADDRESS (now its own) says.
+                    context = ray.init(address="local", include_dashboard=False, **init_kwargs)
                 tell_session(_reaper, context.address_info["session_dir"])
                 break
             except Exception as err:  # Ray raises a bare Exception for it; only its own words tell it apart

@@ -52,13 +52,13 @@ def _in_session(pid: str, sessions: tuple[str, ...]) -> bool:
     return False
 
 
-def owned_by(owner: str, sessions: tuple[str, ...] = ()) -> list[int]:
-    """The processes of `owner`'s Ray (this one excluded): by session folder, or by environment."""
+def owned_by(owner: str, sessions: tuple[str, ...] = (), spare: tuple[int, ...] = ()) -> list[int]:
+    """The processes of `owner`'s Ray, by session folder or by environment; never this one nor those in `spare`."""
     needle = f"{OWNER_ENV}={owner}".encode()
     sessions = tuple(folder.rstrip("/") + "/" for folder in sessions)
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in (os.getpid(), *spare):
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
@@ -70,12 +70,12 @@ def owned_by(owner: str, sessions: tuple[str, ...] = ()) -> list[int]:
     return found
 
 
-def reap(owner: str, sessions: tuple[str, ...] = (), settle_s: float = SETTLE_S) -> int:
-    """SIGKILL every process of `owner`'s Ray until a scan finds none twice in a row (or `settle_s` passed);
-    how many were killed."""
+def reap(owner: str, sessions: tuple[str, ...] = (), spare: tuple[int, ...] = (), settle_s: float = SETTLE_S) -> int:
+    """SIGKILL every process of `owner`'s Ray (but those in `spare`) until a scan finds none twice in a row (or
+    `settle_s` passed); how many were killed."""
     killed, quiet_scans, deadline = 0, 0, time.monotonic() + settle_s
     while quiet_scans < 2 and time.monotonic() < deadline:
-        pids = owned_by(owner, sessions)
+        pids = owned_by(owner, sessions, spare)
         quiet_scans = 0 if pids else quiet_scans + 1
         for pid in pids:
             try:
@@ -104,9 +104,12 @@ def start_reaper(owner: str) -> subprocess.Popen:
 
 def main() -> None:
     owner = sys.argv[1]
+    launcher = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sessions = tuple(line.decode().strip() for line in sys.stdin.buffer)  # until EOF: the launcher ended
-    reap(owner, tuple(filter(None, sessions)))
+    # The launcher itself is spared: its interpreter closes the pipe while it finalizes, with its own Ray log
+    # files in the session folder still open, after Ray's atexit shutdown stopped the rest.
+    reap(owner, tuple(filter(None, sessions)), spare=(launcher,))
 
 
 if __name__ == "__main__":

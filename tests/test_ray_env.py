@@ -88,23 +88,41 @@ def _stubborn(owner: str, log: Path | None = None) -> subprocess.Popen:
     return proc
 
 
+LAUNCHER = """
+import sys, time
+from orchestrator.ray_reaper import start_reaper, tell_session
+reaper = start_reaper("1-aa")
+tell_session(reaper, sys.argv[1])
+log = open(sys.argv[1] + "/logs/driver.log", "a")  # a driver keeps its own Ray logs open too
+print("up", flush=True)
+sys.stdin.readline()
+reaper.stdin.close()  # as the interpreter does while it finalizes: the launcher is still there
+time.sleep(1.0)
+"""
+"""A launcher stand-in: starts the reaper, tells it its session folder, and ends when told."""
+
+
 def test_the_reaper_kills_its_owners_processes_when_the_launcher_ends_and_no_others(tmp_path):
     """Found by the owner in its environment, or by a file open in the launcher's Ray session folder (Ray's
-    renamed processes may have lost the environment /proc shows); another owner's and another session's live."""
+    renamed processes may have lost the environment /proc shows); the launcher itself, another owner's and
+    another session's processes live."""
     (tmp_path / "session_mine" / "logs").mkdir(parents=True)
     (tmp_path / "session_mine_2").mkdir()
     by_env, by_session = _stubborn("1-aa"), _stubborn("", tmp_path / "session_mine" / "logs" / "agent.log")
     others = [_stubborn("1-aab"), _stubborn("", tmp_path / "session_mine_2" / "agent.log")]  # prefixes are not matches
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "session_mine")],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ray_env.PROJECT_ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ray_env.PROJECT_ROOT)})
     try:
-        reaper = ray_reaper.start_reaper("1-aa")
-        ray_reaper.tell_session(reaper, str(tmp_path / "session_mine"))
+        assert launcher.stdout.readline() == b"up\n"
         time.sleep(0.3)
         assert by_env.poll() is None and by_session.poll() is None  # nothing happens while the launcher lives
-        reaper.stdin.close()  # what the kernel does when the launcher ends, a SIGKILL included
+        launcher.stdin.write(b"end\n")
+        launcher.stdin.flush()
         assert by_env.wait(timeout=10) == -signal.SIGKILL and by_session.wait(timeout=10) == -signal.SIGKILL
-        assert reaper.wait(timeout=15) == 0
+        assert launcher.wait(timeout=15) == 0
         assert all(proc.poll() is None for proc in others)
     finally:
-        for proc in (by_env, by_session, *others):
+        for proc in (by_env, by_session, *others, launcher):
             proc.kill()
             proc.wait()
