@@ -268,6 +268,11 @@ def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, se
     assert "2 trials: 1 finished, 1 errored, 0 unfinished" in resumed.output, resumed.output[-4000:]
     # ASHA's clock went on from the checkpoint: all 6 evaluations of 24 steps, not only those after the resume.
     assert re.search(r"\(done, 6 evals\) .*optim.lr=0.003", resumed.output), resumed.output[-3000:]
+    # A second resume changes nothing: the same summary and exit code, nothing trained, no status flipped.
+    again = orchestrator(tmp_path, "resume", "sweep-kill", "--storage-path", str(tmp_path / "runs"))
+    assert again.wait(480) == 1, again.output[-4000:]
+    assert "2 trials: 1 finished, 1 errored, 0 unfinished" in again.output, again.output[-4000:]
+    assert "resumed from step" not in again.output, again.output[-3000:]
     runs = runs_of(server.uri, "sweep-kill")
     parent = next(r for r in runs if r.data.tags.get("orchestrator.role") == "sweep")
     children = {r.data.params["optim.lr"]: r for r in runs if r.data.tags.get("orchestrator.role") == "trial"}
