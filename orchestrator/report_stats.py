@@ -59,7 +59,8 @@ class Comparison:
     ci: Interval
     p_value: float
     mdd: float
-    """Minimum detectable difference (absolute, metric units) at `alpha` and POWER with these seeds."""
+    """Minimum detectable difference (absolute, metric units) at `alpha` and POWER with these seeds; inf when
+    the exact test cannot reach `alpha` with so few seeds."""
     seeds_needed: float
     """Seeds per method for POWER to detect |diff|; inf when diff is 0, nan when unknown."""
     note: str = ""
@@ -113,19 +114,23 @@ def compare(method: Mapping[str, float], reference: Mapping[str, float], level: 
         if np.all(x - y == 0.0):
             return Comparison(PAIRED_T, len(x), 0.0, Interval(0.0, 0.0), 1.0, math.nan, math.inf,
                               note="identical scores on every seed")
-        # alternative two-sided; scipy's interval is for mean(x - y).
-        result = stats.ttest_rel(x, y)
-        ci = result.confidence_interval(level)
-        p_value, test, note = float(result.pvalue), PAIRED_T, ""
+        if np.ptp(x - y) == 0.0:  # the same difference on every seed: no spread, the t statistic is infinite
+            ci, p_value = Interval(float(x[0] - y[0]), float(x[0] - y[0])), 0.0
+        else:  # two-sided; scipy's interval is for mean(x - y)
+            result = stats.ttest_rel(x, y)
+            ci, p_value = result.confidence_interval(level), float(result.pvalue)
+        test, note = PAIRED_T, ""
         if len(x) < EXACT_BELOW:
             exact = stats.permutation_test((x, y), _mean_difference, permutation_type="samples",
                                            n_resamples=np.inf, vectorized=True)
             p_value, test = float(exact.pvalue), SIGN_FLIP
             smallest = 2.0 / 2 ** len(x)
             if smallest >= alpha:
-                note = f"with {len(x)} seeds the exact test's smallest p-value is {smallest:.3g} >= alpha"
+                note = f"{len(x)} seeds: smallest possible p = {smallest:.3g}"
         sd = float(np.std(x - y, ddof=1))
         mdd, needed = power_analysis(float(np.mean(x - y)), [sd], len(x), alpha)
+        if test == SIGN_FLIP and 2.0 / 2 ** len(x) >= alpha:
+            mdd = math.inf  # no difference, however large, can reach alpha with these seeds
         if needed < EXACT_BELOW:  # that many seeds would be judged by the exact test: it needs 2 / 2^n < alpha
             needed = max(needed, float(math.floor(math.log2(2.0 / alpha)) + 1))
         return Comparison(test, len(x), float(np.mean(x - y)), Interval(float(ci.low), float(ci.high)),
@@ -161,7 +166,9 @@ def holm(p_values: Sequence[float]) -> list[float]:
 def _power(noncentrality: float, df: float, alpha: float) -> float:
     """Two-sided t-test power: P(|T| > t_crit) for T noncentral t with `df` and `noncentrality`."""
     critical = stats.t.ppf(1.0 - alpha / 2.0, df)
-    return float(stats.nct.sf(critical, df, noncentrality) + stats.nct.cdf(-critical, df, noncentrality))
+    # The far tail P(T < -critical) = P(T' > critical) for T' with -noncentrality: scipy's nct.cdf returns NaN
+    # out there for some (df, noncentrality), its sf does not.
+    return float(stats.nct.sf(critical, df, noncentrality) + stats.nct.sf(critical, df, -noncentrality))
 
 
 def _standard_error(sds: Sequence[float], n: int, unequal: tuple[int, int] | None) -> tuple[float, float]:
@@ -182,6 +189,8 @@ def power_analysis(diff: float, sds: Sequence[float], n: int, alpha: float,
     """(minimum detectable difference with the seeds run, seeds per method needed to detect |diff|), both for a
     two-sided t-test at `alpha` with POWER, taking the observed spread as the true one. `sds`: [sd of the
     paired differences], or [sd of the method, sd of the reference] for unpaired runs (`unequal`: run counts)."""
+    if not all(math.isfinite(sd) for sd in sds):
+        return math.nan, math.nan
     se, df = _standard_error(sds, n, unequal)
     if not math.isfinite(se) or df < 1:
         return math.nan, math.nan
