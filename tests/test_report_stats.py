@@ -23,6 +23,7 @@ from scipy import stats
 
 from orchestrator.pareto import Objective, non_dominated
 from orchestrator.report import PARENT_TAG, ReportError, build_report
+from orchestrator.report_objectives import as_list
 from orchestrator.report_stats import EXACT_BELOW, Interval, compare, holm, power_analysis
 
 SEEDS = 10
@@ -200,6 +201,9 @@ def test_several_objectives_mark_the_non_dominated_runs(store, tmp_path):
     assert table["non_dominated"].tolist() == expected and 0 < sum(expected) < len(expected)
     assert set(table["params.attention"]) == {1000.0, 2000.0, 3000.0, 4000.0}
     assert "Non-dominated runs" in report.markdown and (tmp_path / "objectives.csv").is_file()
+    # A sweep logs its list tune.metric as the list's repr; the report reads it back as the objectives.
+    assert as_list("['val/acc', 'params.attention']") == ["val/acc", "params.attention"]
+    assert as_list("val/acc,params.attention") == ["val/acc", "params.attention"]
     with pytest.raises(ReportError, match="objective 'train/flops': no run logs it"):
         build_report(store["uri"], "paired", metric=["val/acc", "train/flops"], mode=["max", "min"],
                      out_dir=tmp_path / "x", log_to_mlflow=False)
