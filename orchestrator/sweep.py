@@ -32,8 +32,18 @@ from orchestrator.run import (
 )
 from orchestrator.spec.search_space import resolve, to_param_space, validation_points
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
+from orchestrator.spec.loading import SEED_PATH
 from orchestrator.sweep_summary import summarize_sweep
-from orchestrator.tracking.describe import RUN_KEY_TAG, TRIAL_TAG, failure_tags, flatten, git_commit, run_handle
+from orchestrator.tracking.describe import (
+    POINT_TAG,
+    RUN_KEY_TAG,
+    SEED_TAG,
+    TRIAL_TAG,
+    failure_tags,
+    flatten,
+    git_commit,
+    run_handle,
+)
 from orchestrator.tracking.write import MlflowTracker, open_tracker
 from orchestrator.worker_config import WorkerConfig
 
@@ -85,6 +95,7 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     # Found by trial id first: a retried or restored trial keeps its child run.
     handle = describe_run(spec, run_name=run_name, role="trial", commit=commit, key=(TRIAL_TAG, trial_id),
                           run_path=run_path, parent_run_id=parent_run_id)
+    handle = replace(handle, tags={**handle.tags, **point_tags(config, spec.optim.seed)})
     handle = handle.with_run_id(tracker.ensure_run(handle))
     train_spec, init_checkpoint = stage_to_train(spec, storage_path=layout.trials_folder,
                                                  run_name=layout.trial_pretrain_name(trial_id),
@@ -98,6 +109,13 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     result, _, final = fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir, label=f"trial {trial_id}",
                                       advice=None)
     mark_finished(run_path, {**dict(result.metrics or {}), **final})
+
+
+def point_tags(config: dict[str, Any], seed: int) -> dict[str, str]:
+    """A trial's seed and its method point (the swept values but the seed): the runs of one point under every
+    seed of `tune.seeds` share POINT_TAG, and the report pairs the runs of two points by SEED_TAG."""
+    point = {path: value for path, value in config.items() if path != SEED_PATH}
+    return {SEED_TAG: str(seed), POINT_TAG: describe_config(point) or "(no swept values)"}
 
 
 def _tune_config(study: Study, cluster: ClusterView):
@@ -119,11 +137,19 @@ def _tune_config(study: Study, cluster: ClusterView):
     else:
         scheduler = FIFOScheduler()
     search_alg = None
+    metric, mode = spec.metric, spec.mode
     if settings.search == "optuna":
         from ray.tune.search.optuna import OptunaSearch
 
-        search_alg = OptunaSearch(seed=spec.optim.seed)
-    return tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler, search_alg=search_alg,
+        if len(spec.objectives) > 1:
+            # Optuna's multi-objective TPE through Ray Tune: the searcher holds the objectives; Tune's own metric
+            # and mode stay unset (Tune takes one metric, and refuses one given to both).
+            names, modes = zip(*spec.objectives)
+            search_alg = OptunaSearch(metric=list(names), mode=list(modes), seed=spec.optim.seed)
+            metric, mode = None, None
+        else:
+            search_alg = OptunaSearch(seed=spec.optim.seed)
+    return tune.TuneConfig(metric=metric, mode=mode, scheduler=scheduler, search_alg=search_alg,
                            num_samples=settings.num_samples,
                            max_concurrent_trials=max_concurrent_trials(spec, cluster),
                            trial_name_creator=_trial_name, trial_dirname_creator=_trial_name)
@@ -290,7 +316,7 @@ def _summarize(study: Study, outcome: SweepOutcome, tracker: MlflowTracker) -> N
     try:
         summarize_sweep(tracking_uri=spec.tracking.uri, tracker=tracker, experiment=spec.tracking.experiment,
                         parent_run_id=outcome.parent_run_id, name=spec.name, trials=outcome.trials,
-                        metric=spec.metric, mode=spec.mode,
+                        metric=spec.metric, mode=spec.mode, objectives=spec.objectives,
                         out_dir=RunLayout(spec.run.storage_path, spec.name).report_dir)
     except Exception as err:  # noqa: BLE001 - the trials are done; `orchestrator report` can redo this
         print(f"[{spec.name}] the sweep's summary was not logged to MLflow ({type(err).__name__}: {str(err)[:200]})")

@@ -89,6 +89,9 @@ class RayHooks:
         self.logger = MetricsLogger()
         self._uploading: list[Path] = []
         """Temporary folders of checkpoints Ray may still be uploading (run.checkpoint_upload=async)."""
+        self.sizes: dict[str, float] = {}
+        """params.attention / params.total, in every result reported to Tune (not logged as MLflow metrics: they
+        are params there), so a further objective of tune.metric may be a size (spec COST_OBJECTIVES)."""
         if rank == 0:
             tracking = spec.tracking
             self.tracker = MlflowTracker(tracking.uri, retries=tracking.retries, timeout_s=tracking.timeout_s,
@@ -115,7 +118,7 @@ class RayHooks:
         self.logger.log(metrics, step)
         # `evaluations` is ASHA's time unit: counted from the step, so a resumed trial keeps its rung even
         # though Tune's training_iteration restarts at 1 (a function trial has no Tune checkpoint).
-        report = {"step": step, "evaluations": Cadence.of(self.spec).reports_until(step), **metrics}
+        report = {"step": step, "evaluations": Cadence.of(self.spec).reports_until(step), **self.sizes, **metrics}
         # Every rank gathers (positions and RNG of all ranks); rank 0 alone gets a state to write.
         state = trainer.checkpoint_state(self.run_id) if checkpoint else None
         if not checkpoint:
@@ -250,6 +253,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     hooks = RayHooks(cfg, spec, run, rank)
     counts = unwrap(trainer.model).parameter_counts()
     hooks.log_params({"params.attention": counts["attention"], "params.total": counts["total"]})
+    hooks.sizes = {"params.attention": float(counts["attention"]), "params.total": float(counts["total"])}
     if pretrained is not None:
         hooks.set_tags(pretrained.lineage_tags())
     hooks.set_tags(device_tags(ctx.device, world_size))
