@@ -249,7 +249,8 @@ def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, se
     """A 2-trial sweep whose first trial diverges (NaN: an errored trial, the sweep goes on) is SIGKILLed
     while the second trains; `resume` re-admits both trials on 2 CPUs without starving their Train workers,
     the NaN trial errors again with its reason, the other finishes from its checkpoint with its ASHA clock
-    (evaluations) continuing, and the summary counts 1 finished, 1 errored, exit 1, parent FAILED."""
+    (evaluations) continuing, and the summary counts 1 finished, 1 errored, exit 1, parent FAILED; a second
+    resume says the same and trains nothing."""
     # No retries: the NaN trial would fail again on each (run.max_failures 2 x tune.max_failures 1 by default).
     spec = write_spec(tmp_path, "sweep-kill", server.uri, optim={"lr": {"grid": [1e4, 3e-3]}, "warmup_steps": 3,
                                                                   "grad_clip": None},
