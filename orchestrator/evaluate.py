@@ -35,7 +35,7 @@ from orchestrator.layout import (
     write_json,
 )
 from orchestrator.preflight import LaunchError
-from orchestrator.ray_env import use_train_v2
+from orchestrator.ray_env import stored_result
 from orchestrator.spec import ExperimentSpec
 from orchestrator.tracking.write import open_tracker
 
@@ -147,12 +147,9 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
     """`orchestrator evaluate`: score a finished run (or every trial of a sweep) again, in this process, and
     send the scores to its MLflow run (each (metric, step) once, however often this runs). One dict per run:
     label, checkpoint, which, metrics."""
-    use_train_v2()  # Result.from_path reads V2 storage
-    from ray.train import Result
-
     out = []
     for label, run_path in _stored_runs(storage, name):
-        result = Result.from_path(run_path)
+        result = stored_result(run_path)
         if result.checkpoint is None:
             print(f"[{label}] no checkpoint yet: skipped")
             continue

@@ -55,6 +55,26 @@ def use_train_v2() -> None:
         del os.environ[TRAIN_V2]
 
 
+def stored_result(run_folder: str) -> Any:
+    """The ray.train.Result of a stored Train run (checkpoints, metrics), read without Ray running. Ray's
+    checkpoint manager logs, at INFO, that it found the run's snapshot and advises deleting the folder to start
+    anew: advice for a new run that lands there by mistake, not for a launcher reading its own run, so it is
+    shown with --verbose only."""
+    use_train_v2()  # Result.from_path reads V2 storage
+    import logging
+
+    from ray.train import Result
+
+    checkpoint_log = logging.getLogger("ray.train.v2._internal.execution.checkpoint.checkpoint_manager")
+    before = checkpoint_log.level
+    if not verbose():
+        checkpoint_log.setLevel(logging.WARNING)
+    try:
+        return Result.from_path(run_folder)
+    finally:
+        checkpoint_log.setLevel(before)
+
+
 def local_ray_environment() -> dict[str, str]:
     """Every process of a local Ray: Train V2; trial drivers in the launcher's working directory (relative data
     paths keep working); this checkout importable even when not pip-installed; the launcher's verbosity; Ray's

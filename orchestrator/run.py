@@ -31,7 +31,7 @@ from orchestrator.preflight import (
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.pretrained import preflight as check_init_from
 from orchestrator.progress import failure_reason, next_step, verbose
-from orchestrator.ray_env import start_local_ray, train_worker_env, use_train_v2
+from orchestrator.ray_env import start_local_ray, stored_result, train_worker_env, use_train_v2
 from orchestrator.spec import ExperimentSpec, SpecError, check_gpus, spec_to_yaml
 from orchestrator.tracking.describe import (
     RUN_KEY_TAG,
@@ -339,9 +339,6 @@ def _extends(meta: Mapping[str, Any], spec: ExperimentSpec) -> bool:
 
 def _close_finished(spec: ExperimentSpec, tracker: MlflowTracker, handle: RunHandle) -> RunOutcome:
     """`resume` of a run that had finished training: send what its spool still holds and end its MLflow run."""
-    use_train_v2()  # Result.from_path reads V2 storage
-    from ray.train import Result
-
     folder = RunLayout(spec.run.storage_path, spec.name).folder
     if handle.run_id is not None and not (deliver_outputs(tracker, handle.run_id, folder)
                                           and tracker.end_run(handle.run_id, "FINISHED")):
@@ -349,6 +346,6 @@ def _close_finished(spec: ExperimentSpec, tracker: MlflowTracker, handle: RunHan
                           f"metrics ({tracker.spool}) or its outputs ({folder}); try again when the server is up")
     print(f"[{spec.name}] had finished training; its spooled metrics and outputs are sent and its MLflow run is "
           "ended")
-    result = Result.from_path(RunLayout(spec.run.storage_path, spec.name).folder)
+    result = stored_result(RunLayout(spec.run.storage_path, spec.name).folder)
     return RunOutcome(name=spec.name, path=result.path, metrics=dict(result.metrics or {}),
                       checkpoint=result.checkpoint.path if result.checkpoint else None, mlflow_run_id=handle.run_id)
