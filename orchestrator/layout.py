@@ -9,7 +9,10 @@ way. Under `<storage>/<name>`:
     mlflow-spool.jsonl         metric points the tracking server has not taken yet; local storage only
     diverged.txt               once the run's loss became NaN or infinite: the reason, one line
     finished.json              once a sweep's trial finished (trained, scored, MLflow run ended): its last report
-    evaluation/                outputs of the final evaluation (and of `orchestrator evaluate`)
+    evaluation/                outputs of the final evaluation (and of `orchestrator evaluate`): files, and
+                               `<split>.metrics.json` with the scores
+    task/                      the task's files at the end of training (tokenizer, last evaluation's outputs)
+    mlflow-delivered.json      which of those outputs the run's MLflow run already holds (orchestrator/deliver.py)
     pretrain/                  a two-stage run's pretraining stage (a Train run folder of its own)
     trials/train-<id>/         a sweep's Train run of each trial
     trials/pretrain-<id>/      a two-stage trial's pretraining stage
@@ -47,10 +50,17 @@ TRIAL_PRETRAIN_PREFIX = "pretrain-"
 SPOOL_FILE = "mlflow-spool.jsonl"
 """In a run's storage folder: metric points not yet accepted by the tracking server, one JSON object a line."""
 DIVERGED_FILE = "diverged.txt"
-FINISHED_FILE = "finished.json"
 """In a Train run's folder once its loss became NaN or infinite (run.stop_on_nan): the reason, one line."""
+FINISHED_FILE = "finished.json"
+"""In a sweep trial's Train run folder once it finished (mark_finished)."""
 EVALUATION_DIR = "evaluation"
 """Sub-folder of a run's storage folder with the outputs of its final evaluation."""
+EVALUATION_RECORD_SUFFIX = ".metrics.json"
+"""`<split>.metrics.json` in an evaluation folder: the scores, written after the files they describe."""
+TASK_FILES_DIR = "task"
+"""Sub-folder of a Train run's folder with the task's files (task.artifacts()) at the end of training."""
+DELIVERED_FILE = "mlflow-delivered.json"
+"""In a Train run's folder: which outputs (evaluation/, task/) its MLflow run holds."""
 REPORT_DIR = "report"
 """Sub-folder of a sweep's folder with its summary report's files (local storage only)."""
 CACHE_DIR = ".cache"
@@ -92,6 +102,42 @@ def subfolders(location: str) -> list[str]:
     fs, path = storage_fs(location)
     return [info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
             if info.type == pyarrow.fs.FileType.Directory]
+
+
+def files_under(location: str) -> list[tuple[str, int, int]]:
+    """(path relative to `location`, size, mtime in ns) of every file below it, at any depth ([] without it)."""
+    fs, path = storage_fs(location)
+    selector = pyarrow.fs.FileSelector(path, allow_not_found=True, recursive=True)
+    return sorted((info.path[len(path):].lstrip("/"), info.size or 0, info.mtime_ns or 0)
+                  for info in fs.get_file_info(selector) if info.type == pyarrow.fs.FileType.File)
+
+
+def read_json(location: str) -> Any:
+    """The JSON document at `location`, or None when there is none (or only a cut-short one)."""
+    fs, path = storage_fs(location)
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(path) as f:
+        try:
+            return json.loads(f.read().decode())
+        except ValueError:
+            return None
+
+
+def write_json(location: str, document: Any) -> None:
+    """Write a JSON document whole: locally through a temporary file and a rename (a kill leaves the old
+    document or the new one); an object store's single upload is all-or-nothing by itself."""
+    data = json.dumps(document, indent=2).encode()
+    if not is_remote(location):
+        target = Path(location)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+        return
+    fs, path = storage_fs(location)
+    with fs.open_output_stream(path) as f:
+        f.write(data)
 
 
 def cache_dir_of(storage_path: str) -> str:
@@ -157,26 +203,22 @@ def diverged(run_folder: str) -> str | None:
 
 
 def mark_finished(run_folder: str, metrics: Mapping[str, Any]) -> None:
-    """Record that the Train run at `run_folder` (a sweep's trial) finished: trained, scored and its MLflow run
-    ended, with its last report. A resumed sweep counts it finished from this, not from Tune's last result
-    (a launcher killed right after the trial ended never saved that), and does not run it again."""
-    fs, path = storage_fs(join(run_folder, FINISHED_FILE))
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    """Record that the Train run at `run_folder` (a sweep's trial) finished: trained and scored, with its last
+    report. A resumed sweep counts it finished from this, not from Tune's last result (a launcher killed right
+    after the trial ended never saved that), and does not run it again."""
     scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
-    with fs.open_output_stream(path) as f:
-        f.write(json.dumps({"metrics": scalars}).encode())
+    write_json(join(run_folder, FINISHED_FILE), {"metrics": scalars})
 
 
 def finished(run_folder: str) -> dict[str, Any] | None:
     """The last report of the finished Train run at `run_folder` (mark_finished), or None."""
-    fs, path = storage_fs(join(run_folder, FINISHED_FILE))
-    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
-        return None
-    with fs.open_input_stream(path) as f:
-        try:
-            return json.loads(f.read().decode())["metrics"]
-        except (ValueError, KeyError):
-            return None  # cut short: the trial runs again, as if unmarked
+    record = read_json(join(run_folder, FINISHED_FILE))
+    return record.get("metrics") if isinstance(record, dict) else None
+
+
+def evaluation_record(folder: str, split: str) -> str:
+    """The scores of `split` in an evaluation folder (written by orchestrator/evaluate.py)."""
+    return join(folder, f"{split}{EVALUATION_RECORD_SUFFIX}")
 
 
 def trained_to(run_folder: str, max_steps: int) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from orchestrator.cluster_resources import HEAD_RESOURCE, ClusterView
+from orchestrator.deliver import deliver_outputs
 from orchestrator.layout import RunLayout, finished, is_remote, mark_finished
 from orchestrator.preflight import check_data_files, check_labelled_data, check_tracking, name_lock
 from orchestrator.pretrained import preflight as check_init_from
@@ -329,17 +330,26 @@ def _send_trial_spools(spec: ExperimentSpec, layout: RunLayout) -> None:
 
 
 def _close_children(tracker: MlflowTracker, spec: ExperimentSpec, trials: list[dict[str, Any]]) -> None:
-    """Trials ASHA stopped were killed mid-run: mark their still-RUNNING child runs KILLED."""
+    """Child runs left RUNNING: a finished trial's gets the outputs it still owes (an outage at its end) and ends
+    FINISHED once they are in; one ASHA stopped mid-run ends KILLED; an errored one FAILED, with its reason."""
     experiment_id = tracker.experiment_id(spec.tracking.experiment)
     if experiment_id is None:
         return
+    layout = RunLayout(spec.run.storage_path, spec.name)
     for trial in trials:
-        run_id = tracker.find_run(experiment_id, TRIAL_TAG, str(trial["trial_id"]))
+        trial_id = str(trial["trial_id"])
+        run_id = tracker.find_run(experiment_id, TRIAL_TAG, trial_id)
         if run_id is None:
             continue
         trial["mlflow_run_id"] = run_id
-        if tracker.run_status(run_id) == "RUNNING":
-            if trial["error"]:
-                tracker.set_tags(run_id, failure_tags(trial["error"]))
-            tracker.end_run(run_id, "FAILED" if trial["error"] else "FINISHED" if trial["state"] == "done"
-                            and trial["metrics"].get("step") == spec.optim.max_steps else "KILLED")
+        if tracker.run_status(run_id) != "RUNNING":
+            continue
+        if trial["error"]:
+            tracker.set_tags(run_id, failure_tags(trial["error"]))
+            tracker.end_run(run_id, "FAILED")
+        elif trial["state"] == "done" and trial["metrics"].get("step") == spec.optim.max_steps:
+            trial_tracker = open_tracker(spec.tracking, layout.spool_of_trial(trial_id))
+            if deliver_outputs(trial_tracker, run_id, layout.trial_folder(trial_id)):
+                trial_tracker.end_run(run_id, "FINISHED")
+        else:
+            tracker.end_run(run_id, "KILLED")

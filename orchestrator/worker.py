@@ -27,6 +27,7 @@ from torch import nn
 
 from models.config import AdaptiveInputConfig
 from orchestrator.checkpoint import TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.deliver import store_task_files
 from orchestrator.layout import (
     checkpoint_name,
     checkpoint_step,
@@ -173,12 +174,11 @@ class RayHooks:
             raise InjectedFailure(f"injected failure after step {step} (the fail_at_step hook of "
                                   "run.run_training and sweep.run_sweep)")
 
-    def log_artifacts(self, files: Mapping[str, Path]) -> None:
-        if self.tracker is None or self.run_id is None:
-            return
-        for name, path in files.items():
-            if Path(path).exists():
-                self.tracker.log_artifact(self.run_id, Path(path), artifact_path=f"task/{name}")
+    def store_task_files(self, files: Mapping[str, Path]) -> None:
+        """Rank 0: the task's files into the run's storage, which the launcher sends to MLflow when the run ends
+        (orchestrator/deliver.py: an outage then does not lose them)."""
+        if self.rank == 0:
+            store_task_files(self.cfg.run_path, files)
 
     def close(self, status: str) -> None:
         self.logger.close(status)
@@ -272,7 +272,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             raise
         hooks.wait_for_uploads()  # the last checkpoint is in storage before the run is called finished
         status = "FINISHED"
-        hooks.log_artifacts(trainer.task.artifacts())
+        hooks.store_task_files(trainer.task.artifacts())
     finally:
         if stop_system_metrics is not None:
             stop_system_metrics()
