@@ -177,7 +177,9 @@ def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experim
     print(f"{_sweep_line(outcome)}\n({outcome.path})")
     _print_trials(outcome, metric)
     if outcome.best:
-        print(f"best: {metric}={outcome.best['metrics'].get(metric)} with {outcome.best['config']}")
+        value = outcome.best['metrics'].get(metric)
+        shown = f"{value:.4g}" if isinstance(value, float) else value  # the digits a comparison can use
+        print(f"best: {metric}={shown} with {outcome.best['config']}")
     print(_where_to_look(tracking_uri, experiment, outcome.parent_run_id, spec_path))
 
 
