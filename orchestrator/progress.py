@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.layout import RunLayout
+from orchestrator.layout import RunLayout, diverged
 
 VERBOSE_ENV = "ORCHESTRATOR_VERBOSE"
 """Set to 1 in the launcher and in every Train worker's environment by `--verbose`; `tracking.ConsoleLogger`
@@ -53,7 +53,11 @@ def failure_reason(err: BaseException) -> str:
 
 
 def next_step(layout: RunLayout) -> str:
-    """What to do after a failure: resume only when there is a checkpoint to resume from."""
+    """What to do after a failure: resume only when there is a checkpoint to resume from and resuming can end
+    otherwise (a run that diverged diverges again from its checkpoints)."""
+    if diverged(layout.folder) is not None and layout.has_checkpoint():
+        return ("a resume would diverge again from its checkpoints: change the spec as the error says and start it "
+                "under another name (name=...)")
     if layout.has_checkpoint():
         return (f"continue it from its last checkpoint with `orchestrator resume {layout.name} "
                 f"--storage-path {layout.storage}`")

@@ -19,7 +19,16 @@ import ray
 from orchestrator.cluster_resources import ClusterView, view_cluster
 from orchestrator.deliver import deliver_outputs
 from orchestrator.evaluate import final_evaluation
-from orchestrator.layout import META_FILE, PRETRAIN_DIR, RunLayout, diverged, join, spool_of, trained_to
+from orchestrator.layout import (
+    META_FILE,
+    PRETRAIN_DIR,
+    RunLayout,
+    diverged,
+    join,
+    record_error,
+    spool_of,
+    trained_to,
+)
 from orchestrator.preflight import (
     LaunchError,
     check_data_files,
@@ -227,9 +236,14 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
                 failure = f"NonFiniteLoss: {reason}"
                 raise LaunchError(f"{label} failed: {failure}{hint}")
             result = trainer.fit()
+            if (reason := diverged(run_folder)) is not None:  # its retry ended at once (worker.py)
+                failure = f"NonFiniteLoss: {reason}"
+                raise LaunchError(f"{label} failed: {failure}{hint}")
         except TrainingFailedError as err:  # NaN, an exception, or Ray Train past run.max_failures (a lost node)
             failure = failure_reason(err)
-            raise LaunchError(f"{label} failed: {failure}{hint}") from None
+            where = record_error(run_folder, str(err))
+            raise LaunchError(f"{label} failed: {failure}{hint}" + (f"\n(the whole error: {where})" if where else "")) \
+                from None
         step = (result.metrics or {}).get("step")
         if step != spec.optim.max_steps:  # Ray Train's Ctrl-C handler aborts the run and fit() returns
             status = "KILLED"

@@ -171,13 +171,15 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, se
 def test_failed_first_start_leaves_the_name_free_and_its_run_failed(tmp_path, server):
     """A run that dies before its first checkpoint (NaN at once): the message does not advise `resume`,
     its MLflow run is FAILED, `resume` is refused, and `train` with the same name starts a new run."""
-    # Ray Train's default retries (run.max_failures 2) stop at once: the run folder says it diverged.
+    # Ray Train's default retries (run.max_failures 2): the first ends at once (the run folder says it diverged),
+    # without an error, so there is no second.
     spec = write_spec(tmp_path, "first-start", server.uri, optim={"lr": 1e4, "grad_clip": None},
                       run={"checkpoint_every": 100, "eval_every": 100})
     proc = orchestrator(tmp_path, "train", str(spec))
     assert proc.wait(300) == 1
     assert re.search(r"loss is (nan|inf) at step \d+", proc.output) and "name is free" in proc.output, proc.output[-3000:]
-    assert "before this retry" in proc.output, proc.output[-3000:]
+    # One line, no traceback (the whole error is in the run folder), no resume advice.
+    assert "Traceback" not in proc.output and "Error in training function" not in proc.output, proc.output[-3000:]
     assert "orchestrator resume" not in proc.output
     [failed] = runs_of(server.uri, "first-start")
     assert failed.info.status == "FAILED"
@@ -287,6 +289,8 @@ def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, se
     assert nan_reason in children["10000.0"].data.tags["mlflow.note.content"]
     assert_one_point_per_step(server.uri, children["0.003"].info.run_id)
     assert "loss is nan at step" in resumed.output or "loss is inf at step" in resumed.output
+    assert "Traceback" not in resumed.output, resumed.output[-3000:]
+    assert "orchestrator resume" not in resumed.output, resumed.output[-3000:]  # it would diverge again
     assert "1 errored trial(s) diverged (NaN or inf loss)" in resumed.output and "lower optim.lr" in resumed.output
 
 
