@@ -229,6 +229,20 @@ def test_tracking_outage_ending_after_the_run_loses_no_point(tmp_path, server):
     assert not (tmp_path / "runs" / "outage" / "mlflow-spool.jsonl").exists()
 
 
+def test_two_launchers_side_by_side_finish_with_clean_consoles(tmp_path, server):
+    """Two `orchestrator train` started at once on one machine, each with its own local Ray: both finish, and
+    neither console shows a traceback (Ray Train's PlacementGroupCleaner, asking the state API without an
+    address, died on "Found multiple active Ray instances" before each local Ray's processes knew their own)."""
+    specs = [write_spec(tmp_path, name, server.uri, optim={"max_steps": 8}) for name in ("left", "right")]
+    procs = [orchestrator(tmp_path, "train", str(spec)) for spec in specs]
+    for proc in procs:
+        assert proc.wait(420) == 0, proc.output[-4000:]
+    for proc in procs:
+        assert "Traceback" not in proc.output and "multiple active Ray instances" not in proc.output, \
+            proc.output[-4000:]
+    assert {r.info.status for name in ("left", "right") for r in runs_of(server.uri, name)} == {"FINISHED"}
+
+
 def test_wrong_tracking_uri_is_refused_before_ray_starts(tmp_path):
     """Nothing listens at tracking.uri: refused before Ray starts, naming the field and both fixes; no Ray run."""
     spec = write_spec(tmp_path, "wrong-uri", f"http://127.0.0.1:{free_port()}")
@@ -236,6 +250,7 @@ def test_wrong_tracking_uri_is_refused_before_ray_starts(tmp_path):
     assert proc.wait(120) == 1
     assert "tracking.uri=" in proc.output and "tracking.offline_ok=true" in proc.output, proc.output[-2000:]
     assert "Started a local Ray instance" not in proc.output
+    assert "training continues" not in proc.output, proc.output[-2000:]  # it does not: it is refused
     assert not (tmp_path / "runs" / "wrong-uri" / "orchestrator.json").exists()
 
 
