@@ -20,7 +20,7 @@ from orchestrator.deliver import deliver_outputs
 from orchestrator.layout import RunLayout, finished, is_remote, mark_finished
 from orchestrator.preflight import check_data_files, check_labelled_data, check_tracking, name_lock
 from orchestrator.pretrained import preflight as check_init_from
-from orchestrator.progress import SweepProgress, describe_config, failure_reason, set_verbose, verbose
+from orchestrator.progress import SweepProgress, describe_config, failure_reason, set_verbose, trial_label, verbose
 from orchestrator.run import (
     build_trainer,
     check_cluster,
@@ -100,14 +100,15 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     train_spec, init_checkpoint = stage_to_train(spec, storage_path=layout.trials_folder,
                                                  run_name=layout.trial_pretrain_name(trial_id),
                                                  mlflow_name=f"{run_name}-pretrain", commit=commit,
-                                                 parent_run_id=parent_run_id, label=f"{spec.name} {trial_id}")
+                                                 parent_run_id=parent_run_id, label=f"{spec.name} {trial_id}",
+                                                 console=trial_label(trial_id, config))
     worker = WorkerConfig(spec=train_spec.model_dump(mode="json"), run=handle, label=f"{spec.name} {trial_id}",
                           cache_dir=layout.cache_dir, run_path=run_path, spool=layout.spool_of_trial(trial_id),
                           fail_at_step=fail_at_step, init_checkpoint=init_checkpoint)
     trainer = build_trainer(spec, run_name=layout.trial_run_name(trial_id), storage_path=layout.trials_folder,
                             worker=worker, callbacks=[TuneReportCallback()])
     result, _, final = fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir, label=f"trial {trial_id}",
-                                      advice=None)
+                                      advice=None, console=trial_label(trial_id, config))
     mark_finished(run_path, {**dict(result.metrics or {}), **final})
 
 
