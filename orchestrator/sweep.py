@@ -252,6 +252,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
             trainable = _trainable(study, parent_run_id, commit, fail_at_step)
             from orchestrator.ray_console import quiet_tune
 
+            tune_verbosity = quiet_tune()  # a restored Tuner too: its logger and reporter would print tracebacks
             if resume and tune.Tuner.can_restore(layout.folder):
                 # resume_errored, not restart_errored: a restarted trial is reset to a new trial id, which would
                 # start a new Train run from scratch under a new child MLflow run.
@@ -263,7 +264,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
                     tune_config=_tune_config(study, cluster),
                     run_config=tune.RunConfig(name=spec.name, storage_path=layout.storage,
                                               failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
-                                              verbose=quiet_tune(), callbacks=[_console(study)]),
+                                              verbose=tune_verbosity, callbacks=[_console(study)]),
                 )
             grid = tuner.fit()
             outcome = _sweep_outcome(study, grid, tracker, parent_run_id)
