@@ -34,6 +34,23 @@ def set_verbose(on: bool) -> None:
     os.environ[VERBOSE_ENV] = "1" if on else "0"
 
 
+def quiet_exit_in_finalizers() -> None:
+    """Ray ends a worker with SIGTERM, which its handler turns into SystemExit wherever the process happens to be:
+    inside a finalizer or weakref callback, Python prints "Exception ignored in ... SystemExit: 1" with a
+    traceback, which Ray then forwards to the launcher's terminal. The process is ending as asked, so that
+    SystemExit is dropped here (in our Ray processes: trial drivers, Train workers); every other unraisable
+    exception is printed as Python would, and --verbose prints all."""
+    if verbose():
+        return
+    default = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, SystemExit):
+            default(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def emit(line: str) -> None:
     """One line on the launcher's terminal, flushed at once (runs last minutes; a pipe would hold it)."""
     sys.stdout.write(line + "\n")

@@ -20,7 +20,15 @@ from orchestrator.deliver import deliver_outputs
 from orchestrator.layout import RunLayout, finished, is_remote, mark_finished
 from orchestrator.preflight import check_data_files, check_labelled_data, check_tracking, name_lock
 from orchestrator.pretrained import preflight as check_init_from
-from orchestrator.progress import SweepProgress, describe_config, failure_reason, set_verbose, trial_label, verbose
+from orchestrator.progress import (
+    SweepProgress,
+    describe_config,
+    failure_reason,
+    quiet_exit_in_finalizers,
+    set_verbose,
+    trial_label,
+    verbose,
+)
 from orchestrator.run import (
     build_trainer,
     check_cluster,
@@ -81,6 +89,7 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     from ray.tune.integration.ray_train import TuneReportCallback
 
     set_verbose(verbose_on)  # the launcher's --verbose, also on a cluster whose job env does not carry it
+    quiet_exit_in_finalizers()
     trial_id = tune.get_context().get_trial_id()
     spec = validate_spec(resolve(study_raw, config), where=f"trial {trial_id}")
     # What the trial tries, then its id: the MLflow runs page lists children by name.

@@ -38,7 +38,7 @@ from orchestrator.layout import (
     storage_fs,
 )
 from orchestrator.pretrained import load as load_pretrained
-from orchestrator.progress import verbose
+from orchestrator.progress import quiet_exit_in_finalizers, verbose
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.tracking.describe import RunHandle, device_tags
 from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger
@@ -217,6 +217,7 @@ def quiet_train_reports() -> None:
     (ray_env.py), and the loop runs on a joined cluster too. Here, not in ray_console.py, which imports Tune."""
     if verbose():
         return
+    quiet_exit_in_finalizers()
     import importlib.util
 
     spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")

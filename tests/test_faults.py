@@ -304,7 +304,7 @@ def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, se
     assert nan_reason in children["10000.0"].data.tags["mlflow.note.content"]
     assert_one_point_per_step(server.uri, children["0.003"].info.run_id)
     assert "loss is nan at step" in resumed.output or "loss is inf at step" in resumed.output
-    assert "Traceback" not in resumed.output, resumed.output[-3000:]
+    assert "Traceback" not in resumed.output and "Exception ignored" not in resumed.output, resumed.output[-3000:]
     assert "orchestrator resume" not in resumed.output, resumed.output[-3000:]  # it would diverge again
     assert "1 errored trial(s) diverged (NaN or inf loss)" in resumed.output and "lower optim.lr" in resumed.output
 
