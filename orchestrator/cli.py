@@ -148,14 +148,15 @@ def _sweep_line(outcome: Any) -> str:
     counts = {state: sum(t["state"] == state for t in outcome.trials) for state in ("done", "error", "unfinished")}
     line = (f"sweep {outcome.name}: {len(outcome.trials)} trials: {counts['done']} finished, "
             f"{counts['error']} errored, {counts['unfinished']} unfinished")
-    if outcome.interrupted or outcome.errors:
+    diverged = [t for t in outcome.trials
+                if t["state"] == "error" and re.search(r"loss is -?(nan|inf)\b", t["error"] or "")]
+    # Resume advice only where a resume can succeed: not for trials that diverged (they would again).
+    if outcome.interrupted or outcome.errors > len(diverged):
         storage = parent(outcome.path)
         what = "interrupted before every trial ended" if outcome.interrupted else "some trials errored"
         line += (f"\n{what}; continue the unfinished and errored trials from their checkpoints with "
                  f"`orchestrator resume {outcome.name} --storage-path {storage}`" if outcome.resumable else
                  f"\n{what}; no trial wrote a checkpoint, so the name is free: fix the cause and start it again")
-    diverged = [t for t in outcome.trials
-                if t["state"] == "error" and re.search(r"loss is -?(nan|inf)\b", t["error"] or "")]
     if diverged:
         line += (f"\n{len(diverged)} errored trial(s) diverged (NaN or inf loss), and a resume diverges again from "
                  "the same checkpoint: change the spec (lower optim.lr, tighten optim.grad_clip, or set "
@@ -177,7 +178,9 @@ def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experim
     print(f"{_sweep_line(outcome)}\n({outcome.path})")
     _print_trials(outcome, metric)
     if outcome.best:
-        print(f"best: {metric}={outcome.best['metrics'].get(metric)} with {outcome.best['config']}")
+        value = outcome.best['metrics'].get(metric)
+        shown = f"{value:.4g}" if isinstance(value, float) else value  # the digits a comparison can use
+        print(f"best: {metric}={shown} with {outcome.best['config']}")
     print(_where_to_look(tracking_uri, experiment, outcome.parent_run_id, spec_path))
 
 

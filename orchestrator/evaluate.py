@@ -102,23 +102,27 @@ def score_and_store(spec: ExperimentSpec, chosen: ChosenCheckpoint, split: str, 
     return dict(evaluation.metrics)
 
 
-def final_evaluation(spec: ExperimentSpec, result: Any, run_folder: str, *, cache_dir: str) -> dict[str, float]:
+def final_evaluation(spec: ExperimentSpec, result: Any, run_folder: str, *, cache_dir: str,
+                     console: str | None = None) -> dict[str, float]:
     """The end of a run: the best checkpoint on the test split, exported, written to `<run_folder>/evaluation/`
     (the launcher sends it to MLflow: orchestrator/deliver.py); {} when switched off or when the data has no
-    test split. Runs as a Ray task with one training worker's resources."""
+    test split. Runs as a Ray task with one training worker's resources. Its console lines are labelled
+    `console` (the trial's label in a sweep; the spec's name by default)."""
     import ray
+
+    console = console or spec.name
 
     if not spec.run.final_eval:
         return {}
     if split_task_config(spec.task, "test") is None:
-        print(f"[{spec.name}] no test split in task.files: final evaluation skipped")
+        print(f"[{console}] no test split in task.files: final evaluation skipped")
         return {}
     chosen = choose_checkpoint(result, spec, "best", "test")
     if chosen is None:
         return {}
     if chosen.note:
-        print(f"[{spec.name}] {chosen.note}")
-    print(f"[{spec.name}] final evaluation: {chosen.which} checkpoint {Path(chosen.path).name} on the test split")
+        print(f"[{console}] {chosen.note}")
+    print(f"[{console}] final evaluation: {chosen.which} checkpoint {Path(chosen.path).name} on the test split")
     resources: dict[str, float] = {"num_cpus": spec.run.cpus_per_worker}
     if spec.run.gpus_per_worker:
         resources["num_gpus"] = min(1.0, spec.run.gpus_per_worker)
@@ -126,7 +130,7 @@ def final_evaluation(spec: ExperimentSpec, result: Any, run_folder: str, *, cach
     task = ray.remote(**resources)(score_and_store).options(scheduling_strategy="DEFAULT")
     metrics = ray.get(task.remote(spec, chosen, "test", cache_dir=cache_dir,
                                   destination=join(run_folder, EVALUATION_DIR), export=True))
-    print(f"[{spec.name}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+    print(f"[{console}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     return metrics
 
 

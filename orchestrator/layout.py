@@ -8,6 +8,7 @@ way. Under `<storage>/<name>`:
     checkpoint_<step>/         a run's checkpoints (nine digits: a storage listing reads as a training history)
     mlflow-spool.jsonl         metric points the tracking server has not taken yet; local storage only
     diverged.txt               once the run's loss became NaN or infinite: the reason, one line
+    error.txt                  once the run failed: the whole error, tracebacks included
     finished.json              once a sweep's trial finished (trained, scored, MLflow run ended): its last report
     evaluation/                outputs of the final evaluation (and of `orchestrator evaluate`): files, and
                                `<split>.metrics.json` with the scores
@@ -51,6 +52,8 @@ SPOOL_FILE = "mlflow-spool.jsonl"
 """In a run's storage folder: metric points not yet accepted by the tracking server, one JSON object a line."""
 DIVERGED_FILE = "diverged.txt"
 """In a Train run's folder once its loss became NaN or infinite (run.stop_on_nan): the reason, one line."""
+ERROR_FILE = "error.txt"
+"""In a Train run's folder once it failed: the whole error, tracebacks included (the console shows one line)."""
 FINISHED_FILE = "finished.json"
 """In a sweep trial's Train run folder once it finished (mark_finished)."""
 EVALUATION_DIR = "evaluation"
@@ -200,6 +203,20 @@ def diverged(run_folder: str) -> str | None:
         return None
     with fs.open_input_stream(path) as f:
         return f.read().decode().strip() or "the loss became NaN or infinite"
+
+
+def record_error(run_folder: str, text: str) -> str | None:
+    """Keep a failed run's whole error (the console prints its one-line reason) in the run's folder; where it is,
+    or None when it could not be written (a missing folder on remote storage is no reason to hide the error)."""
+    location = join(run_folder, ERROR_FILE)
+    try:
+        fs, path = storage_fs(location)
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as f:
+            f.write(text.encode())
+    except OSError:
+        return None
+    return location
 
 
 def mark_finished(run_folder: str, metrics: Mapping[str, Any]) -> None:

@@ -96,8 +96,9 @@ def check_tracking(spec: ExperimentSpec, tracker: "MlflowTracker") -> None:
             "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for the launcher and, "
             "on a cluster, in the job's runtime_env"
         )
+    why = f"{type(tracker.last_error).__name__}: {str(tracker.last_error)[:200]}" if tracker.last_error else "no answer"
     raise LaunchError(
-        f"tracking.uri={spec.tracking.uri!r} cannot be reached (see the warning above); start the MLflow "
+        f"tracking.uri={spec.tracking.uri!r} cannot be reached ({why}); start the MLflow "
         "server or fix the URI (e.g. tracking.uri=sqlite:///mlflow.db), or set tracking.offline_ok=true to "
         "train anyway: metrics then wait in the run folder's spool and are sent when the server answers"
     )

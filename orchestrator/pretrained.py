@@ -37,7 +37,9 @@ from orchestrator.tracking.describe import CHECKPOINTS_TAG
 from orchestrator.tracking.read import TrackingReader
 
 LINEAGE_TAGS = ("init_from.run_id", "init_from.checkpoint", "init_from.step")
-"""Tags of a fine-tuning run naming what it started from (the pretraining MLflow run, checkpoint and step)."""
+"""Tags of a fine-tuning run naming what it started from: the pretraining MLflow run, its checkpoint's folder name
+(`checkpoint_000000024`: where that run stored it is its own `orchestrator.checkpoints` tag, so no machine's path
+is copied here) and step."""
 # Model fields that may differ between pretraining and fine-tuning: no parameter depends on them.
 _FREE_MODEL_FIELDS = ("dropout", "init_from", "freeze")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -203,7 +205,8 @@ class LoadedPretraining:
 
     def lineage_tags(self) -> dict[str, str]:
         """What the fine-tuning run records of its origin (LINEAGE_TAGS)."""
-        return dict(zip(LINEAGE_TAGS, (str(self.state.mlflow_run_id), self.location, str(self.state.step))))
+        checkpoint = self.location.rstrip("/").rsplit("/", 1)[-1]
+        return dict(zip(LINEAGE_TAGS, (str(self.state.mlflow_run_id), checkpoint, str(self.state.step))))
 
     def initializer(self, freeze: str) -> Callable[[nn.Module], None]:
         """For Trainer.create: the pretrained encoder into a fresh classifier, then the frozen part fixed."""

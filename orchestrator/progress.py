@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.layout import RunLayout
+from orchestrator.layout import RunLayout, diverged
 
 VERBOSE_ENV = "ORCHESTRATOR_VERBOSE"
 """Set to 1 in the launcher and in every Train worker's environment by `--verbose`; `tracking.ConsoleLogger`
@@ -32,6 +32,23 @@ def verbose() -> bool:
 def set_verbose(on: bool) -> None:
     """Before Ray starts: the launcher's choice, read again by `verbose()` here and in workers."""
     os.environ[VERBOSE_ENV] = "1" if on else "0"
+
+
+def quiet_exit_in_finalizers() -> None:
+    """Ray ends a worker with SIGTERM, which its handler turns into SystemExit wherever the process happens to be:
+    inside a finalizer or weakref callback, Python prints "Exception ignored in ... SystemExit: 1" with a
+    traceback, which Ray then forwards to the launcher's terminal. The process is ending as asked, so that
+    SystemExit is dropped here (in our Ray processes: trial drivers, Train workers); every other unraisable
+    exception is printed as Python would, and --verbose prints all."""
+    if verbose():
+        return
+    default = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, SystemExit):
+            default(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def emit(line: str) -> None:
@@ -53,7 +70,11 @@ def failure_reason(err: BaseException) -> str:
 
 
 def next_step(layout: RunLayout) -> str:
-    """What to do after a failure: resume only when there is a checkpoint to resume from."""
+    """What to do after a failure: resume only when there is a checkpoint to resume from and resuming can end
+    otherwise (a run that diverged diverges again from its checkpoints)."""
+    if diverged(layout.folder) is not None and layout.has_checkpoint():
+        return ("a resume would diverge again from its checkpoints: change the spec as the error says and start it "
+                "under another name (name=...)")
     if layout.has_checkpoint():
         return (f"continue it from its last checkpoint with `orchestrator resume {layout.name} "
                 f"--storage-path {layout.storage}`")

@@ -7,7 +7,8 @@ Without --verbose:
 - Ray Train's `RunConfig(logging_config=LoggingConfig(log_level=ERROR))`: its `ray.train` logs in the
   controller and workers (worker group start, checkpoint uploads);
 - `worker.quiet_train_reports`, first thing in every Train worker's loop: the one Ray Train logger outside
-  `ray.train`, which logs the repr of every TrainingReport at INFO;
+  `ray.train`, which logs the repr of every TrainingReport at INFO, and the one that logs a failing training
+  function's traceback at ERROR (the launcher prints its one line; the whole error is in the run's error.txt);
 - Tune's `RunConfig(verbose=0)` with its legacy reporter (`RAY_AIR_NEW_OUTPUT=0`: the new one prints its
   experiment header at every verbosity), and its `ray.tune` logger off: a failed trial's traceback is in its
   error.txt and the launcher prints the one-line reason.

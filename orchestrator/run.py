@@ -19,7 +19,16 @@ import ray
 from orchestrator.cluster_resources import ClusterView, view_cluster
 from orchestrator.deliver import deliver_outputs
 from orchestrator.evaluate import final_evaluation
-from orchestrator.layout import META_FILE, PRETRAIN_DIR, RunLayout, diverged, join, spool_of, trained_to
+from orchestrator.layout import (
+    META_FILE,
+    PRETRAIN_DIR,
+    RunLayout,
+    diverged,
+    join,
+    record_error,
+    spool_of,
+    trained_to,
+)
 from orchestrator.preflight import (
     LaunchError,
     check_data_files,
@@ -174,7 +183,7 @@ def describe_run(spec: ExperimentSpec, *, run_name: str, role: str, commit: str,
 
 
 def _pretrain(spec: ExperimentSpec, *, storage_path: str, run_name: str, mlflow_name: str, commit: str,
-              parent_run_id: str | None, label: str) -> ExperimentSpec:
+              parent_run_id: str | None, label: str, console: str | None = None) -> ExperimentSpec:
     """Stage 1 of a two-stage spec (`pretrain:`): its own Train run in `storage_path/run_name` and its own MLflow
     run (role pretrain, next to the fine-tuning run); skipped when it already reached its last step (a resumed
     run or trial). Returns stage 2: the spec fine-tuning from that run's best checkpoint."""
@@ -190,25 +199,36 @@ def _pretrain(spec: ExperimentSpec, *, storage_path: str, run_name: str, mlflow_
     cache_dir = RunLayout(stage.run.storage_path, stage.name).cache_dir
     worker = WorkerConfig(spec=stage.model_dump(mode="json"), run=handle, label=f"{label} pretrain",
                           cache_dir=cache_dir, run_path=run_path, spool=spool_of(run_path))
-    trainer = build_trainer(stage, run_name=run_name, storage_path=storage_path, worker=worker)
-    fit_and_finish(stage, trainer, handle, tracker, cache_dir, label=f"{label} pretraining", advice=None)
+    from orchestrator.ray_console import RunReports  # deferred: imports ray.train
+
+    # Its report lines like any run's: a sweep's console shows the trials' fine-tuning reports (Tune's results),
+    # not this stage's, which Tune does not see.
+    reports = None if verbose() else RunReports(f"{console or label} pretrain", max_steps=stage.optim.max_steps,
+                                                 metric=stage.metric)
+    trainer = build_trainer(stage, run_name=run_name, storage_path=storage_path, worker=worker,
+                            callbacks=[reports.relay()] if reports else None)
+    with reports or contextlib.nullcontext():
+        fit_and_finish(stage, trainer, handle, tracker, cache_dir, label=f"{label} pretraining", advice=None,
+                       console=f"{console or label} pretrain")
     return spec.finetuning_spec(run_path)
 
 
 def stage_to_train(spec: ExperimentSpec, *, storage_path: str, run_name: str, mlflow_name: str, commit: str,
-                   parent_run_id: str | None, label: str) -> tuple[ExperimentSpec, str | None]:
+                   parent_run_id: str | None, label: str,
+                   console: str | None = None) -> tuple[ExperimentSpec, str | None]:
     """The spec a run's workers train and the checkpoint they start from: a two-stage spec runs its pretraining
     stage first and fine-tunes from it; a spec with model.init_from starts from that checkpoint (checked again
     here: it may have changed since the launcher's preflight); any other spec trains from scratch."""
     if spec.pretrain is not None:
         spec = _pretrain(spec, storage_path=storage_path, run_name=run_name, mlflow_name=mlflow_name,
-                         commit=commit, parent_run_id=parent_run_id, label=label)
+                         commit=commit, parent_run_id=parent_run_id, label=label, console=console)
     pretrained = check_init_from(spec)
     return spec, pretrained.location if pretrained is not None else None
 
 
 def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracker: MlflowTracker,
-                   cache_dir: str, *, label: str, advice: str | None) -> tuple[Any, str | None, dict[str, float]]:
+                   cache_dir: str, *, label: str, advice: str | None,
+                   console: str | None = None) -> tuple[Any, str | None, dict[str, float]]:
     """Fit, score the best checkpoint on the test split, and end the MLflow run on every exit path: FINISHED
     only when training reached optim.max_steps, KILLED on Ctrl-C, FAILED when anything raised. A failure is a
     LaunchError of one line, with `advice` (None: the caller says what to do). The run id is looked up again:
@@ -227,16 +247,21 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
                 failure = f"NonFiniteLoss: {reason}"
                 raise LaunchError(f"{label} failed: {failure}{hint}")
             result = trainer.fit()
+            if (reason := diverged(run_folder)) is not None:  # its retry ended at once (worker.py)
+                failure = f"NonFiniteLoss: {reason}"
+                raise LaunchError(f"{label} failed: {failure}{hint}")
         except TrainingFailedError as err:  # NaN, an exception, or Ray Train past run.max_failures (a lost node)
             failure = failure_reason(err)
-            raise LaunchError(f"{label} failed: {failure}{hint}") from None
+            where = record_error(run_folder, str(err))
+            raise LaunchError(f"{label} failed: {failure}{hint}" + (f"\n(the whole error: {where})" if where else "")) \
+                from None
         step = (result.metrics or {}).get("step")
         if step != spec.optim.max_steps:  # Ray Train's Ctrl-C handler aborts the run and fit() returns
             status = "KILLED"
             raise LaunchError(f"{label} was stopped at step {step} of {spec.optim.max_steps}{hint}")
         run_id = run_id or tracker.ensure_run(handle)
         try:
-            final = final_evaluation(spec, result, run_folder, cache_dir=cache_dir)
+            final = final_evaluation(spec, result, run_folder, cache_dir=cache_dir, console=console)
         except Exception as err:  # noqa: BLE001 - training is done and checkpointed: say how to score it later
             final = {}
             message = f"{type(err).__name__}: {str(err)[:500]}"

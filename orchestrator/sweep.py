@@ -20,7 +20,15 @@ from orchestrator.deliver import deliver_outputs
 from orchestrator.layout import RunLayout, finished, is_remote, mark_finished
 from orchestrator.preflight import check_data_files, check_labelled_data, check_tracking, name_lock
 from orchestrator.pretrained import preflight as check_init_from
-from orchestrator.progress import SweepProgress, describe_config, failure_reason, set_verbose, verbose
+from orchestrator.progress import (
+    SweepProgress,
+    describe_config,
+    failure_reason,
+    quiet_exit_in_finalizers,
+    set_verbose,
+    trial_label,
+    verbose,
+)
 from orchestrator.run import (
     build_trainer,
     check_cluster,
@@ -81,6 +89,7 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     from ray.tune.integration.ray_train import TuneReportCallback
 
     set_verbose(verbose_on)  # the launcher's --verbose, also on a cluster whose job env does not carry it
+    quiet_exit_in_finalizers()
     trial_id = tune.get_context().get_trial_id()
     spec = validate_spec(resolve(study_raw, config), where=f"trial {trial_id}")
     # What the trial tries, then its id: the MLflow runs page lists children by name.
@@ -100,14 +109,15 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     train_spec, init_checkpoint = stage_to_train(spec, storage_path=layout.trials_folder,
                                                  run_name=layout.trial_pretrain_name(trial_id),
                                                  mlflow_name=f"{run_name}-pretrain", commit=commit,
-                                                 parent_run_id=parent_run_id, label=f"{spec.name} {trial_id}")
+                                                 parent_run_id=parent_run_id, label=f"{spec.name} {trial_id}",
+                                                 console=trial_label(trial_id, config))
     worker = WorkerConfig(spec=train_spec.model_dump(mode="json"), run=handle, label=f"{spec.name} {trial_id}",
                           cache_dir=layout.cache_dir, run_path=run_path, spool=layout.spool_of_trial(trial_id),
                           fail_at_step=fail_at_step, init_checkpoint=init_checkpoint)
     trainer = build_trainer(spec, run_name=layout.trial_run_name(trial_id), storage_path=layout.trials_folder,
                             worker=worker, callbacks=[TuneReportCallback()])
     result, _, final = fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir, label=f"trial {trial_id}",
-                                      advice=None)
+                                      advice=None, console=trial_label(trial_id, config))
     mark_finished(run_path, {**dict(result.metrics or {}), **final})
 
 
@@ -251,6 +261,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
             trainable = _trainable(study, parent_run_id, commit, fail_at_step)
             from orchestrator.ray_console import quiet_tune
 
+            tune_verbosity = quiet_tune()  # a restored Tuner too: its logger and reporter would print tracebacks
             if resume and tune.Tuner.can_restore(layout.folder):
                 # resume_errored, not restart_errored: a restarted trial is reset to a new trial id, which would
                 # start a new Train run from scratch under a new child MLflow run.
@@ -262,7 +273,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
                     tune_config=_tune_config(study, cluster),
                     run_config=tune.RunConfig(name=spec.name, storage_path=layout.storage,
                                               failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
-                                              verbose=quiet_tune(), callbacks=[_console(study)]),
+                                              verbose=tune_verbosity, callbacks=[_console(study)]),
                 )
             grid = tuner.fit()
             outcome = _sweep_outcome(study, grid, tracker, parent_run_id)

@@ -38,7 +38,7 @@ from orchestrator.layout import (
     storage_fs,
 )
 from orchestrator.pretrained import load as load_pretrained
-from orchestrator.progress import verbose
+from orchestrator.progress import quiet_exit_in_finalizers, verbose
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.tracking.describe import RunHandle, device_tags
 from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger
@@ -217,11 +217,15 @@ def quiet_train_reports() -> None:
     (ray_env.py), and the loop runs on a joined cluster too. Here, not in ray_console.py, which imports Tune."""
     if verbose():
         return
+    quiet_exit_in_finalizers()
     import importlib.util
 
     spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
     if spec is not None and spec.origin:
         logging.getLogger(spec.origin).setLevel(logging.WARNING)
+    # Ray Train logs a failing training function's traceback here, at ERROR, in the worker's console: the launcher
+    # prints the error's one line and writes the whole of it to the run folder's error.txt instead.
+    logging.getLogger("ray.train.v2._internal.util").setLevel(logging.CRITICAL)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -229,8 +233,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     quiet_train_reports()
     cfg: WorkerConfig = config[WORKER_CONFIG]
     spec = ExperimentSpec.model_validate(cfg.spec)
-    if (reason := diverged(cfg.run_path)) is not None:  # a retry of a run that diverged: it would again
-        raise NonFiniteLoss(f"{reason} (before this retry; it diverges again from its checkpoints)")
+    if diverged(cfg.run_path) is not None:
+        # Ray Train's retry of a run that diverged (run.max_failures): it would diverge again from its checkpoints.
+        # Every rank ends at once, without an error (an error would be retried again); the launcher finds the
+        # run's record and fails it with the reason.
+        return
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     ctx = WorkerContext(rank=rank, world_size=world_size, seed=spec.optim.seed,

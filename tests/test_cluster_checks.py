@@ -83,3 +83,23 @@ def test_a_sweeps_trial_drivers_get_absolute_paths(tmp_path, monkeypatch):
     assert trial.task.files.train == str(tmp_path / "d" / "train.txt")
     assert trial.run.storage_path == str(tmp_path / "runs")
     assert trial.tracking.uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def test_an_unreachable_tracking_store_is_refused_with_its_reason_and_no_training_continues_warning(recwarn):
+    """The preflight's round trip fails quietly (its usual warning says "training continues", which is not what
+    happens next) and the refusal names the field, the reason and the fixes."""
+    import socket
+    import warnings
+
+    from orchestrator.preflight import LaunchError, check_tracking
+    from orchestrator.tracking.write import MlflowTracker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{s.getsockname()[1]}"
+    tracker = MlflowTracker(uri, retries=1, timeout_s=1)
+    warnings.simplefilter("always")
+    with pytest.raises(LaunchError, match=r"tracking\.uri='http://127\.0\.0\.1:\d+' cannot be reached \(MlflowException: "
+                                          r".*tracking\.offline_ok=true"):
+        check_tracking(spec(tracking={"uri": uri}), tracker)
+    assert not [w for w in recwarn if "training continues" in str(w.message)]

@@ -4,6 +4,8 @@ report compares the fine-tuned runs only; a single run fine-tunes from an MLflow
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
@@ -60,7 +62,9 @@ def test_two_stage_trial_pretrains_fine_tunes_and_links_the_runs(ray_cluster, tm
     assert finetune.data.tags["init_from.run_id"] == pretrain.info.run_id
     assert finetune.data.tags["init_from.step"] == "4"
     pretrain_folder = Path(pretrain.data.tags[CHECKPOINTS_TAG])
-    assert Path(finetune.data.tags["init_from.checkpoint"]).parent == pretrain_folder
+    # the checkpoint by its folder name (a path of this machine's would mean nothing on another)
+    started_from = pretrain_folder / finetune.data.tags["init_from.checkpoint"]
+    assert re.fullmatch(r"checkpoint_\d{9}", started_from.name) and (started_from / "state.pt").is_file()
     # a resumed trial skips a stage that checkpointed its last step, and only then
     assert trained_to(str(pretrain_folder), 4) and not trained_to(str(pretrain_folder), 5)
 
@@ -68,7 +72,7 @@ def test_two_stage_trial_pretrains_fine_tunes_and_links_the_runs(ray_cluster, tm
     finetune_folder = Path(finetune.data.tags[CHECKPOINTS_TAG])
     checkpoint = sorted(finetune_folder.glob("checkpoint_0*"))[-1]
     assert (checkpoint / "tokenizer.model").read_bytes() == \
-        (Path(finetune.data.tags["init_from.checkpoint"]) / "tokenizer.model").read_bytes()
+        (started_from / "tokenizer.model").read_bytes()
     predictions = (finetune_folder / "evaluation" / "test.pred").read_text().split()
     assert len(predictions) == EVAL_SENTENCES and set(predictions) <= {"0", "1", "2"}
 
@@ -88,7 +92,7 @@ def test_two_stage_trial_pretrains_fine_tunes_and_links_the_runs(ray_cluster, tm
                             "model": {**raw["model"], "init_from": pretrain.info.run_id, "freeze": "encoder"}})
     result = run_training(single)
     assert result.metrics["step"] == 4
-    start = read_checkpoint(Path(finetune.data.tags["init_from.checkpoint"])).model
+    start = read_checkpoint(started_from).model
     end = read_checkpoint(Path(result.checkpoint)).model
     frozen = [name for name in start if name.startswith(("embed.", "stack."))]
     assert frozen and all(torch.equal(start[name], end[name]) for name in frozen)

@@ -3,7 +3,10 @@ its ETA. No Ray."""
 
 from __future__ import annotations
 
+import os
 import pickle
+
+import pytest
 
 from orchestrator.progress import SweepProgress, describe_config, report_line, trial_label
 
@@ -70,3 +73,32 @@ def test_a_pickled_progress_forgets_its_clock():
     progress.result("a", "a", {"step": 10})
     restored = pickle.loads(pickle.dumps(progress))
     assert restored.started is None and restored.steps == {} and restored.best == progress.best
+
+
+FINALIZER = """
+import sys
+from orchestrator.progress import quiet_exit_in_finalizers
+quiet_exit_in_finalizers()
+
+class Dying:
+    def __del__(self):
+        raise {error}
+
+Dying()
+print("went on", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("error", "shown"), [("SystemExit(1)", False), ("ValueError('a real bug')", True)])
+def test_a_sigterm_exit_inside_a_finalizer_is_not_printed_but_other_errors_are(error, shown):
+    """Ray's SIGTERM handler raises SystemExit wherever a worker is; inside a finalizer Python would print
+    "Exception ignored ... SystemExit: 1" with a traceback on the launcher's terminal."""
+    import subprocess
+    import sys
+
+    from orchestrator.ray_env import PROJECT_ROOT
+
+    done = subprocess.run([sys.executable, "-c", FINALIZER.format(error=error)], capture_output=True, text=True,
+                          cwd=PROJECT_ROOT, env={**os.environ, "ORCHESTRATOR_VERBOSE": "0"}, timeout=60)
+    assert done.stdout == "went on\n"
+    assert ("Exception ignored" in done.stderr) is shown, done.stderr

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
+from orchestrator.progress import verbose
 from orchestrator.tracking.describe import MAX_PARAM_CHARS, RunHandle, artifact_location
 from orchestrator.tracking.read import configure_http, logged_steps, newest_run_with_tag
 
@@ -91,6 +92,9 @@ class MlflowTracker:
     def __init__(self, uri: str, *, retries: int = 3, timeout_s: float = 5.0, backoff_s: float = 0.5,
                  cooldown_s: float = _COOLDOWN_S, spool: Path | None = None):
         configure_http(timeout_s)
+        # MLflow prints "View run ... / View experiment ..." each time a run ends, in every process that ends one:
+        # several times per trial. The launcher prints its own links (status, ui); --verbose lets MLflow's through.
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "false" if verbose() else "true")
         self.uri = uri
         self.retries = retries
         self.backoff_s = backoff_s
@@ -111,9 +115,13 @@ class MlflowTracker:
         return time.monotonic() >= self._down_until
 
     def reachable(self) -> bool:
-        """One guarded round trip to the store (the launcher's preflight, before Ray starts)."""
-        return self._call("connection check", lambda client: client.search_experiments(max_results=1),
-                          force=True) is not None
+        """One guarded round trip to the store (the launcher's preflight, before Ray starts). Without the usual
+        warning: its "training continues" is not what happens next (the preflight refuses, with the reason:
+        `last_error`)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TrackingWarning)
+            return self._call("connection check", lambda client: client.search_experiments(max_results=1),
+                              force=True) is not None
 
     def _call(self, what: str, fn: Callable[[MlflowClient], T], *, force: bool = False) -> T | None:
         """`fn(client)` with bounded retries; on failure a TrackingWarning, a cool-down, and None.
