@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.layout import parent, resolve
-from orchestrator.preflight import LaunchError, check_data_files
+from orchestrator.preflight import LaunchError, check_data_files, check_storage
 from orchestrator.progress import set_verbose
 from orchestrator.spec import (
     SpecError,
@@ -30,6 +30,7 @@ from orchestrator.spec import (
     spec_to_yaml,
 )
 from orchestrator.spec.search_space import grid_points
+from orchestrator.storage import use_storage
 from orchestrator.tracking.describe import artifact_root
 
 DEFAULT_STORAGE = "runs"
@@ -299,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = study.base
         check_data_files(spec)
         if args.command == "validate":
+            use_storage(spec.run.storage_endpoint, spec.run.storage_region)
+            check_storage(spec)  # train and sweep check it again, in their own preflight
             try:
                 _check_local_gpus(study)
             except SpecError as err:  # a cluster spec validated on a laptop: worth a note, not a failure

@@ -23,7 +23,7 @@ import pyarrow.fs
 
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.scoring import Evaluation, evaluate_checkpoint, split_task_config
-from orchestrator.layout import EVALUATION_DIR, RunLayout, cache_dir_of, join
+from orchestrator.layout import EVALUATION_DIR, RunLayout, cache_dir_of, join, ray_storage
 from orchestrator.preflight import LaunchError
 from orchestrator.ray_env import use_train_v2
 from orchestrator.spec import ExperimentSpec
@@ -155,7 +155,8 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
 
     out = []
     for label, run_path in _stored_runs(storage, name):
-        result = Result.from_path(run_path)
+        path, filesystem = ray_storage(run_path)
+        result = Result.from_path(path, storage_filesystem=filesystem)
         if result.checkpoint is None:
             print(f"[{label}] no checkpoint yet: skipped")
             continue

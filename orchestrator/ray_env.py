@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.progress import VERBOSE_ENV, verbose
+from orchestrator.storage import storage_env
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
@@ -112,8 +113,9 @@ def on_local_ray() -> bool:
 
 def train_worker_env() -> dict[str, Any] | None:
     """Ray Train's `worker_runtime_env`: none on a local Ray (the raylet gave every worker the environment);
-    on a joined cluster the launcher's verbosity, which `tracking.ConsoleLogger` reads, and normal priority
-    for the training process (as Ray's job supervisor does for drivers)."""
+    on a joined cluster the launcher's verbosity, which `tracking.ConsoleLogger` reads, normal priority
+    for the training process (as Ray's job supervisor does for drivers), and the S3 endpoint and region
+    (orchestrator/storage.py; credentials stay with each node)."""
     if on_local_ray():
         return None
-    return {"env_vars": {VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0"}}
+    return {"env_vars": {VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0", **storage_env()}}

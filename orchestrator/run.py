@@ -18,20 +18,32 @@ import ray
 
 from orchestrator.cluster_resources import ClusterView, view_cluster
 from orchestrator.evaluate import final_evaluation
-from orchestrator.layout import META_FILE, PRETRAIN_DIR, RunLayout, diverged, join, spool_of, trained_to
+from orchestrator.layout import (
+    META_FILE,
+    PRETRAIN_DIR,
+    RunLayout,
+    diverged,
+    join,
+    ray_storage,
+    spool_of,
+    trained_to,
+    uri_of,
+)
+from orchestrator.name_lock import name_lock
 from orchestrator.preflight import (
     LaunchError,
     check_data_files,
     check_labelled_data,
     check_multi_node,
+    check_storage,
     check_tracking,
-    name_lock,
 )
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.pretrained import preflight as check_init_from
 from orchestrator.progress import failure_reason, next_step, verbose
 from orchestrator.ray_env import start_local_ray, train_worker_env, use_train_v2
 from orchestrator.spec import ExperimentSpec, SpecError, check_gpus, spec_to_yaml
+from orchestrator.storage import use_storage
 from orchestrator.tracking.describe import (
     RUN_KEY_TAG,
     RunHandle,
@@ -138,6 +150,7 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
     from orchestrator.worker import train_loop_per_worker
 
     resources = {"CPU": spec.run.cpus_per_worker}
+    ray_path, filesystem = ray_storage(storage_path)
     if spec.run.gpus_per_worker:
         resources["GPU"] = spec.run.gpus_per_worker
     return TorchTrainer(
@@ -149,7 +162,8 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
                                      resources_per_worker=resources),
         run_config=RunConfig(
             name=run_name,
-            storage_path=storage_path,
+            storage_path=ray_path,
+            storage_filesystem=filesystem,
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
             # Every checkpoint step is an evaluation step (trainer.Cadence), so every checkpoint has the score.
             checkpoint_config=CheckpointConfig(num_to_keep=spec.run.keep_checkpoints,
@@ -220,7 +234,8 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
         try:
             # A retried trial or a resume of a run that diverged (run.stop_on_nan) would diverge again: say so now,
             # instead of starting its workers to train back to the same step.
-            reason = diverged(join(trainer.run_config.storage_path, trainer.run_config.name))
+            config = trainer.run_config
+            reason = diverged(uri_of(config.storage_filesystem, join(config.storage_path, config.name)))
             if reason is not None:
                 failure = f"NonFiniteLoss: {reason}"
                 raise LaunchError(f"{label} failed: {failure}{hint}")
@@ -283,6 +298,8 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
     worker after that step's report: a fault-injection hook for testing resume."""
     layout = RunLayout(spec.run.storage_path, spec.name)
     run_path = layout.folder
+    use_storage(spec.run.storage_endpoint, spec.run.storage_region)
+    check_storage(spec)
     check_data_files(spec)
     check_labelled_data(spec, layout.cache_dir)
     check_init_from(spec)
@@ -322,8 +339,9 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
         except LaunchError as err:
             raise LaunchError(f"{err}\n{next_step(layout)}") from None
         layout.write_meta({**record, "mlflow_run_id": run_id, "status": "FINISHED"})
-    return RunOutcome(name=spec.name, path=result.path, metrics={**dict(result.metrics or {}), **final},
-                      checkpoint=result.checkpoint.path if result.checkpoint else None, mlflow_run_id=run_id)
+    return RunOutcome(name=spec.name, path=layout.folder, metrics={**dict(result.metrics or {}), **final},
+                      checkpoint=uri_of(result.filesystem, result.checkpoint.path) if result.checkpoint else None,
+                      mlflow_run_id=run_id)
 
 
 def _extends(meta: Mapping[str, Any], spec: ExperimentSpec) -> bool:
@@ -340,6 +358,9 @@ def _close_finished(spec: ExperimentSpec, tracker: MlflowTracker, handle: RunHan
         raise LaunchError(f"run {spec.name!r} finished, but {spec.tracking.uri} still does not take its spooled "
                           f"metrics ({tracker.spool}); try again when the server is up")
     print(f"[{spec.name}] had finished training; its spooled metrics are sent and its MLflow run is ended")
-    result = Result.from_path(RunLayout(spec.run.storage_path, spec.name).folder)
-    return RunOutcome(name=spec.name, path=result.path, metrics=dict(result.metrics or {}),
-                      checkpoint=result.checkpoint.path if result.checkpoint else None, mlflow_run_id=handle.run_id)
+    folder = RunLayout(spec.run.storage_path, spec.name).folder
+    path, filesystem = ray_storage(folder)
+    result = Result.from_path(path, storage_filesystem=filesystem)
+    return RunOutcome(name=spec.name, path=folder, metrics=dict(result.metrics or {}),
+                      checkpoint=uri_of(result.filesystem, result.checkpoint.path) if result.checkpoint else None,
+                      mlflow_run_id=handle.run_id)

@@ -39,6 +39,7 @@ from orchestrator.layout import (
 from orchestrator.pretrained import load as load_pretrained
 from orchestrator.progress import verbose
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
+from orchestrator.storage import use_storage
 from orchestrator.tracking.describe import RunHandle, device_tags
 from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger
 from orchestrator.tracking.write import MlflowTracker, start_system_metrics
@@ -91,7 +92,7 @@ class RayHooks:
         if rank == 0:
             tracking = spec.tracking
             self.tracker = MlflowTracker(tracking.uri, retries=tracking.retries, timeout_s=tracking.timeout_s,
-                                         spool=Path(cfg.spool) if cfg.spool else None)
+                                         spool=cfg.spool)
             self.mlflow = MlflowLogger(self.tracker, lambda: self.tracker.ensure_run(run))
             self.logger = MetricsLogger([ConsoleLogger(cfg.label, spec.optim.max_steps), self.mlflow])
 
@@ -226,6 +227,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     quiet_train_reports()
     cfg: WorkerConfig = config[WORKER_CONFIG]
     spec = ExperimentSpec.model_validate(cfg.spec)
+    use_storage(spec.run.storage_endpoint, spec.run.storage_region)  # the launcher's store, on any node
     if (reason := diverged(cfg.run_path)) is not None:  # a retry of a run that diverged: it would again
         raise NonFiniteLoss(f"{reason} (before this retry; it diverges again from its checkpoints)")
     context = ray.train.get_context()

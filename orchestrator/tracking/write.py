@@ -13,7 +13,6 @@ spool) already holds are not sent again.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 import warnings
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
+from orchestrator.layout import read_text, remove, write_text
 from orchestrator.tracking.describe import MAX_PARAM_CHARS, RunHandle, artifact_location
 from orchestrator.tracking.read import configure_http, logged_steps, newest_run_with_tag
 
@@ -89,14 +89,17 @@ class MlflowTracker:
     """A guarded MlflowClient: each call returns None (with a TrackingWarning) instead of raising."""
 
     def __init__(self, uri: str, *, retries: int = 3, timeout_s: float = 5.0, backoff_s: float = 0.5,
-                 cooldown_s: float = _COOLDOWN_S, spool: Path | None = None):
+                 cooldown_s: float = _COOLDOWN_S, spool: Path | str | None = None):
         configure_http(timeout_s)
         self.uri = uri
         self.retries = retries
         self.backoff_s = backoff_s
         self.cooldown_s = cooldown_s
-        self.spool = Path(spool) if spool is not None else None
-        """Where unsent metric points are kept across processes (None: in memory only, e.g. remote storage)."""
+        self.spool = str(spool) if spool is not None else None
+        """Where unsent metric points are kept across processes: a local path or a URI (None: in memory only)."""
+        self._spooled = True
+        """The spool may hold points: a flush with nothing pending then deletes it (and only then: on an object
+        store every check is a request)."""
         # Created on first use, inside the guard: for a SQLite URI the constructor already opens the store.
         self._client: MlflowClient | None = None
         self._down_until = 0.0
@@ -274,7 +277,13 @@ class MlflowTracker:
         it, so the file is the whole truth: another process (the worker) may have sent or added points since."""
         if self.spool is None:
             return
-        rows = self.spool.read_text().splitlines() if self.spool.is_file() else []
+        try:
+            rows = (read_text(self.spool) or "").splitlines()
+        except OSError as err:  # storage is away: what this process holds stays the truth until it answers
+            warnings.warn(f"metric spool {self.spool} not read ({type(err).__name__}: {str(err)[:200]})",
+                          TrackingWarning, stacklevel=3)
+            return
+        self._spooled = bool(rows)
         self._pending = deque(maxlen=MAX_BUFFERED_METRICS)
         for line in rows:
             try:
@@ -284,18 +293,22 @@ class MlflowTracker:
             self._pending.append((row["run_id"], Metric(row["key"], row["value"], row["timestamp"], row["step"])))
 
     def _save_spool(self) -> None:
-        """Mirror the unsent points into the spool (temp file + rename: a kill leaves the old or the new)."""
-        if self.spool is None:
+        """Mirror the unsent points into the spool, whole (layout.write_text: a kill leaves the old or the new).
+        A storage outage keeps them in memory only, with a warning, until the next flush writes them."""
+        if self.spool is None or (not self._pending and not self._spooled):
             return
-        if not self._pending:
-            self.spool.unlink(missing_ok=True)
+        try:
+            if not self._pending:
+                remove(self.spool)
+            else:
+                rows = [json.dumps({"run_id": rid, "key": m.key, "value": m.value, "timestamp": m.timestamp,
+                                    "step": m.step}) for rid, m in self._pending]
+                write_text(self.spool, "\n".join(rows) + "\n")
+        except OSError as err:
+            warnings.warn(f"metric spool {self.spool} not written ({type(err).__name__}: {str(err)[:200]}); the "
+                          "points stay in memory until storage answers", TrackingWarning, stacklevel=3)
             return
-        rows = [json.dumps({"run_id": rid, "key": m.key, "value": m.value, "timestamp": m.timestamp,
-                            "step": m.step}) for rid, m in self._pending]
-        tmp = self.spool.with_name(f".{self.spool.name}.{os.getpid()}")
-        self.spool.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text("\n".join(rows) + "\n")
-        os.replace(tmp, self.spool)
+        self._spooled = bool(self._pending)
 
     def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
         self._call(f"artifact upload ({Path(path).name})",
@@ -309,5 +322,4 @@ class MlflowTracker:
 
 def open_tracker(settings: TrackingSettings, spool: str | None = None) -> MlflowTracker:
     """The tracker of a spec's `tracking:` block; with `spool`, a run folder's spool file (RunLayout)."""
-    return MlflowTracker(settings.uri, retries=settings.retries, timeout_s=settings.timeout_s,
-                         spool=Path(spool) if spool else None)
+    return MlflowTracker(settings.uri, retries=settings.retries, timeout_s=settings.timeout_s, spool=spool)
