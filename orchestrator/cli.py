@@ -30,7 +30,6 @@ from orchestrator.spec import (
     spec_to_yaml,
 )
 from orchestrator.spec.search_space import grid_points
-from orchestrator.storage import use_storage
 from orchestrator.tracking.describe import artifact_root
 
 DEFAULT_STORAGE = "runs"
@@ -300,7 +299,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = study.base
         check_data_files(spec)
         if args.command == "validate":
-            use_storage(spec.run.storage_endpoint, spec.run.storage_region)
             check_storage(spec)  # train and sweep check it again, in their own preflight
             try:
                 _check_local_gpus(study)

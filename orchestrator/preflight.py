@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.layout import cache_dir_of, is_remote
-from orchestrator.storage import StorageError, check_s3_storage, is_s3
+from orchestrator.storage import StorageError, check_s3_storage, is_s3, use_storage
 from orchestrator.spec import ExperimentSpec, SpecError
 
 if TYPE_CHECKING:  # mlflow is imported only by the commands that log
@@ -22,8 +22,10 @@ class LaunchError(RuntimeError):
 
 
 def check_storage(spec: ExperimentSpec) -> None:
-    """An s3:// run.storage_path answers and takes writes, before any trial starts (SpecError naming the field
+    """The spec's run.storage_endpoint / storage_region become this process's S3 settings (storage.use_storage),
+    and an s3:// run.storage_path answers and takes writes, before any trial starts (SpecError naming the field
     and the fix); local and other remote storage are checked by their first write."""
+    use_storage(spec.run.storage_endpoint, spec.run.storage_region)
     if is_s3(spec.run.storage_path):
         try:
             check_s3_storage(spec.run.storage_path)

@@ -43,7 +43,6 @@ from orchestrator.pretrained import preflight as check_init_from
 from orchestrator.progress import failure_reason, next_step, verbose
 from orchestrator.ray_env import start_local_ray, train_worker_env, use_train_v2
 from orchestrator.spec import ExperimentSpec, SpecError, check_gpus, spec_to_yaml
-from orchestrator.storage import use_storage
 from orchestrator.tracking.describe import (
     RUN_KEY_TAG,
     RunHandle,
@@ -298,7 +297,6 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
     worker after that step's report: a fault-injection hook for testing resume."""
     layout = RunLayout(spec.run.storage_path, spec.name)
     run_path = layout.folder
-    use_storage(spec.run.storage_endpoint, spec.run.storage_region)
     check_storage(spec)
     check_data_files(spec)
     check_labelled_data(spec, layout.cache_dir)

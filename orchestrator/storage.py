@@ -91,7 +91,8 @@ def s3_client() -> Any:
 
     config = Config(retries={"max_attempts": ATTEMPTS, "mode": "standard"}, connect_timeout=CONNECT_TIMEOUT_S,
                     read_timeout=REQUEST_TIMEOUT_S)
-    return boto3.client("s3", endpoint_url=endpoint(), region_name=region(), config=config)
+    # A session of its own: boto3's default session keeps the credentials it first resolved.
+    return boto3.session.Session().client("s3", endpoint_url=endpoint(), region_name=region(), config=config)
 
 
 def error_code(err: BaseException) -> str:
@@ -108,6 +109,7 @@ def check_s3_storage(location: str, field: str = "run.storage_path") -> None:
     where = f"{field}={location!r} (endpoint {endpoint() or 'AWS S3'})"
     client = s3_client()
     try:
+        client.head_bucket(Bucket=bucket)  # some stores answer a write to a missing bucket with a bare 500
         client.put_object(Bucket=bucket, Key=probe, Body=b"probe", IfNoneMatch="*")
     except Exception as err:  # noqa: BLE001 - every failure becomes one message with the fix
         raise StorageError(f"{where} cannot be written: {_explain(err, bucket)}") from None
@@ -129,7 +131,7 @@ def check_s3_storage(location: str, field: str = "run.storage_path") -> None:
 def _explain(err: BaseException, bucket: str) -> str:
     code = error_code(err)
     text = f"{type(err).__name__}: {str(err)[:200]}"
-    if code == "NoSuchBucket":
+    if code in ("NoSuchBucket", "404"):
         return f"{text}; create the bucket {bucket!r} first, or fix the bucket name"
     if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403") or "credentials" in text:
         return (f"{text}; give credentials that may write to the bucket: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "

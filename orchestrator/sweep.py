@@ -201,7 +201,6 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     study = pin_paths(study)
     spec = study.base
     layout = RunLayout(spec.run.storage_path, spec.name)
-    use_storage(spec.run.storage_endpoint, spec.run.storage_region)
     check_storage(spec)
     check_data_files(spec)
     check_labelled_data(spec, layout.cache_dir)
