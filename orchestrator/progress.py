@@ -53,8 +53,15 @@ def failure_reason(err: BaseException) -> str:
 
 
 def next_step(layout: RunLayout) -> str:
-    """What to do after a failure: resume only when there is a checkpoint to resume from."""
-    if layout.has_checkpoint():
+    """What to do after a failure: resume only when there is a checkpoint to resume from (a storage that does
+    not answer, as in an object store's outage, is named, with the resume to run once it answers)."""
+    try:
+        started = layout.has_checkpoint()
+    except OSError as err:
+        return (f"the storage {layout.storage} did not answer ({str(err).splitlines()[0][:200]}); once it does, "
+                f"continue from the last checkpoint it holds with `orchestrator resume {layout.name} "
+                f"--storage-path {layout.storage}`")
+    if started:
         return (f"continue it from its last checkpoint with `orchestrator resume {layout.name} "
                 f"--storage-path {layout.storage}`")
     return "it stopped before its first checkpoint, so its name is free: fix the cause and start it again"

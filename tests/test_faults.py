@@ -21,6 +21,7 @@ from tests.real_runs import (
     checkpoint_on_disk,
     descendants,
     free_port,
+    kill_tree,
     last_logged_step,
     orchestrator,
     resumed_step,
@@ -37,19 +38,6 @@ def kill_after_checkpoint(proc: Proc, run_folder: Path, step: int, uri: str, exp
     wait_for(lambda: checkpoint_on_disk(run_folder, step), 300, f"checkpoint {step}", proc)
     kill_tree(proc)
     return last_logged_step(uri, experiment)
-
-
-def kill_tree(proc: Proc) -> None:
-    """SIGKILL the launcher, then its Ray processes (a local Ray dies with its driver; killing them at once
-    is that, without waiting on it)."""
-    tree = descendants(proc.popen.pid)
-    os.kill(proc.popen.pid, signal.SIGKILL)
-    for pid, _ in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.end()
 
 
 # --- the cases ------------------------------------------------------------------------------------------------
