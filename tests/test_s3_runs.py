@@ -21,7 +21,6 @@ from mlflow import MlflowClient
 
 from tests.real_runs import (
     CHECKPOINT_EVERY,
-    MAX_STEPS,
     MlflowServer,
     assert_one_point_per_step,
     kill_tree,
@@ -85,9 +84,15 @@ def test_sweep_on_s3_killed_during_a_tracking_outage_resumes_exactly_and_every_c
     read the sweep from S3 and MLflow; checkpoints tags and the exported model point into the bucket."""
     server, root, mlflow, env = s3_mlflow
     storage = f"{root}/runs"
+    steps = 32
     spec = write_spec(tmp_path, "s3-sweep", mlflow.uri, tune={"num_samples": 2, "max_concurrent": 1},
-                      run={"storage_path": storage, "final_eval": True})
+                      run={"storage_path": storage, "final_eval": True}, optim={"max_steps": steps})
     first = orchestrator(tmp_path, "sweep", str(spec), env=env)
+    bucket, prefix = _bucket_prefix(root)
+    wait_for(lambda: server.keys(bucket, f"{prefix}/runs/s3-sweep/orchestrator.json"), 300, "the sweep's start", first)
+    refused = orchestrator(tmp_path, "sweep", str(spec), env=env)
+    assert refused.wait(120) == 1
+    assert f"'s3-sweep' is in use by process {first.popen.pid}" in refused.output, refused.output[-2000:]
 
     def children(status: str | None = None) -> list:
         return [r for r in runs_of(mlflow.uri, "s3-sweep") if r.data.tags.get("orchestrator.role") == "trial"
@@ -98,16 +103,11 @@ def test_sweep_on_s3_killed_during_a_tracking_outage_resumes_exactly_and_every_c
         return len(children("FINISHED")) == 1 and running and running[0]
 
     second = wait_for(second_trial_logging, 480, "the second trial's first points", first)
-    refused = orchestrator(tmp_path, "sweep", str(spec), env=env)
-    assert refused.wait(120) == 1
-    assert f"'s3-sweep' is in use by process {first.popen.pid}" in refused.output, refused.output[-2000:]
-
     trial_folder = second.data.tags["orchestrator.checkpoints"]
     assert trial_folder.startswith(f"{storage}/s3-sweep/trials/train-"), trial_folder
     spool = f"{trial_folder}/mlflow-spool.jsonl"
     mlflow.stop()  # the tracking outage
     try:
-        bucket, _ = _bucket_prefix(root)
         wait_for(lambda: checkpointed(server, trial_folder, 2 * CHECKPOINT_EVERY)
                  and server.keys(bucket, spool.removeprefix(f"s3://{bucket}/")), 300,
                  "a checkpoint and spooled points of the second trial", first)
@@ -124,24 +124,24 @@ def test_sweep_on_s3_killed_during_a_tracking_outage_resumes_exactly_and_every_c
     done = children("FINISHED")
     assert len(done) == 2 and not server.keys(bucket, spool.removeprefix(f"s3://{bucket}/"))
     for child in done:
-        assert_one_point_per_step(mlflow.uri, child.info.run_id)
+        assert_one_point_per_step(mlflow.uri, child.info.run_id, last_step=steps)
         assert child.data.tags["orchestrator.checkpoints"].startswith(f"{storage}/s3-sweep/trials/")
     curves = [train_losses(mlflow.uri, child.info.run_id) for child in done]
-    assert curves[0] == curves[1] and len(curves[0]) == MAX_STEPS  # killed and resumed == uninterrupted
+    assert curves[0] == curves[1] and len(curves[0]) == steps  # killed and resumed == uninterrupted
     # The final evaluation's exported model: an MLflow artifact, stored by the server in the bucket.
-    assert any(key.endswith("/artifacts/model/model.safetensors") for key in server.keys(bucket, f"{_bucket_prefix(root)[1]}/mlartifacts/"))
+    assert any(key.endswith("/artifacts/model/model.safetensors") for key in server.keys(bucket, f"{prefix}/mlartifacts/"))
     parent = next(r for r in runs_of(mlflow.uri, "s3-sweep") if r.data.tags.get("orchestrator.role") == "sweep")
     assert parent.info.status == "FINISHED"
 
     status = orchestrator(tmp_path, "status", "s3-sweep", "--storage-path", storage, env=env)
     assert status.wait(120) == 0, status.output
-    assert re.search(rf"last checkpoint: {re.escape(storage)}/s3-sweep/trials/train-\S+/checkpoint_0+{MAX_STEPS}",
-                     status.output) and "launcher: none" in status.output, status.output
+    assert re.search(rf"last checkpoint: {re.escape(storage)}/s3-sweep/trials/train-\S+/checkpoint_0+{steps}",
+                     status.output) and "launcher none" in status.output, status.output
     evaluate = orchestrator(tmp_path, "evaluate", "s3-sweep", "--storage-path", storage, "--split", "validation",
                             "--checkpoint", "latest", env=env)
     assert evaluate.wait(300) == 0, evaluate.output[-3000:]
     assert evaluate.output.count(f"outputs in {storage}/s3-sweep/trials/") == 2, evaluate.output[-3000:]
-    assert all(checkpointed(server, child.data.tags["orchestrator.checkpoints"], MAX_STEPS) for child in done)
+    assert all(checkpointed(server, child.data.tags["orchestrator.checkpoints"], steps) for child in done)
     report = orchestrator(tmp_path, "report", "--tracking-uri", mlflow.uri, "--experiment", "s3-sweep",
                           "--out", str(tmp_path / "report"), env=env)
     assert report.wait(300) == 0, report.output[-3000:]
