@@ -156,8 +156,8 @@ def test_s3_outage_mid_run_loses_no_registered_checkpoint_and_resume_skips_a_hal
     before, with one point per metric and step."""
     s3_server, root = s3
     storage = f"{root}/runs"
-    spec = write_spec(tmp_path, "s3-outage", server.uri, run={"storage_path": storage, "max_failures": 1},
-                      optim={"max_steps": 40})
+    # No worker-group restarts: each would fail the same way until the store is back (a minute of retries).
+    spec = write_spec(tmp_path, "s3-outage", server.uri, run={"storage_path": storage, "max_failures": 0})
     run_folder = f"{storage}/s3-outage"
     env = process_env(**s3_server.env)
     proc = orchestrator(tmp_path, "train", str(spec), env=env)
@@ -191,4 +191,4 @@ def test_s3_outage_mid_run_loses_no_registered_checkpoint_and_resume_skips_a_hal
     assert resumed_step(resumed.output) < newest
     [run] = runs_of(server.uri, "s3-outage")
     assert run.info.status == "FINISHED"
-    assert_one_point_per_step(server.uri, run.info.run_id, last_step=40)
+    assert_one_point_per_step(server.uri, run.info.run_id)
