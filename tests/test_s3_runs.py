@@ -117,10 +117,13 @@ def test_sweep_on_s3_killed_during_a_tracking_outage_resumes_exactly_and_every_c
     spooled = server.client().get_object(Bucket=bucket, Key=spool.removeprefix(f"s3://{bucket}/"))["Body"].read()
     assert spooled.strip(), "the spool object is empty"
 
+    last = max(train_losses(mlflow.uri, second.info.run_id))  # what the server took before its outage
     resumed = orchestrator(tmp_path, "resume", "s3-sweep", "--storage-path", storage, env=env)
     assert resumed.wait(480) == 0, resumed.output[-4000:]
     assert "2 trials: 2 finished, 0 errored, 0 unfinished" in resumed.output, resumed.output[-4000:]
     assert resumed_step(resumed.output) >= 2 * CHECKPOINT_EVERY
+    print(f"S3 sweep: server took steps up to {last}, spool held {len(spooled.splitlines())} points, "
+          f"resumed from step {resumed_step(resumed.output)}")
     done = children("FINISHED")
     assert len(done) == 2 and not server.keys(bucket, spool.removeprefix(f"s3://{bucket}/"))
     for child in done:
