@@ -152,9 +152,9 @@ def test_sweep_on_s3_killed_during_a_tracking_outage_resumes_exactly_and_every_c
 
 
 def test_s3_outage_mid_run_loses_no_registered_checkpoint_and_resume_skips_a_half_written_one(tmp_path, s3, server):
-    """The S3 server stops for up to 60 s after the run's second checkpoint: the next checkpoint upload fails
-    (after the S3 client's retries) and the run stops with one message naming the storage that did not answer
-    and the resume command; every checkpoint Ray had registered is still in the bucket. The newest checkpoint,
+    """The S3 server stops after the run's second checkpoint, until the launcher gives up: the next checkpoint
+    upload fails (after the S3 client's retries) and the run stops with one message naming the storage that did
+    not answer and the resume command; every checkpoint Ray had registered is still in the bucket. The newest checkpoint,
     then cut in half in the bucket (an upload cut short), is skipped at `resume`, which finishes from the one
     before, with one point per metric and step."""
     s3_server, root = s3
@@ -170,18 +170,18 @@ def test_s3_outage_mid_run_loses_no_registered_checkpoint_and_resume_skips_a_hal
         Bucket=bucket, Key=f"{prefix}/checkpoint_manager_snapshot.json")["Body"].read())
     stopped = time.monotonic()
     s3_server.stop()
-    try:
-        while time.monotonic() - stopped < 60 and proc.popen.poll() is None:
-            time.sleep(1)
+    try:  # down until the launcher gives up (about a minute of the S3 client's and Ray's retries)
+        rc = proc.wait(300)
+        down_s = time.monotonic() - stopped
     finally:
         s3_server.start()
-    assert proc.wait(420) == 1, proc.output[-4000:]
+    assert rc == 1, proc.output[-4000:]
     assert re.search(rf"the storage {re.escape(storage)} did not answer .*`orchestrator resume s3-outage "
                      rf"--storage-path {re.escape(storage)}`", proc.output), proc.output[-4000:]
     kept = checkpoints_in_s3(s3_server, run_folder)
     registered = re.findall(r"checkpoint_(\d+)", json.dumps(snapshot))
     assert registered and all("state.pt" in kept.get(int(step), set()) for step in registered), (registered, kept)
-    print(f"S3 outage: stopped {time.monotonic() - stopped:.0f}s after the store, kept {sorted(kept)}")
+    print(f"S3 outage: the launcher stopped {down_s:.0f}s after the store, kept {sorted(kept)}")
 
     newest = max(step for step, files in kept.items() if "state.pt" in files)
     key = f"{prefix}/checkpoint_{newest:09d}/state.pt"

@@ -157,10 +157,11 @@ def _lease_ran_out(layout: RunLayout) -> bool:
     return False
 
 
-def test_metric_spool_in_the_bucket_survives_a_killed_process_and_each_point_is_sent_once(s3, tmp_path):
-    """Points a dead tracking server did not take wait in the run's spool object in the bucket; a process that
-    dies without sending them loses nothing: the next tracker of the run (the resumed launcher) finds them,
-    sends each once, resends none the server already has, and deletes the spool."""
+def test_metric_spool_in_the_bucket_survives_killed_processes_and_each_point_is_sent_once(s3, tmp_path):
+    """Two workers resumed one after the other during a tracking outage (neither can ask MLflow which steps the
+    run holds), each killed: their points wait in the run's spool object in the bucket, the second attempt's
+    recomputed steps beside the first's. The resumed launcher sends each (metric, step) once, the step the
+    server already had not again, and deletes the spool; a second resume has nothing left to send."""
     from mlflow import MlflowClient
 
     from orchestrator.tracking.describe import run_handle
@@ -174,30 +175,34 @@ def test_metric_spool_in_the_bucket_survives_a_killed_process_and_each_point_is_
                         key=("orchestrator.run", layout.folder))
     live = MlflowTracker(uri, retries=1, timeout_s=1, spool=layout.spool)
     logger = MlflowLogger(live, lambda: live.ensure_run(handle))
-    logger.log({"train/loss": 1.0}, 1)
+    logger.log({"train/loss": 1.0, "val/loss": 11.0}, 1)
     run_id = logger.run_id
     assert read_text(layout.spool) is None  # the server took it: nothing spooled, nothing written
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead_uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    outage = MlflowTracker(dead_uri, retries=1, timeout_s=1, spool=layout.spool)
-    with pytest.warns(TrackingWarning):
-        for step in (2, 3):
-            outage.log_metrics(run_id, {"train/loss": float(step), "val/loss": 10.0 + step}, step)
+    for attempt, steps in ((1, (1, 2, 3)), (2, (1, 2, 3, 4))):  # each resumed from the step-0 checkpoint
+        worker = MlflowTracker(dead_uri, retries=1, timeout_s=1, spool=layout.spool)
+        with pytest.warns(TrackingWarning):
+            resumed = MlflowLogger(worker, lambda: run_id)
+            for step in steps:
+                resumed.log({"train/loss": float(10 * attempt + step), "val/loss": 10.0 + step}, step)
+        del worker, resumed  # killed with the launcher: only the object in the bucket remains
     spooled = [json.loads(line) for line in read_text(layout.spool).splitlines()]
-    assert [(row["key"], row["step"]) for row in spooled] == [("train/loss", 2), ("val/loss", 2),
-                                                              ("train/loss", 3), ("val/loss", 3)]
-    del outage  # the driver is killed: its memory is gone, the object in the bucket is not
+    assert [row["step"] for row in spooled if row["key"] == "train/loss"] == [1, 2, 3, 1, 2, 3, 4]
 
-    resumed = MlflowTracker(uri, retries=1, timeout_s=1, spool=layout.spool)
-    assert resumed.last_steps(run_id) == {"train/loss": 3, "val/loss": 3}  # a resumed worker skips these steps
-    assert resumed.end_run(run_id, "FINISHED")
-    again = MlflowTracker(uri, retries=1, timeout_s=1, spool=layout.spool)
-    again.send_spooled()  # a second resume finds nothing left to send
+    launcher = MlflowTracker(uri, retries=1, timeout_s=1, spool=layout.spool)
+    assert launcher.last_steps(run_id) == {"train/loss": 4, "val/loss": 4}  # a next worker skips these steps
+    assert launcher.end_run(run_id, "FINISHED")
+    MlflowTracker(uri, retries=1, timeout_s=1, spool=layout.spool).send_spooled()  # nothing left to send
     client = MlflowClient(uri)
-    for key, steps in (("train/loss", {1: 1, 2: 1, 3: 1}), ("val/loss", {2: 1, 3: 1})):
-        assert collections.Counter(m.step for m in client.get_metric_history(run_id, key)) == steps, key
+    for key in ("train/loss", "val/loss"):
+        assert collections.Counter(m.step for m in client.get_metric_history(run_id, key)) == \
+            {1: 1, 2: 1, 3: 1, 4: 1}, key
+    # The server's own point of step 1 stays; of the recomputed steps, the first attempt's reached it first.
+    assert {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")} == \
+        {1: 1.0, 2: 12.0, 3: 13.0, 4: 24.0}
     assert client.get_run(run_id).info.status == "FINISHED"
     assert read_text(layout.spool) is None
 

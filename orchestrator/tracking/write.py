@@ -7,7 +7,9 @@ dead or slow server costs training at most a few seconds per cool-down. Metrics 
 server is away are buffered (bounded) and, when the tracker has a spool file (a run's storage folder),
 written there too, so they survive the process: the launcher sends them before it ends the run, or a later
 `orchestrator resume` does. A resumed or restarted run logs each (metric, step) once: steps MLflow (or the
-spool) already holds are not sent again.
+spool) already holds are not sent again, and training metrics (`log_metrics(..., once=True)`) are checked
+again when they are sent, so points spooled by a worker that could not ask MLflow (resumed during an outage)
+beside an earlier attempt's are sent once too.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ class MlflowTracker:
         self._down_until = 0.0
         self._failures = 0  # consecutive failed calls: each doubles the cool-down, up to _MAX_COOLDOWN_S
         self._pending: deque[tuple[str, Metric]] = deque(maxlen=MAX_BUFFERED_METRICS)
+        self._once: set[int] = set()
+        """ids of pending points to send only if their run does not hold that (metric, step) yet (`once`)."""
+        self._held: dict[str, dict[str, int]] = {}
+        """Per run, the last step of each metric the server holds, as far as this tracker knows."""
         self.last_error: Exception | None = None
         """Why the last failed call failed (the launcher's preflight explains it)."""
         self._load_spool()
@@ -246,24 +252,67 @@ class MlflowTracker:
         items = [RunTag(k, str(v)) for k, v in tags.items()]
         self._call("tag logging", lambda client: client.log_batch(run_id, tags=items))
 
-    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int, *, once: bool = False) -> None:
+        """Buffer and send. `once`: a training metric, sent only if the run does not hold that (metric, step)
+        yet, checked when it is sent: points logged while the server could not say which steps it holds (a
+        worker resumed during an outage recomputes steps it logged before) are spooled all the same, and
+        whichever attempt's point of a step reaches the server first is the one kept."""
         now_ms = int(time.time() * 1000)
         for key, value in metrics.items():
-            self._pending.append((run_id, Metric(key, float(value), now_ms, step)))
+            metric = Metric(key, float(value), now_ms, step)
+            self._pending.append((run_id, metric))
+            if once:
+                self._once.add(id(metric))
         self.flush(run_id)
 
     def flush(self, run_id: str, *, force: bool = False) -> None:
         """Send buffered metrics of `run_id`, 1000 a call; what the server does not take stays buffered
-        (and spooled)."""
+        (and spooled). `force` (a launcher's last chance) also asks the server again which steps it holds."""
+        if force:
+            self._held.pop(run_id, None)
         while (self.available or force) and any(rid == run_id for rid, _ in self._pending):
-            batch = [m for rid, m in self._pending if rid == run_id][:1000]
-            # `or True`: log_batch returns None, which _call uses to say "failed".
-            if self._call("metric logging", lambda client: client.log_batch(run_id, metrics=batch) or True,
-                          force=force) is None:
+            batch = self._unsent(run_id, force)
+            if batch is None:
                 break
-            sent = {id(m) for m in batch}
-            self._pending = deque((p for p in self._pending if id(p[1]) not in sent), maxlen=MAX_BUFFERED_METRICS)
+            if batch:
+                # `or True`: log_batch returns None, which _call uses to say "failed".
+                if self._call("metric logging", lambda client: client.log_batch(run_id, metrics=batch) or True,
+                              force=force) is None:
+                    break
+                held = self._held.setdefault(run_id, {})
+                for metric in batch:
+                    if id(metric) in self._once:
+                        held[metric.key] = max(held.get(metric.key, metric.step), metric.step)
+            self._drop({id(m) for m in batch})
         self._save_spool()
+
+    def _unsent(self, run_id: str, force: bool) -> list[Metric] | None:
+        """The next batch of the run's points (at most 1000); `once` points whose (metric, step) the run
+        holds, or an earlier pending point has, are dropped from the buffer here. None when the server
+        cannot say which steps it holds."""
+        mine = [m for rid, m in self._pending if rid == run_id]
+        if not any(id(m) in self._once for m in mine):
+            return mine[:1000]
+        if run_id not in self._held:
+            held = self._call("metric history", lambda client: logged_steps(client, run_id), force=force)
+            if held is None:
+                return None
+            self._held[run_id] = held
+        seen, batch, duplicates = dict(self._held[run_id]), [], set()
+        for metric in mine:
+            if id(metric) in self._once:
+                if metric.step <= seen.get(metric.key, -1):
+                    duplicates.add(id(metric))
+                    continue
+                seen[metric.key] = metric.step
+            batch.append(metric)
+        self._drop(duplicates)
+        return batch[:1000]
+
+    def _drop(self, ids: set[int]) -> None:
+        if ids:
+            self._pending = deque((p for p in self._pending if id(p[1]) not in ids), maxlen=MAX_BUFFERED_METRICS)
+            self._once -= ids
 
     def send_spooled(self) -> None:
         """Send every point the spool holds, whichever run it belongs to (a launcher's last chance, before it
@@ -284,13 +333,16 @@ class MlflowTracker:
                           TrackingWarning, stacklevel=3)
             return
         self._spooled = bool(rows)
-        self._pending = deque(maxlen=MAX_BUFFERED_METRICS)
+        self._pending, self._once = deque(maxlen=MAX_BUFFERED_METRICS), set()
         for line in rows:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a partial line: files are replaced whole, so only a foreign edit makes one
-            self._pending.append((row["run_id"], Metric(row["key"], row["value"], row["timestamp"], row["step"])))
+            metric = Metric(row["key"], row["value"], row["timestamp"], row["step"])
+            self._pending.append((row["run_id"], metric))
+            if row.get("once"):
+                self._once.add(id(metric))
 
     def _save_spool(self) -> None:
         """Mirror the unsent points into the spool, whole (layout.write_text: a kill leaves the old or the new).
@@ -302,7 +354,8 @@ class MlflowTracker:
                 remove(self.spool)
             else:
                 rows = [json.dumps({"run_id": rid, "key": m.key, "value": m.value, "timestamp": m.timestamp,
-                                    "step": m.step}) for rid, m in self._pending]
+                                    "step": m.step, **({"once": True} if id(m) in self._once else {})})
+                        for rid, m in self._pending]
                 write_text(self.spool, "\n".join(rows) + "\n")
         except OSError as err:
             warnings.warn(f"metric spool {self.spool} not written ({type(err).__name__}: {str(err)[:200]}); the "
