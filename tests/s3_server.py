@@ -87,10 +87,14 @@ class SeaweedS3:
         raise RuntimeError(f"SeaweedFS's S3 gateway did not answer within {timeout:.0f}s: {self.log.read_text()[-2000:]}")
 
     def answers(self) -> bool:
-        """The S3 gateway takes a signed request (a bucket listing), not just a connection."""
+        """The S3 gateway takes signed requests, and once the bucket exists, an object is written and read back
+        (after a restart the gateway answers before its volume server has registered, and reads fail)."""
         try:
-            self.client().list_buckets()
-            return True
+            client = self.client()
+            if self.BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+                return True
+            client.put_object(Bucket=self.BUCKET, Key=".ready", Body=b"ok")
+            return client.get_object(Bucket=self.BUCKET, Key=".ready")["Body"].read() == b"ok"
         except Exception:  # noqa: BLE001 - not up yet
             return False
 
