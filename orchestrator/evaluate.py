@@ -23,11 +23,21 @@ import pyarrow.fs
 
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.scoring import Evaluation, evaluate_checkpoint, split_task_config
-from orchestrator.layout import EVALUATION_DIR, RunLayout, cache_dir_of, join, ray_storage
+from orchestrator.deliver import deliver_outputs
+from orchestrator.layout import (
+    EVALUATION_DIR,
+    RunLayout,
+    cache_dir_of,
+    evaluation_record,
+    join,
+    spool_of,
+    storage_fs,
+    write_json,
+)
 from orchestrator.preflight import LaunchError
-from orchestrator.ray_env import use_train_v2
+from orchestrator.ray_env import stored_result
 from orchestrator.spec import ExperimentSpec
-from orchestrator.tracking.write import MlflowTracker
+from orchestrator.tracking.write import open_tracker
 
 Which = str
 """best | latest | a kept checkpoint's folder name (checkpoint_000002750); `evaluate_stored` also takes all."""
@@ -73,42 +83,29 @@ def choose_checkpoint(result: Any, spec: ExperimentSpec, which: Which, split: st
     return ChosenCheckpoint(result.checkpoint, which, dict(result.metrics or {}), note)
 
 
-def upload(local_dir: Path, filesystem: pyarrow.fs.FileSystem, path: str) -> None:
-    """Copy a local folder to `path` on `filesystem` (a run's storage: local, or remote such as S3, where
-    Ray's paths carry no scheme and only the filesystem says where they are)."""
-    filesystem.create_dir(path, recursive=True)
-    pyarrow.fs.copy_files(str(local_dir), path, source_filesystem=pyarrow.fs.LocalFileSystem(),
-                          destination_filesystem=filesystem)
-
-
-def score_and_log(spec: ExperimentSpec, chosen: ChosenCheckpoint, split: str, *, cache_dir: str,
-                  run_id: str | None, destination: tuple[pyarrow.fs.FileSystem, str] | None,
-                  export: bool) -> dict[str, float]:
-    """Score `chosen` on `split`, log metrics and files to the MLflow run, copy files to `destination`
-    (filesystem, path)."""
+def score_and_store(spec: ExperimentSpec, chosen: ChosenCheckpoint, split: str, *, cache_dir: str,
+                    destination: str, export: bool) -> dict[str, float]:
+    """Score `chosen` on `split` and write the outputs to the evaluation folder `destination` (in the run's
+    storage): the files first, then `<split>.metrics.json` with the scores, so a record always has its files.
+    MLflow gets them from there (orchestrator/deliver.py), sent by the launcher."""
     # as_directory downloads the checkpoint first when it lives in remote storage.
     with chosen.checkpoint.as_directory() as directory, tempfile.TemporaryDirectory(prefix="evaluation-") as out:
         evaluation: Evaluation = evaluate_checkpoint(Path(directory), split, cache_dir=Path(cache_dir),
                                                      out_dir=Path(out), export=export)
-        metrics = dict(evaluation.metrics)
-        if run_id is not None:
-            tracking = spec.tracking
-            tracker = MlflowTracker(tracking.uri, retries=tracking.retries, timeout_s=tracking.timeout_s)
-            tracker.log_metrics(run_id, metrics, step=evaluation.step)
-            tracker.set_tags(run_id, {f"{split}.checkpoint": f"{chosen.which} (step {evaluation.step})"})
-            for name, path in evaluation.files.items():
-                if path.is_dir():
-                    tracker.log_artifacts(run_id, path, artifact_path=name)
-                else:
-                    tracker.log_artifact(run_id, path, artifact_path=EVALUATION_DIR)
-        if destination is not None:
-            upload(Path(out), *destination)
-    return metrics
+        filesystem, path = storage_fs(destination)
+        filesystem.create_dir(path, recursive=True)
+        pyarrow.fs.copy_files(out, path, source_filesystem=pyarrow.fs.LocalFileSystem(),
+                              destination_filesystem=filesystem)
+    write_json(evaluation_record(destination, split),
+               {"split": split, "step": evaluation.step, "metrics": evaluation.metrics,
+                "tags": {f"{split}.checkpoint": f"{chosen.which} (step {evaluation.step})"}})
+    return dict(evaluation.metrics)
 
 
-def final_evaluation(spec: ExperimentSpec, result: Any, *, cache_dir: str, run_id: str | None) -> dict[str, float]:
-    """The end of a run: the best checkpoint on the test split, exported, logged; {} when switched off or
-    when the data has no test split. Runs as a Ray task with one training worker's resources."""
+def final_evaluation(spec: ExperimentSpec, result: Any, run_folder: str, *, cache_dir: str) -> dict[str, float]:
+    """The end of a run: the best checkpoint on the test split, exported, written to `<run_folder>/evaluation/`
+    (the launcher sends it to MLflow: orchestrator/deliver.py); {} when switched off or when the data has no
+    test split. Runs as a Ray task with one training worker's resources."""
     import ray
 
     if not spec.run.final_eval:
@@ -126,10 +123,9 @@ def final_evaluation(spec: ExperimentSpec, result: Any, *, cache_dir: str, run_i
     if spec.run.gpus_per_worker:
         resources["num_gpus"] = min(1.0, spec.run.gpus_per_worker)
     # "DEFAULT" scheduling: outside a sweep trial's placement group, which reserves only its driver's CPU.
-    task = ray.remote(**resources)(score_and_log).options(scheduling_strategy="DEFAULT")
-    metrics = ray.get(task.remote(spec, chosen, "test", cache_dir=cache_dir, run_id=run_id,
-                                  destination=(result.filesystem, join(result.path, EVALUATION_DIR)),
-                                  export=True))
+    task = ray.remote(**resources)(score_and_store).options(scheduling_strategy="DEFAULT")
+    metrics = ray.get(task.remote(spec, chosen, "test", cache_dir=cache_dir,
+                                  destination=join(run_folder, EVALUATION_DIR), export=True))
     print(f"[{spec.name}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     return metrics
 
@@ -149,14 +145,11 @@ def _stored_runs(storage: str, name: str) -> list[tuple[str, str]]:
 def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Which = "best",
                     cache_dir: str | None = None) -> list[dict[str, Any]]:
     """`orchestrator evaluate`: score a finished run (or every trial of a sweep) again, in this process, and
-    log the metrics to its MLflow run. One dict per run: label, checkpoint, which, metrics."""
-    use_train_v2()  # Result.from_path reads V2 storage
-    from ray.train import Result
-
+    send the scores to its MLflow run (each (metric, step) once, however often this runs). One dict per run:
+    label, checkpoint, which, metrics."""
     out = []
     for label, run_path in _stored_runs(storage, name):
-        path, filesystem = ray_storage(run_path)
-        result = Result.from_path(path, storage_filesystem=filesystem)
+        result = stored_result(run_path)
         if result.checkpoint is None:
             print(f"[{label}] no checkpoint yet: skipped")
             continue
@@ -173,9 +166,17 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
             if chosen.note:
                 print(f"[{label}] {chosen.note}")
             print(f"[{label}] scoring the {chosen.which} checkpoint {Path(chosen.path).name} on the {split} split")
-            metrics = score_and_log(spec, chosen, split, cache_dir=cache, run_id=state.mlflow_run_id,
-                                    destination=(result.filesystem, join(result.path, folder)), export=False)
+            metrics = score_and_store(spec, chosen, split, cache_dir=cache, destination=join(run_path, folder),
+                                      export=False)
             print(f"[{label}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
             out.append({"label": label, "checkpoint": chosen.path, "which": chosen.which, "metrics": metrics,
                         "outputs": join(run_path, folder)})
+        tracker = open_tracker(spec.tracking, spool_of(run_path))
+        run_id = state.mlflow_run_id
+        delivered = deliver_outputs(tracker, run_id, run_path)
+        if run_id is not None:
+            tracker.flush(run_id, force=True)
+        if not delivered or (run_id is not None and tracker.holds_unsent(run_id)):
+            print(f"[{label}] the tracking server at {spec.tracking.uri} did not take every output; they wait in "
+                  f"{run_path} and the next `orchestrator evaluate` or `orchestrator resume` sends them")
     return out

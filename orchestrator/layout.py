@@ -9,7 +9,10 @@ way. Under `<storage>/<name>`:
     mlflow-spool.jsonl         metric points the tracking server has not taken yet (any storage)
     diverged.txt               once the run's loss became NaN or infinite: the reason, one line
     finished.json              once a sweep's trial finished (trained, scored, MLflow run ended): its last report
-    evaluation/                outputs of the final evaluation (and of `orchestrator evaluate`)
+    evaluation/                outputs of the final evaluation (and of `orchestrator evaluate`): files, and
+                               `<split>.metrics.json` with the scores
+    task/                      the task's files at the end of training (tokenizer, last evaluation's outputs)
+    mlflow-delivered.json      which of those outputs the run's MLflow run already holds (orchestrator/deliver.py)
     pretrain/                  a two-stage run's pretraining stage (a Train run folder of its own)
     trials/train-<id>/         a sweep's Train run of each trial
     trials/pretrain-<id>/      a two-stage trial's pretraining stage
@@ -51,10 +54,17 @@ TRIAL_PRETRAIN_PREFIX = "pretrain-"
 SPOOL_FILE = "mlflow-spool.jsonl"
 """In a run's storage folder: metric points not yet accepted by the tracking server, one JSON object a line."""
 DIVERGED_FILE = "diverged.txt"
-FINISHED_FILE = "finished.json"
 """In a Train run's folder once its loss became NaN or infinite (run.stop_on_nan): the reason, one line."""
+FINISHED_FILE = "finished.json"
+"""In a sweep trial's Train run folder once it finished (mark_finished)."""
 EVALUATION_DIR = "evaluation"
 """Sub-folder of a run's storage folder with the outputs of its final evaluation."""
+EVALUATION_RECORD_SUFFIX = ".metrics.json"
+"""`<split>.metrics.json` in an evaluation folder: the scores, written after the files they describe."""
+TASK_FILES_DIR = "task"
+"""Sub-folder of a Train run's folder with the task's files (task.artifacts()) at the end of training."""
+DELIVERED_FILE = "mlflow-delivered.json"
+"""In a Train run's folder: which outputs (evaluation/, task/) its MLflow run holds."""
 REPORT_DIR = "report"
 """Sub-folder of a sweep's folder with its summary report's files (local storage only)."""
 CACHE_DIR = ".cache"
@@ -155,6 +165,28 @@ def subfolders(location: str) -> list[str]:
             if info.type == pyarrow.fs.FileType.Directory]
 
 
+def files_under(location: str) -> list[tuple[str, int, int]]:
+    """(path relative to `location`, size, mtime in ns) of every file below it, at any depth ([] without it)."""
+    fs, path = storage_fs(location)
+    selector = pyarrow.fs.FileSelector(path, allow_not_found=True, recursive=True)
+    return sorted((info.path[len(path):].lstrip("/"), info.size or 0, info.mtime_ns or 0)
+                  for info in fs.get_file_info(selector) if info.type == pyarrow.fs.FileType.File)
+
+
+def read_json(location: str) -> Any:
+    """The JSON document at `location`, or None when there is none (or only a cut-short one)."""
+    text = read_text(location)
+    try:
+        return None if text is None else json.loads(text)
+    except ValueError:
+        return None
+
+
+def write_json(location: str, document: Any) -> None:
+    """Write a JSON document whole (`write_text`: a kill leaves the old document or the new one)."""
+    write_text(location, json.dumps(document, indent=2))
+
+
 def cache_dir_of(storage_path: str) -> str:
     """An s3:// location is read and written through the one S3 filesystem of orchestrator/storage.py (its endpoint,
 region and credentials from the standard AWS settings); Ray Train gets the same filesystem (`ray_storage`).
@@ -219,20 +251,22 @@ def diverged(run_folder: str) -> str | None:
 
 
 def mark_finished(run_folder: str, metrics: Mapping[str, Any]) -> None:
-    """Record that the Train run at `run_folder` (a sweep's trial) finished: trained, scored and its MLflow run
-    ended, with its last report. A resumed sweep counts it finished from this, not from Tune's last result
-    (a launcher killed right after the trial ended never saved that), and does not run it again."""
+    """Record that the Train run at `run_folder` (a sweep's trial) finished: trained and scored, with its last
+    report. A resumed sweep counts it finished from this, not from Tune's last result (a launcher killed right
+    after the trial ended never saved that), and does not run it again."""
     scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
-    write_text(join(run_folder, FINISHED_FILE), json.dumps({"metrics": scalars}))
+    write_json(join(run_folder, FINISHED_FILE), {"metrics": scalars})
 
 
 def finished(run_folder: str) -> dict[str, Any] | None:
     """The last report of the finished Train run at `run_folder` (mark_finished), or None."""
-    text = read_text(join(run_folder, FINISHED_FILE))
-    try:
-        return None if text is None else json.loads(text)["metrics"]
-    except (ValueError, KeyError):
-        return None  # cut short: the trial runs again, as if unmarked
+    record = read_json(join(run_folder, FINISHED_FILE))
+    return record.get("metrics") if isinstance(record, dict) else None
+
+
+def evaluation_record(folder: str, split: str) -> str:
+    """The scores of `split` in an evaluation folder (written by orchestrator/evaluate.py)."""
+    return join(folder, f"{split}{EVALUATION_RECORD_SUFFIX}")
 
 
 def trained_to(run_folder: str, max_steps: int) -> bool:
@@ -334,7 +368,7 @@ class RunLayout:
         return None if text is None else json.loads(text)
 
     def write_meta(self, meta: Mapping[str, Any]) -> None:
-        write_text(self.meta_path, json.dumps(meta, indent=2))
+        write_json(self.meta_path, meta)
 
     @property
     def lock_location(self) -> str | None:

@@ -29,9 +29,9 @@ from torch import nn
 from models.classifier import load_encoder
 from orchestrator.checkpoint import SPEC_FILE, STATE_FILE, TOKENIZER_FILE, read_checkpoint
 from orchestrator.evaluate import choose_checkpoint
-from orchestrator.layout import checkpoint_steps, is_remote, join, ray_storage, storage_fs
+from orchestrator.layout import checkpoint_steps, is_remote, join, storage_fs
 from orchestrator.layout import resolve as resolve_location
-from orchestrator.ray_env import use_train_v2
+from orchestrator.ray_env import stored_result
 from orchestrator.spec import ExperimentSpec, SpecError
 from orchestrator.tracking.describe import CHECKPOINTS_TAG
 from orchestrator.tracking.read import TrackingReader
@@ -93,11 +93,8 @@ def _best_checkpoint(run_folder: str, value: str) -> tuple[str, ExperimentSpec] 
     newest = join(run_folder, max(steps, key=steps.get))
     spec = _read_spec(newest, value)
     try:
-        use_train_v2()  # Result.from_path reads V2 storage
-        from ray.train import Result  # deferred: after use_train_v2, and only for a run folder
 
-        path, filesystem = ray_storage(run_folder)
-        chosen = choose_checkpoint(Result.from_path(path, storage_filesystem=filesystem), spec, "best", split=None)
+        chosen = choose_checkpoint(stored_result(run_folder), spec, "best", split=None)
     except Exception:  # noqa: BLE001 - no Ray run state (a copied folder): fall back to the newest checkpoint
         chosen = None
     return (join(run_folder, Path(chosen.path).name) if chosen is not None else newest), spec

@@ -18,14 +18,18 @@ there the Train workers get what they need through Ray Train's `worker_runtime_e
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from orchestrator.layout import ray_storage
 from orchestrator.progress import VERBOSE_ENV, verbose
 from orchestrator.storage import storage_env
+from orchestrator.ray_reaper import OWNER_ENV, start_reaper, tell_session
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
@@ -35,6 +39,9 @@ WORKER_NICENESS = "RAY_worker_niceness"
 
 _started_here = False
 """This process started the local Ray it is connected to (its own environment no longer says so)."""
+_owner = f"{os.getpid()}-{secrets.token_hex(4)}"
+"""This launcher, as the owner of its local Ray's processes (orchestrator/ray_reaper.py)."""
+_reaper = None
 
 
 def use_train_v2() -> None:
@@ -50,16 +57,39 @@ def use_train_v2() -> None:
         del os.environ[TRAIN_V2]
 
 
+def stored_result(run_folder: str) -> Any:
+    """The ray.train.Result of a stored Train run (checkpoints, metrics), read without Ray running. Ray's
+    checkpoint manager logs, at INFO, that it found the run's snapshot and advises deleting the folder to start
+    anew: advice for a new run that lands there by mistake, not for a launcher reading its own run, so it is
+    shown with --verbose only."""
+    use_train_v2()  # Result.from_path reads V2 storage
+    import logging
+
+    from ray.train import Result
+
+    checkpoint_log = logging.getLogger("ray.train.v2._internal.execution.checkpoint.checkpoint_manager")
+    before = checkpoint_log.level
+    if not verbose():
+        checkpoint_log.setLevel(logging.WARNING)
+    path, filesystem = ray_storage(run_folder)  # the S3 store of orchestrator/storage.py, as Ray Train wrote it
+    try:
+        return Result.from_path(path, storage_filesystem=filesystem)
+    finally:
+        checkpoint_log.setLevel(before)
+
+
 def local_ray_environment() -> dict[str, str]:
     """Every process of a local Ray: Train V2; trial drivers in the launcher's working directory (relative data
     paths keep working); this checkout importable even when not pip-installed; the launcher's verbosity; Ray's
     workers at normal priority (Ray starts them at niceness 15 so that its daemons stay responsive, and a
     training worker then loses every CPU contest on a shared machine: benchmarks/RESULTS.md, "Ray overhead");
-    no preemption watcher and no prestarted workers (the module's docstring says why)."""
+    no preemption watcher and no prestarted workers (the module's docstring says why); the launcher as owner, so
+    that they end with it (orchestrator/ray_reaper.py)."""
     pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {TRAIN_V2: "1", "RAY_CHDIR_TO_TRIAL_DIR": "0", "PYTHONPATH": pythonpath,
             VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0",
-            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_first_driver": "0", LOCAL_RAY: "1"}
+            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_first_driver": "0", LOCAL_RAY: "1",
+            OWNER_ENV: _owner}
 
 
 @contextmanager
@@ -76,6 +106,20 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def own_address() -> dict[str, str]:
+    """The address the local Ray's GCS will have, given to every one of its processes as RAY_ADDRESS. Ray code
+    that looks its cluster up instead of using its connection (Ray Train's PlacementGroupCleaner asks the state
+    API with no address) otherwise scans the machine for GCS processes and fails as soon as a second Ray runs
+    there ("Found multiple active Ray instances"), e.g. another launcher's, and its thread dies with it."""
+    import ray._private.services
+
+    with socket.socket() as probe:  # a free port for the GCS (RAY_GCS_SERVER_PORT, read by ray/_private/node.py)
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    host = ray._private.services.get_node_ip_address()
+    return {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"{host}:{port}"}
+
+
 START_ATTEMPTS = 3
 """Starts of a local Ray before its failure is the user's: Ray waits a fixed 30 s (ray/_private/node.py,
 `raylet_start_wait_time_s`, not configurable) for the raylet to register, which a 2-core machine under load
@@ -87,16 +131,21 @@ NODE_START_TIMEOUT = "The current node timed out during startup"
 def start_local_ray(**init_kwargs: Any) -> None:
     """`ray.init` of a local Ray whose every process has `local_ray_environment()`; this process's own
     environment is as it was afterwards (a test session's later subprocesses, and Ray Train's copying of the
-    driver's variables, see none of it)."""
-    global _started_here
+    driver's variables, see none of it). Its processes end with this one, however it ends (ray_reaper.py)."""
+    global _started_here, _reaper
     import ray
 
     use_train_v2()
+    if _reaper is None:  # first: a launcher killed while Ray starts leaves nothing either
+        _reaper = start_reaper(_owner)
     with _environment(local_ray_environment()):
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
-                # No dashboard: it costs start-up time and memory, and MLflow is where a run is watched.
-                ray.init(include_dashboard=False, **init_kwargs)
+                with _environment(own_address()):
+                    # No dashboard: it costs start-up time and memory, and MLflow is where a run is watched.
+                    # address="local": a new Ray, whatever RAY_ADDRESS (now its own) says.
+                    context = ray.init(address="local", include_dashboard=False, **init_kwargs)
+                tell_session(_reaper, context.address_info["session_dir"])
                 break
             except Exception as err:  # Ray raises a bare Exception for it; only its own words tell it apart
                 if NODE_START_TIMEOUT not in str(err) or attempt == START_ATTEMPTS:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -30,13 +30,33 @@ from orchestrator.report_metrics import (
     param_value,
     summarize,
 )
-from orchestrator.tracking.describe import PARENT_TAG, ROLE_TAG
-from orchestrator.tracking.read import RUN_STATUSES, Run, TrackingReader
+from orchestrator.report_runs import (
+    REPORT_TAG,
+    check_store_exists,
+    compared_runs,
+    counts,
+    find_experiment_id,
+    parent_ids,
+    with_status,
+)
+from orchestrator.tracking.describe import PARENT_TAG
+from orchestrator.tracking.read import Run, TrackingReader
 from orchestrator.tracking.write import log_files, new_run
-from orchestrator.report_tables import markdown_document, rows_to_frame, rows_to_markdown
+from orchestrator.report_compare import Statistics, analyse
+from orchestrator.report_importance import importance, importance_markdown
+from orchestrator.report_objectives import (
+    TrialObjectives,
+    as_list,
+    check_objectives,
+    objectives_markdown,
+    trial_objectives,
+    write_objectives,
+)
+from orchestrator.report_tables import comparison_markdown, markdown_document, rows_to_frame, rows_to_markdown
 from orchestrator.report_plots import (
     find_knob_sweeps,
     knob_plot_name,
+    plot_cost_front,
     plot_curves,
     plot_knob_sweep,
     plot_score_vs_params,
@@ -44,9 +64,6 @@ from orchestrator.report_plots import (
 
 __all__ = ["Report", "ReportError", "build_report", "report_cli"]
 
-# Marks the run this module creates when there is no sweep parent to attach to; such runs hold
-# only artifacts and are never read back as compared runs.
-REPORT_TAG = "orchestrator.report"
 ARTIFACT_DIR = "report"
 # Metrics tried in order when neither --metric nor the spec's `tune.metric` names one.
 _DEFAULT_METRICS = ("val/bleu", "val/ppl", "val/loss")
@@ -68,14 +85,20 @@ class Report:
     files: list[Path]
     mlflow_run_id: str | None
     warnings: list[str]
+    stats: Statistics | None = None
+    """Intervals, tests against the reference, verdicts, power and Pareto fronts (report_compare)."""
+    importance: Mapping[str, float] = field(default_factory=dict)
+    """fANOVA importance of each knob that varied among the runs (report_importance); empty without knobs."""
+    objectives: TrialObjectives | None = None
+    """With several objectives: every run's values and whether it is non-dominated (report_objectives)."""
 
 
 def build_report(
     tracking_uri: str,
     experiment: str,
     *,
-    metric: str | None = None,
-    mode: Mode | None = None,
+    metric: str | Sequence[str] | None = None,
+    mode: Mode | Sequence[Mode] | None = None,
     parent_run_id: str | None = None,
     reference: str = "mha",
     lower_reference: str | None = "sha",
@@ -83,6 +106,8 @@ def build_report(
     out_dir: Path,
     log_to_mlflow: bool = True,
     statuses: Sequence[str] | None = ("FINISHED",),
+    alpha: float = 0.05,
+    bootstrap: bool = False,
 ) -> Report:
     """Build the comparison report of `experiment` (or of the sweep `parent_run_id`) into `out_dir`.
 
@@ -91,28 +116,35 @@ def build_report(
     the methods PRR / PEoP are measured against, by kind ("mha") or by full label ("mha heads=12");
     `lower_reference=None` (or "none") skips PEoP. Only runs whose MLflow status is in `statuses` are compared
     (default FINISHED: a run that failed, was stopped early by ASHA or interrupted ended at whatever its last
-    value was); None compares every run.
+    value was); None compares every run. Several metrics (a list, or the spec's list `tune.metric`) are
+    objectives: the first is compared in the table, and every run is marked non-dominated or not over all of
+    them. `alpha` sets the tests' level and the intervals' (1 - alpha); `bootstrap` adds a bootstrap interval
+    of each method's mean.
 
     Raises ReportError with a fix when the runs cannot be compared. Problems that still leave a
     useful table (no lower reference, skipped runs) are returned in `Report.warnings` and written
     into report.md rather than logged, so the caller decides how to show them.
     """
+    if not 0.0 < alpha < 0.5:
+        raise ReportError(f"--alpha {alpha}: the tests' level must be in (0, 0.5), e.g. 0.05 for 95% intervals")
     if lower_reference is not None and lower_reference.strip().lower() in ("", "none"):
         lower_reference = None
-    _check_store_exists(tracking_uri)
+    check_store_exists(tracking_uri)
     reader = TrackingReader(tracking_uri)
-    experiment_id = _experiment_id(reader, experiment)
+    experiment_id = find_experiment_id(reader, experiment)
     all_runs = reader.runs(experiment_id)
-    runs, left_out = _with_status(_compared_runs(all_runs, parent_run_id, experiment), statuses)
+    runs, left_out = with_status(compared_runs(all_runs, parent_run_id, experiment), statuses)
     records = [RunRecord(run.info.run_id, dict(run.data.params), dict(run.data.metrics)) for run in runs]
 
-    metric, mode = _choose_metric(records, metric, mode)
+    names, modes = _choose_objectives(records, metric, mode)
+    metric, mode = names[0], modes[0]
     keys = _group_keys(records, group_by)
     groups = _groups_with_metric(records, keys, metric)
     summary = summarize(groups, metric, mode, reference, lower_reference)
+    stats = analyse(summary, mode, alpha=alpha, bootstrap=bootstrap)
     warnings = list(summary.warnings)
     if left_out:
-        warnings.append(f"{sum(left_out.values())} run(s) left out by status ({_counts(left_out)}: failed, stopped "
+        warnings.append(f"{sum(left_out.values())} run(s) left out by status ({counts(left_out)}: failed, stopped "
                         "early by ASHA, interrupted or still running); `--status all` compares them at their last value")
     skipped = sum(metric not in record.metrics for record in records)
     if skipped:
@@ -122,13 +154,25 @@ def build_report(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = rows_to_frame(summary.rows)
+    table = rows_to_frame(summary.rows, stats)
     files = [out_dir / "report.csv"]
     table.to_csv(files[0], index=False)
-    files += _write_plots(reader, groups, summary, metric, mode, out_dir)
+    extra = []
+    scored = [record for record in records if metric in record.metrics]
+    objectives = None
+    if len(names) > 1:
+        labels = {run.run_id: group.label for group in groups for run in group.runs}
+        objectives = trial_objectives(scored, labels, names, modes)
+        files.append(write_objectives(objectives, out_dir))
+        extra.append(objectives_markdown(objectives))
+    importance_scores, importance_files = importance(scored, metric, mode, out_dir, warnings)
+    files += importance_files
+    extra.append(importance_markdown(importance_scores, metric))
+    files += _write_plots(reader, groups, summary, stats, metric, mode, out_dir)
     scope = f"children of parent run {parent_run_id}" if parent_run_id else "all runs of the experiment"
     markdown = markdown_document(
-        experiment, metric, mode, summary, scope, len(records) - skipped, warnings, files
+        experiment, metric, mode, summary, scope, len(records) - skipped, warnings, files, stats,
+        [section for section in extra if section],
     )
     (out_dir / "report.md").write_text(markdown)
     files.insert(0, out_dir / "report.md")
@@ -151,92 +195,10 @@ def build_report(
         files=files,
         mlflow_run_id=mlflow_run_id,
         warnings=warnings,
+        stats=stats,
+        importance=importance_scores,
+        objectives=objectives,
     )
-
-
-def _check_store_exists(tracking_uri: str) -> None:
-    """Refuse a SQLite path that does not exist: MLflow would create an empty store there instead."""
-    prefix = "sqlite:///"
-    if tracking_uri.startswith(prefix) and tracking_uri != prefix + ":memory:":
-        path = Path(tracking_uri[len(prefix) :])
-        if not path.exists():
-            raise ReportError(
-                f"no MLflow database at {path.resolve()}; pass --tracking-uri pointing at the store the "
-                "runs were logged to (the spec's tracking.uri)"
-            )
-
-
-def _experiment_id(reader: TrackingReader, name: str) -> str:
-    experiment = reader.experiment(name)
-    if experiment is None:
-        names = sorted(reader.experiment_names())
-        raise ReportError(
-            f"experiment {name!r} does not exist in this tracking store; existing experiments: "
-            f"{', '.join(repr(n) for n in names) or '(none)'}. Check --experiment and --tracking-uri."
-        )
-    if experiment.lifecycle_stage == "deleted":
-        raise ReportError(
-            f"experiment {name!r} is deleted; restore it with `mlflow experiments restore "
-            f"--experiment-id {experiment.experiment_id}` to report on it."
-        )
-    return experiment.experiment_id
-
-
-def _parent_ids(runs: Sequence[Run]) -> set[str]:
-    return {parent for run in runs if (parent := run.data.tags.get(PARENT_TAG))}
-
-
-def _describe_parents(runs: Sequence[Run]) -> str:
-    parents = _parent_ids(runs)
-    described = [f"{run.info.run_id} ({run.info.run_name})" for run in runs if run.info.run_id in parents]
-    return ", ".join(described) or "(none)"
-
-
-def _compared_runs(runs: Sequence[Run], parent_run_id: str | None, experiment: str) -> list[Run]:
-    """The trials to compare: children of one sweep, or every run that is not a sweep parent."""
-    parents = _parent_ids(runs)
-    compared = [
-        run
-        for run in runs
-        if run.info.run_id not in parents
-        and not run.data.tags.get(REPORT_TAG)
-        and run.data.tags.get(ROLE_TAG) != "pretrain"  # a two-stage study compares its fine-tuned runs
-        and (parent_run_id is None or run.data.tags.get(PARENT_TAG) == parent_run_id)
-    ]
-    if parent_run_id is not None and not compared:
-        known = {run.info.run_id for run in runs}
-        what = "has no child runs" if parent_run_id in known else f"is not a run of experiment {experiment!r}"
-        raise ReportError(
-            f"parent run {parent_run_id!r} {what}; sweep parent runs in this experiment: "
-            f"{_describe_parents(runs)}. Pass one of them to --parent-run, or omit it to use all runs."
-        )
-    if not compared:
-        raise ReportError(f"experiment {experiment!r} has no runs to compare; run a sweep first.")
-    return compared
-
-
-def _with_status(runs: Sequence[Run], statuses: Sequence[str] | None) -> tuple[list[Run], dict[str, int]]:
-    """The runs whose status is in `statuses` (all when None), and how many of each other status were left out."""
-    if statuses is None:
-        return list(runs), {}
-    wanted = {status.upper() for status in statuses}
-    known = RUN_STATUSES
-    if unknown := sorted(wanted - known):
-        raise ReportError(f"--status {','.join(unknown)}: not an MLflow run status; use a comma-separated list of "
-                          f"{', '.join(sorted(known))}, or 'all'")
-    left_out: dict[str, int] = {}
-    for run in runs:
-        if run.info.status not in wanted:
-            left_out[run.info.status] = left_out.get(run.info.status, 0) + 1
-    kept = [run for run in runs if run.info.status in wanted]
-    if not kept:
-        raise ReportError(f"no run to compare has status {'/'.join(sorted(wanted))} (there are {_counts(left_out)}); "
-                          "wait for the sweep to finish, or pass --status all to compare runs at their last value")
-    return kept, left_out
-
-
-def _counts(by_status: Mapping[str, int]) -> str:
-    return ", ".join(f"{n} {status}" for status, n in sorted(by_status.items()))
 
 
 def _spec_setting(records: Sequence[RunRecord], key: str) -> str | None:
@@ -245,30 +207,33 @@ def _spec_setting(records: Sequence[RunRecord], key: str) -> str | None:
     return values.pop() if len(values) == 1 else None
 
 
-def _choose_metric(records: Sequence[RunRecord], metric: str | None, mode: Mode | None) -> tuple[str, Mode]:
-    """The compared metric and its direction: explicit, else the spec's tune settings, else defaults."""
+def _choose_objectives(records: Sequence[RunRecord], metric: str | Sequence[str] | None,
+                       mode: Mode | Sequence[Mode] | None) -> tuple[list[str], list[Mode]]:
+    """The compared metric(s) and direction(s): explicit, else the spec's tune settings, else defaults. The first
+    is the table's metric; it must be a metric some run logged."""
     available = sorted({name for record in records for name in record.metrics})
-    spec_metric = _spec_setting(records, "tune.metric")
-    if metric is None:
-        metric = spec_metric or next((name for name in _DEFAULT_METRICS if name in available), None)
-        if metric is None:
+    spec_names = as_list(_spec_setting(records, "tune.metric"))
+    names = as_list(metric) if isinstance(metric, str) else list(metric) if metric is not None else None
+    if names is None:
+        default = next((name for name in _DEFAULT_METRICS if name in available), None)
+        names = spec_names or ([default] if default else None)
+        if names is None:
             raise ReportError(
                 f"no metric given and none of {list(_DEFAULT_METRICS)} was logged; "
                 f"pass --metric with one of: {', '.join(available) or '(no metrics logged)'}"
             )
-    if not any(metric in record.metrics for record in records):
+    if not any(names[0] in record.metrics for record in records):
         raise ReportError(
-            f"no run logged the metric {metric!r}; metrics that exist: "
+            f"no run logged the metric {names[0]!r}; metrics that exist: "
             f"{', '.join(available) or '(no metrics logged)'}. Pass one of them to --metric."
         )
-    if mode is None and metric == spec_metric:
-        spec_mode = _spec_setting(records, "tune.mode")
-        mode = spec_mode if spec_mode in ("min", "max") else None  # type: ignore[assignment]
-    if mode is None:
-        mode = infer_mode(metric)
-    if mode not in ("min", "max"):
-        raise ReportError(f"mode must be 'min' or 'max', got {mode!r}")
-    return metric, mode
+    modes = as_list(mode) if isinstance(mode, str) else list(mode) if mode is not None else None
+    if modes is None:
+        spec_modes = as_list(_spec_setting(records, "tune.mode"))
+        same = spec_names is not None and spec_modes is not None and len(spec_modes) == len(spec_names)
+        by_name = dict(zip(spec_names, spec_modes)) if same else {}  # type: ignore[arg-type]
+        modes = [by_name.get(name) for name in names]
+    return names, check_objectives(records, names, modes)
 
 
 def _group_keys(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> list[str]:
@@ -327,12 +292,14 @@ def _write_plots(
     reader: TrackingReader,
     groups: Sequence[MethodGroup],
     summary: Summary,
+    stats: Statistics,
     metric: str,
     mode: Mode,
     out_dir: Path,
 ) -> list[Path]:
     rows = summary.rows
-    written = [plot_score_vs_params(rows, metric, mode, out_dir / "score_vs_params.png")]
+    written = [plot_score_vs_params(rows, metric, mode, out_dir / "score_vs_params.png", stats),
+               plot_cost_front(rows, stats, metric, mode, out_dir / "cost_front.png")]
     by_label = {group.label: group for group in groups}
     # Table order (references first), so the curve colours match the reading order of the table.
     curves = {row.label: _seed_mean_curve(reader, by_label[row.label], metric) for row in rows}
@@ -346,7 +313,7 @@ def _write_plots(
 def _single_parent(runs: Sequence[Run]) -> str | None:
     """The sweep parent to attach the report to, when the experiment holds exactly one sweep."""
     known = {run.info.run_id for run in runs}
-    parents = _parent_ids(runs) & known
+    parents = parent_ids(runs) & known
     return parents.pop() if len(parents) == 1 else None
 
 
@@ -359,11 +326,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--experiment", required=True, help="MLflow experiment name (one study)")
     parser.add_argument("--parent-run", help="only the trials of this sweep parent run id")
     parser.add_argument(
-        "--metric", help="compared metric (default: the spec's tune.metric, else val/bleu|val/ppl|val/loss)"
+        "--metric", help="compared metric (default: the spec's tune.metric, else val/bleu|val/ppl|val/loss); "
+                         "several comma-separated are objectives: the first is compared, runs are marked "
+                         "non-dominated over all"
     )
     parser.add_argument(
-        "--mode", choices=("min", "max"), help="metric direction (default: tune.mode, else from the name)"
+        "--mode", help="min or max per metric, comma-separated (default: tune.mode, else from the name)"
     )
+    parser.add_argument("--alpha", type=float, default=0.05,
+                        help="level of the tests; intervals are 1 - alpha (default 0.05: 95%%)")
+    parser.add_argument("--bootstrap", action="store_true",
+                        help="add a percentile bootstrap interval of each method's mean")
     parser.add_argument("--reference", default="mha", help="PRR reference method: kind or full label")
     parser.add_argument(
         "--lower-reference",
@@ -399,11 +372,15 @@ def report_cli(argv: Sequence[str] | None = None) -> int:
             log_to_mlflow=not args.no_log,
             statuses=None if args.status.strip().lower() == "all" else
             [status.strip() for status in args.status.split(",") if status.strip()],
+            alpha=args.alpha,
+            bootstrap=args.bootstrap,
         )
     except ReportError as err:
         print(f"orchestrator report: error: {err}", file=sys.stderr)
         return 2
-    print(rows_to_markdown(report.rows, report.metric, report.mode))
+    print(rows_to_markdown(report.rows, report.metric, report.mode, report.stats))
+    if report.stats is not None:
+        print(comparison_markdown(report.rows, report.stats, report.reference, report.metric))
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(f"wrote {len(report.files)} files to {report.out_dir}")

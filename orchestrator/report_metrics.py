@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
-Mode = Literal["min", "max"]
+from orchestrator.pareto import Mode, Objective, non_dominated
 
 KIND_KEY = "model.attention.kind"
 EMBEDDING_KEY = "model.embedding.kind"
@@ -28,6 +27,8 @@ PARAMS_ATTENTION = "params.attention"
 PARAMS_TOTAL = "params.total"
 TOKENS_PER_S = "train/tokens_per_s"
 PEAK_MEMORY = "memory/peak_gb"
+SEED_KEYS = ("optim.seed", "seed")
+"""Where a run's seed is logged: the spec's `optim.seed` (set per trial by `tune.seeds`), else a plain `seed`."""
 
 # Substrings of a metric name that say which way is better. Inverse hints are checked first so that
 # e.g. "val/acc_loss" counts as a loss.
@@ -79,6 +80,14 @@ class MethodRow:
     peop: float
     tokens_per_s: float
     peak_memory_gb: float
+    seeds: tuple[str | None, ...] = ()
+    """Per run, in `run_ids` order: its seed (`seed_of`), None where no seed param was logged."""
+    scores: tuple[float, ...] = ()
+    """Per run: the compared score, the last logged value of the metric."""
+    tokens: tuple[float, ...] = ()
+    """Per run that logged it: the last train/tokens_per_s."""
+    memory: tuple[float, ...] = ()
+    """Per run that logged it: the last memory/peak_gb."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,11 @@ def param_value(params: Mapping[str, str], key: str) -> str | None:
     if value is None or value.strip() in _MISSING_VALUES:
         return None
     return value.strip()
+
+
+def seed_of(run: RunRecord) -> str | None:
+    """The run's seed: what pairs it with the run of another method that saw the same data order and init."""
+    return next((value for key in SEED_KEYS if (value := param_value(run.params, key)) is not None), None)
 
 
 def default_group_keys(runs: Sequence[RunRecord]) -> list[str]:
@@ -264,6 +278,10 @@ def _mean_of(values: Sequence[float]) -> float:
     return float(np.mean(finite)) if finite else math.nan
 
 
+def _logged(runs: Sequence[RunRecord], key: str) -> list[float]:
+    return [run.metrics[key] for run in runs if key in run.metrics]
+
+
 def _sample_std(values: Sequence[float]) -> float:
     """Seed std with ddof=1; NaN for one seed or a diverged (non-finite) one, where it means nothing."""
     if len(values) < 2 or not all(math.isfinite(value) for value in values):
@@ -355,8 +373,12 @@ def summarize(
                 params_total=_numeric_param(group.runs, PARAMS_TOTAL, label, warnings),
                 prr=prr(means[label], score_ref, mode),
                 peop=row_peop,
-                tokens_per_s=_mean_of([run.metrics.get(TOKENS_PER_S, math.nan) for run in group.runs]),
-                peak_memory_gb=_mean_of([run.metrics.get(PEAK_MEMORY, math.nan) for run in group.runs]),
+                tokens_per_s=_mean_of(_logged(group.runs, TOKENS_PER_S)),
+                peak_memory_gb=_mean_of(_logged(group.runs, PEAK_MEMORY)),
+                seeds=tuple(seed_of(run) for run in group.runs),
+                scores=tuple(scores[label]),
+                tokens=tuple(_logged(group.runs, TOKENS_PER_S)),
+                memory=tuple(_logged(group.runs, PEAK_MEMORY)),
             )
         )
     # Paper order: upper reference, lower reference, then the compared methods.
@@ -370,16 +392,4 @@ def pareto_front(params: Sequence[float], scores: Sequence[float], mode: Mode) -
 
     NaN points are never on the front.
     """
-    sign = 1.0 if mode == "max" else -1.0
-    on_front = []
-    for i, (p_i, s_i) in enumerate(zip(params, scores)):
-        if math.isnan(p_i) or math.isnan(s_i):
-            on_front.append(False)
-            continue
-        dominated = any(
-            p_j <= p_i and sign * s_j >= sign * s_i and (p_j < p_i or sign * s_j > sign * s_i)
-            for j, (p_j, s_j) in enumerate(zip(params, scores))
-            if j != i and not (math.isnan(p_j) or math.isnan(s_j))
-        )
-        on_front.append(not dominated)
-    return on_front
+    return non_dominated([Objective("params", "min", params), Objective("score", mode, scores)])

@@ -16,6 +16,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from orchestrator.report_compare import Statistics
 from orchestrator.report_metrics import MethodRow, Mode, pareto_front
 
 _DPI = 120
@@ -37,8 +38,20 @@ def _metric_axis_label(metric: str, mode: Mode) -> str:
     return f"{metric} ({'lower' if mode == 'min' else 'higher'} is better)"
 
 
-def plot_score_vs_params(rows: Sequence[MethodRow], metric: str, mode: Mode, path: Path) -> Path | None:
-    """Score against attention parameters on a log axis, with the Pareto front drawn as a step line.
+def _score_error(row: MethodRow, stats: Statistics | None) -> object:
+    """Error bar of a score: its confidence interval with `stats`, else the seed std; None without either."""
+    if stats is not None:
+        ci = stats.rows[row.label].ci
+        if math.isnan(ci.low):
+            return None
+        return [[row.score_mean - ci.low], [ci.high - row.score_mean]]
+    return None if math.isnan(row.score_std) else row.score_std
+
+
+def plot_score_vs_params(rows: Sequence[MethodRow], metric: str, mode: Mode, path: Path,
+                         stats: Statistics | None = None) -> Path | None:
+    """Score against attention parameters on a log axis, with the Pareto front drawn as a step line; error bars
+    are the score's confidence interval (`stats`), else the seed std.
 
     Returns None (no file) when no method logged its attention parameter count.
     """
@@ -53,7 +66,7 @@ def plot_score_vs_params(rows: Sequence[MethodRow], metric: str, mode: Mode, pat
         ax.errorbar(
             row.params_attention,
             row.score_mean,
-            yerr=None if math.isnan(row.score_std) else row.score_std,
+            yerr=_score_error(row, stats),
             fmt="o",
             color="tab:red" if on_front else "tab:gray",
             capsize=3,
@@ -71,6 +84,44 @@ def plot_score_vs_params(rows: Sequence[MethodRow], metric: str, mode: Mode, pat
     ax.set_ylabel(_metric_axis_label(metric, mode))
     ax.set_title(f"{metric} vs attention parameters")
     ax.grid(True, which="both", alpha=0.3)
+    return _save(fig, path)
+
+
+_COSTS = (("params", "attention parameters", "params_attention", None),
+          ("tokens/s", "training tokens/s (higher is better)", "tokens_per_s", "tokens_ci"),
+          ("peak memory", "peak memory, GB", "peak_memory_gb", "memory_ci"))
+
+
+def plot_cost_front(rows: Sequence[MethodRow], stats: Statistics, metric: str, mode: Mode,
+                    path: Path) -> Path | None:
+    """Quality against each cost on the report's Pareto front (params, tokens/s, peak memory), one panel each,
+    with interval bars on both axes: red on the front of the means, orange dominated only within the intervals,
+    grey surely dominated. None (no file) when no cost was logged by every method."""
+    panels = [cost for cost in _COSTS if cost[0] in stats.front_axes]
+    if not panels:
+        return None
+    fig = Figure(figsize=(4.2 * len(panels), 4.2), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (_, xlabel, attribute, interval_name) in zip(axes, panels):
+        for row in rows:
+            row_stats = stats.rows[row.label]
+            x = getattr(row, attribute)
+            xerr = None
+            if interval_name is not None:
+                interval = getattr(row_stats, interval_name)
+                if not math.isnan(interval.low):
+                    xerr = [[x - interval.low], [interval.high - x]]
+            color = "tab:red" if row_stats.on_front else "tab:orange" if row_stats.on_front_uncertain else "tab:gray"
+            ax.errorbar(x, row.score_mean, xerr=xerr, yerr=_score_error(row, stats), fmt="o", color=color, capsize=3)
+            ax.annotate(row.label, (x, row.score_mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        if attribute == "params_attention":
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(_metric_axis_label(metric, mode))
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(f"{metric} against cost: red on the front, orange within the intervals, grey dominated",
+                 fontsize=9)
     return _save(fig, path)
 
 

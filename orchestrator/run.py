@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from orchestrator.cluster_resources import ClusterView, view_cluster
+from orchestrator.deliver import deliver_outputs
 from orchestrator.evaluate import final_evaluation
 from orchestrator.layout import (
     META_FILE,
@@ -41,7 +42,7 @@ from orchestrator.preflight import (
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.pretrained import preflight as check_init_from
 from orchestrator.progress import failure_reason, next_step, verbose
-from orchestrator.ray_env import start_local_ray, train_worker_env, use_train_v2
+from orchestrator.ray_env import start_local_ray, stored_result, train_worker_env, use_train_v2
 from orchestrator.spec import ExperimentSpec, SpecError, check_gpus, spec_to_yaml
 from orchestrator.tracking.describe import (
     RUN_KEY_TAG,
@@ -227,14 +228,15 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
     the worker may have created the run after an outage at launch."""
     from ray.train import TrainingFailedError  # deferred: ray.train only after use_train_v2()
 
-    status, run_id, failure = "FAILED", handle.run_id, None
+    status, run_id, failure, delivered = "FAILED", handle.run_id, None, True
+    config = trainer.run_config  # Ray's paths on remote storage carry no scheme: the filesystem says where
+    run_folder = uri_of(config.storage_filesystem, join(config.storage_path, config.name))
     hint = f"\n{advice}" if advice else ""
     try:
         try:
             # A retried trial or a resume of a run that diverged (run.stop_on_nan) would diverge again: say so now,
             # instead of starting its workers to train back to the same step.
-            config = trainer.run_config
-            reason = diverged(uri_of(config.storage_filesystem, join(config.storage_path, config.name)))
+            reason = diverged(run_folder)
             if reason is not None:
                 failure = f"NonFiniteLoss: {reason}"
                 raise LaunchError(f"{label} failed: {failure}{hint}")
@@ -248,7 +250,7 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
             raise LaunchError(f"{label} was stopped at step {step} of {spec.optim.max_steps}{hint}")
         run_id = run_id or tracker.ensure_run(handle)
         try:
-            final = final_evaluation(spec, result, cache_dir=cache_dir, run_id=run_id)
+            final = final_evaluation(spec, result, run_folder, cache_dir=cache_dir)
         except Exception as err:  # noqa: BLE001 - training is done and checkpointed: say how to score it later
             final = {}
             message = f"{type(err).__name__}: {str(err)[:500]}"
@@ -256,6 +258,7 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
                   f"score them with `orchestrator evaluate {spec.name} --storage-path {spec.run.storage_path}`")
             if run_id is not None:
                 tracker.set_tags(run_id, {"test.error": message})
+        delivered = deliver_outputs(tracker, run_id, run_folder)
         status = "FINISHED"
         return result, run_id, final
     except SystemExit:  # Ctrl-C: Ray Train's SIGINT handler aborts the run, then sys.exit(0) in this thread
@@ -271,7 +274,10 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
         run_id = run_id or tracker.ensure_run(handle)
         if run_id is not None and status == "FAILED":
             tracker.set_tags(run_id, failure_tags(failure or "the launcher stopped before the run ended"))
-        if run_id is not None and not tracker.end_run(run_id, status):
+        if run_id is not None and not delivered:  # never FINISHED without its test scores and model
+            print(f"[{label}] the tracking server at {spec.tracking.uri} did not take every output of the run; "
+                  f"they wait in {run_folder} and the MLflow run stays open until `orchestrator resume` sends them")
+        elif run_id is not None and not tracker.end_run(run_id, status):
             print(f"[{label}] the tracking server at {spec.tracking.uri} did not take every metric point; they "
                   f"wait in {tracker.spool or 'memory'} and the MLflow run stays open until "
                   "`orchestrator resume` sends them")
@@ -349,16 +355,14 @@ def _extends(meta: Mapping[str, Any], spec: ExperimentSpec) -> bool:
 
 def _close_finished(spec: ExperimentSpec, tracker: MlflowTracker, handle: RunHandle) -> RunOutcome:
     """`resume` of a run that had finished training: send what its spool still holds and end its MLflow run."""
-    use_train_v2()  # Result.from_path reads V2 storage
-    from ray.train import Result
-
-    if handle.run_id is not None and not tracker.end_run(handle.run_id, "FINISHED"):
-        raise LaunchError(f"run {spec.name!r} finished, but {spec.tracking.uri} still does not take its spooled "
-                          f"metrics ({tracker.spool}); try again when the server is up")
-    print(f"[{spec.name}] had finished training; its spooled metrics are sent and its MLflow run is ended")
     folder = RunLayout(spec.run.storage_path, spec.name).folder
-    path, filesystem = ray_storage(folder)
-    result = Result.from_path(path, storage_filesystem=filesystem)
+    if handle.run_id is not None and not (deliver_outputs(tracker, handle.run_id, folder)
+                                          and tracker.end_run(handle.run_id, "FINISHED")):
+        raise LaunchError(f"run {spec.name!r} finished, but {spec.tracking.uri} still does not take its spooled "
+                          f"metrics ({tracker.spool}) or its outputs ({folder}); try again when the server is up")
+    print(f"[{spec.name}] had finished training; its spooled metrics and outputs are sent and its MLflow run is "
+          "ended")
+    result = stored_result(folder)
     return RunOutcome(name=spec.name, path=folder, metrics=dict(result.metrics or {}),
                       checkpoint=uri_of(result.filesystem, result.checkpoint.path) if result.checkpoint else None,
                       mlflow_run_id=handle.run_id)

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from orchestrator.cluster_resources import HEAD_RESOURCE, ClusterView
+from orchestrator.deliver import deliver_outputs
 from orchestrator.layout import RunLayout, finished, is_remote, mark_finished, ray_storage
 from orchestrator.name_lock import name_lock
 from orchestrator.preflight import check_data_files, check_labelled_data, check_storage, check_tracking
@@ -32,9 +33,19 @@ from orchestrator.run import (
 )
 from orchestrator.spec.search_space import resolve, to_param_space, validation_points
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
+from orchestrator.spec.loading import SEED_PATH
 from orchestrator.storage import use_storage
 from orchestrator.sweep_summary import summarize_sweep
-from orchestrator.tracking.describe import RUN_KEY_TAG, TRIAL_TAG, failure_tags, flatten, git_commit, run_handle
+from orchestrator.tracking.describe import (
+    POINT_TAG,
+    RUN_KEY_TAG,
+    SEED_TAG,
+    TRIAL_TAG,
+    failure_tags,
+    flatten,
+    git_commit,
+    run_handle,
+)
 from orchestrator.tracking.write import MlflowTracker, open_tracker
 from orchestrator.worker_config import WorkerConfig
 
@@ -87,6 +98,7 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     # Found by trial id first: a retried or restored trial keeps its child run.
     handle = describe_run(spec, run_name=run_name, role="trial", commit=commit, key=(TRIAL_TAG, trial_id),
                           run_path=run_path, parent_run_id=parent_run_id)
+    handle = replace(handle, tags={**handle.tags, **point_tags(config, spec.optim.seed)})
     handle = handle.with_run_id(tracker.ensure_run(handle))
     train_spec, init_checkpoint = stage_to_train(spec, storage_path=layout.trials_folder,
                                                  run_name=layout.trial_pretrain_name(trial_id),
@@ -100,6 +112,13 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     result, _, final = fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir, label=f"trial {trial_id}",
                                       advice=None)
     mark_finished(run_path, {**dict(result.metrics or {}), **final})
+
+
+def point_tags(config: dict[str, Any], seed: int) -> dict[str, str]:
+    """A trial's seed and its method point (the swept values but the seed): the runs of one point under every
+    seed of `tune.seeds` share POINT_TAG, and the report pairs the runs of two points by SEED_TAG."""
+    point = {path: value for path, value in config.items() if path != SEED_PATH}
+    return {SEED_TAG: str(seed), POINT_TAG: describe_config(point) or "(no swept values)"}
 
 
 def _tune_config(study: Study, cluster: ClusterView):
@@ -121,11 +140,19 @@ def _tune_config(study: Study, cluster: ClusterView):
     else:
         scheduler = FIFOScheduler()
     search_alg = None
+    metric, mode = spec.metric, spec.mode
     if settings.search == "optuna":
         from ray.tune.search.optuna import OptunaSearch
 
-        search_alg = OptunaSearch(seed=spec.optim.seed)
-    return tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler, search_alg=search_alg,
+        if len(spec.objectives) > 1:
+            # Optuna's multi-objective TPE through Ray Tune: the searcher holds the objectives; Tune's own metric
+            # and mode stay unset (Tune takes one metric, and refuses one given to both).
+            names, modes = zip(*spec.objectives)
+            search_alg = OptunaSearch(metric=list(names), mode=list(modes), seed=spec.optim.seed)
+            metric, mode = None, None
+        else:
+            search_alg = OptunaSearch(seed=spec.optim.seed)
+    return tune.TuneConfig(metric=metric, mode=mode, scheduler=scheduler, search_alg=search_alg,
                            num_samples=settings.num_samples,
                            max_concurrent_trials=max_concurrent_trials(spec, cluster),
                            trial_name_creator=_trial_name, trial_dirname_creator=_trial_name)
@@ -296,7 +323,7 @@ def _summarize(study: Study, outcome: SweepOutcome, tracker: MlflowTracker) -> N
     try:
         summarize_sweep(tracking_uri=spec.tracking.uri, tracker=tracker, experiment=spec.tracking.experiment,
                         parent_run_id=outcome.parent_run_id, name=spec.name, trials=outcome.trials,
-                        metric=spec.metric, mode=spec.mode,
+                        metric=spec.metric, mode=spec.mode, objectives=spec.objectives,
                         out_dir=RunLayout(spec.run.storage_path, spec.name).report_dir)
     except Exception as err:  # noqa: BLE001 - the trials are done; `orchestrator report` can redo this
         print(f"[{spec.name}] the sweep's summary was not logged to MLflow ({type(err).__name__}: {str(err)[:200]})")
@@ -310,17 +337,26 @@ def _send_trial_spools(spec: ExperimentSpec, layout: RunLayout) -> None:
 
 
 def _close_children(tracker: MlflowTracker, spec: ExperimentSpec, trials: list[dict[str, Any]]) -> None:
-    """Trials ASHA stopped were killed mid-run: mark their still-RUNNING child runs KILLED."""
+    """Child runs left RUNNING: a finished trial's gets the outputs it still owes (an outage at its end) and ends
+    FINISHED once they are in; one ASHA stopped mid-run ends KILLED; an errored one FAILED, with its reason."""
     experiment_id = tracker.experiment_id(spec.tracking.experiment)
     if experiment_id is None:
         return
+    layout = RunLayout(spec.run.storage_path, spec.name)
     for trial in trials:
-        run_id = tracker.find_run(experiment_id, TRIAL_TAG, str(trial["trial_id"]))
+        trial_id = str(trial["trial_id"])
+        run_id = tracker.find_run(experiment_id, TRIAL_TAG, trial_id)
         if run_id is None:
             continue
         trial["mlflow_run_id"] = run_id
-        if tracker.run_status(run_id) == "RUNNING":
-            if trial["error"]:
-                tracker.set_tags(run_id, failure_tags(trial["error"]))
-            tracker.end_run(run_id, "FAILED" if trial["error"] else "FINISHED" if trial["state"] == "done"
-                            and trial["metrics"].get("step") == spec.optim.max_steps else "KILLED")
+        if tracker.run_status(run_id) != "RUNNING":
+            continue
+        if trial["error"]:
+            tracker.set_tags(run_id, failure_tags(trial["error"]))
+            tracker.end_run(run_id, "FAILED")
+        elif trial["state"] == "done" and trial["metrics"].get("step") == spec.optim.max_steps:
+            trial_tracker = open_tracker(spec.tracking, layout.spool_of_trial(trial_id))
+            if deliver_outputs(trial_tracker, run_id, layout.trial_folder(trial_id)):
+                trial_tracker.end_run(run_id, "FINISHED")
+        else:
+            tracker.end_run(run_id, "KILLED")

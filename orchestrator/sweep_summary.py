@@ -1,9 +1,11 @@
 """What a sweep's parent MLflow run shows once its trials ended: the comparison `orchestrator report` makes.
 
 The parent gets the best trial (tags `sweep.best_trial`, `sweep.best_run_id`), a few summary metrics
-(`best/<metric>`, `trials/total|finished|errored`, and per method `prr/<method>` and `peop/<method>`), the
-report's files under `report/` (table as Markdown and CSV, plots) and, as its MLflow description
-(`mlflow.note.content`, shown on the run's page), the best trial and the PRR / PEoP table. A sweep without
+(`best/<metric>`, `trials/total|finished|errored`, per method `prr/<method>`, `peop/<method>`, its difference to
+the reference `diff/<method>` and Holm's p `p_holm/<method>`, per knob its fANOVA `importance/<knob>`), the
+report's files under `report/` (tables as Markdown and CSV, plots, importance, parallel coordinates) and, as its
+MLflow description (`mlflow.note.content`, shown on the run's page), the best trial, the PRR / PEoP table with
+intervals and the tests against the reference. A sweep without
 the report's reference method (e.g. a learning-rate sweep of one kind) gets everything but PRR / PEoP.
 Tracking trouble here never fails the sweep: its trials are done; `orchestrator report` can redo this.
 """
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.progress import describe_config
-from orchestrator.tracking.describe import NOTE_TAG
+from orchestrator.tracking.describe import MAX_TAG_CHARS, NOTE_TAG
 from orchestrator.tracking.write import MlflowTracker
 
 BEST_TRIAL_TAG = "sweep.best_trial"
@@ -41,7 +43,7 @@ def metric_key(label: str) -> str:
 
 
 def summary_metrics(trials: Sequence[Mapping[str, Any]], metric: str, mode: str,
-                    rows: Sequence[Any] = ()) -> dict[str, float]:
+                    rows: Sequence[Any] = (), report: Any = None) -> dict[str, float]:
     counts = {state: sum(t["state"] == state for t in trials) for state in ("done", "error")}
     metrics = {"trials/total": float(len(trials)), "trials/finished": float(counts["done"]),
                "trials/errored": float(counts["error"])}
@@ -53,6 +55,15 @@ def summary_metrics(trials: Sequence[Mapping[str, Any]], metric: str, mode: str,
             value = getattr(row, name)
             if value == value:  # NaN: not computed (the reference itself, or no lower reference)
                 metrics[f"{name}/{metric_key(row.label)}"] = float(value)
+    if report is not None and report.stats is not None:
+        for label, row_stats in report.stats.rows.items():
+            comparison = row_stats.comparison
+            if comparison is not None and comparison.p_value == comparison.p_value:
+                # The paired difference to the reference and Holm's p: sortable columns of the runs page.
+                metrics[f"diff/{metric_key(label)}"] = float(comparison.diff)
+                metrics[f"p_holm/{metric_key(label)}"] = float(row_stats.p_holm)
+    for knob, value in (report.importance if report is not None else {}).items():
+        metrics[f"importance/{metric_key(knob)}"] = float(value)
     return metrics
 
 
@@ -65,7 +76,8 @@ def note(name: str, metric: str, best: Mapping[str, Any] | None, table: str | No
         lines.append(f"No trial reported {metric}.")
     lines.append("")
     if table:
-        lines += ["PRR / PEoP (orchestrator report; files under the `report/` artifacts):", "", table]
+        lines += ["PRR / PEoP and the tests against the reference (orchestrator report; files, importance and "
+                  "plots under the `report/` artifacts):", "", table]
     elif problem:
         lines.append(f"No PRR / PEoP table: {problem}")
     return "\n".join(lines) + "\n"
@@ -73,27 +85,36 @@ def note(name: str, metric: str, best: Mapping[str, Any] | None, table: str | No
 
 def summarize_sweep(*, tracking_uri: str, tracker: MlflowTracker, experiment: str, parent_run_id: str | None,
                     name: str, trials: Sequence[Mapping[str, Any]], metric: str, mode: str,
-                    out_dir: Path | None) -> str | None:
+                    out_dir: Path | None, objectives: Sequence[tuple[str, str]] = ()) -> str | None:
     """Log the comparison to the parent run; returns where the report's files are (None without them)."""
     if parent_run_id is None:
         return None
     # Deferred: the report's pandas and matplotlib, only once a sweep has a parent run to summarize.
     from orchestrator.report import ReportError, build_report
-    from orchestrator.report_tables import rows_to_markdown
+    from orchestrator.report_tables import comparison_markdown, rows_to_markdown
 
     report, problem = None, None
     with tempfile.TemporaryDirectory(prefix="sweep-report-") as tmp:
         try:
-            report = build_report(tracking_uri, experiment, metric=metric, mode=mode, parent_run_id=parent_run_id,
-                                  out_dir=out_dir or Path(tmp), log_to_mlflow=True)
+            names = [name for name, _ in objectives] or metric
+            modes = [sense for _, sense in objectives] or mode
+            report = build_report(tracking_uri, experiment, metric=names, mode=modes,  # type: ignore[arg-type]
+                                  parent_run_id=parent_run_id, out_dir=out_dir or Path(tmp), log_to_mlflow=True)
         except ReportError as err:
             problem = str(err)
         except Exception as err:  # noqa: BLE001 - a tracking outage: the trials are done; report later
             problem = f"{type(err).__name__}: {str(err)[:300]}"
     best = best_trial(trials, metric, mode)
     rows = report.rows if report is not None else ()
-    tracker.log_metrics(parent_run_id, summary_metrics(trials, metric, mode, rows), step=0)
-    tags = {NOTE_TAG: note(name, metric, best, rows_to_markdown(rows, metric, mode) if report else None, problem)}
+    tracker.log_metrics(parent_run_id, summary_metrics(trials, metric, mode, rows, report), step=0)
+    table = None
+    if report is not None:
+        table = rows_to_markdown(rows, metric, mode, report.stats) + "\n" + \
+            comparison_markdown(rows, report.stats, report.reference, metric)  # type: ignore[arg-type]
+    description = note(name, metric, best, table, problem)
+    if len(description) > MAX_TAG_CHARS:  # a tag value's limit: the full tables are in report/report.md
+        description = description[:MAX_TAG_CHARS - 80] + "\n\n(cut here: the full tables are in report/report.md)\n"
+    tags = {NOTE_TAG: description}
     if best is not None:
         tags[BEST_TRIAL_TAG] = str(best["trial_id"])
         if best.get("mlflow_run_id"):

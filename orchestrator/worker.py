@@ -27,6 +27,7 @@ from torch import nn
 
 from models.config import AdaptiveInputConfig
 from orchestrator.checkpoint import TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.deliver import store_task_files
 from orchestrator.layout import (
     checkpoint_name,
     checkpoint_step,
@@ -89,6 +90,9 @@ class RayHooks:
         self.logger = MetricsLogger()
         self._uploading: list[Path] = []
         """Temporary folders of checkpoints Ray may still be uploading (run.checkpoint_upload=async)."""
+        self.sizes: dict[str, float] = {}
+        """params.attention / params.total, in every result reported to Tune (not logged as MLflow metrics: they
+        are params there), so a further objective of tune.metric may be a size (spec COST_OBJECTIVES)."""
         if rank == 0:
             tracking = spec.tracking
             self.tracker = MlflowTracker(tracking.uri, retries=tracking.retries, timeout_s=tracking.timeout_s,
@@ -115,7 +119,7 @@ class RayHooks:
         self.logger.log(metrics, step)
         # `evaluations` is ASHA's time unit: counted from the step, so a resumed trial keeps its rung even
         # though Tune's training_iteration restarts at 1 (a function trial has no Tune checkpoint).
-        report = {"step": step, "evaluations": Cadence.of(self.spec).reports_until(step), **metrics}
+        report = {"step": step, "evaluations": Cadence.of(self.spec).reports_until(step), **self.sizes, **metrics}
         # Every rank gathers (positions and RNG of all ranks); rank 0 alone gets a state to write.
         state = trainer.checkpoint_state(self.run_id) if checkpoint else None
         if not checkpoint:
@@ -171,12 +175,11 @@ class RayHooks:
             raise InjectedFailure(f"injected failure after step {step} (the fail_at_step hook of "
                                   "run.run_training and sweep.run_sweep)")
 
-    def log_artifacts(self, files: Mapping[str, Path]) -> None:
-        if self.tracker is None or self.run_id is None:
-            return
-        for name, path in files.items():
-            if Path(path).exists():
-                self.tracker.log_artifact(self.run_id, Path(path), artifact_path=f"task/{name}")
+    def store_task_files(self, files: Mapping[str, Path]) -> None:
+        """Rank 0: the task's files into the run's storage, which the launcher sends to MLflow when the run ends
+        (orchestrator/deliver.py: an outage then does not lose them)."""
+        if self.rank == 0:
+            store_task_files(self.cfg.run_path, files)
 
     def close(self, status: str) -> None:
         self.logger.close(status)
@@ -252,6 +255,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     hooks = RayHooks(cfg, spec, run, rank)
     counts = unwrap(trainer.model).parameter_counts()
     hooks.log_params({"params.attention": counts["attention"], "params.total": counts["total"]})
+    hooks.sizes = {"params.attention": float(counts["attention"]), "params.total": float(counts["total"])}
     if pretrained is not None:
         hooks.set_tags(pretrained.lineage_tags())
     hooks.set_tags(device_tags(ctx.device, world_size))
@@ -270,7 +274,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             raise
         hooks.wait_for_uploads()  # the last checkpoint is in storage before the run is called finished
         status = "FINISHED"
-        hooks.log_artifacts(trainer.task.artifacts())
+        hooks.store_task_files(trainer.task.artifacts())
     finally:
         if stop_system_metrics is not None:
             stop_system_metrics()

@@ -77,16 +77,25 @@ class Proc:
 
 
 def kill_tree(proc: Proc) -> None:
-    """SIGKILL the launcher, then its Ray processes (a local Ray dies with its driver; killing them at once
-    is that, without waiting on it)."""
+    """SIGKILL the launcher alone, as a user's `kill -9` or the OOM killer would: its local Ray must end with it
+    (orchestrator/ray_reaper.py), every process it had started gone within 10 s, Ray's agents and the Train
+    workers included."""
     tree = descendants(proc.popen.pid)
     os.kill(proc.popen.pid, signal.SIGKILL)
-    for pid, _ in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    proc.popen.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while (left := [cmd for pid, cmd in tree if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
     proc.end()
+    assert not left, f"still alive 10 s after the launcher's SIGKILL: {[cmd[:80] for cmd in left]}"
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is dead: in a container nobody may reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def descendants(pid: int) -> list[tuple[int, str]]:

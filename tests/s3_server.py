@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 

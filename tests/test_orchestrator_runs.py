@@ -9,6 +9,7 @@ import itertools
 import warnings
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -451,3 +452,30 @@ def test_artifacts_of_a_sqlite_store_live_next_to_it_whatever_the_working_direct
     assert main(["ui", str(Path(__file__).parents[1] / "configs" / "smoke.yaml"), f"tracking.uri={uri}"]) == 0
     [cmd] = commands
     assert cmd[cmd.index("--artifacts-destination") + 1] == str(store / "mlartifacts")
+
+
+@pytest.mark.slow
+def test_multi_objective_optuna_sweep_reports_its_non_dominated_trials(ray_cluster, workspace):
+    """Optuna's multi-objective TPE through Ray Tune on [val/ppl, params.attention]; the sweep's report marks the
+    trials no other beats on both, and logs hyperparameter importance and parallel coordinates to the parent."""
+    raw = tiny_spec("moo", workspace, model={"attention": {"kind": {"choice": ["mha", "sha"]}, "heads": 2}},
+                    optim={"lr": {"loguniform": [1e-3, 1e-2]}},
+                    tune={"scheduler": "fifo", "search": "optuna", "num_samples": 3, "seeds": [0],
+                          "metric": ["val/ppl", "params.attention"], "mode": ["min", "min"]})
+    outcome = run_sweep(study_from_raw(raw))
+    assert outcome.errors == 0 and len(outcome.trials) == 3
+    client = MlflowClient(workspace["uri"])
+    parent = outcome.parent_run_id
+    files = {f.path for f in client.list_artifacts(parent, "report")}
+    assert {"report/objectives.csv", "report/importance.csv", "report/parallel_coordinates.png"} <= files, files
+    children = client.search_runs([client.get_experiment_by_name("moo").experiment_id],
+                                  filter_string=f"tags.`{PARENT_TAG}` = '{parent}'")
+    assert {c.data.tags["orchestrator.seed"] for c in children} == {"0"}
+    assert all("lr=" in c.data.tags["orchestrator.point"] for c in children)
+    table = pd.read_csv(client.download_artifacts(parent, "report/objectives.csv"))
+    values = {row.run_id: (row["val/ppl"], row["params.attention"]) for _, row in table.iterrows()}
+    for _, row in table.iterrows():
+        mine = values[row.run_id]
+        beaten = any(v[0] <= mine[0] and v[1] <= mine[1] and v != mine for v in values.values())
+        assert row.non_dominated == (not beaten), table
+    assert table.non_dominated.any()

@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ray
 
-from orchestrator import ray_env
+from orchestrator import ray_env, ray_reaper
 
 
 class FakeRay:
@@ -21,6 +27,7 @@ class FakeRay:
         assert os.environ[ray_env.LOCAL_RAY] == "1"  # each attempt inherits the local Ray's environment
         if self.failures:
             raise self.failures.pop(0)
+        return SimpleNamespace(address_info={"session_dir": "/tmp/ray/session_stand_in"})
 
     def shutdown(self) -> None:
         self.shutdowns += 1
@@ -63,3 +70,59 @@ def test_any_other_start_failure_is_not_retried(fake):
     with pytest.raises(ValueError, match="num_cpus"):
         ray_env.start_local_ray(num_cpus=2)
     assert (stand_in.inits, stand_in.shutdowns) == (1, 0)
+
+
+# --- the local Ray ends with its launcher (orchestrator/ray_reaper.py) ------------------------------------------
+
+STUBBORN = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "log = open(sys.argv[1], 'a') if len(sys.argv) > 1 else None; print('up', flush=True); time.sleep(120)")
+"""A process that ignores SIGTERM, as Ray's DashboardAgent and RuntimeEnvAgent do; with an argument, it keeps
+that file open (Ray's processes keep their log files in their session folder open)."""
+
+
+def _stubborn(owner: str, log: Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, ray_reaper.OWNER_ENV: owner} if owner else dict(os.environ)
+    proc = subprocess.Popen([sys.executable, "-c", STUBBORN, *([str(log)] if log else [])], env=env,
+                            stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout.readline() == b"up\n"  # its handler is installed
+    return proc
+
+
+LAUNCHER = """
+import sys, time
+from orchestrator.ray_reaper import start_reaper, tell_session
+reaper = start_reaper("1-aa")
+tell_session(reaper, sys.argv[1])
+log = open(sys.argv[1] + "/logs/driver.log", "a")  # a driver keeps its own Ray logs open too
+print("up", flush=True)
+sys.stdin.readline()
+reaper.stdin.close()  # as the interpreter does while it finalizes: the launcher is still there
+time.sleep(1.0)
+"""
+"""A launcher stand-in: starts the reaper, tells it its session folder, and ends when told."""
+
+
+def test_the_reaper_kills_its_owners_processes_when_the_launcher_ends_and_no_others(tmp_path):
+    """Found by the owner in its environment, or by a file open in the launcher's Ray session folder (Ray's
+    renamed processes may have lost the environment /proc shows); the launcher itself, another owner's and
+    another session's processes live."""
+    (tmp_path / "session_mine" / "logs").mkdir(parents=True)
+    (tmp_path / "session_mine_2").mkdir()
+    by_env, by_session = _stubborn("1-aa"), _stubborn("", tmp_path / "session_mine" / "logs" / "agent.log")
+    others = [_stubborn("1-aab"), _stubborn("", tmp_path / "session_mine_2" / "agent.log")]  # prefixes are not matches
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "session_mine")],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ray_env.PROJECT_ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ray_env.PROJECT_ROOT)})
+    try:
+        assert launcher.stdout.readline() == b"up\n"
+        time.sleep(0.3)
+        assert by_env.poll() is None and by_session.poll() is None  # nothing happens while the launcher lives
+        launcher.stdin.write(b"end\n")
+        launcher.stdin.flush()
+        assert by_env.wait(timeout=10) == -signal.SIGKILL and by_session.wait(timeout=10) == -signal.SIGKILL
+        assert launcher.wait(timeout=15) == 0
+        assert all(proc.poll() is None for proc in others)
+    finally:
+        for proc in (by_env, by_session, *others, launcher):
+            proc.kill()
+            proc.wait()

@@ -266,7 +266,8 @@ def test_direct_metric_table_and_artifacts_on_parent_run(store, tmp_path):
 def test_plots_are_valid_pngs(store, tmp_path):
     report = build_report(store["uri"], "squad", metric="val/bleu", out_dir=tmp_path, log_to_mlflow=False)
     pngs = [path for path in report.files if path.suffix == ".png"]
-    assert {path.name for path in pngs} == {"score_vs_params.png", "curves.png", "knob_linformer_k.png"}
+    assert {path.name for path in pngs} == {"score_vs_params.png", "cost_front.png", "curves.png",
+                                            "knob_linformer_k.png", "parallel_coordinates.png"}
     for path in pngs:
         assert path.read_bytes()[:8] == PNG_SIGNATURE
         assert path.stat().st_size > 10_000, f"{path.name} looks empty"

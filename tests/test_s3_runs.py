@@ -14,7 +14,6 @@ import collections
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient

@@ -396,3 +396,39 @@ def test_train_and_sweep_refuse_to_overwrite_an_existing_run(tmp_path):
     with pytest.raises(LaunchError, match=r"already exists"):
         run_sweep(load_study(write(tmp_path, raw)))
     assert ray.is_initialized() == ray_was_running
+
+
+def test_tune_seeds_run_every_grid_point_once_per_seed():
+    from orchestrator.spec import expected_trials
+    from orchestrator.spec.search_space import grid_points
+
+    raw = base_raw(model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "sha", "heads": 2}]}},
+                   tune={"seeds": [3, 4, 5], "scheduler": "fifo"})
+    study = study_from_raw(raw)
+    assert expected_trials(study) == 6
+    assert sorted(point["optim.seed"] for point in grid_points(study.domains)) == [3, 3, 4, 4, 5, 5]
+    assert study.spec_for(grid_points(study.domains)[-1]).optim.seed == 5
+    with pytest.raises(SpecError, match="state the seeds once, in tune.seeds"):
+        study_from_raw({**raw, "optim": {"max_steps": 10, "seed": {"grid": [0, 1]}}})
+    with pytest.raises(SpecError, match="tune.seeds with search: optuna.*search: grid"):
+        study_from_raw(base_raw(tune={"seeds": [0, 1], "search": "optuna"}))
+    with pytest.raises(SpecError, match="distinct seeds"):
+        validate_spec(base_raw(tune={"seeds": [0, 0]}))
+
+
+def test_several_objectives_name_what_is_wrong():
+    good = validate_spec(base_raw(tune={"metric": ["val/ppl", "params.attention"], "mode": ["min", "min"],
+                                        "scheduler": "fifo"}))
+    assert good.objectives == [("val/ppl", "min"), ("params.attention", "min")] and good.metric == "val/ppl"
+    cases = [
+        ({"metric": ["val/ppl", "params.attention"], "mode": ["min", "min"]}, "tune.scheduler: asha stops trials"),
+        ({"metric": ["val/ppl", "val/flops"], "mode": ["min", "min"], "scheduler": "fifo"},
+         "objective 'val/flops' is reported by no run"),
+        ({"metric": ["params.attention", "val/ppl"], "mode": ["min", "min"], "scheduler": "fifo"},
+         "the first objective ranks checkpoints"),
+        ({"metric": ["val/ppl", "params.attention"], "mode": "min", "scheduler": "fifo"},
+         "give tune.mode as a list"),
+    ]
+    for tune, message in cases:
+        with pytest.raises(SpecError, match=message):
+            validate_spec(base_raw(tune=tune))

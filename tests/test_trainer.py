@@ -144,23 +144,6 @@ def test_a_kept_checkpoint_is_chosen_by_name_and_an_unknown_name_lists_the_kept_
         choose_checkpoint(result, _translation_spec(), "checkpoint_000000003", "test")
 
 
-def test_outputs_are_uploaded_through_the_storage_filesystem_not_a_local_path(tmp_path):
-    """Ray's paths on remote storage carry no scheme: only the filesystem says where they are. A filesystem
-    rooted elsewhere stands in for S3; the files must land under its root, not under the working directory."""
-    import pyarrow.fs
-
-    from orchestrator.evaluate import upload
-
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "test.hyp").write_text("a hypothesis\n")
-    remote = tmp_path / "bucket"
-    remote.mkdir()
-    upload(tmp_path / "out", pyarrow.fs.SubTreeFileSystem(str(remote), pyarrow.fs.LocalFileSystem()),
-           "runs/x/evaluation")
-    assert (remote / "runs" / "x" / "evaluation" / "test.hyp").read_text() == "a hypothesis\n"
-    assert not Path("runs/x/evaluation").exists()
-
-
 def test_evaluate_names_the_missing_run_and_the_storage_path(tmp_path, capsys):
     from orchestrator.cli import main
 

@@ -152,7 +152,11 @@ def test_the_sweep_parent_carries_the_reports_comparison(sweep):
     assert prr["prr/mha"] == pytest.approx(1.0) and prr["prr/mhe"] == pytest.approx(expected, rel=1e-6), prr
     assert "PRR" in tags["mlflow.note.content"] and "| mhe" in tags["mlflow.note.content"], tags["mlflow.note.content"]
     files = {f.path for f in client.list_artifacts(parent.info.run_id, "report")}
-    assert {"report/report.md", "report/report.csv", "report/score_vs_params.png"} <= files, files
+    assert {"report/report.md", "report/report.csv", "report/score_vs_params.png", "report/importance.csv",
+            "report/parallel_coordinates.png"} <= files, files
+    # Which knobs matter: fANOVA importances (orchestrator/report_importance.py) on the parent, summing to 1.
+    importance = {key: value for key, value in metrics.items() if key.startswith("importance/")}
+    assert importance and sum(importance.values()) == pytest.approx(1.0), importance
 
 
 def test_children_are_named_by_what_they_try_and_carry_the_swept_knobs_as_params(sweep):
@@ -310,5 +314,7 @@ def test_ui_parent_run_shows_the_reports_table_and_plot(sweep, ui, browser):
         image.wait_for()
         page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=image.element_handle())
         _screenshot(page, "mlflow-report-plot.png")
+        page.get_by_text("parallel_coordinates.png", exact=True).first.click()  # which knobs matter, as a plot
+        page.locator('img[src^="blob:"]').first.wait_for()
     finally:
         page.close()

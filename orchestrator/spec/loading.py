@@ -214,12 +214,32 @@ def study_from_raw(raw: Mapping[str, Any]) -> Study:
                 f"{path} cannot be searched: it configures the sweep itself; give it one value "
                 f"(search over task, model and optim fields)"
             )
+    domains += seed_domains(raw, domains)
     base: ExperimentSpec | None = None
     for assignment in validation_points(domains) if domains else iter([{}]):
         spec = validate_spec(resolve(raw, assignment), where=_trial_label(assignment))
         base = base or spec
     assert base is not None
     return Study(raw=raw, domains=domains, base=base)
+
+
+SEED_PATH = "optim.seed"
+
+
+def seed_domains(raw: Mapping[str, Any], domains: Sequence[Domain]) -> list[Domain]:
+    """`tune.seeds: [0, 1, 2]` as the grid domain it runs: every other grid point once per seed, at optim.seed (the
+    trial driver sets it from its config like any swept value). Stated once, in tune, so the report knows which
+    runs are the same point under another seed."""
+    tune = raw.get("tune")
+    seeds = tune.get("seeds") if isinstance(tune, Mapping) else None
+    if seeds is None:
+        return []
+    if any(d.path == SEED_PATH for d in domains):
+        raise SpecError(f"{SEED_PATH} is searched and tune.seeds is set: state the seeds once, in tune.seeds, and give "
+                        f"{SEED_PATH} no search domain")
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(seed, int) for seed in seeds):
+        raise SpecError(f"tune.seeds={seeds!r} must be a list of integer seeds, e.g. [0, 1, 2]")
+    return [Domain(SEED_PATH, "grid", tuple(seeds))]
 
 
 def load_study(path: str | Path, overrides: Sequence[str] = (), scale: str | None = None) -> Study:

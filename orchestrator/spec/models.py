@@ -19,6 +19,9 @@ from tasks import check_compatible
 from tasks.config import TaskConfig
 
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+COST_OBJECTIVES = ("params.attention", "params.total", "train/tokens_per_s", "memory/peak_gb", "train/loss")
+"""What every training run reports besides its task's metrics, so a further objective of tune.metric may be it:
+the sizes (orchestrator/worker.py reports them with every result) and the train/* of each report step."""
 
 
 class SpecError(ValueError):
@@ -196,10 +199,16 @@ class RunSettings(_Section):
 class TuneSettings(_Section):
     """How a sweep searches and schedules trials (the `tune:` block)."""
 
-    metric: str | None = None
-    """Metric compared across trials; must be one the task reports (default: the task's own, e.g. val/ppl)."""
-    mode: Literal["min", "max"] | None = None
-    """Whether lower or higher `metric` is better (default: the task's, e.g. min for val/ppl)."""
+    metric: str | list[str] | None = None
+    """Metric compared across trials; must be one the task reports (default: the task's own, e.g. val/ppl). A list
+    makes several objectives ([val/acc, params.attention]): the first is a task metric (it ranks checkpoints and
+    the report's table), the others task metrics or costs (COST_OBJECTIVES); needs scheduler: fifo."""
+    mode: Literal["min", "max"] | list[Literal["min", "max"]] | None = None
+    """Whether lower or higher `metric` is better (default: the task's, e.g. min for val/ppl); a list, one per
+    objective, when `metric` is a list."""
+    seeds: list[int] | None = None
+    """Seeds every method point runs with ([0, 1, 2]): each grid point once per seed (it sets optim.seed), so the
+    report pairs seed s of a method with seed s of the reference. Grid search only."""
     scheduler: Literal["asha", "fifo"] = "asha"
     """asha stops weak trials early at evaluation rungs; fifo runs every trial to max_steps."""
     grace_period: int = 1
@@ -227,7 +236,33 @@ class TuneSettings(_Section):
             raise ValueError("tune.max_concurrent must be >= 1, or omitted to derive it from the cluster")
         if self.max_failures < -1:
             raise ValueError("tune.max_failures must be >= 0, or -1 for unlimited retries")
+        if self.seeds is not None:
+            self._check_seeds()
+        if isinstance(self.metric, list) or isinstance(self.mode, list):
+            self._check_objectives()
         return self
+
+    def _check_seeds(self) -> None:
+        assert self.seeds is not None
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"tune.seeds={self.seeds} must list distinct seeds, e.g. [0, 1, 2]")
+        if self.search != "grid" and len(self.seeds) > 1:
+            raise ValueError(f"tune.seeds with search: {self.search}: a searcher proposes one point per trial, so "
+                             "its points cannot be repeated over seeds; search with one seed (tune.seeds: [0]), "
+                             "then run the chosen points as a grid (search: grid) with tune.seeds")
+
+    def _check_objectives(self) -> None:
+        metrics = self.metric if isinstance(self.metric, list) else [self.metric]
+        modes = self.mode if isinstance(self.mode, list) else [self.mode]
+        if not metrics or None in metrics or len(set(metrics)) != len(metrics):
+            raise ValueError(f"tune.metric={self.metric} must list distinct metric names, e.g. [val/acc, "
+                             "params.attention]")
+        if len(modes) != len(metrics) or None in modes:
+            raise ValueError(f"tune.metric lists {len(metrics)} objectives: give tune.mode as a list of as many "
+                             f"min/max, one per objective (got tune.mode={self.mode})")
+        if len(metrics) > 1 and self.scheduler == "asha":
+            raise ValueError(f"tune.metric has {len(metrics)} objectives but tune.scheduler: asha stops trials on one "
+                             "metric; set tune.scheduler: fifo (or give one metric)")
 
 
 class TrackingSettings(_Section):
@@ -305,11 +340,17 @@ class ExperimentSpec(_Section):
             self._check_pretrain()
         check_compatible(self.task, self.model)
         metrics = tuple(self.task.metrics)
-        if self.tune.metric is not None and self.tune.metric not in metrics:
+        objectives = self.tune.metric if isinstance(self.tune.metric, list) else [self.tune.metric]
+        if objectives[0] is not None and objectives[0] not in metrics:
             raise ValueError(
-                f"tune.metric={self.tune.metric!r} is not reported by task.kind={self.task.kind}; "
-                f"choose one of {list(metrics)}"
+                f"tune.metric={objectives[0]!r} is not reported by task.kind={self.task.kind}; "
+                f"choose one of {list(metrics)}" + (" (the first objective ranks checkpoints: a task metric)"
+                                                    if len(objectives) > 1 else "")
             )
+        for name in objectives[1:]:
+            if name not in metrics + COST_OBJECTIVES:
+                raise ValueError(f"tune.metric objective {name!r} is reported by no run of task.kind={self.task.kind}; "
+                                 f"choose among {list(metrics + COST_OBJECTIVES)}")
         if self.tune.metric is None or self.tune.mode is None:
             # Resolve the task's defaults so that the stored spec and the MLflow params say what was compared.
             tune = self.tune.model_copy(update={"metric": self.tune.metric or self.task.default_metric,
@@ -355,12 +396,20 @@ class ExperimentSpec(_Section):
 
     @property
     def metric(self) -> str:
-        """The compared metric: tune.metric, or the task's default."""
-        return self.tune.metric or self.task.default_metric
+        """The compared metric: tune.metric (the first of several objectives), or the task's default."""
+        return self.objectives[0][0]
 
     @property
     def mode(self) -> Literal["min", "max"]:
-        return self.tune.mode or self.task.default_mode
+        return self.objectives[0][1]
+
+    @property
+    def objectives(self) -> list[tuple[str, Literal["min", "max"]]]:
+        """(metric, mode) of each objective: one, or several when tune.metric is a list."""
+        metric, mode = self.tune.metric or self.task.default_metric, self.tune.mode or self.task.default_mode
+        if isinstance(metric, list):
+            return list(zip(metric, mode if isinstance(mode, list) else [mode] * len(metric)))
+        return [(metric, mode[0] if isinstance(mode, list) else mode)]
 
 
 _PRETRAIN_FIELDS = ("task", "optim", "run")

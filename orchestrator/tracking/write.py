@@ -224,7 +224,7 @@ class MlflowTracker:
         keeps them for the next launcher of this run (`orchestrator resume`)."""
         self._load_spool()
         self.flush(run_id, force=True)
-        if any(rid == run_id for rid, _ in self._pending):
+        if self.holds_unsent(run_id):
             return False
         return self._call("run end", lambda client: client.set_terminated(run_id, status=status) or True,
                           force=True) is not None
@@ -240,6 +240,25 @@ class MlflowTracker:
                 last[metric.key] = max(last.get(metric.key, metric.step), metric.step)
         return last
 
+    def steps_held(self, run_id: str, keys: Iterable[str]) -> dict[str, set[int]]:
+        """Per metric, the steps the run holds in MLflow or in the spool (the spool's alone when MLflow cannot
+        be asked): what must not be sent again."""
+        keys = list(keys)
+        self._load_spool()  # the worker may have spooled or sent points since
+        held: dict[str, set[int]] = {key: set() for key in keys}
+        history = self._call("metric history", lambda client: {
+            key: {m.step for m in client.get_metric_history(run_id, key)} for key in keys})
+        for key, steps in (history or {}).items():
+            held[key] |= steps
+        for rid, metric in self._pending:
+            if rid == run_id and metric.key in held:
+                held[metric.key].add(metric.step)
+        return held
+
+    def holds_unsent(self, run_id: str) -> bool:
+        """Points of `run_id` wait in this tracker (in memory, and in its spool file if it has one)."""
+        return any(rid == run_id for rid, _ in self._pending)
+
     # --- params, tags, metrics, artifacts ------------------------------------------------------------
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
@@ -248,9 +267,11 @@ class MlflowTracker:
             chunk = items[i : i + _BATCH]
             self._call("param logging", lambda client, chunk=chunk: client.log_batch(run_id, params=chunk))
 
-    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> bool:
+        """True when the server took them (or there were none)."""
         items = [RunTag(k, str(v)) for k, v in tags.items()]
-        self._call("tag logging", lambda client: client.log_batch(run_id, tags=items))
+        return not items or self._call("tag logging",
+                                       lambda client: client.log_batch(run_id, tags=items) or True) is not None
 
     def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int, *, once: bool = False) -> None:
         """Buffer and send. `once`: a training metric, sent only if the run does not hold that (metric, step)
@@ -363,9 +384,10 @@ class MlflowTracker:
             return
         self._spooled = bool(self._pending)
 
-    def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
-        self._call(f"artifact upload ({Path(path).name})",
-                   lambda client: client.log_artifact(run_id, str(path), artifact_path))
+    def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> bool:
+        """True when the store took the file."""
+        return self._call(f"artifact upload ({Path(path).name})",
+                          lambda client: client.log_artifact(run_id, str(path), artifact_path) or True) is not None
 
     def log_artifacts(self, run_id: str, directory: Path, artifact_path: str | None = None) -> None:
         """Every file under `directory`, as the artifact folder `artifact_path`."""

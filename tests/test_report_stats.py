@@ -1,0 +1,209 @@
+"""The report's statistics against scipy on the same numbers, from an MLflow store of seeded synthetic runs.
+
+Each method's per-seed scores are built from the reference's by adding a known difference and a fixed noise vector
+of mean 0 and sample std 1, so the paired t statistic is diff·√n by construction: a clear margin (p ~ 1e-9), a
+zero mean difference, and a margin whose p-value (~0.03) is below 0.05 alone but not after Holm's correction.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+from scipy import stats
+
+from orchestrator.pareto import Objective, non_dominated
+from orchestrator.report import PARENT_TAG, ReportError, build_report
+from orchestrator.report_objectives import as_list
+from orchestrator.report_stats import EXACT_BELOW, Interval, compare, holm, power_analysis
+
+SEEDS = 10
+NOISE = stats.zscore(np.random.default_rng(7).normal(size=SEEDS), ddof=1)  # mean 0, sample std 1 exactly
+T_03 = stats.t.isf(0.03 / 2, SEEDS - 1) / math.sqrt(SEEDS)  # a paired mean difference with p = 0.03 (sd 1)
+
+
+def _log(client: MlflowClient, experiment_id: str, kind: str, seed: int, score: float, *, parent: str | None = None,
+         params: int = 1000, extra: dict[str, str] | None = None, tokens: float = 100.0) -> None:
+    run = client.create_run(experiment_id, tags={PARENT_TAG: parent} if parent else {})
+    now = int(time.time() * 1000)
+    logged = {"model.attention.kind": kind, "optim.seed": str(seed), "params.attention": str(params), **(extra or {})}
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in logged.items()],
+                     metrics=[Metric("val/acc", score, now, 10), Metric("train/tokens_per_s", tokens, now, 10),
+                              Metric("memory/peak_gb", 1.0, now, 10)])
+    client.set_terminated(run.info.run_id)
+
+
+def _reference_scores() -> np.ndarray:
+    return 70.0 + 2.0 * np.random.default_rng(3).normal(size=SEEDS)
+
+
+# Each method's scores: the reference's plus a mean difference and the unit noise times a spread.
+METHODS = {"clear": (5.0, 1.0), "worse": (-5.0, 1.0), "same": (0.0, 1.0), "holm": (T_03, 1.0)}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Iterator[dict[str, object]]:
+    in_ram = Path("/dev/shm")
+    with tempfile.TemporaryDirectory(dir=in_ram if in_ram.is_dir() and os.access(in_ram, os.W_OK) else None) as d:
+        root = Path(d)
+        uri = f"sqlite:///{root}/mlflow.db"
+        client = MlflowClient(tracking_uri=uri)
+        paired = client.create_experiment("paired", artifact_location=(root / "a").as_uri())
+        parent = client.create_run(paired, run_name="sweep").info.run_id
+        ref = _reference_scores()
+        for seed in range(SEEDS):
+            _log(client, paired, "mha", seed, ref[seed], parent=parent, params=4000, tokens=100.0)
+            for i, (kind, (diff, spread)) in enumerate(METHODS.items()):
+                _log(client, paired, kind, seed, ref[seed] + diff + spread * NOISE[seed], parent=parent,
+                     params=1000 * (i + 1), tokens=100.0 + i)
+        client.set_terminated(parent)
+        unpaired = client.create_experiment("unpaired", artifact_location=(root / "b").as_uri())
+        for seed in range(4):  # mha on seeds 0-3, lsh on 10-14: nothing to pair
+            _log(client, unpaired, "mha", seed, 70.0 + NOISE[seed])
+        for seed in range(10, 15):
+            _log(client, unpaired, "lsh", seed, 72.0 + 2.0 * NOISE[seed - 10])
+        few = client.create_experiment("few", artifact_location=(root / "c").as_uri())
+        for seed in range(3):
+            _log(client, few, "mha", seed, ref[seed])
+            _log(client, few, "sha", seed, ref[seed] + 5.0 + NOISE[seed])
+        yield {"uri": uri, "client": client, "parent": parent, "ref": ref}
+
+
+def _row(table: pd.DataFrame, method: str) -> pd.Series:
+    return table.set_index("method").loc[method]
+
+
+def _scores(kind: str, ref: np.ndarray) -> np.ndarray:
+    diff, spread = METHODS[kind]
+    return ref + diff + spread * NOISE
+
+
+def test_intervals_p_values_and_verdicts_equal_scipys(store, tmp_path):
+    report = build_report(store["uri"], "paired", parent_run_id=store["parent"], metric="val/acc",
+                          lower_reference="none", out_dir=tmp_path)
+    ref = store["ref"]
+    table = report.table
+    low, high = stats.t.interval(0.95, SEEDS - 1, loc=np.mean(ref), scale=stats.sem(ref))
+    assert _row(table, "mha")[["score_ci_low", "score_ci_high"]].tolist() == pytest.approx([low, high])
+    for kind in METHODS:
+        x = _scores(kind, ref)
+        expected = stats.ttest_rel(x, ref)
+        row = _row(table, kind)
+        assert row["test"] == "paired t" and row["n_compared"] == SEEDS
+        assert row["diff"] == pytest.approx(np.mean(x - ref))
+        assert row["p_value"] == pytest.approx(expected.pvalue)
+        ci = expected.confidence_interval(0.95)
+        assert [row["diff_ci_low"], row["diff_ci_high"]] == pytest.approx([ci.low, ci.high])
+        assert row["score_ci_low"] == pytest.approx(stats.t.interval(0.95, SEEDS - 1, loc=np.mean(x),
+                                                                      scale=stats.sem(x))[0])
+    assert _row(table, "clear")["verdict"] == "better" and _row(table, "worse")["verdict"] == "worse"
+    assert _row(table, "same")["verdict"] == "indistinguishable"
+    # PRR's bootstrap interval holds the point PRR; the clear margin's lies wholly above 100%.
+    clear = _row(table, "clear")
+    assert clear["prr_ci_low"] <= clear["prr"] <= clear["prr_ci_high"] and clear["prr_ci_low"] > 1.0
+    assert "Holm's correction for 4 comparison(s)" in report.markdown
+
+
+def test_holm_turns_a_lone_significant_pair_indistinguishable(store, tmp_path):
+    report = build_report(store["uri"], "paired", metric="val/acc", lower_reference="none", out_dir=tmp_path,
+                          log_to_mlflow=False)
+    row = _row(report.table, "holm")
+    assert row["p_value"] == pytest.approx(0.03) and row["p_value"] < 0.05
+    # Third smallest of 4 p-values: Holm multiplies it by 4 - 3 + 1 = 2.
+    assert row["p_holm"] == pytest.approx(0.06)
+    assert row["verdict"] == "indistinguishable"
+    assert _row(report.table, "clear")["p_holm"] < 0.05  # a clear margin survives the correction
+    assert holm([0.01, 0.04, 0.03, math.nan]) == pytest.approx([0.03, 0.06, 0.06, math.nan], nan_ok=True)
+
+
+def test_unequal_seed_sets_use_welch_and_say_so(store, tmp_path):
+    report = build_report(store["uri"], "unpaired", metric="val/acc", lower_reference="none", out_dir=tmp_path,
+                          log_to_mlflow=False)
+    row = _row(report.table, "lsh")
+    lsh = 72.0 + 2.0 * NOISE[:5]
+    mha = 70.0 + NOISE[:4]
+    expected = stats.ttest_ind(lsh, mha, equal_var=False)
+    assert row["test"] == "Welch (unpaired)" and "seeds" in row["test_note"]
+    assert row["p_value"] == pytest.approx(expected.pvalue)
+    ci = expected.confidence_interval(0.95)
+    assert [row["diff_ci_low"], row["diff_ci_high"]] == pytest.approx([ci.low, ci.high])
+    assert "Welch (unpaired) (seeds" in report.markdown and "Welch's unpaired t-test" in report.markdown
+
+
+def test_few_seeds_use_the_exact_sign_flip_test(store, tmp_path):
+    report = build_report(store["uri"], "few", metric="val/acc", lower_reference="none", out_dir=tmp_path,
+                          log_to_mlflow=False)
+    row = _row(report.table, "sha")
+    assert 3 < EXACT_BELOW and row["test"] == "exact sign-flip"
+    # All 3 differences are positive: of the 2^3 sign flips only this one and its mirror are as extreme.
+    assert row["p_value"] == pytest.approx(2 / 8)
+    assert row["verdict"] == "indistinguishable" and "smallest possible p = 0.25" in row["test_note"]
+    assert math.isinf(row["mdd"])  # no difference can reach 0.05 with 3 seeds
+    assert row["seeds_needed"] >= 6  # the exact test needs 2 / 2^n < 0.05
+
+
+def test_power_matches_a_hand_computed_case():
+    # Paired t, effect d_z = 1 (mean difference = sd of differences), alpha 0.05 two-sided, power 0.8: the
+    # textbook answer (Cohen 1988; G*Power) is 10 pairs, actual power 0.803; 9 pairs give 0.76.
+    mdd, needed = power_analysis(1.0, [1.0], 10, 0.05)
+    assert needed == 10
+    t_crit = stats.t.ppf(0.975, 9)
+    # At the detectable difference the noncentral t with nc = mdd·√10 exceeds t_crit with probability 0.8.
+    assert stats.nct.sf(t_crit, 9, mdd * math.sqrt(10)) == pytest.approx(0.8, abs=1e-3)
+    assert mdd == pytest.approx(0.996, abs=1e-3)
+    # More spread, same difference: more seeds.
+    assert power_analysis(1.0, [2.0], 10, 0.05)[1] > 10
+
+
+def test_identical_scores_and_single_runs_give_no_verdict():
+    same = compare({"0": 1.0, "1": 2.0}, {"0": 1.0, "1": 2.0}, 0.95)
+    assert same.p_value == 1.0 and same.diff == 0.0
+    lone = compare({"0": 1.0}, {"0": 1.0, "1": 2.0}, 0.95)
+    assert lone.test == "" and math.isnan(lone.p_value)
+
+
+def test_pareto_front_counts_uncertainty():
+    # b is better than a on the score by the means, but their intervals overlap: a stays on the uncertain front.
+    score = Objective("score", "max", [1.0, 1.2, 0.5],
+                      [Interval(0.8, 1.2), Interval(1.1, 1.3), Interval(0.45, 0.55)])
+    params = Objective("params", "min", [10.0, 10.0, 10.0])
+    assert non_dominated([score, params]) == [False, True, False]
+    assert non_dominated([score, params], uncertain=True) == [True, True, False]
+
+
+def test_report_files_on_the_parent_run_include_importance_and_parallel_coordinates(store, tmp_path):
+    client = store["client"]
+    report = build_report(store["uri"], "paired", parent_run_id=store["parent"], metric="val/acc",
+                          lower_reference="none", out_dir=tmp_path)
+    files = {f.path for f in client.list_artifacts(store["parent"], "report")}
+    assert {"report/importance.csv", "report/parallel_coordinates.png", "report/cost_front.png"} <= files, files
+    assert set(report.importance) == {"model.attention.kind"} and report.importance["model.attention.kind"] == 1.0
+    assert pd.read_csv(tmp_path / "importance.csv")["param"].tolist() == ["model.attention.kind"]
+
+
+def test_several_objectives_mark_the_non_dominated_runs(store, tmp_path):
+    report = build_report(store["uri"], "paired", parent_run_id=store["parent"],
+                          metric=["val/acc", "params.attention"], mode=["max", "min"], lower_reference="none",
+                          out_dir=tmp_path, log_to_mlflow=False)
+    table = report.objectives.table
+    # Per run: non-dominated when no run is both as small and as accurate, one of them strictly.
+    values = [(row["params.attention"], row["val/acc"]) for _, row in table.iterrows()]
+    expected = [not any(p2 <= p1 and a2 >= a1 and (p2, a2) != (p1, a1) for p2, a2 in values) for p1, a1 in values]
+    assert table["non_dominated"].tolist() == expected and 0 < sum(expected) < len(expected)
+    assert set(table["params.attention"]) == {1000.0, 2000.0, 3000.0, 4000.0}
+    assert "Non-dominated runs" in report.markdown and (tmp_path / "objectives.csv").is_file()
+    # A sweep logs its list tune.metric as the list's repr; the report reads it back as the objectives.
+    assert as_list("['val/acc', 'params.attention']") == ["val/acc", "params.attention"]
+    assert as_list("val/acc,params.attention") == ["val/acc", "params.attention"]
+    with pytest.raises(ReportError, match="objective 'train/flops': no run logs it"):
+        build_report(store["uri"], "paired", metric=["val/acc", "train/flops"], mode=["max", "min"],
+                     out_dir=tmp_path / "x", log_to_mlflow=False)
