@@ -68,9 +68,7 @@ DELIVERED_FILE = "mlflow-delivered.json"
 REPORT_DIR = "report"
 """Sub-folder of a sweep's folder with its summary report's files (local storage only)."""
 CACHE_DIR = ".cache"
-"""An s3:// location is read and written through the one S3 filesystem of orchestrator/storage.py (its endpoint,
-region and credentials from the standard AWS settings); Ray Train gets the same filesystem (`ray_storage`).
-Tokenizers and prepared data, next to the runs of a local storage."""
+"""Tokenizers and prepared data, next to the runs of a local storage."""
 _CHECKPOINT_PREFIX = "checkpoint_"
 _CHECKPOINT_NAME = re.compile(rf"{_CHECKPOINT_PREFIX}(\d+)$")
 
@@ -188,9 +186,7 @@ def write_json(location: str, document: Any) -> None:
 
 
 def cache_dir_of(storage_path: str) -> str:
-    """An s3:// location is read and written through the one S3 filesystem of orchestrator/storage.py (its endpoint,
-region and credentials from the standard AWS settings); Ray Train gets the same filesystem (`ray_storage`).
-Tokenizers and prepared data: next to the runs when storage is local, else in the user's cache."""
+    """Tokenizers and prepared data: next to the runs when storage is local, else in the user's cache."""
     if not is_remote(storage_path):
         return str(Path(storage_path) / CACHE_DIR)
     return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attention-orchestrator")
