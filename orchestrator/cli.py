@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.layout import parent, resolve
-from orchestrator.preflight import LaunchError, check_data_files
+from orchestrator.preflight import LaunchError, check_data_files, check_storage
 from orchestrator.progress import set_verbose
 from orchestrator.spec import (
     SpecError,
@@ -302,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = study.base
         check_data_files(spec)
         if args.command == "validate":
+            check_storage(spec)  # train and sweep check it again, in their own preflight
             try:
                 _check_local_gpus(study)
             except SpecError as err:  # a cluster spec validated on a laptop: worth a note, not a failure

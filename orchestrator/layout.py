@@ -4,9 +4,9 @@ Storage is a local folder or a URI (s3://bucket/runs, gs://...), read and writte
 way. Under `<storage>/<name>`:
 
     orchestrator.json          the launcher's metadata: what `orchestrator resume NAME` needs (spec, MLflow ids)
-    .orchestrator.lock         while a launcher (train, sweep, resume) drives the name; local storage only
+    .orchestrator.lock         while a launcher (train, sweep, resume) drives the name (local or s3:// storage)
     checkpoint_<step>/         a run's checkpoints (nine digits: a storage listing reads as a training history)
-    mlflow-spool.jsonl         metric points the tracking server has not taken yet; local storage only
+    mlflow-spool.jsonl         metric points the tracking server has not taken yet (any storage)
     diverged.txt               once the run's loss became NaN or infinite: the reason, one line
     error.txt                  once the run failed: the whole error, tracebacks included
     finished.json              once a sweep's trial finished (trained, scored, MLflow run ended): its last report
@@ -19,6 +19,8 @@ way. Under `<storage>/<name>`:
     trials/pretrain-<id>/      a two-stage trial's pretraining stage
     report/                    a sweep's summary report, when storage is local
 
+An s3:// location is read and written through the one S3 filesystem of orchestrator/storage.py (its endpoint,
+region and credentials from the standard AWS settings); Ray Train gets the same filesystem (`ray_storage`).
 Tokenizers and prepared data live next to the runs (`<storage>/.cache`) when storage is local, else in the
 user's cache. Every other module asks a `RunLayout` (or the helpers below) for these paths; nobody joins or
 parses the names by hand.
@@ -35,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.fs
+
+from orchestrator.storage import is_s3, s3_filesystem
 
 META_FILE = "orchestrator.json"
 """Written next to a run's or sweep's Ray files: what `orchestrator resume NAME` needs (spec, MLflow ids)."""
@@ -96,8 +100,63 @@ def parent(location: str) -> str:
 
 
 def storage_fs(location: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    """The filesystem and path of a storage location: a URI, or a local path (made absolute)."""
+    """The filesystem and path of a storage location: a URI, or a local path (made absolute). s3:// goes to the
+    configured S3 store (orchestrator/storage.py), whose paths are `bucket/key` as Ray's are."""
+    if is_s3(location):
+        return s3_filesystem(), location.removeprefix("s3://").rstrip("/")
     return pyarrow.fs.FileSystem.from_uri(location if is_remote(location) else str(Path(location).resolve()))
+
+
+def ray_storage(location: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
+    """(storage_path, storage_filesystem) for Ray's RunConfig and Result.from_path: a local path as is, a URI as
+    the path on its filesystem (Ray's convention when it is given the filesystem), so that Ray's uploads and
+    reads go to the same store as the launcher's."""
+    if not is_remote(location):
+        return location, None
+    fs, path = storage_fs(location)
+    return path, fs
+
+
+def uri_of(filesystem: pyarrow.fs.FileSystem | None, path: str) -> str:
+    """The storage location of a path on a filesystem Ray returned (Result.path, Checkpoint.path): Ray's remote
+    paths carry no scheme."""
+    if filesystem is None or isinstance(filesystem, pyarrow.fs.LocalFileSystem) or "://" in path:
+        return path
+    return f"{filesystem.type_name}://{path}"
+
+
+def read_text(location: str) -> str | None:
+    """A file's text, or None when there is none."""
+    fs, path = storage_fs(location)
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read().decode()
+    except FileNotFoundError:
+        return None
+
+
+def write_text(location: str, text: str) -> None:
+    """Write a whole file, atomically: a local file through a temporary file and a rename, an object in one
+    upload (a reader, or a kill, sees the old content or the new, never a part)."""
+    if not is_remote(location):
+        path = Path(location)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        return
+    fs, path = storage_fs(location)
+    with fs.open_output_stream(path) as f:
+        f.write(text.encode())
+
+
+def remove(location: str) -> None:
+    """Delete a file if it exists."""
+    fs, path = storage_fs(location)
+    try:
+        fs.delete_file(path)
+    except FileNotFoundError:
+        pass
 
 
 def subfolders(location: str) -> list[str]:
@@ -117,30 +176,16 @@ def files_under(location: str) -> list[tuple[str, int, int]]:
 
 def read_json(location: str) -> Any:
     """The JSON document at `location`, or None when there is none (or only a cut-short one)."""
-    fs, path = storage_fs(location)
-    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+    text = read_text(location)
+    try:
+        return None if text is None else json.loads(text)
+    except ValueError:
         return None
-    with fs.open_input_stream(path) as f:
-        try:
-            return json.loads(f.read().decode())
-        except ValueError:
-            return None
 
 
 def write_json(location: str, document: Any) -> None:
-    """Write a JSON document whole: locally through a temporary file and a rename (a kill leaves the old
-    document or the new one); an object store's single upload is all-or-nothing by itself."""
-    data = json.dumps(document, indent=2).encode()
-    if not is_remote(location):
-        target = Path(location)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
-        return
-    fs, path = storage_fs(location)
-    with fs.open_output_stream(path) as f:
-        f.write(data)
+    """Write a JSON document whole (`write_text`: a kill leaves the old document or the new one)."""
+    write_text(location, json.dumps(document, indent=2))
 
 
 def cache_dir_of(storage_path: str) -> str:
@@ -181,28 +226,27 @@ def latest_checkpoint(run_folder: str) -> str | None:
     return join(run_folder, max(steps, key=steps.get)) if steps else None
 
 
-def spool_of(run_folder: str) -> str | None:
-    """The metric spool of a Train run's folder; None on remote storage (the buffer stays in memory)."""
-    return None if is_remote(run_folder) else str(Path(run_folder) / SPOOL_FILE)
+def spool_of(run_folder: str) -> str:
+    """The metric spool of a Train run's folder (a local file, or an object next to the run's checkpoints)."""
+    return join(run_folder, SPOOL_FILE)
+
+
+def exists(location: str) -> bool:
+    fs, path = storage_fs(location)
+    return fs.get_file_info(path).type == pyarrow.fs.FileType.File
 
 
 def mark_diverged(run_folder: str, reason: str) -> None:
     """Record that the run diverged. Resuming it from its checkpoints would diverge again (same state, data and
     RNG), so retries (run.max_failures, tune.max_failures, `orchestrator resume`) stop at once with the reason
     instead of training up to the same step again."""
-    fs, path = storage_fs(join(run_folder, DIVERGED_FILE))
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(path) as f:
-        f.write(reason.encode())
+    write_text(join(run_folder, DIVERGED_FILE), reason)
 
 
 def diverged(run_folder: str) -> str | None:
     """The reason the run at `run_folder` diverged, or None."""
-    fs, path = storage_fs(join(run_folder, DIVERGED_FILE))
-    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
-        return None
-    with fs.open_input_stream(path) as f:
-        return f.read().decode().strip() or "the loss became NaN or infinite"
+    text = read_text(join(run_folder, DIVERGED_FILE))
+    return None if text is None else text.strip() or "the loss became NaN or infinite"
 
 
 def record_error(run_folder: str, text: str) -> str | None:
@@ -267,8 +311,8 @@ class RunLayout:
         return cache_dir_of(self.storage)
 
     @property
-    def spool(self) -> str | None:
-        """A single run's metric spool (None on remote storage)."""
+    def spool(self) -> str:
+        """A single run's metric spool."""
         return spool_of(self.folder)
 
     @property
@@ -294,14 +338,13 @@ class RunLayout:
         """The Ray Train run name of a two-stage trial's pretraining stage (its folder under trials/)."""
         return f"{TRIAL_PRETRAIN_PREFIX}{trial_id}"
 
-    def spool_of_trial(self, trial_id: str) -> str | None:
-        """A trial's metric spool (None on remote storage)."""
+    def spool_of_trial(self, trial_id: str) -> str:
+        """A trial's metric spool."""
         return spool_of(self.trial_folder(trial_id))
 
     def trial_spools(self) -> list[str]:
         """The spool files that exist under trials/ (every trial's and pretraining stage's Train run)."""
-        spools = (spool_of(folder) for _, folder in self.stage_runs())
-        return [spool for spool in spools if spool is not None and Path(spool).is_file()]
+        return [spool for spool in (spool_of(folder) for _, folder in self.stage_runs()) if exists(spool)]
 
     def trials(self) -> list[tuple[str, str]]:
         """(trial id, Train run folder) of every trial that has a folder, by id."""
@@ -334,31 +377,37 @@ class RunLayout:
         return join(self.folder, META_FILE)
 
     def read_meta(self) -> dict[str, Any] | None:
-        fs, path = storage_fs(self.meta_path)
-        if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
-            return None
-        with fs.open_input_stream(path) as f:
-            return json.loads(f.read().decode())
+        text = read_text(self.meta_path)
+        return None if text is None else json.loads(text)
 
     def write_meta(self, meta: Mapping[str, Any]) -> None:
-        fs, path = storage_fs(self.meta_path)
-        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-        with fs.open_output_stream(path) as f:
-            f.write(json.dumps(meta, indent=2).encode())
+        write_json(self.meta_path, meta)
+
+    @property
+    def lock_location(self) -> str | None:
+        """The launcher's lock (orchestrator/name_lock.py): a local file, or an object with a lease on s3://;
+        None on other remote storage, which has no lock."""
+        return join(self.folder, LOCK_FILE) if not self.remote or is_s3(self.storage) else None
 
     @property
     def lock_path(self) -> Path | None:
-        """The launcher's lock file; None on remote storage, which has no lock."""
+        """The launcher's lock file on local storage (None on remote storage)."""
         return None if self.remote else Path(self.folder) / LOCK_FILE
 
     def lock_holder(self) -> dict[str, Any] | None:
         """What the lock says of the launcher holding it (pid, host, since), {} when unreadable; None when
-        there is no lock file (or no lock at all: remote storage)."""
-        if self.lock_path is None or not self.lock_path.exists():
+        there is no lock (or no lock at all: remote storage other than s3://)."""
+        if self.lock_location is None:
             return None
         try:
-            return json.loads(self.lock_path.read_text() or "{}")
-        except (OSError, json.JSONDecodeError):
+            text = read_text(self.lock_location)
+        except OSError:
+            return {}
+        if text is None:
+            return None
+        try:
+            return json.loads(text or "{}")
+        except json.JSONDecodeError:
             return {}
 
     def clear(self) -> None:

@@ -1,21 +1,17 @@
 """Checks that need the machine, not just the spec, done before Ray starts: a missing or empty data file
 fails here in a second with the field's name, not half a minute later inside a Ray worker; a tracking store
 that cannot be reached is refused unless the spec opts into offline logging; a multi-node cluster gets
-storage and tracking that every node reaches (`check_multi_node`, once the cluster is known); and a run name
-is held by one live launcher at a time (`name_lock`)."""
+storage and tracking that every node reaches (`check_multi_node`, once the cluster is known); and an s3://
+storage answers and takes writes (`check_storage`). (A run name is held by one live launcher at a time:
+orchestrator/name_lock.py.)"""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.layout import RunLayout, cache_dir_of, is_remote
+from orchestrator.layout import cache_dir_of, is_remote
+from orchestrator.storage import StorageError, check_s3_storage, is_s3, use_storage
 from orchestrator.spec import ExperimentSpec, SpecError
 
 if TYPE_CHECKING:  # mlflow is imported only by the commands that log
@@ -23,6 +19,18 @@ if TYPE_CHECKING:  # mlflow is imported only by the commands that log
 
 class LaunchError(RuntimeError):
     """A run or sweep cannot be started or resumed; the message says why and what to do."""
+
+
+def check_storage(spec: ExperimentSpec) -> None:
+    """The spec's run.storage_endpoint / storage_region become this process's S3 settings (storage.use_storage),
+    and an s3:// run.storage_path answers and takes writes, before any trial starts (SpecError naming the field
+    and the fix); local and other remote storage are checked by their first write."""
+    use_storage(spec.run.storage_endpoint, spec.run.storage_region)
+    if is_s3(spec.run.storage_path):
+        try:
+            check_s3_storage(spec.run.storage_path)
+        except StorageError as err:
+            raise SpecError(str(err)) from None
 
 
 def _data_files(spec: ExperimentSpec) -> list[tuple[str, list[Path]]]:
@@ -136,47 +144,3 @@ def check_multi_node(spec: ExperimentSpec, nodes: int, autoscaling: bool) -> Non
             "whichever node it runs on, so runs would be split across machines. Run `mlflow server` on the head "
             "(cluster.yaml starts one on port 5000) and set tracking.uri=http://<head-ip>:5000"
         )
-
-
-def process_alive(pid: int) -> bool:
-    """A process of this host with that pid runs (someone else's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
-@contextmanager
-def name_lock(layout: RunLayout) -> Iterator[None]:
-    """Hold the name's lock file (`RunLayout.lock_path`, created exclusively) while this process drives it: a
-    second train/sweep/resume of the same name is refused instead of racing the first over its checkpoints. A
-    lock left by a process of this host that is gone is taken over; on remote storage there is no lock."""
-    path = layout.lock_path
-    if path is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = layout.lock_holder() or {}
-            if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and \
-                    not process_alive(holder["pid"]):
-                path.unlink(missing_ok=True)  # stale: its launcher was killed
-                continue
-            raise LaunchError(
-                f"{layout.name!r} is in use by process {holder.get('pid', '?')} on {holder.get('host', '?')} "
-                f"(since {holder.get('since', '?')}); wait for it to end, or, if that process is gone, delete "
-                f"{path}") from None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        break
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)

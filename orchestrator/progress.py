@@ -71,11 +71,18 @@ def failure_reason(err: BaseException) -> str:
 
 def next_step(layout: RunLayout) -> str:
     """What to do after a failure: resume only when there is a checkpoint to resume from and resuming can end
-    otherwise (a run that diverged diverges again from its checkpoints)."""
-    if diverged(layout.folder) is not None and layout.has_checkpoint():
+    otherwise (a run that diverged diverges again from its checkpoints); a storage that does not answer, as in
+    an object store's outage, is named, with the resume to run once it answers."""
+    try:
+        started = layout.has_checkpoint()
+    except OSError as err:
+        return (f"the storage {layout.storage} did not answer ({str(err).splitlines()[0][:200]}); once it does, "
+                f"continue from the last checkpoint it holds with `orchestrator resume {layout.name} "
+                f"--storage-path {layout.storage}`")
+    if started and diverged(layout.folder) is not None:
         return ("a resume would diverge again from its checkpoints: change the spec as the error says and start it "
                 "under another name (name=...)")
-    if layout.has_checkpoint():
+    if started:
         return (f"continue it from its last checkpoint with `orchestrator resume {layout.name} "
                 f"--storage-path {layout.storage}`")
     return "it stopped before its first checkpoint, so its name is free: fix the cause and start it again"

@@ -26,7 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from orchestrator.layout import ray_storage
 from orchestrator.progress import VERBOSE_ENV, verbose
+from orchestrator.storage import storage_env
 from orchestrator.ray_reaper import OWNER_ENV, start_reaper, tell_session
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -69,8 +71,9 @@ def stored_result(run_folder: str) -> Any:
     before = checkpoint_log.level
     if not verbose():
         checkpoint_log.setLevel(logging.WARNING)
+    path, filesystem = ray_storage(run_folder)  # the S3 store of orchestrator/storage.py, as Ray Train wrote it
     try:
-        return Result.from_path(run_folder)
+        return Result.from_path(path, storage_filesystem=filesystem)
     finally:
         checkpoint_log.setLevel(before)
 
@@ -159,8 +162,9 @@ def on_local_ray() -> bool:
 
 def train_worker_env() -> dict[str, Any] | None:
     """Ray Train's `worker_runtime_env`: none on a local Ray (the raylet gave every worker the environment);
-    on a joined cluster the launcher's verbosity, which `tracking.ConsoleLogger` reads, and normal priority
-    for the training process (as Ray's job supervisor does for drivers)."""
+    on a joined cluster the launcher's verbosity, which `tracking.ConsoleLogger` reads, normal priority
+    for the training process (as Ray's job supervisor does for drivers), and the S3 endpoint and region
+    (orchestrator/storage.py; credentials stay with each node)."""
     if on_local_ray():
         return None
-    return {"env_vars": {VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0"}}
+    return {"env_vars": {VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0", **storage_env()}}

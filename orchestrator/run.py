@@ -25,17 +25,20 @@ from orchestrator.layout import (
     RunLayout,
     diverged,
     join,
+    ray_storage,
     record_error,
     spool_of,
     trained_to,
+    uri_of,
 )
+from orchestrator.name_lock import name_lock
 from orchestrator.preflight import (
     LaunchError,
     check_data_files,
     check_labelled_data,
     check_multi_node,
+    check_storage,
     check_tracking,
-    name_lock,
 )
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.pretrained import preflight as check_init_from
@@ -148,6 +151,7 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
     from orchestrator.worker import train_loop_per_worker
 
     resources = {"CPU": spec.run.cpus_per_worker}
+    ray_path, filesystem = ray_storage(storage_path)
     if spec.run.gpus_per_worker:
         resources["GPU"] = spec.run.gpus_per_worker
     return TorchTrainer(
@@ -159,7 +163,8 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
                                      resources_per_worker=resources),
         run_config=RunConfig(
             name=run_name,
-            storage_path=storage_path,
+            storage_path=ray_path,
+            storage_filesystem=filesystem,
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
             # Every checkpoint step is an evaluation step (trainer.Cadence), so every checkpoint has the score.
             checkpoint_config=CheckpointConfig(num_to_keep=spec.run.keep_checkpoints,
@@ -236,7 +241,8 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
     from ray.train import TrainingFailedError  # deferred: ray.train only after use_train_v2()
 
     status, run_id, failure, delivered = "FAILED", handle.run_id, None, True
-    run_folder = join(trainer.run_config.storage_path, trainer.run_config.name)
+    config = trainer.run_config  # Ray's paths on remote storage carry no scheme: the filesystem says where
+    run_folder = uri_of(config.storage_filesystem, join(config.storage_path, config.name))
     hint = f"\n{advice}" if advice else ""
     try:
         try:
@@ -314,6 +320,7 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
     worker after that step's report: a fault-injection hook for testing resume."""
     layout = RunLayout(spec.run.storage_path, spec.name)
     run_path = layout.folder
+    check_storage(spec)
     check_data_files(spec)
     check_labelled_data(spec, layout.cache_dir)
     check_init_from(spec)
@@ -353,8 +360,9 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
         except LaunchError as err:
             raise LaunchError(f"{err}\n{next_step(layout)}") from None
         layout.write_meta({**record, "mlflow_run_id": run_id, "status": "FINISHED"})
-    return RunOutcome(name=spec.name, path=result.path, metrics={**dict(result.metrics or {}), **final},
-                      checkpoint=result.checkpoint.path if result.checkpoint else None, mlflow_run_id=run_id)
+    return RunOutcome(name=spec.name, path=layout.folder, metrics={**dict(result.metrics or {}), **final},
+                      checkpoint=uri_of(result.filesystem, result.checkpoint.path) if result.checkpoint else None,
+                      mlflow_run_id=run_id)
 
 
 def _extends(meta: Mapping[str, Any], spec: ExperimentSpec) -> bool:
@@ -371,6 +379,7 @@ def _close_finished(spec: ExperimentSpec, tracker: MlflowTracker, handle: RunHan
                           f"metrics ({tracker.spool}) or its outputs ({folder}); try again when the server is up")
     print(f"[{spec.name}] had finished training; its spooled metrics and outputs are sent and its MLflow run is "
           "ended")
-    result = stored_result(RunLayout(spec.run.storage_path, spec.name).folder)
-    return RunOutcome(name=spec.name, path=result.path, metrics=dict(result.metrics or {}),
-                      checkpoint=result.checkpoint.path if result.checkpoint else None, mlflow_run_id=handle.run_id)
+    result = stored_result(folder)
+    return RunOutcome(name=spec.name, path=folder, metrics=dict(result.metrics or {}),
+                      checkpoint=uri_of(result.filesystem, result.checkpoint.path) if result.checkpoint else None,
+                      mlflow_run_id=handle.run_id)

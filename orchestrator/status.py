@@ -10,12 +10,12 @@ shows from storage alone, and the MLflow part says why it is absent. Reads only;
 from __future__ import annotations
 
 import math
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from orchestrator.layout import META_FILE, RunLayout, latest_checkpoint, resolve
-from orchestrator.preflight import LaunchError, process_alive
+from orchestrator.name_lock import holder_gone
+from orchestrator.preflight import LaunchError
 from orchestrator.spec import expected_trials, study_from_raw, validate_spec
 from orchestrator.tracking.describe import TRIAL_TAG
 from orchestrator.tracking.read import TrackingReader, ui_url
@@ -67,15 +67,15 @@ class Status:
 
 
 def _launcher(layout: RunLayout) -> str:
-    if layout.lock_path is None:
-        return "unknown (remote storage has no lock)"
+    if layout.lock_location is None:
+        return "unknown (this remote storage has no lock; s3:// and local storage have)"
     holder = layout.lock_holder()
     if holder is None:
         return "none"
-    pid, host = holder.get("pid"), holder.get("host")
-    if host == socket.gethostname() and isinstance(pid, int) and not process_alive(pid):
+    if holder_gone(holder):
         return "none (a launcher died; its lock is taken over by the next one)"
-    return f"live: pid {pid} on {host} since {holder.get('since', '?')}"
+    renewed = f", lease renewed {holder['renewed']}" if "renewed" in holder else ""
+    return f"live: pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since', '?')}{renewed}"
 
 
 def read_status(name: str, storage: str) -> Status:

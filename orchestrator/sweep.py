@@ -17,8 +17,9 @@ import yaml
 
 from orchestrator.cluster_resources import HEAD_RESOURCE, ClusterView
 from orchestrator.deliver import deliver_outputs
-from orchestrator.layout import RunLayout, finished, is_remote, mark_finished
-from orchestrator.preflight import check_data_files, check_labelled_data, check_tracking, name_lock
+from orchestrator.layout import RunLayout, finished, is_remote, mark_finished, ray_storage
+from orchestrator.name_lock import name_lock
+from orchestrator.preflight import check_data_files, check_labelled_data, check_storage, check_tracking
 from orchestrator.pretrained import preflight as check_init_from
 from orchestrator.progress import (
     SweepProgress,
@@ -41,6 +42,7 @@ from orchestrator.run import (
 from orchestrator.spec.search_space import resolve, to_param_space, validation_points
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
 from orchestrator.spec.loading import SEED_PATH
+from orchestrator.storage import use_storage
 from orchestrator.sweep_summary import summarize_sweep
 from orchestrator.tracking.describe import (
     POINT_TAG,
@@ -92,6 +94,7 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     quiet_exit_in_finalizers()
     trial_id = tune.get_context().get_trial_id()
     spec = validate_spec(resolve(study_raw, config), where=f"trial {trial_id}")
+    use_storage(spec.run.storage_endpoint, spec.run.storage_region)  # a driver on another node: its own process
     # What the trial tries, then its id: the MLflow runs page lists children by name.
     run_name = f"{describe_config(config) or spec.name} ({trial_id})"
     layout = RunLayout(spec.run.storage_path, spec.name)
@@ -235,6 +238,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     study = pin_paths(study)
     spec = study.base
     layout = RunLayout(spec.run.storage_path, spec.name)
+    check_storage(spec)
     check_data_files(spec)
     check_labelled_data(spec, layout.cache_dir)
     for assignment in validation_points(study.domains) if study.domains else [{}]:
@@ -262,16 +266,19 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
             from orchestrator.ray_console import quiet_tune
 
             tune_verbosity = quiet_tune()  # a restored Tuner too: its logger and reporter would print tracebacks
-            if resume and tune.Tuner.can_restore(layout.folder):
+            tune_path, filesystem = ray_storage(layout.folder)
+            if resume and tune.Tuner.can_restore(tune_path, storage_filesystem=filesystem):
                 # resume_errored, not restart_errored: a restarted trial is reset to a new trial id, which would
                 # start a new Train run from scratch under a new child MLflow run.
-                tuner = tune.Tuner.restore(layout.folder, trainable, resume_unfinished=True, resume_errored=True)
+                tuner = tune.Tuner.restore(tune_path, trainable, resume_unfinished=True, resume_errored=True,
+                                           storage_filesystem=filesystem)
             else:
                 tuner = tune.Tuner(
                     trainable,
                     param_space=to_param_space(study.domains, spec.tune.search),
                     tune_config=_tune_config(study, cluster),
-                    run_config=tune.RunConfig(name=spec.name, storage_path=layout.storage,
+                    run_config=tune.RunConfig(name=spec.name, storage_path=ray_storage(layout.storage)[0],
+                                              storage_filesystem=filesystem,
                                               failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
                                               verbose=tune_verbosity, callbacks=[_console(study)]),
                 )
@@ -315,7 +322,7 @@ def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_i
         best = {"config": best_result.config, "metrics": dict(best_result.metrics or {})}
     except RuntimeError:
         best = None  # no trial reported the metric
-    return SweepOutcome(name=spec.name, path=grid.experiment_path, parent_run_id=parent_run_id, trials=trials,
+    return SweepOutcome(name=spec.name, path=layout.folder, parent_run_id=parent_run_id, trials=trials,
                         best=best, errors=errors, interrupted=interrupted,
                         resumable=layout.has_checkpoint(), metric=spec.metric)
 

@@ -40,6 +40,7 @@ from orchestrator.layout import (
 from orchestrator.pretrained import load as load_pretrained
 from orchestrator.progress import quiet_exit_in_finalizers, verbose
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
+from orchestrator.storage import use_storage
 from orchestrator.tracking.describe import RunHandle, device_tags
 from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger
 from orchestrator.tracking.write import MlflowTracker, start_system_metrics
@@ -95,7 +96,7 @@ class RayHooks:
         if rank == 0:
             tracking = spec.tracking
             self.tracker = MlflowTracker(tracking.uri, retries=tracking.retries, timeout_s=tracking.timeout_s,
-                                         spool=Path(cfg.spool) if cfg.spool else None)
+                                         spool=cfg.spool)
             self.mlflow = MlflowLogger(self.tracker, lambda: self.tracker.ensure_run(run))
             self.logger = MetricsLogger([ConsoleLogger(cfg.label, spec.optim.max_steps), self.mlflow])
 
@@ -233,6 +234,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     quiet_train_reports()
     cfg: WorkerConfig = config[WORKER_CONFIG]
     spec = ExperimentSpec.model_validate(cfg.spec)
+    use_storage(spec.run.storage_endpoint, spec.run.storage_region)  # the launcher's store, on any node
     if diverged(cfg.run_path) is not None:
         # Ray Train's retry of a run that diverged (run.max_failures): it would diverge again from its checkpoints.
         # Every rank ends at once, without an error (an error would be retried again); the launcher finds the

@@ -27,8 +27,8 @@ class WorkerConfig:
     run_path: str
     """The Train run's storage folder (local path or URI): where its checkpoints are, registered or not."""
     spool: str | None = None
-    """Local file for metric points the tracking server has not taken yet (layout.SPOOL_FILE in the run's
-    storage folder; None when storage is remote)."""
+    """Where metric points the tracking server has not taken yet wait (layout.SPOOL_FILE in the run's storage
+    folder: a local file, or an object on s3://)."""
     fail_at_step: int | None = None
     """Raise InjectedFailure after this step (tests of resume)."""
     init_checkpoint: str | None = None

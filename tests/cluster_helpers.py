@@ -72,12 +72,13 @@ def end_ray_in(temp_dir: str) -> None:
 
 class LocalCluster:
     """`ray.cluster_utils.Cluster` in a child process; `add_node(**node_args)` returns the node's Ray id and
-    raylet PID, `remove_node(node_id)` kills that node's processes (a lost machine)."""
+    raylet PID, `remove_node(node_id)` kills that node's processes (a lost machine). `env`: what every node's
+    processes get besides (a node's own S3 credentials, as an instance role gives a cloud node)."""
 
-    def __init__(self, **head_args: Any):
+    def __init__(self, env: dict[str, str] | None = None, **head_args: Any):
         self.temp_dir = short_temp_dir("rc")
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.cluster_helpers", json.dumps(head_args)],
-                                     cwd=ROOT, env=private_env(self.temp_dir), stdin=subprocess.PIPE,
+                                     cwd=ROOT, env=private_env(self.temp_dir, **(env or {})), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
         try:
             reply = self._reply()

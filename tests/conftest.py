@@ -84,3 +84,36 @@ def server(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real S3 server (SeaweedFS, tests/s3_server.py) on 127.0.0.1 for the session, started only when a test
+    asks for it; the tests skip, saying why, only where the `weed` binary cannot run."""
+    from tests.s3_server import SeaweedS3, usable_reason
+
+    reason = usable_reason()
+    if reason:
+        pytest.skip(reason)
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        server.start()
+    except (OSError, RuntimeError) as err:
+        pytest.skip(f"SeaweedFS does not run on this machine: {err}"[:500])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The session's S3 server with its credentials and endpoint in this process's environment (as a user
+    exports them) and a storage root of this test's own: yields (server, "s3://<bucket>/<prefix>")."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    if s3_server.proc is None:  # an outage test that failed half-way: the next test needs it up
+        s3_server.start()
+    return s3_server, s3_server.new_root()

@@ -76,6 +76,28 @@ class Proc:
         self.popen.wait(timeout=30)
 
 
+def kill_tree(proc: Proc) -> None:
+    """SIGKILL the launcher alone, as a user's `kill -9` or the OOM killer would: its local Ray must end with it
+    (orchestrator/ray_reaper.py), every process it had started gone within 10 s, Ray's agents and the Train
+    workers included."""
+    tree = descendants(proc.popen.pid)
+    os.kill(proc.popen.pid, signal.SIGKILL)
+    proc.popen.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while (left := [cmd for pid, cmd in tree if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.end()
+    assert not left, f"still alive 10 s after the launcher's SIGKILL: {[cmd[:80] for cmd in left]}"
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is dead: in a container nobody may reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def descendants(pid: int) -> list[tuple[int, str]]:
     """(pid, command line) of every process below `pid` (Ray's raylet starts the workers)."""
     children: dict[int, list[int]] = collections.defaultdict(list)
@@ -110,22 +132,27 @@ def wait_for(condition, timeout: float, what: str, proc: Proc | None = None):
 
 
 class MlflowServer:
-    """`mlflow server` on 127.0.0.1 with a SQLite store; stop() and start() again keep the store."""
+    """`mlflow server` on 127.0.0.1 with a SQLite store; stop() and start() again keep the store. With
+    `artifacts` (s3://bucket/prefix) and `env` (the S3 settings), artifacts go to S3 as on a cloud cluster:
+    `--artifacts-destination`, proxied by the server (clients need no S3 credentials)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, artifacts: str | None = None, env: dict[str, str] | None = None):
         self.root, self.port = root, free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.artifacts, self.env = artifacts, env or {}
 
     def start(self) -> None:
+        artifacts = (["--artifacts-destination", self.artifacts] if self.artifacts else
+                     ["--default-artifact-root", str(self.root / "artifacts")])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1",
+             *artifacts, "--host", "127.0.0.1",
              "--port", str(self.port), "--workers", "1",
              # As an on-prem server names its hosts: `localhost` is then refused (403), as a hostname missing from
              # the list is (test_faults.py::test_host_outside_allowed_hosts_is_named_with_the_server_flag).
              "--allowed-hosts", f"127.0.0.1:{self.port}"],
-            cwd=self.root, env=process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            cwd=self.root, env=process_env(**self.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
         def healthy() -> bool:
             try:

@@ -4,11 +4,13 @@ a head and worker raylets with their own resources), Ray's fake autoscaler (`ray
 server` on 127.0.0.1. The launcher always runs as its own process joined through RAY_ADDRESS, as under
 `ray job submit` on a real cluster; the pytest process never joins these clusters (tests/cluster_helpers.py).
 
-Storage in these tests is a local folder that every fake node sees (they are one machine), so specs state
-it with run.shared_storage=true, as a user does for an NFS mount."""
+Storage in the node-loss case is an S3 bucket (SeaweedFS on 127.0.0.1, tests/s3_server.py), as on a cloud
+cluster; elsewhere a local folder that every fake node sees (they are one machine), which specs state with
+run.shared_storage=true, as a user does for an NFS mount."""
 
 from __future__ import annotations
 
+import collections
 import re
 import subprocess
 import sys
@@ -22,7 +24,6 @@ from tests.cluster_helpers import LocalCluster, RayHead, private_env, ray_cli
 from tests.real_runs import (
     CHECKPOINT_EVERY,
     assert_one_point_per_step,
-    checkpoint_on_disk,
     descendants,
     orchestrator,
     runs_of,
@@ -38,10 +39,14 @@ TRIAL_DRIVER = "ray::ImplicitFunc"
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
     """Head (no CPUs: it runs the trial drivers and their Train controllers, never training) + 2 worker nodes
-    of 2 CPUs each: 3 nodes."""
-    cluster = LocalCluster(num_cpus=0)
+    of 2 CPUs each: 3 nodes, each with the S3 server's credentials in its environment (a cloud node's role)
+    where SeaweedFS runs here."""
+    from tests.s3_server import usable_reason
+
+    env = request.getfixturevalue("s3_server").env if usable_reason() is None else {}
+    cluster = LocalCluster(env=env, num_cpus=0)
     try:
         workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
         yield cluster, workers
@@ -72,22 +77,28 @@ def test_node_local_storage_is_refused_on_a_multi_node_cluster(tmp_path, cluster
     assert not (tmp_path / "runs" / "local-storage" / "trials").exists()
     assert runs_of(server.uri, "local-storage") == []  # refused before the sweep's parent run: nothing to clean up
 
-def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server):
-    """3 trials on 3 nodes (drivers on the head, one Train worker each on the 2 worker nodes); once every trial
-    has a checkpoint, the worker node holding a Train worker is removed (all its processes SIGKILLed, as a
-    machine lost without notice) and a replacement joins. The lost trials' Train runs restart from their last
-    checkpoint on the other nodes under their living drivers: the sweep ends with 1 parent + 3 children, all
-    FINISHED, each child holding one point per metric at every step (none missing, none logged twice)."""
+def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server, s3):
+    """3 trials on 3 nodes (drivers on the head, one Train worker each on the 2 worker nodes), checkpoints in an
+    S3 bucket; once every trial has a checkpoint there, the worker node holding a Train worker is removed (all
+    its processes SIGKILLed, as a machine lost without notice) and a replacement joins. The lost trials' Train
+    runs restart from their last checkpoint in the bucket on the other nodes under their living drivers: the
+    sweep ends with 1 parent + 3 children, all FINISHED, each child holding one point per metric at every step
+    (none missing, none logged twice)."""
     cluster, workers = cluster
+    s3_server, root = s3
     steps = 32  # room after the first checkpoints for the node loss to land mid-run
     spec = write_spec(tmp_path, "node-loss", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]}, "max_steps": steps},
-                      run={"shared_storage": True})
-    proc = orchestrator(tmp_path, "sweep", str(spec), env=joined(cluster))
-    trials = tmp_path / "runs" / "node-loss" / "trials"
+                      run={"storage_path": f"{root}/runs"})
+    proc = orchestrator(tmp_path, "sweep", str(spec), env={**joined(cluster), **s3_server.env})
+    bucket, prefix = root.removeprefix("s3://").split("/", 1)
 
     def all_checkpointed() -> bool:
-        folders = list(trials.glob("train-*"))
-        return len(folders) == 3 and all(checkpoint_on_disk(f, CHECKPOINT_EVERY) for f in folders)
+        steps_of = collections.defaultdict(set)
+        for key in s3_server.keys(bucket, f"{prefix}/runs/node-loss/trials/train-"):
+            parts = key.split("/")
+            if len(parts) > 2 and parts[-1] == "state.pt":
+                steps_of[parts[-3]].add(int(parts[-2].removeprefix("checkpoint_")))
+        return len(steps_of) == 3 and all(max(s) >= CHECKPOINT_EVERY for s in steps_of.values())
 
     wait_for(all_checkpointed, 400, "a checkpoint of every trial", proc)
     hosting = {w["node_id"]: [pid for pid, cmd in descendants(w["raylet_pid"]) if cmd.startswith(TRAIN_WORKER)]
@@ -115,6 +126,7 @@ def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server):
     assert len(kids) == 3 and {k.info.status for k in kids} == {"FINISHED"}, [(k.info.run_name, k.info.status) for k in kids]
     for kid in kids:
         assert kid.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert kid.data.tags[CHECKPOINTS_TAG].startswith(f"{root}/runs/node-loss/trials/train-")
         assert_one_point_per_step(server.uri, kid.info.run_id, last_step=steps)
     cluster.remove_node(replacement["node_id"])
 

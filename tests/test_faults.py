@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from tests.real_runs import (
     checkpoint_on_disk,
     descendants,
     free_port,
+    kill_tree,
     last_logged_step,
     orchestrator,
     points_per_step,
@@ -42,28 +42,6 @@ def kill_after_checkpoint(proc: Proc, run_folder: Path, step: int, uri: str, exp
     wait_for(lambda: checkpoint_on_disk(run_folder, step), 300, f"checkpoint {step}", proc)
     kill_tree(proc)
     return last_logged_step(uri, experiment)
-
-
-def kill_tree(proc: Proc) -> None:
-    """SIGKILL the launcher alone, as a user's `kill -9` or the OOM killer would: its local Ray must end with it
-    (orchestrator/ray_reaper.py), every process it had started gone within 10 s, Ray's agents and the Train
-    workers included."""
-    tree = descendants(proc.popen.pid)
-    os.kill(proc.popen.pid, signal.SIGKILL)
-    proc.popen.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while (left := [cmd for pid, cmd in tree if alive(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.end()
-    assert not left, f"still alive 10 s after the launcher's SIGKILL: {[cmd[:80] for cmd in left]}"
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie is dead: in a container nobody may reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 # --- the cases ------------------------------------------------------------------------------------------------

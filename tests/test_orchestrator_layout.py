@@ -134,7 +134,10 @@ def test_run_layout_names_the_folders_of_a_sweep(tmp_path):
     assert layout.has_checkpoint()
     assert layout.spool == f"{tmp_path}/study/mlflow-spool.jsonl" and layout.report_dir == tmp_path / "study" / "report"
     remote = RunLayout("s3://bucket/runs", "study")
-    assert remote.remote and remote.spool is None and remote.lock_path is None and remote.report_dir is None
+    assert remote.remote and remote.lock_path is None and remote.report_dir is None
+    assert remote.spool == "s3://bucket/runs/study/mlflow-spool.jsonl"
+    assert remote.lock_location == "s3://bucket/runs/study/.orchestrator.lock"
+    assert RunLayout("gs://bucket/runs", "study").lock_location is None  # no conditional writes through pyarrow
     assert remote.trial_folder("a1") == "s3://bucket/runs/study/trials/train-a1"
 
 

@@ -279,7 +279,7 @@ def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
     mark_diverged(str(folder), "train/loss is nan at step 7 (lr 10)")
 
     class NeverFit:
-        run_config = SimpleNamespace(storage_path=str(tmp_path / "runs"), name="nan")
+        run_config = SimpleNamespace(storage_path=str(tmp_path / "runs"), storage_filesystem=None, name="nan")
 
         def fit(self):
             raise AssertionError("a diverged run must not start its workers again")
@@ -316,7 +316,7 @@ def test_the_reason_a_run_failed_is_on_its_mlflow_run(tmp_path, error, reason):
     from ray.train.v2.api.exceptions import WorkerGroupError
 
     class Fails:
-        run_config = SimpleNamespace(storage_path=str(tmp_path / "runs"), name="fails")
+        run_config = SimpleNamespace(storage_path=str(tmp_path / "runs"), storage_filesystem=None, name="fails")
 
         def fit(self):
             if error == "lost":

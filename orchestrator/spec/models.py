@@ -122,6 +122,12 @@ class RunSettings(_Section):
     shared_storage: bool = False
     """storage_path is a local path that every node of the cluster mounts (NFS, EFS, ...): lets it be used on a
     multi-node cluster, which otherwise refuses a local storage_path (each node would write its own copy)."""
+    storage_endpoint: str | None = None
+    """URL of an S3-compatible store serving an s3:// storage_path (MinIO, SeaweedFS, R2, Ceph:
+    http://<host>:9000); null: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL from the environment, else AWS S3.
+    Credentials are never spec fields: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws, an IAM role."""
+    storage_region: str | None = None
+    """Region of the s3:// storage_path's bucket; null: AWS_REGION / AWS_DEFAULT_REGION or the AWS profile's."""
     max_failures: int = 2
     """Worker-group restarts Ray Train attempts from the latest checkpoint before the run fails (-1: unlimited):
     a lost node or a killed worker. Spot reclaims that Ray sees coming (node drained as preempted) have their own
@@ -167,6 +173,20 @@ class RunSettings(_Section):
                              "a sharded loss scaler); use precision: bf16 with fsdp, or strategy: ddp with fp16")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"run.collective_timeout_s must be > 0 (got {self.collective_timeout_s})")
+        if "://" in self.storage_path:
+            scheme, rest = self.storage_path.split("://", 1)
+            if "@" in rest.split("/", 1)[0] or "?" in rest:
+                raise ValueError(
+                    "run.storage_path must be a plain URI (scheme://bucket/path): credentials and options in it would "
+                    "be logged as a param; give credentials as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or "
+                    "AWS_PROFILE, ~/.aws/credentials) and the store's address as run.storage_endpoint")
+        if self.storage_endpoint is not None:
+            if not self.storage_path.startswith("s3://"):
+                raise ValueError(f"run.storage_endpoint is set but run.storage_path={self.storage_path!r} is not an "
+                                 "s3:// URI; set run.storage_path=s3://<bucket>/runs, or remove run.storage_endpoint")
+            if not self.storage_endpoint.startswith(("http://", "https://")) or "@" in self.storage_endpoint:
+                raise ValueError(f"run.storage_endpoint={self.storage_endpoint!r} must be the store's URL, "
+                                 "http://<host>:<port> or https://<host> (credentials go in the environment)")
         if self.prefetch_batches < 0:
             raise ValueError(f"run.prefetch_batches must be >= 0 (got {self.prefetch_batches}); 0 disables prefetching")
         return self

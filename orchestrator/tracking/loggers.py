@@ -82,12 +82,16 @@ class MlflowLogger:
         fresh = {k: v for k, v in metrics.items() if step > self._last.get(k, -1)}
         self._last.update({k: step for k in fresh})
         if fresh:
-            self.tracker.log_metrics(self.run_id, fresh, step)
+            self.tracker.log_metrics(self.run_id, fresh, step, once=True)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._ensure_run():
             self._send(metrics, step)
-        else:
+        elif self.run_id is not None:
+            # MLflow cannot say which steps the run holds (an outage at a resume): spooled all the same, so a
+            # driver killed meanwhile loses nothing; the tracker sends each (metric, step) once.
+            self.tracker.log_metrics(self.run_id, metrics, step, once=True)
+        else:  # no run to log to yet (the server was away since launch): kept here until it answers
             self._backlog.append((dict(metrics), step))
 
     def close(self, status: str = "FINISHED") -> None:

@@ -7,13 +7,14 @@ dead or slow server costs training at most a few seconds per cool-down. Metrics 
 server is away are buffered (bounded) and, when the tracker has a spool file (a run's storage folder),
 written there too, so they survive the process: the launcher sends them before it ends the run, or a later
 `orchestrator resume` does. A resumed or restarted run logs each (metric, step) once: steps MLflow (or the
-spool) already holds are not sent again.
+spool) already holds are not sent again, and training metrics (`log_metrics(..., once=True)`) are checked
+again when they are sent, so points spooled by a worker that could not ask MLflow (resumed during an outage)
+beside an earlier attempt's are sent once too.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 import warnings
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
+from orchestrator.layout import read_text, remove, write_text
 from orchestrator.progress import verbose
 from orchestrator.tracking.describe import MAX_PARAM_CHARS, RunHandle, artifact_location
 from orchestrator.tracking.read import configure_http, logged_steps, newest_run_with_tag
@@ -90,7 +92,7 @@ class MlflowTracker:
     """A guarded MlflowClient: each call returns None (with a TrackingWarning) instead of raising."""
 
     def __init__(self, uri: str, *, retries: int = 3, timeout_s: float = 5.0, backoff_s: float = 0.5,
-                 cooldown_s: float = _COOLDOWN_S, spool: Path | None = None):
+                 cooldown_s: float = _COOLDOWN_S, spool: Path | str | None = None):
         configure_http(timeout_s)
         # MLflow prints "View run ... / View experiment ..." each time a run ends, in every process that ends one:
         # several times per trial. The launcher prints its own links (status, ui); --verbose lets MLflow's through.
@@ -99,13 +101,20 @@ class MlflowTracker:
         self.retries = retries
         self.backoff_s = backoff_s
         self.cooldown_s = cooldown_s
-        self.spool = Path(spool) if spool is not None else None
-        """Where unsent metric points are kept across processes (None: in memory only, e.g. remote storage)."""
+        self.spool = str(spool) if spool is not None else None
+        """Where unsent metric points are kept across processes: a local path or a URI (None: in memory only)."""
+        self._spooled = True
+        """The spool may hold points: a flush with nothing pending then deletes it (and only then: on an object
+        store every check is a request)."""
         # Created on first use, inside the guard: for a SQLite URI the constructor already opens the store.
         self._client: MlflowClient | None = None
         self._down_until = 0.0
         self._failures = 0  # consecutive failed calls: each doubles the cool-down, up to _MAX_COOLDOWN_S
         self._pending: deque[tuple[str, Metric]] = deque(maxlen=MAX_BUFFERED_METRICS)
+        self._once: set[int] = set()
+        """ids of pending points to send only if their run does not hold that (metric, step) yet (`once`)."""
+        self._held: dict[str, dict[str, int]] = {}
+        """Per run, the last step of each metric the server holds, as far as this tracker knows."""
         self.last_error: Exception | None = None
         """Why the last failed call failed (the launcher's preflight explains it)."""
         self._load_spool()
@@ -272,24 +281,67 @@ class MlflowTracker:
         return not items or self._call("tag logging",
                                        lambda client: client.log_batch(run_id, tags=items) or True) is not None
 
-    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int, *, once: bool = False) -> None:
+        """Buffer and send. `once`: a training metric, sent only if the run does not hold that (metric, step)
+        yet, checked when it is sent: points logged while the server could not say which steps it holds (a
+        worker resumed during an outage recomputes steps it logged before) are spooled all the same, and
+        whichever attempt's point of a step reaches the server first is the one kept."""
         now_ms = int(time.time() * 1000)
         for key, value in metrics.items():
-            self._pending.append((run_id, Metric(key, float(value), now_ms, step)))
+            metric = Metric(key, float(value), now_ms, step)
+            self._pending.append((run_id, metric))
+            if once:
+                self._once.add(id(metric))
         self.flush(run_id)
 
     def flush(self, run_id: str, *, force: bool = False) -> None:
         """Send buffered metrics of `run_id`, 1000 a call; what the server does not take stays buffered
-        (and spooled)."""
+        (and spooled). `force` (a launcher's last chance) also asks the server again which steps it holds."""
+        if force:
+            self._held.pop(run_id, None)
         while (self.available or force) and any(rid == run_id for rid, _ in self._pending):
-            batch = [m for rid, m in self._pending if rid == run_id][:1000]
-            # `or True`: log_batch returns None, which _call uses to say "failed".
-            if self._call("metric logging", lambda client: client.log_batch(run_id, metrics=batch) or True,
-                          force=force) is None:
+            batch = self._unsent(run_id, force)
+            if batch is None:
                 break
-            sent = {id(m) for m in batch}
-            self._pending = deque((p for p in self._pending if id(p[1]) not in sent), maxlen=MAX_BUFFERED_METRICS)
+            if batch:
+                # `or True`: log_batch returns None, which _call uses to say "failed".
+                if self._call("metric logging", lambda client: client.log_batch(run_id, metrics=batch) or True,
+                              force=force) is None:
+                    break
+                held = self._held.setdefault(run_id, {})
+                for metric in batch:
+                    if id(metric) in self._once:
+                        held[metric.key] = max(held.get(metric.key, metric.step), metric.step)
+            self._drop({id(m) for m in batch})
         self._save_spool()
+
+    def _unsent(self, run_id: str, force: bool) -> list[Metric] | None:
+        """The next batch of the run's points (at most 1000); `once` points whose (metric, step) the run
+        holds, or an earlier pending point has, are dropped from the buffer here. None when the server
+        cannot say which steps it holds."""
+        mine = [m for rid, m in self._pending if rid == run_id]
+        if not any(id(m) in self._once for m in mine):
+            return mine[:1000]
+        if run_id not in self._held:
+            held = self._call("metric history", lambda client: logged_steps(client, run_id), force=force)
+            if held is None:
+                return None
+            self._held[run_id] = held
+        seen, batch, duplicates = dict(self._held[run_id]), [], set()
+        for metric in mine:
+            if id(metric) in self._once:
+                if metric.step <= seen.get(metric.key, -1):
+                    duplicates.add(id(metric))
+                    continue
+                seen[metric.key] = metric.step
+            batch.append(metric)
+        self._drop(duplicates)
+        return batch[:1000]
+
+    def _drop(self, ids: set[int]) -> None:
+        if ids:
+            self._pending = deque((p for p in self._pending if id(p[1]) not in ids), maxlen=MAX_BUFFERED_METRICS)
+            self._once -= ids
 
     def send_spooled(self) -> None:
         """Send every point the spool holds, whichever run it belongs to (a launcher's last chance, before it
@@ -303,28 +355,42 @@ class MlflowTracker:
         it, so the file is the whole truth: another process (the worker) may have sent or added points since."""
         if self.spool is None:
             return
-        rows = self.spool.read_text().splitlines() if self.spool.is_file() else []
-        self._pending = deque(maxlen=MAX_BUFFERED_METRICS)
+        try:
+            rows = (read_text(self.spool) or "").splitlines()
+        except OSError as err:  # storage is away: what this process holds stays the truth until it answers
+            warnings.warn(f"metric spool {self.spool} not read ({type(err).__name__}: {str(err)[:200]})",
+                          TrackingWarning, stacklevel=3)
+            return
+        self._spooled = bool(rows)
+        self._pending, self._once = deque(maxlen=MAX_BUFFERED_METRICS), set()
         for line in rows:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a partial line: files are replaced whole, so only a foreign edit makes one
-            self._pending.append((row["run_id"], Metric(row["key"], row["value"], row["timestamp"], row["step"])))
+            metric = Metric(row["key"], row["value"], row["timestamp"], row["step"])
+            self._pending.append((row["run_id"], metric))
+            if row.get("once"):
+                self._once.add(id(metric))
 
     def _save_spool(self) -> None:
-        """Mirror the unsent points into the spool (temp file + rename: a kill leaves the old or the new)."""
-        if self.spool is None:
+        """Mirror the unsent points into the spool, whole (layout.write_text: a kill leaves the old or the new).
+        A storage outage keeps them in memory only, with a warning, until the next flush writes them."""
+        if self.spool is None or (not self._pending and not self._spooled):
             return
-        if not self._pending:
-            self.spool.unlink(missing_ok=True)
+        try:
+            if not self._pending:
+                remove(self.spool)
+            else:
+                rows = [json.dumps({"run_id": rid, "key": m.key, "value": m.value, "timestamp": m.timestamp,
+                                    "step": m.step, **({"once": True} if id(m) in self._once else {})})
+                        for rid, m in self._pending]
+                write_text(self.spool, "\n".join(rows) + "\n")
+        except OSError as err:
+            warnings.warn(f"metric spool {self.spool} not written ({type(err).__name__}: {str(err)[:200]}); the "
+                          "points stay in memory until storage answers", TrackingWarning, stacklevel=3)
             return
-        rows = [json.dumps({"run_id": rid, "key": m.key, "value": m.value, "timestamp": m.timestamp,
-                            "step": m.step}) for rid, m in self._pending]
-        tmp = self.spool.with_name(f".{self.spool.name}.{os.getpid()}")
-        self.spool.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text("\n".join(rows) + "\n")
-        os.replace(tmp, self.spool)
+        self._spooled = bool(self._pending)
 
     def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> bool:
         """True when the store took the file."""
@@ -339,5 +405,4 @@ class MlflowTracker:
 
 def open_tracker(settings: TrackingSettings, spool: str | None = None) -> MlflowTracker:
     """The tracker of a spec's `tracking:` block; with `spool`, a run folder's spool file (RunLayout)."""
-    return MlflowTracker(settings.uri, retries=settings.retries, timeout_s=settings.timeout_s,
-                         spool=Path(spool) if spool else None)
+    return MlflowTracker(settings.uri, retries=settings.retries, timeout_s=settings.timeout_s, spool=spool)
