@@ -35,10 +35,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from tasks import corpus_format
 from tasks.cache import locked
 from tasks.corpus_format import (
     MANIFEST,
-    SHARD_BYTES,
     ColumnWriter,
     DamagedCorpus,
     PreparedCorpus,
@@ -145,10 +145,14 @@ class ColumnSpec:
 
 
 def write_columns(folder: Path, source: Source, columns: list[ColumnSpec], model_path: Path, eos: int,
-                  workers: int, shard_bytes: int = SHARD_BYTES, texts: str | None = None) -> dict[str, Any]:
+                  workers: int, texts: str | None = None) -> dict[str, Any]:
     """Encode every chunk of `source` into the columns (one per element of a chunk's items: one for documents,
     two for pairs; `texts` names an extra column keeping the raw text of the last element, utf-8); returns the
-    manifest's columns and counts."""
+    manifest's columns and counts. A source of one or two chunks is encoded in this process (a pool would
+    cost more to start than it saves)."""
+    if source.chunks_at_most(2):
+        workers = 1
+    shard_bytes = corpus_format.SHARD_BYTES  # read now, not at import: tests shrink it to get many shards
     writers = [ColumnWriter(folder, c.name, c.dtype, shard_bytes) for c in columns]
     for writer, column in zip(writers, columns):
         if column.leading_eos:

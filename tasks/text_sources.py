@@ -167,6 +167,11 @@ class Source:
     text_bytes: int | None
     chunks: Callable[[], Iterator[Chunk]]
 
+    def chunks_at_most(self, n: int) -> bool:
+        """Whether the source is known to read as at most n chunks."""
+        per_chunk = {"B": CHUNK_CHARS}.get(self.unit, CHUNK_ROWS)
+        return self.total is not None and self.unit != "row" and self.total <= n * per_chunk
+
 
 def file_lines(path: Path, chunk_chars: int | None = None) -> Iterator[tuple[list[str], int]]:
     """(lines, bytes of the file read so far) per chunk; .gz decompressed on the fly."""
