@@ -127,21 +127,30 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 # --- reading --------------------------------------------------------------------------------------------------
 
 
-def _map(path: Path, dtype: np.dtype) -> np.ndarray:
+RELEASE_BYTES = 32 << 20
+"""A column hands the pages it has read back to the page cache after about this many bytes: mapped pages
+that were read stay in the process's RSS (as RssFile) until unmapped, so a worker that samples a 16 GB corpus
+would otherwise look like it holds whatever it has touched. nanoGPT re-creates its np.memmap every batch for
+the same reason; here one madvise(MADV_DONTNEED) per 32 MB read does it (the next read of such a page is a
+minor fault from the page cache, not a disk read)."""
+
+
+def _map(path: Path, dtype: np.dtype) -> tuple[np.ndarray, mmap.mmap | None]:
     """Read-only view of a whole file through mmap, advised for random access (blocks are read in shuffled
-    order; readahead would pull in pages nobody asked for)."""
+    order; readahead would pull in pages nobody asked for), and the map itself."""
     if path.stat().st_size == 0:
-        return np.zeros(0, dtype)
+        return np.zeros(0, dtype), None
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     mapped.madvise(mmap.MADV_RANDOM)
-    return np.frombuffer(mapped, dtype=dtype)
+    return np.frombuffer(mapped, dtype=dtype), mapped
 
 
 @dataclass(frozen=True)
 class _Shard:
     data: np.ndarray
     index: np.ndarray  # [n_items, 2] int64: start, length
+    maps: tuple[mmap.mmap, ...] = ()
 
 
 class Column:
@@ -151,6 +160,16 @@ class Column:
         self.shards, self.dtype = shards, dtype
         self.data_starts = np.cumsum([0] + [len(s.data) for s in shards])
         self.item_starts = np.cumsum([0] + [len(s.index) for s in shards])
+        self._read_bytes = 0
+
+    def touched(self, n_bytes: int) -> None:
+        """Count bytes read (at least a page each time); past RELEASE_BYTES, drop the pages from this process."""
+        self._read_bytes += max(n_bytes, mmap.PAGESIZE)
+        if self._read_bytes >= RELEASE_BYTES:
+            self._read_bytes = 0
+            for shard in self.shards:
+                for mapped in shard.maps:
+                    mapped.madvise(mmap.MADV_DONTNEED)
 
     @property
     def stream(self) -> "Stream":
@@ -193,6 +212,7 @@ class Stream:
             base = int(starts[k])
             pieces.append(self.column.shards[k].data[max(start - base, 0): stop - base])
             k += 1
+        self.column.touched((stop - start) * self.column.dtype.itemsize)
         return np.concatenate(pieces).astype(np.int64) if len(pieces) > 1 else pieces[0].astype(np.int64)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -224,6 +244,7 @@ class Items(Sequence):
         shard, j = self._locate(int(key))
         start, length = shard.index[j]
         item = shard.data[start:start + length]
+        self.column.touched(16 + int(length) * self.column.dtype.itemsize)
         return item if self.cast is None else item.astype(self.cast)
 
     def __iter__(self) -> Iterator[Any]:
@@ -307,11 +328,13 @@ def open_corpus(folder: Path, rebuild: str, *, verify: bool = True) -> PreparedC
                                            "(truncated or overwritten)", rebuild)
                 if verify and _crc32(path) != shard[crc]:
                     raise _damaged(folder, f"{path.name} does not match its CRC-32 (corrupted)", rebuild)
-            index = _map(folder / shard["index"], np.dtype("<i8")).reshape(-1, 2)
+            index, index_map = _map(folder / shard["index"], np.dtype("<i8"))
+            index = index.reshape(-1, 2)
             # the CRC vouches for every entry; the ends catch a manifest paired with another corpus's files
             # without touching the whole index (its pages would count in this process's RSS)
             if len(index) and (index[0, 0] < 0 or int(index[-1, 0] + index[-1, 1]) > shard["n_data"]):
                 raise _damaged(folder, f"{shard['index']} points outside {shard['data']}", rebuild)
-            shards.append(_Shard(_map(folder / shard["data"], dtype), index))
+            data, data_map = _map(folder / shard["data"], dtype)
+            shards.append(_Shard(data, index, tuple(m for m in (data_map, index_map) if m is not None)))
         columns[name] = Column(shards, dtype)
     return PreparedCorpus(folder, manifest, columns)
