@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def measured(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> di
     """Run `cmd`; wall time, peak summed RSS and PSS of its process tree, peak RSS of the process itself."""
     import psutil
 
-    start = time.monotonic()
+    start, cpu = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peaks = {"rss": 0, "pss": 0, "main_rss": 0}
     done = threading.Event()
@@ -100,8 +101,10 @@ def measured(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> di
     sampler.join()
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}")
-    return {"seconds": time.monotonic() - start, "peak_rss_mb": peaks["rss"] / MB, "peak_pss_mb": peaks["pss"] / MB,
-            "main_rss_mb": peaks["main_rss"] / MB, "stdout": out}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the process and the children it reaped
+    cpu_s = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
+    return {"seconds": time.monotonic() - start, "cpu_s": cpu_s, "peak_rss_mb": peaks["rss"] / MB,
+            "peak_pss_mb": peaks["pss"] / MB, "main_rss_mb": peaks["main_rss"] / MB, "stdout": out}
 
 
 def _train_tokens(storage: Path) -> int:
@@ -178,7 +181,8 @@ def run_size(size_mb: int, work: Path, old_sizes: Sequence[int], base: str, batc
     spec.write_text(SPEC.format(train=corpus, validation=WIKITEXT / "valid.txt", storage=storage))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cli = [sys.executable, "-m", "orchestrator", "prepare", str(spec)]
-    row: dict[str, Any] = {"corpus_mb": size_mb}
+    # the machine is shared: its load while this size runs says how far the wall times can be trusted
+    row: dict[str, Any] = {"corpus_mb": size_mb, "load_avg_1min": os.getloadavg()[0]}
     first = measured([*cli, "task.prepare_workers=2"], ROOT, env)
     row["train_tokens"] = tokens = _train_tokens(storage)
     row.update(prepare_s=first["seconds"], prepare_tok_per_s=tokens / first["seconds"],
@@ -188,6 +192,7 @@ def run_size(size_mb: int, work: Path, old_sizes: Sequence[int], base: str, batc
         _drop_prepared(storage)
         again = measured([*cli, f"task.prepare_workers={workers}"], ROOT, env)
         row[f"tokenise_{workers}_s"] = again["seconds"]
+        row[f"tokenise_{workers}_cpu_s"] = again["cpu_s"]
         row[f"tokenise_{workers}_tok_per_s"] = tokens / again["seconds"]
         row[f"tokenise_{workers}_peak_pss_mb"] = again["peak_pss_mb"]
     row["speedup_2_over_1"] = row["tokenise_1_s"] / row["tokenise_2_s"]
