@@ -135,6 +135,11 @@ the same reason; here one madvise(MADV_DONTNEED) per 32 MB read does it (the nex
 minor fault from the page cache, not a disk read)."""
 
 
+FAULT_AROUND_BYTES = 64 << 10
+"""Linux maps up to this much of a file's cached pages around each read fault (`fault_around_bytes`, 64 KB by
+default), so a read of one block can add 64 KB to RssFile."""
+
+
 def _map(path: Path, dtype: np.dtype) -> tuple[np.ndarray, mmap.mmap | None]:
     """Read-only view of a whole file through mmap, advised for random access (blocks are read in shuffled
     order; readahead would pull in pages nobody asked for), and the map itself."""
@@ -163,8 +168,9 @@ class Column:
         self._read_bytes = 0
 
     def touched(self, n_bytes: int) -> None:
-        """Count bytes read (at least a page each time); past RELEASE_BYTES, drop the pages from this process."""
-        self._read_bytes += max(n_bytes, mmap.PAGESIZE)
+        """Count bytes read (at least FAULT_AROUND_BYTES each time: a page fault on a file map also maps the
+        cached pages around it); past RELEASE_BYTES, drop the pages from this process."""
+        self._read_bytes += max(n_bytes, FAULT_AROUND_BYTES)
         if self._read_bytes >= RELEASE_BYTES:
             self._read_bytes = 0
             for shard in self.shards:

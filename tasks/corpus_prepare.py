@@ -48,11 +48,26 @@ from tasks.corpus_format import (
 from tasks.text_sources import Source
 
 _SP: Any = None  # the sentencepiece model of a pool worker (set by _start_worker)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """A killed preparation takes its pool with it: a forked worker holds both ends of its task pipe, so it
+    would otherwise never see the parent go and keep encoding queued chunks for nobody (Linux prctl)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the pool's own shutdown is all there is
+        pass
 
 
 def _start_worker(model_path: str) -> None:
     global _SP
     import sentencepiece as spm
+
+    _die_with_parent()
 
     _SP = spm.SentencePieceProcessor(model_file=model_path)
 
