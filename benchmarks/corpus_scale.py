@@ -17,7 +17,7 @@ its children:
   says whether the loader could starve the model.
 
     nice -n 10 python -m benchmarks.corpus_scale                      # 20 MB, 200 MB, 1 GB
-    nice -n 10 python -m benchmarks.corpus_scale --sizes 20 200       # without the 1 GB corpus
+    nice -n 10 python -m benchmarks.corpus_scale --sizes 1000 --old-sizes   # one size: replaces its row
     python -m benchmarks.corpus_scale --quick                         # 1 and 2 MB, a minute
 
 Writes benchmarks/results/<machine>/corpus_scale.csv and corpus_scale.png.
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import plot_loglog, results_dir, write_csv
+from benchmarks.harness import plot_loglog, read_csv, results_dir, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2"
@@ -251,9 +251,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     rows = [run_size(size, args.work, args.old_sizes, args.base, args.batches) for size in args.sizes]
     folder = results_dir(args.out, torch.device("cpu"))
-    name = "corpus_scale_quick" if args.quick else "corpus_scale"
-    print(write_csv(rows, folder / f"{name}.csv"))
-    print(plot(rows, folder / f"{name}.png"))
+    path = folder / ("corpus_scale_quick.csv" if args.quick else "corpus_scale.csv")
+    # a size measured again replaces its row; the other sizes' rows stay (sizes can be run one at a time)
+    kept = [_numbers(r) for r in read_csv(path) if int(r["corpus_mb"]) not in args.sizes] if path.exists() else []
+    rows = sorted(kept + rows, key=lambda r: r["corpus_mb"])
+    print(write_csv(rows, path))
+    print(plot(rows, path.with_suffix(".png")))
+
+
+def _numbers(row: dict[str, str]) -> dict[str, Any]:
+    """A CSV row back to numbers (empty cells: the measurement was not made for that size)."""
+    return {k: (int(v) if k == "corpus_mb" else float(v)) for k, v in row.items() if v != ""}
 
 
 if __name__ == "__main__":

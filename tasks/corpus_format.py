@@ -127,17 +127,13 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 # --- reading --------------------------------------------------------------------------------------------------
 
 
-RELEASE_BYTES = 32 << 20
-"""A column hands the pages it has read back to the page cache after about this many bytes: mapped pages
-that were read stay in the process's RSS (as RssFile) until unmapped, so a worker that samples a 16 GB corpus
-would otherwise look like it holds whatever it has touched. nanoGPT re-creates its np.memmap every batch for
-the same reason; here one madvise(MADV_DONTNEED) per 32 MB read does it (the next read of such a page is a
-minor fault from the page cache, not a disk read)."""
-
-
-FAULT_AROUND_BYTES = 64 << 10
-"""Linux maps up to this much of a file's cached pages around each read fault (`fault_around_bytes`, 64 KB by
-default), so a read of one block can add 64 KB to RssFile."""
+RELEASE_SPAN = 2 << 20
+"""After copying a block out of the map, the 2 MB-aligned span around it is handed back to the page cache
+(madvise(MADV_DONTNEED)): mapped pages that were read stay in the process's RSS (as RssFile) until unmapped,
+and a read fault maps more than the block (64 KB of `fault_around_bytes`, or a whole large folio, up to 2 MB,
+where the page cache holds the file in large folios; measured here: ~0.5 MB a block). Without this a worker
+sampling a 16 GB corpus would look as if it held whatever it had touched; nanoGPT re-creates its np.memmap
+every batch for the same reason. The next read of such a page is a minor fault from the page cache."""
 
 
 def _map(path: Path, dtype: np.dtype) -> tuple[np.ndarray, mmap.mmap | None]:
@@ -165,17 +161,16 @@ class Column:
         self.shards, self.dtype = shards, dtype
         self.data_starts = np.cumsum([0] + [len(s.data) for s in shards])
         self.item_starts = np.cumsum([0] + [len(s.index) for s in shards])
-        self._read_bytes = 0
 
-    def touched(self, n_bytes: int) -> None:
-        """Count bytes read (at least FAULT_AROUND_BYTES each time: a page fault on a file map also maps the
-        cached pages around it); past RELEASE_BYTES, drop the pages from this process."""
-        self._read_bytes += max(n_bytes, FAULT_AROUND_BYTES)
-        if self._read_bytes >= RELEASE_BYTES:
-            self._read_bytes = 0
-            for shard in self.shards:
-                for mapped in shard.maps:
-                    mapped.madvise(mmap.MADV_DONTNEED)
+    def release(self, shard: "_Shard", start: int, stop: int) -> None:
+        """Unmap the pages around data[start:stop] of `shard` (already copied out) from this process."""
+        if not shard.maps:
+            return
+        size = len(shard.maps[0])
+        lo = (start * self.dtype.itemsize) // RELEASE_SPAN * RELEASE_SPAN
+        hi = min(size, -(-(stop * self.dtype.itemsize) // RELEASE_SPAN) * RELEASE_SPAN)
+        if hi > lo:
+            shard.maps[0].madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     @property
     def stream(self) -> "Stream":
@@ -212,14 +207,18 @@ class Stream:
         if stop <= start:
             return np.zeros(0, np.int64)
         first = int(np.searchsorted(starts, start, side="right")) - 1
-        pieces = []
+        pieces, spans = [], []
         k = first
         while k < len(self.column.shards) and starts[k] < stop:
             base = int(starts[k])
-            pieces.append(self.column.shards[k].data[max(start - base, 0): stop - base])
+            lo, hi = max(start - base, 0), min(stop - base, len(self.column.shards[k].data))
+            pieces.append(self.column.shards[k].data[lo:hi])
+            spans.append((self.column.shards[k], lo, hi))
             k += 1
-        self.column.touched((stop - start) * self.column.dtype.itemsize)
-        return np.concatenate(pieces).astype(np.int64) if len(pieces) > 1 else pieces[0].astype(np.int64)
+        out = np.concatenate(pieces).astype(np.int64) if len(pieces) > 1 else pieces[0].astype(np.int64)
+        for shard, lo, hi in spans:
+            self.column.release(shard, lo, hi)
+        return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self.read(0, len(self))  # a full copy: for tests and small evaluation splits only
@@ -250,8 +249,19 @@ class Items(Sequence):
         shard, j = self._locate(int(key))
         start, length = shard.index[j]
         item = shard.data[start:start + length]
-        self.column.touched(16 + int(length) * self.column.dtype.itemsize)
-        return item if self.cast is None else item.astype(self.cast)
+        if self.cast is None:  # a view: the caller copies it and releases (Texts)
+            return item
+        out = item.astype(self.cast)
+        self.column.release(shard, start, start + length)
+        return out
+
+    def copy(self, i: int) -> bytes:
+        """Item i's raw bytes, copied out of the map, whose pages are then released."""
+        shard, j = self._locate(i)
+        start, length = shard.index[j]
+        out = shard.data[start:start + length].tobytes()
+        self.column.release(shard, start, start + length)
+        return out
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
@@ -293,7 +303,7 @@ class Texts(Sequence):
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
             return [self[i] for i in range(*key.indices(len(self)))]
-        return bytes(self.items[key]).decode("utf-8")
+        return self.items.copy(int(key)).decode("utf-8")
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,9 @@ MODEL = ModelConfig.model_validate({"d_model": 16, "layers": 1, "ffn": 32, "max_
 
 @pytest.fixture
 def small_shards(monkeypatch):
-    """Shards of ~2 KB and chunks of ~2 KB of text (or 50 rows): dozens of both from a small corpus; mapped
-    pages dropped after every 8 KB read, so reads after a release are checked too."""
+    """Shards of ~2 KB and chunks of ~2 KB of text (or 50 rows): dozens of both from a small corpus. (Every read
+    releases its pages, so reads of released pages are checked too.)"""
     monkeypatch.setattr(corpus_format, "SHARD_BYTES", 2048)
-    monkeypatch.setattr(corpus_format, "RELEASE_BYTES", 8192)
     monkeypatch.setattr(text_sources, "CHUNK_CHARS", 2048)
     monkeypatch.setattr(text_sources, "CHUNK_ROWS", 50)
 
