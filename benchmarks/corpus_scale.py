@@ -20,7 +20,7 @@ its children:
     nice -n 10 python -m benchmarks.corpus_scale --sizes 1000 --old-sizes   # one size: replaces its row
     python -m benchmarks.corpus_scale --quick                         # 1 and 2 MB, a minute
 
-Writes benchmarks/results/<machine>/corpus_scale.csv and corpus_scale.png.
+Writes benchmarks/results/<machine>/corpus_scale.csv, corpus_scale_seconds.png and corpus_scale_memory_mb.png.
 """
 
 from __future__ import annotations
@@ -223,12 +223,17 @@ SERIES = {  # (column, label, panel)
 }
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Time and memory against corpus size, one line per measurement (the harness's log-log panels)."""
-    long = [{"corpus_mb": r["corpus_mb"], "series": label, "seconds": float("nan"), "memory_mb": float("nan"),
-             panel: r[column]} for r in rows for column, (label, panel) in SERIES.items() if column in r]
-    return plot_loglog(long, path, x="corpus_mb", panels={"seconds": "seconds", "memory_mb": "MB"},
-                       series="series", title="corpus preparation and reading against corpus size (2-core CPU)")
+def plot(rows: list[dict[str, Any]], path: Path) -> list[Path]:
+    """Time, and memory, against corpus size: one figure each (the harness's log-log panel), a line per
+    measurement."""
+    out = []
+    for panel, label, title in (("seconds", "seconds", "preparation time"), ("memory_mb", "MB", "memory")):
+        long = [{"corpus_mb": r["corpus_mb"], "series": name, panel: r[column]}
+                for r in rows for column, (name, where) in SERIES.items() if where == panel and column in r]
+        out.append(plot_loglog(long, path.with_name(f"{path.stem}_{panel}.png"), x="corpus_mb", panels={panel: label},
+                               series="series", title=f"corpus scale: {title} against corpus size (2-core CPU)",
+                               columns=1))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -241,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/corpus_scale"), help="corpora and scratch folder")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--quick", action="store_true", help="1 and 2 MB corpora, 300 batches")
+    parser.add_argument("--replot", action="store_true", help="only draw the plots again from the CSV")
     parser.add_argument("--read", type=Path, help=argparse.SUPPRESS)  # the reader process itself
     args = parser.parse_args(argv)
     if args.read:
@@ -248,10 +254,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.quick:
         args.sizes, args.old_sizes, args.batches = [1, 2], [1], 300
-    args.work.mkdir(parents=True, exist_ok=True)
-    rows = [run_size(size, args.work, args.old_sizes, args.base, args.batches) for size in args.sizes]
     folder = results_dir(args.out, torch.device("cpu"))
     path = folder / ("corpus_scale_quick.csv" if args.quick else "corpus_scale.csv")
+    if args.replot:
+        print(plot([_numbers(r) for r in read_csv(path)], path))
+        return
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = [run_size(size, args.work, args.old_sizes, args.base, args.batches) for size in args.sizes]
     # a size measured again replaces its row; the other sizes' rows stay (sizes can be run one at a time)
     kept = [_numbers(r) for r in read_csv(path) if int(r["corpus_mb"]) not in args.sizes] if path.exists() else []
     rows = sorted(kept + rows, key=lambda r: r["corpus_mb"])

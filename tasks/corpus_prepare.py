@@ -121,7 +121,7 @@ class Progress:
     worker's log); the ETA comes from the source's progress unit (bytes of a file, rows of a dataset)."""
 
     def __init__(self, label: str, unit: str, total: int | None):
-        self.label, self.total, self.start, self.tokens = label, total, time.monotonic(), 0
+        self.label, self.unit, self.total, self.start, self.tokens = label, unit, total, time.monotonic(), 0
         self.last_line, self.done = self.start, 0
         self.bar = None
         if sys.stderr.isatty():
@@ -138,7 +138,7 @@ class Progress:
             self.bar.set_postfix_str(f"{rate / 1e6:.2f}M tok/s", refresh=False)
         elif now - self.last_line >= 30:
             self.last_line = now
-            share = f"{100 * done / self.total:.0f}%" if self.total else f"{done} {'read'}"
+            share = f"{100 * done / self.total:.0f}%" if self.total else f"{done:,} {self.unit} read"
             eta = (now - self.start) * (self.total - done) / max(done, 1) if self.total else None
             print(f"prepare {self.label}: {share}, {self.tokens / 1e6:.1f}M tokens, {rate / 1e6:.2f}M tok/s"
                   + (f", ETA {eta:.0f} s" if eta is not None else ""), file=sys.stderr, flush=True)
