@@ -249,3 +249,15 @@ run: {{storage_path: {tmp_path / 'runs'}}}
     task = build_task(task_cfg, MODEL, WorkerContext(cache_dir=tmp_path / "elsewhere"))
     assert task.tokenizer_cache_hit and (corpus.folder / "manifest.json").stat().st_mtime_ns == written
     assert not (tmp_path / "elsewhere").exists(), "a run with task.prepared_path reads only from it"
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"prepare_workers": 0}, "task.prepare_workers=0 must be >= 1"),
+    ({"tokenizer_sample_mb": 0}, "task.tokenizer_sample_mb=0 must be >= 1"),
+    ({"streaming": True}, "task.streaming reads a Hugging Face hub dataset"),
+])
+def test_corpus_fields_are_checked_by_name(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TASK.validate_python({"kind": "clm", **fields})
+    assert TASK.validate_python({"kind": "translation", "prepared_path": "rel/dir"}).prepared_path == str(
+        Path("rel/dir").resolve()), "a relative prepared_path is made absolute where the spec is read"
