@@ -1,4 +1,4 @@
-"""`orchestrator validate | train | sweep | resume | status | evaluate | report | ui`.
+"""`orchestrator validate | prepare | train | sweep | resume | status | evaluate | report | ui`.
 
 Every command that takes a SPEC also takes dotted overrides after it (`model.attention.k=64`); new knobs
 belong in the spec models, not in new flags (STYLE.md section 3). Specs are validated completely, every
@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         return cmd
 
     with_spec("validate", "check a spec (every trial of a sweep) and print the resolved spec and trial grid")
+    with_spec("prepare", "tokenise the spec's data once (every split) into the memory-mapped shards its runs map")
     with_verbose(with_spec("train", "train one run of a spec without search domains"))
     with_verbose(with_spec("sweep", "run a Ray Tune sweep over the spec's search domains"))
     resume = with_verbose(sub.add_parser("resume", help="continue a run or sweep from its latest checkpoints"))
@@ -301,6 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             study = load_study(args.spec, args.overrides, args.scale)
         spec = study.base
         check_data_files(spec)
+        if args.command == "prepare":
+            from orchestrator.prepare import describe_argv, prepare_spec
+
+            return prepare_spec(study, describe_argv(args.spec, args.overrides, args.scale))
         if args.command == "validate":
             check_storage(spec)  # train and sweep check it again, in their own preflight
             try:

@@ -55,7 +55,7 @@ def _data_files(spec: ExperimentSpec) -> list[tuple[str, list[Path]]]:
 def check_data_files(spec: ExperimentSpec) -> None:
     """Every local data file the spec names exists and is not empty, and a hub dataset is cached here or known
     to the hub (SpecError naming the field): a missing dataset fails in seconds, not inside a Ray worker."""
-    from tasks.data import hub_dataset_problem
+    from tasks.text_sources import hub_dataset_problem
 
     problem = hub_dataset_problem(spec.task, Path(cache_dir_of(spec.run.storage_path)))
     if problem:

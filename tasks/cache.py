@@ -55,3 +55,15 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def remembered_fingerprint(path: Path, memo_dir: Path) -> str:
+    """`file_fingerprint`, remembered in `memo_dir` under the file's path, size and modification time: every
+    worker of every run asks for the fingerprint of a corpus that may be gigabytes, and reads it only once."""
+    stat = Path(path).stat()
+    memo = Path(memo_dir) / cache_key(path=str(Path(path).resolve()), size=stat.st_size, mtime=stat.st_mtime_ns)
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = file_fingerprint(path)
+    atomic_write(memo, lambda tmp: tmp.write_text(digest))
+    return digest

@@ -35,7 +35,8 @@ from tasks.base import Batch, WorkerContext
 from tasks.cache import cache_key, file_fingerprint
 from tasks.config import ClassifyTaskConfig
 from tasks.corpora import SyntheticGrammar
-from tasks.data import _hf_cache, _hub_split, _load_hub, _resolve, epoch_permutation, sharded_batches
+from tasks.data import epoch_permutation, sharded_batches
+from tasks.text_sources import _hf_cache, _hub_split, _load_hub, _resolve
 from tasks.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_or_load
 
 _BUILTIN_CLASSES = 6  # semantic noun classes of the builtin grammar (tasks/corpora.py)

@@ -101,7 +101,39 @@ class _TaskConfig(_Config):
         return self.dataset if self.config is None else f"{self.dataset}/{self.config}"
 
 
-class _LMTaskConfig(_TaskConfig):
+class _CorpusTaskConfig(_TaskConfig):
+    """Where and how a pretraining or translation corpus is prepared (tasks/corpus_prepare.py)."""
+
+    prepared_path: str | None = None
+    """Folder of tokenizers and prepared corpora; default: the run's cache (<run.storage_path>/.cache, local
+    storage) or the user's cache (remote storage). On a cluster, a folder every node mounts."""
+    streaming: bool = False
+    """Read a hub dataset with `datasets`' streaming=True: rows arrive as they are tokenised, nothing is downloaded
+    first (for sets larger than the disk)."""
+    prepare_workers: int | None = None
+    """Processes that tokenise while preparing; None: one per core of the preparing machine."""
+    tokenizer_sample_mb: int = 32
+    """Megabytes of training text the sentencepiece model learns from (an evenly spread sample when the corpus
+    is larger); bounds the training's memory, which is about 20x the sample."""
+
+    @field_validator("prepared_path")
+    @classmethod
+    def _absolute_path(cls, value: str | None) -> str | None:
+        return None if value is None else str(Path(value).expanduser().resolve())
+
+    @model_validator(mode="after")
+    def _check_corpus(self) -> "_CorpusTaskConfig":
+        if self.prepare_workers is not None and self.prepare_workers < 1:
+            raise ValueError(f"task.prepare_workers={self.prepare_workers} must be >= 1, or leave it unset (every core)")
+        if self.tokenizer_sample_mb < 1:
+            raise ValueError(f"task.tokenizer_sample_mb={self.tokenizer_sample_mb} must be >= 1")
+        if self.streaming and (self.files is not None or self.dataset == "builtin"):
+            raise ValueError("task.streaming reads a Hugging Face hub dataset; local files (task.files) and the builtin "
+                             "corpus are read in chunks anyway: remove task.streaming")
+        return self
+
+
+class _LMTaskConfig(_CorpusTaskConfig):
     seq_len: int = 128
     """Tokens per packed training block (and per evaluation block)."""
     batch_size: int = 32
@@ -136,7 +168,7 @@ class CausalLMTaskConfig(_LMTaskConfig):
     kind: Literal["clm"] = "clm"
 
 
-class TranslationTaskConfig(_TaskConfig):
+class TranslationTaskConfig(_CorpusTaskConfig):
     """Sentence-level translation with an encoder-decoder, beam search and sacrebleu BLEU / chrF."""
 
     kind: Literal["translation"] = "translation"

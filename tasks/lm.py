@@ -19,6 +19,7 @@ the cached states from step to step and through checkpoints; tasks/recurrence.py
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -93,6 +94,25 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+class _EpochBatches(Sequence):
+    """Batch j of an epoch is (epoch, j, blocks order[j*bs:(j+1)*bs]); made when asked for, so a corpus of
+    millions of blocks costs one permutation, not a list of batches."""
+
+    def __init__(self, epoch: int, order: np.ndarray, batch_size: int):
+        self.epoch, self.order, self.batch_size = epoch, order, batch_size
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.order) / self.batch_size)
+
+    def __getitem__(self, j: Any) -> Any:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        j = j + len(self) if j < 0 else j
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        return self.epoch, j, self.order[j * self.batch_size:(j + 1) * self.batch_size]
+
+
 class _LanguageModelTask:
     """Shared machinery; subclasses say how a block becomes (inputs, targets)."""
 
@@ -117,10 +137,8 @@ class _LanguageModelTask:
     def build_model(self) -> nn.Module:
         return LanguageModel(self.model_cfg, self.vocab_size, causal=self.causal)
 
-    def _epoch_batches(self, epoch: int) -> list[tuple[int, int, np.ndarray]]:
-        order = epoch_permutation(self.n_train_blocks, self.ctx.seed, epoch)
-        bs = self.cfg.batch_size
-        return [(epoch, j, order[i:i + bs]) for j, i in enumerate(range(0, len(order), bs))]
+    def _epoch_batches(self, epoch: int) -> "_EpochBatches":
+        return _EpochBatches(epoch, epoch_permutation(self.n_train_blocks, self.ctx.seed, epoch), self.cfg.batch_size)
 
     def train_batches(self, position: dict[str, Any] | None = None) -> Iterator[tuple[Batch, dict[str, Any]]]:
         for (epoch, index, blocks), after in sharded_batches(self._epoch_batches, self.ctx.rank,

@@ -28,14 +28,50 @@ import torch.nn as nn
 from tasks.tokenizer import PAD_ID
 
 
-def ordered_rows(stream: np.ndarray, rows: int) -> np.ndarray:
+class StreamRows:
+    """[rows, n] contiguous rows of a token stream, read from it on demand (the stream may be a memory map of
+    gigabytes: the rows are never copied out whole). Indexing: rows[a:b] (a view of some rows), rows[:, i:j]
+    (every row's columns i..j as an int64 array), rows[r, i:j], and np.asarray(rows)."""
+
+    def __init__(self, stream: Any, n_rows: int, n: int, first: int = 0):
+        self.stream, self.n_rows, self.n, self.first = stream, n_rows, n, first
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n_rows, self.n
+
+    def __len__(self) -> int:
+        return self.n_rows
+
+    def _row(self, row: int, cols: slice) -> np.ndarray:
+        start, stop, _ = cols.indices(self.n)
+        base = (self.first + row) * self.n
+        return np.asarray(self.stream[base + start: base + max(start, stop)], dtype=np.int64)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.n_rows)
+            if step != 1:
+                raise IndexError("rows of a stream are sliced contiguously")
+            return StreamRows(self.stream, max(0, stop - start), self.n, self.first + start)
+        rows, cols = key
+        if isinstance(rows, slice):
+            return np.stack([self._row(r, cols) for r in range(*rows.indices(self.n_rows))])
+        return self._row(int(rows), cols)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[:, :]
+        return out if dtype is None else out.astype(dtype)
+
+
+def ordered_rows(stream: Any, rows: int) -> StreamRows:
     """The stream as [rows, n] contiguous rows; the last len(stream) % rows tokens are dropped (as the
     reference's LMOrderedIterator)."""
     n = len(stream) // rows
     if n < 2:
         raise ValueError(f"a stream of {len(stream)} tokens cannot fill {rows} rows of 2 tokens; lower "
                          "task.batch_size (or the number of workers)")
-    return np.ascontiguousarray(stream[: n * rows].reshape(rows, n))
+    return StreamRows(stream, rows, n)
 
 
 def covering_rows(stream: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -58,7 +94,8 @@ def num_segments(row_len: int, seq_len: int) -> int:
     return max(0, math.ceil((row_len - 1) / seq_len))
 
 
-def segment(rows_BN: np.ndarray, lengths_B: np.ndarray, index: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def segment(rows_BN: np.ndarray | StreamRows, lengths_B: np.ndarray, index: int,
+            seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Segment `index` of every row as [B, seq_len + 1] (padded with PAD_ID) and each row's length in it."""
     start = index * seq_len
     piece_BL = rows_BN[:, start: start + seq_len + 1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Iterable, Literal
 
 import sentencepiece as spm
 
@@ -43,7 +43,7 @@ class Tokenizer:
 
 
 def train_or_load(
-    texts: Callable[[], list[str]],
+    texts: Callable[[], Iterable[str]],
     *,
     data_fingerprint: str,
     vocab_size: int,
@@ -52,7 +52,9 @@ def train_or_load(
 ) -> tuple[Tokenizer, bool]:
     """The cached tokenizer for this data + settings, training it on `texts()` on a miss.
 
-    Returns (tokenizer, hit). `texts` is a callable so a cache hit never loads the corpus.
+    Returns (tokenizer, hit). `texts` is a callable so a cache hit never reads the corpus; its lines are written
+    to sentencepiece's input file one at a time, never held as a list (callers bound them: tasks/text_sources.py
+    `sample`).
     """
     key = cache_key(data=data_fingerprint, vocab_size=vocab_size, model_type=model_type, version=1)
     model_path = Path(cache_dir) / "tokenizers" / f"spm-{model_type}-{key}.model"
@@ -61,14 +63,18 @@ def train_or_load(
     with locked(model_path.with_suffix(".lock")):
         if model_path.exists():  # another worker trained it while we waited
             return Tokenizer(model_path), True
-        lines = [t for t in texts() if t.strip()]
-        if not lines:
-            raise ValueError("the training split is empty; cannot train a sentencepiece model")
 
         def write(tmp: Path) -> None:
             with tempfile.TemporaryDirectory() as work:
                 corpus = Path(work) / "corpus.txt"
-                corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+                written = 0
+                with open(corpus, "w", encoding="utf-8") as f:
+                    for line in texts():
+                        if line.strip():
+                            f.write(line + "\n")
+                            written += 1
+                if not written:
+                    raise ValueError("the training split is empty; cannot train a sentencepiece model")
                 spm.SentencePieceTrainer.train(
                     input=str(corpus), model_prefix=str(Path(work) / "spm"), vocab_size=vocab_size,
                     model_type=model_type, character_coverage=1.0,

@@ -97,14 +97,13 @@ class TranslationTask:
         train = splits["train"]
         # drop over-long training pairs: the target input is bos + target, so it needs one more position
         max_tgt = min(cfg.max_source_len, model_cfg.max_seq_len - 1)
-        keep = [i for i, (s, t) in enumerate(zip(train.src, train.tgt))
-                if 0 < len(s) <= cfg.max_source_len and 0 < len(t) <= max_tgt]
-        if not keep:
+        src_len, tgt_len = train.src.lengths, train.tgt.lengths
+        keep = np.flatnonzero((src_len > 0) & (src_len <= cfg.max_source_len) & (tgt_len > 0) & (tgt_len <= max_tgt))
+        if not len(keep):
             raise ValueError(f"no training pair of {cfg.source_label} fits task.max_source_len={cfg.max_source_len}")
-        self.train_src = [train.src[i] for i in keep]
-        self.train_tgt = [train.tgt[i] for i in keep]
-        self.train_src_len = np.array([len(s) for s in self.train_src])
-        self.train_tgt_len = np.array([len(t) for t in self.train_tgt])
+        # views of the memory-mapped pairs: a batch reads its own pairs, nothing else is copied
+        self.train_src, self.train_tgt = train.src.pick(keep), train.tgt.pick(keep)
+        self.train_src_len, self.train_tgt_len = src_len[keep], tgt_len[keep]
         self.specials = DecodeSpecials(bos=BOS_ID, eos=EOS_ID, forbidden=(PAD_ID, BOS_ID, MASK_ID, UNK_ID))
         self._epoch_cache: tuple[int, list[np.ndarray]] | None = None
         self._output_dir: Path | None = None

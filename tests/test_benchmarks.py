@@ -10,13 +10,14 @@ the bench extra (transformers) and is skipped without it; our two models' core t
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 
 import yaml
 
-from benchmarks import attention_scaling, decoding, harness, ray_overhead, throughput
+from benchmarks import attention_scaling, corpus_scale, decoding, harness, ray_overhead, throughput
 from models.attention import ATTENTION_KINDS
 from orchestrator.spec import validate_spec
 
@@ -173,3 +174,20 @@ def test_ray_overhead_plain_run_windows(tmp_path):
 def test_ray_overhead_names_each_actor_by_its_process_title(title, actor):
     match = ray_overhead.RAY_PROCESS.match(title)
     assert (match.group(1) if match else None) == actor
+
+
+def test_corpus_scale_builds_corpora_by_repetition_and_measures_a_process_tree(tmp_path, monkeypatch):
+    (tmp_path / "wiki").mkdir()
+    (tmp_path / "wiki" / "valid.txt").write_text("a b c\n\n d e\n" * 3000)
+    (tmp_path / "wiki" / "test.txt").write_text("f g\n" * 2000)
+    monkeypatch.setattr(corpus_scale, "WIKITEXT", tmp_path / "wiki")
+    corpus = corpus_scale.make_corpus(tmp_path, 1).read_text()
+    block = (tmp_path / "wiki" / "valid.txt").read_text() + (tmp_path / "wiki" / "test.txt").read_text()
+    assert 2**20 - len("d e\n") < len(corpus) <= 2**20 and corpus.endswith("\n")
+    whole = len(corpus) // len(block)
+    assert corpus.startswith(block * whole) and block.startswith(corpus[len(block) * whole:])
+    # a child that holds 80 MB: the tree's peak counts it, the parent alone does not
+    child = "import time, subprocess, sys; subprocess.run([sys.executable, '-c', 'x = bytearray(80 << 20); import time; time.sleep(1.5)'])"
+    measured = corpus_scale.measured([sys.executable, "-c", child], tmp_path)
+    assert measured["peak_rss_mb"] - measured["main_rss_mb"] > 80 and measured["peak_pss_mb"] > 80
+    assert measured["seconds"] >= 1.5 and measured["cpu_s"] > 0

@@ -6,6 +6,7 @@ import gzip
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
@@ -92,10 +93,10 @@ def test_local_lm_files_gz_and_plain(tmp_path):
     assert texts["validation"] == corpus["validation"], "blank lines are dropped, the rest kept in order"
     tokenizer, hit, streams = prepare_lm(cfg, ("train", "validation"), tmp_path / "cache")
     assert not hit
-    docs = [d.tolist() for d in _split_on(streams["validation"], EOS_ID)]
+    docs = [d.tolist() for d in _split_on(np.asarray(streams["validation"]), EOS_ID)]
     assert tokenizer.decode(docs) == corpus["validation"], "the cached stream decodes back to the text"
     _, hit_again, again = prepare_lm(cfg, ("train", "validation"), tmp_path / "cache")
-    assert hit_again and (again["validation"] == streams["validation"]).all()
+    assert hit_again and (np.asarray(again["validation"]) == np.asarray(streams["validation"])).all()
 
 
 def _split_on(stream, sep):

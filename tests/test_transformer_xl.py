@@ -215,7 +215,7 @@ def test_task_loss_with_memory_is_the_full_context_loss(tmp_path):
     batches = task.train_batches()
     task.loss(model, next(batches)[0])
     second = task.loss(model, next(batches)[0])
-    rows = torch.from_numpy(task.train_rows)
+    rows = torch.from_numpy(np.asarray(task.train_rows))
     logits = model(rows[:, :32])[:, 16:]
     expected = nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 17:33].flatten())
     torch.testing.assert_close(second.double(), expected, rtol=1e-6, atol=1e-6)  # the task's loss is float32

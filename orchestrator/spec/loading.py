@@ -94,8 +94,9 @@ def _assign(raw: Mapping[str, Any], key: str, value: Any, label: str) -> dict[st
 
 RESUME_OVERRIDES = ("optim.max_steps", "run.max_failures", "run.checkpoint_every", "run.eval_every", "run.log_every",
                     "run.keep_checkpoints", "run.workers", "run.cpus_per_worker", "run.gpus_per_worker",
-                    "run.final_eval", "tracking.")
-"""What `orchestrator resume NAME key=value` may change: how long and where a run goes on and where it logs.
+                    "run.final_eval", "task.prepared_path", "task.prepare_workers", "tracking.")
+"""What `orchestrator resume NAME key=value` may change: how long and where a run goes on, where it logs, and
+where its prepared corpus lies (the same ids, moved: a new cluster's shared folder).
 Everything else (model, task, data order, optimizer) shaped the checkpoints it continues from."""
 
 
