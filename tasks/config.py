@@ -341,6 +341,11 @@ class MQARTaskConfig(_GeneratedTaskConfig):
             raise ValueError(f"task.vocab_size={self.vocab_size} is too small for task.num_kv_pairs="
                              f"{self.num_kv_pairs}: keys are drawn without repetition from {keys} ids and values "
                              f"from {values}; raise vocab_size to at least {2 * self.num_kv_pairs + 2}")
+        if self.vocab_size <= self.seq_len:
+            raise ValueError(f"task.vocab_size={self.vocab_size} must exceed task.seq_len={self.seq_len} (Zoology's "
+                             "bound): the random tokens between the queries are drawn from the whole vocabulary, "
+                             "and with fewer ids than positions every key recurs among them, each time followed by "
+                             f"a wrong value; raise vocab_size above {self.seq_len} (Zoology uses 8192)")
         if self.power_a <= 0:
             raise ValueError(f"task.power_a={self.power_a} must be > 0 (Zoology uses 0.01; 1 is uniform)")
         return self

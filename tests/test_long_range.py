@@ -25,7 +25,7 @@ from tests.attention_cases import tiny_knobs
 
 LISTOPS = {"kind": "listops", "seq_len": 48, "min_len": 8, "max_depth": 4, "max_args": 5, "train_examples": 300,
            "eval_examples": 40, "batch_size": 8}
-MQAR = {"kind": "mqar", "seq_len": 64, "num_kv_pairs": 6, "vocab_size": 40, "train_examples": 200,
+MQAR = {"kind": "mqar", "seq_len": 64, "num_kv_pairs": 6, "vocab_size": 80, "train_examples": 200,
         "eval_examples": 30, "batch_size": 8}
 
 
@@ -240,9 +240,11 @@ def test_bytelm_longer_than_the_model_is_refused(tmp_path):
 def test_pairs_that_do_not_fit_and_a_vocabulary_too_small_are_refused():
     with pytest.raises(ValueError, match=r"num_kv_pairs=17 does not fit task.seq_len=64.*>= 4 x num_kv_pairs = 68"):
         MQARTaskConfig(**{**MQAR, "num_kv_pairs": 17})
-    with pytest.raises(ValueError, match=r"vocab_size=12 is too small for task.num_kv_pairs=6.*at least 14"):
-        MQARTaskConfig(**{**MQAR, "vocab_size": 12})
-    MQARTaskConfig(**{**MQAR, "vocab_size": 14})  # 6 keys in [1, 7), 7 values in [7, 14)
+    with pytest.raises(ValueError, match=r"vocab_size=5 is too small for task.num_kv_pairs=2.*at least 6"):
+        MQARTaskConfig(**{**MQAR, "vocab_size": 5, "seq_len": 8, "num_kv_pairs": 2})
+    with pytest.raises(ValueError, match=r"vocab_size=64 must exceed task.seq_len=64 \(Zoology's bound\)"):
+        MQARTaskConfig(**{**MQAR, "vocab_size": 64})
+    MQARTaskConfig(**{**MQAR, "vocab_size": 65})
     with pytest.raises(ValueError, match="must be even"):
         MQARTaskConfig(**{**MQAR, "seq_len": 63})
     with pytest.raises(ValueError, match="task.min_len=46 and task.seq_len=48 leave no expression length"):
