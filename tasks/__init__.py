@@ -73,22 +73,16 @@ def check_compatible(task_cfg: TaskConfig, model_cfg: ModelConfig) -> None:
         )
 
 
+_TASKS = {MLMTaskConfig: MaskedLMTask, CausalLMTaskConfig: CausalLMTask, ClassifyTaskConfig: ClassificationTask,
+          TranslationTaskConfig: TranslationTask, ListOpsTaskConfig: ListOpsTask, MQARTaskConfig: MQARTask,
+          ByteLMTaskConfig: ByteLMTask}
+"""Each task block's class -> the task it builds."""
+
+
 def build_task(task_cfg: TaskConfig, model_cfg: ModelConfig, ctx: WorkerContext) -> Task:
     """The task of a spec on one worker: model builder, sharded batches, loss, evaluation."""
     check_compatible(task_cfg, model_cfg)
-    if isinstance(task_cfg, MLMTaskConfig):
-        return MaskedLMTask(task_cfg, model_cfg, ctx)
-    if isinstance(task_cfg, CausalLMTaskConfig):
-        return CausalLMTask(task_cfg, model_cfg, ctx)
-    if isinstance(task_cfg, ClassifyTaskConfig):
-        return ClassificationTask(task_cfg, model_cfg, ctx)
-    if isinstance(task_cfg, ListOpsTaskConfig):
-        return ListOpsTask(task_cfg, model_cfg, ctx)
-    if isinstance(task_cfg, MQARTaskConfig):
-        return MQARTask(task_cfg, model_cfg, ctx)
-    if isinstance(task_cfg, ByteLMTaskConfig):
-        return ByteLMTask(task_cfg, model_cfg, ctx)
-    return TranslationTask(task_cfg, model_cfg, ctx)
+    return _TASKS[type(task_cfg)](task_cfg, model_cfg, ctx)
 
 
 __all__ = [
