@@ -16,6 +16,9 @@ import torch.nn.functional as F
 
 from models import ModelConfig
 from models.attention import ATTENTION_KINDS
+from orchestrator.export import load_model
+from orchestrator.local_run import latest_checkpoint, train_locally
+from orchestrator.scoring import evaluate_checkpoint
 from orchestrator.spec import SpecError, validate_spec
 from tasks import WorkerContext, build_task, check_compatible
 from tasks import listops, mqar
@@ -289,3 +292,32 @@ def test_every_attention_kind_takes_a_training_step_on_the_generated_tasks(kind,
         assert torch.isfinite(loss)
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         assert 0.0 <= task.evaluate(model)["val/acc"] <= 1.0
+
+
+# --- through the training core, a checkpoint, the final scoring and the export -----------------------------------
+
+
+@pytest.mark.parametrize("task_block", [LISTOPS, {**MQAR, "causal": True}, "bytes"], ids=["listops", "mqar", "bytelm"])
+def test_a_trained_long_range_run_scores_its_checkpoint_and_exports_a_model_that_predicts_the_same(task_block,
+                                                                                                   tmp_path):
+    if task_block == "bytes":
+        (tmp_path / "a.txt").write_bytes(b"abcabcabd, long range?\n" * 20)
+        task_block = {"kind": "bytelm", "files": {"train": str(tmp_path / "a.txt"), "test": str(tmp_path / "a.txt")},
+                      "eval_split": "test", "seq_len": 32, "batch_size": 4}
+    spec = validate_spec({"name": "lr", "task": task_block, "model": _model().model_dump(),
+                          "optim": {"max_steps": 4, "warmup_steps": 1},
+                          "run": {"eval_every": 2, "checkpoint_every": 4, "storage_path": str(tmp_path / "runs")},
+                          "tracking": {"uri": f"sqlite:///{tmp_path}/m.db"}})
+    trainer, hooks = train_locally(spec, cache_dir=tmp_path / "cache", folder=tmp_path / "ckpt")
+    assert [step for step, m in hooks.history if spec.tune.metric in m] == [2, 4]
+    split = "test"
+    scored = evaluate_checkpoint(latest_checkpoint(tmp_path / "ckpt"), split, cache_dir=tmp_path / "cache",
+                                 out_dir=tmp_path / "out", device=torch.device("cpu"), export=True)
+    metric = spec.tune.metric.replace("val/", f"{split}/")
+    assert np.isfinite(scored.metrics[metric])
+    exported = load_model(scored.files["model"])
+    model = trainer.model.eval()
+    batch, _ = next(trainer.task.train_batches())
+    t = batch.tensors
+    with torch.no_grad():
+        assert torch.equal(exported(t["tokens"], t.get("padding_mask")), model(t["tokens"], t.get("padding_mask")))
