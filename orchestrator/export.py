@@ -24,7 +24,9 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model.json"
 TOKENIZER_FILE = "tokenizer.model"
-ARCHITECTURES = {"mlm": "masked_lm", "clm": "causal_lm", "translation": "seq2seq", "classify": "classifier"}
+ARCHITECTURES = {"mlm": "masked_lm", "clm": "causal_lm", "translation": "seq2seq", "classify": "classifier",
+                 "listops": "classifier", "mqar": "masked_lm", "bytelm": "causal_lm"}
+"""task.kind -> the exported architecture (an mqar run with task.causal: true passes causal_lm in `extra`)."""
 
 
 def export_model(model: nn.Module, *, task_kind: str, model_cfg: ModelConfig, vocab_size: int, out_dir: Path,

@@ -35,7 +35,7 @@ def check_storage(spec: ExperimentSpec) -> None:
 
 def _data_files(spec: ExperimentSpec) -> list[tuple[str, list[Path]]]:
     """(field, the files it may name) for each split the spec reads from local files."""
-    files = spec.task.files
+    files = getattr(spec.task, "files", None)  # generated tasks (listops, mqar) read no files
     if files is None:
         return []
     out = []
@@ -57,7 +57,9 @@ def check_data_files(spec: ExperimentSpec) -> None:
     to the hub (SpecError naming the field): a missing dataset fails in seconds, not inside a Ray worker."""
     from tasks.text_sources import hub_dataset_problem
 
-    problem = hub_dataset_problem(spec.task, Path(cache_dir_of(spec.run.storage_path)))
+    # only tasks that may name a hub dataset have task.dataset (not the generated ones, nor bytelm's files)
+    problem = (hub_dataset_problem(spec.task, Path(cache_dir_of(spec.run.storage_path)))
+               if hasattr(spec.task, "dataset") else None)
     if problem:
         raise SpecError(problem)
     for field, candidates in _data_files(spec):

@@ -32,7 +32,7 @@ SEED_KEYS = ("optim.seed", "seed")
 
 # Substrings of a metric name that say which way is better. Inverse hints are checked first so that
 # e.g. "val/acc_loss" counts as a loss.
-_INVERSE_HINTS = ("loss", "ppl", "perplexity")
+_INVERSE_HINTS = ("loss", "ppl", "perplexity", "bpb")  # bpb: bits per byte (task.kind: bytelm)
 _DIRECT_HINTS = ("bleu", "chrf", "acc", "f1")
 # What a flattened spec writes for an unset (Python None) field: "knob absent", not a knob value.
 # Lower-case "none" stays a value: it is a real setting, e.g. Linformer `sharing: none`.

@@ -107,7 +107,14 @@ def evaluate_checkpoint(directory: Path, split: str, *, cache_dir: Path, out_dir
 
 
 def _head_config(task_cfg: TaskConfig) -> dict[str, Any]:
-    """What an exported classifier needs besides the model block (export.build_exported)."""
+    """What an exported model needs besides the model block (export.build_exported): a classifier's head, or
+    the architecture of a causal associative-recall model (its kind exports as masked_lm by default)."""
+    if task_cfg.kind == "listops":
+        from tasks.listops import NUM_CLASSES
+
+        return {"num_classes": NUM_CLASSES, "pooling": task_cfg.pooling, "label_names": None}
+    if task_cfg.kind == "mqar" and task_cfg.causal:
+        return {"architecture": "causal_lm"}
     if task_cfg.kind != "classify":
         return {}
     return {"num_classes": task_cfg.num_classes, "pooling": task_cfg.pooling,

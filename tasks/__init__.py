@@ -1,4 +1,5 @@
-"""Data and objectives: masked LM, causal LM, translation and classification behind the Task protocol of tasks/base.py.
+"""Data and objectives behind the Task protocol of tasks/base.py: masked LM, causal LM, translation and
+classification, and the long-range tasks (ListOps, associative recall, byte-level LM: tasks/long_range.py).
 
 `check_compatible(task_cfg, model_cfg)` is the cheap spec-level check the orchestrator runs before Ray starts;
 `build_task(task_cfg, model_cfg, ctx)` builds the task on a worker (tokenizer and token ids come from the cache
@@ -14,13 +15,17 @@ from tasks.base import Batch, Task, WorkerContext
 from tasks.classify import ClassificationTask
 from tasks.config import (
     TASK_KINDS,
+    ByteLMTaskConfig,
     CausalLMTaskConfig,
     ClassifyTaskConfig,
+    ListOpsTaskConfig,
     MLMTaskConfig,
+    MQARTaskConfig,
     TaskConfig,
     TranslationTaskConfig,
 )
 from tasks.lm import CausalLMTask, MaskedLMTask
+from tasks.long_range import ByteLMTask, ListOpsTask, MQARTask, check_long_range
 from tasks.translation import TranslationTask
 
 
@@ -43,6 +48,8 @@ def check_compatible(task_cfg: TaskConfig, model_cfg: ModelConfig) -> None:
         if task_cfg.max_len > model_cfg.max_seq_len:
             raise ValueError(f"task.max_len={task_cfg.max_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; "
                              "lower task.max_len or raise model.max_seq_len (to the pretraining run's)")
+    elif isinstance(task_cfg, (ListOpsTaskConfig, MQARTaskConfig, ByteLMTaskConfig)):
+        check_long_range(task_cfg, model_cfg)
     else:
         raise ValueError(f"task.kind must be one of {TASK_KINDS} (got {type(task_cfg).__name__})")
     if model_cfg.init_from is not None and task_cfg.kind != "classify":
@@ -56,31 +63,36 @@ def check_compatible(task_cfg: TaskConfig, model_cfg: ModelConfig) -> None:
         raise ValueError(f"model.positional: relative requires a causal LM task (task.kind: clm; got "
                          f"{task_cfg.kind}): Transformer-XL's relative attention is causal self-attention. Use "
                          "model.positional: learned or sinusoidal with this task")
-    if task_cfg.kind in ("clm", "translation") and not _supports_causal(model_cfg):
+    causal = task_cfg.kind in ("clm", "translation", "bytelm") or (task_cfg.kind == "mqar" and task_cfg.causal)
+    if causal and not _supports_causal(model_cfg):
         raise ValueError(
             f"model.attention.kind={model_cfg.attention.kind!r} mixes future positions and cannot run causal "
-            f"attention, which task.kind={task_cfg.kind!r} needs (the causal LM, or the translation decoder); "
-            "use it with task.kind: mlm, or choose a causal-capable attention kind"
+            f"attention, which task.kind={task_cfg.kind!r} needs (a causal LM, a translation decoder, or "
+            "task.causal: true); use it with task.kind: mlm, listops or mqar (task.causal: false), or choose a "
+            "causal-capable attention kind"
         )
+
+
+_TASKS = {MLMTaskConfig: MaskedLMTask, CausalLMTaskConfig: CausalLMTask, ClassifyTaskConfig: ClassificationTask,
+          TranslationTaskConfig: TranslationTask, ListOpsTaskConfig: ListOpsTask, MQARTaskConfig: MQARTask,
+          ByteLMTaskConfig: ByteLMTask}
+"""Each task block's class -> the task it builds."""
 
 
 def build_task(task_cfg: TaskConfig, model_cfg: ModelConfig, ctx: WorkerContext) -> Task:
     """The task of a spec on one worker: model builder, sharded batches, loss, evaluation."""
     check_compatible(task_cfg, model_cfg)
-    if isinstance(task_cfg, MLMTaskConfig):
-        return MaskedLMTask(task_cfg, model_cfg, ctx)
-    if isinstance(task_cfg, CausalLMTaskConfig):
-        return CausalLMTask(task_cfg, model_cfg, ctx)
-    if isinstance(task_cfg, ClassifyTaskConfig):
-        return ClassificationTask(task_cfg, model_cfg, ctx)
-    return TranslationTask(task_cfg, model_cfg, ctx)
+    return _TASKS[type(task_cfg)](task_cfg, model_cfg, ctx)
 
 
 __all__ = [
     "Batch",
+    "ByteLMTaskConfig",
     "CausalLMTaskConfig",
     "ClassifyTaskConfig",
+    "ListOpsTaskConfig",
     "MLMTaskConfig",
+    "MQARTaskConfig",
     "Task",
     "TaskConfig",
     "TranslationTaskConfig",

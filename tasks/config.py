@@ -270,8 +270,161 @@ class ClassifyTaskConfig(_TaskConfig):
         return self
 
 
+# --- long-range tasks: generated offline (ListOps, MQAR) or read as raw bytes (tasks/long_range.py) ---------------
+
+
+class _GeneratedTaskConfig(_Config):
+    """Examples drawn from a seeded generator: no download, the same data on every worker and every trial."""
+
+    seed: int = 1234
+    """Seed of the generator; fixed apart from the run seed (optim.seed orders the batches), like task.builtin.seed."""
+    train_examples: int = 20000
+    """Examples in the training split."""
+    eval_examples: int = 1000
+    """Examples in each of the validation and test splits."""
+    batch_size: int = 32
+    """Examples per worker step."""
+    eval_split: Literal["validation", "test"] = "validation"
+    """Split that `evaluate` scores."""
+    eval_batches: int | None = None
+    """Score only the first N evaluation batches (fast checks); None scores the whole split."""
+
+    metrics: ClassVar[tuple[str, ...]] = ("val/loss", "val/acc")
+    default_metric: ClassVar[str] = "val/acc"
+    default_mode: ClassVar[Literal["min", "max"]] = "max"
+
+    @model_validator(mode="after")
+    def _check_generated(self) -> "_GeneratedTaskConfig":
+        if self.train_examples < 1 or self.eval_examples < 1:
+            raise ValueError("task.train_examples and task.eval_examples must be >= 1")
+        if self.batch_size < 1:
+            raise ValueError(f"task.batch_size={self.batch_size} must be >= 1")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"task.eval_batches={self.eval_batches} must be >= 1, or leave it unset")
+        return self
+
+    @property
+    def source_label(self) -> str:
+        return f"generated {self.kind} (seed {self.seed})"
+
+
+class ListOpsTaskConfig(_GeneratedTaskConfig):
+    """ListOps (Nangia & Bowman, 2018, arXiv 1804.06028) as the Long Range Arena generates it (Tay et al., 2020,
+    arXiv 2011.04006): nested MAX / MIN / MED / SM expressions over the digits 0-9, classified into their value
+    (10 classes) by a bidirectional encoder. The generator follows LRA's lra_benchmarks/data/listops.py
+    (tasks/listops.py says which lines)."""
+
+    kind: Literal["listops"] = "listops"
+    seq_len: int = 2000
+    """Longest input in tokens, the leading CLS included; expressions are shorter than this (LRA's max_length)."""
+    min_len: int = 500
+    """Expressions are longer than this many tokens (LRA's min_length)."""
+    max_depth: int = 10
+    """Deepest nesting of operators (LRA's max_depth)."""
+    max_args: int = 10
+    """Most arguments of one operator (LRA's max_args); each has at least 2."""
+    pooling: Literal["first", "mean"] = "first"
+    """first: the state of the leading CLS token (LRA's pooling_mode CLS); mean: the mean over real tokens."""
+
+    @model_validator(mode="after")
+    def _check_listops(self) -> "ListOpsTaskConfig":
+        if self.max_depth < 1 or self.max_args < 2:
+            raise ValueError(f"task.max_depth={self.max_depth} must be >= 1 and task.max_args={self.max_args} >= 2")
+        # The shortest operator expression is `[OP d d ]`: 4 tokens, 5 with CLS; lengths lie strictly between.
+        if self.min_len < 0 or self.seq_len - 1 <= self.min_len + 1:
+            raise ValueError(f"task.min_len={self.min_len} and task.seq_len={self.seq_len} leave no expression "
+                             "length strictly between them (seq_len counts the leading CLS); raise task.seq_len "
+                             "or lower task.min_len")
+        return self
+
+
+class MQARTaskConfig(_GeneratedTaskConfig):
+    """Multi-query associative recall (Arora, Eyuboglu et al., 2023, Zoology, arXiv 2312.04927): key-value pairs,
+    then the keys again at power-law distances, each to be answered with its value. Scored as accuracy over the
+    answer positions. The generator follows Zoology's zoology/data/multiquery_ar.py (tasks/mqar.py)."""
+
+    kind: Literal["mqar"] = "mqar"
+    seq_len: int = 512
+    """Tokens per example (Zoology's input_seq_len; even)."""
+    num_kv_pairs: int = 8
+    """Key-value pairs per example, each queried once; 4 x num_kv_pairs must fit in seq_len."""
+    vocab_size: int = 8192
+    """Token ids: keys from [1, vocab/2), values from [vocab/2, vocab) (Zoology's split; its default 8192)."""
+    power_a: float = 0.01
+    """Exponent of the power law of query distances (Zoology's power_a; 1 is uniform)."""
+    random_non_queries: bool = True
+    """Fill the positions between queries with random tokens (Zoology's default), not zeros."""
+    causal: bool = False
+    """Decoder (causal attention), as Zoology trains; false reads the example with a bidirectional encoder, which
+    every attention kind can run (the inputs after a query hold no answer either way)."""
+    @model_validator(mode="after")
+    def _check_mqar(self) -> "MQARTaskConfig":
+        if self.seq_len % 2:
+            raise ValueError(f"task.seq_len={self.seq_len} must be even (Zoology's input_seq_len: pairs of tokens)")
+        if self.num_kv_pairs < 1:
+            raise ValueError(f"task.num_kv_pairs={self.num_kv_pairs} must be >= 1")
+        if 4 * self.num_kv_pairs > self.seq_len:
+            raise ValueError(f"task.num_kv_pairs={self.num_kv_pairs} does not fit task.seq_len={self.seq_len}: the "
+                             f"pairs take 2 x {self.num_kv_pairs} tokens and their queries need as many slots of two "
+                             f"after them, so seq_len must be >= 4 x num_kv_pairs = {4 * self.num_kv_pairs}; "
+                             "raise task.seq_len or lower task.num_kv_pairs")
+        keys, values = self.vocab_size // 2 - 1, self.vocab_size - self.vocab_size // 2
+        if min(keys, values) < self.num_kv_pairs:
+            raise ValueError(f"task.vocab_size={self.vocab_size} is too small for task.num_kv_pairs="
+                             f"{self.num_kv_pairs}: keys are drawn without repetition from {keys} ids and values "
+                             f"from {values}; raise vocab_size to at least {2 * self.num_kv_pairs + 2}")
+        if self.vocab_size <= self.seq_len:
+            raise ValueError(f"task.vocab_size={self.vocab_size} must exceed task.seq_len={self.seq_len} (Zoology's "
+                             "bound): the random tokens between the queries are drawn from the whole vocabulary, "
+                             "and with fewer ids than positions every key recurs among them, each time followed by "
+                             f"a wrong value; raise vocab_size above {self.seq_len} (Zoology uses 8192)")
+        if self.power_a <= 0:
+            raise ValueError(f"task.power_a={self.power_a} must be > 0 (Zoology uses 0.01; 1 is uniform)")
+        return self
+
+
+class ByteLMTaskConfig(_Config):
+    """Byte-level causal language modelling of local text files (enwik8-style, as Reformer and Transformer-XL
+    report it): every byte is a token (256 ids, no tokenizer), scored in bits per byte."""
+
+    kind: Literal["bytelm"] = "bytelm"
+    files: DataFiles
+    """Local text files {train, validation, test}, read as raw bytes (gzipped files are decompressed)."""
+    seq_len: int = 1024
+    """Bytes per training and evaluation block."""
+    batch_size: int = 16
+    """Blocks per worker step."""
+    eval_split: Literal["validation", "test"] = "validation"
+    """Split that `evaluate` scores."""
+    eval_batches: int | None = None
+    """Score only the first N evaluation batches (fast checks); None scores the whole split."""
+
+    metrics: ClassVar[tuple[str, ...]] = ("val/loss", "val/bpb", "val/ppl")
+    default_metric: ClassVar[str] = "val/bpb"
+    default_mode: ClassVar[Literal["min", "max"]] = "min"
+
+    @model_validator(mode="after")
+    def _check_bytes(self) -> "ByteLMTaskConfig":
+        if self.seq_len < 2:
+            raise ValueError(f"task.seq_len={self.seq_len} must be >= 2")
+        if self.batch_size < 1:
+            raise ValueError(f"task.batch_size={self.batch_size} must be >= 1")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"task.eval_batches={self.eval_batches} must be >= 1, or leave it unset")
+        if getattr(self.files, self.eval_split) is None:
+            raise ValueError(f"task.eval_split={self.eval_split!r} but task.files.{self.eval_split} is not given; "
+                             f"add task.files.{self.eval_split} or change task.eval_split")
+        return self
+
+    @property
+    def source_label(self) -> str:
+        return f"bytes:{self.files.train}"
+
+
 TaskConfig = Annotated[
-    Union[MLMTaskConfig, CausalLMTaskConfig, TranslationTaskConfig, ClassifyTaskConfig], Field(discriminator="kind")
+    Union[MLMTaskConfig, CausalLMTaskConfig, TranslationTaskConfig, ClassifyTaskConfig, ListOpsTaskConfig,
+          MQARTaskConfig, ByteLMTaskConfig],
+    Field(discriminator="kind"),
 ]
 
-TASK_KINDS: tuple[str, ...] = ("mlm", "clm", "translation", "classify")
+TASK_KINDS: tuple[str, ...] = ("mlm", "clm", "translation", "classify", "listops", "mqar", "bytelm")
