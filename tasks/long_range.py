@@ -26,7 +26,7 @@ from __future__ import annotations
 import gzip
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -37,10 +37,11 @@ from models import LanguageModel, ModelConfig
 from models.classifier import SequenceClassifier
 from tasks import listops, mqar
 from tasks.base import Batch, WorkerContext
-from tasks.cache import cache_key
+from tasks.cache import atomic_write, cache_key, locked
 from tasks.classify import pad_batch
 from tasks.config import ByteLMTaskConfig, ListOpsTaskConfig, MQARTaskConfig
-from tasks.data import _cached_arrays, _resolve, _unflatten, epoch_permutation, sharded_batches
+from tasks.data import epoch_permutation, sharded_batches
+from tasks.text_sources import _resolve
 from tasks.lm import CausalLMTask, num_blocks
 
 SPLITS = ("train", "validation", "test")
@@ -53,6 +54,23 @@ def check_long_range(task_cfg: ListOpsTaskConfig | MQARTaskConfig | ByteLMTaskCo
         raise ValueError(f"task.seq_len={task_cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}: the "
                          f"positional table (and Linformer's projection) covers {model_cfg.max_seq_len} positions; "
                          "lower task.seq_len or raise model.max_seq_len")
+
+
+def _cached_arrays(path: Path, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Generated examples, built once per settings (one producer at a time) and read back whole: they are small
+    next to a corpus (tasks/data.py maps those instead)."""
+    if not path.exists():
+        with locked(path.with_suffix(".lock")):
+            if not path.exists():
+                arrays = build()
+                atomic_write(path, lambda tmp: np.savez(open(tmp, "wb"), **arrays))
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def _unflatten(arrays: dict[str, np.ndarray], prefix: str) -> list[np.ndarray]:
+    flat, offsets = arrays[f"{prefix}flat"], arrays[f"{prefix}offsets"]
+    return [flat[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
 def _split_sizes(cfg: ListOpsTaskConfig | MQARTaskConfig) -> tuple[int, int, int]:
