@@ -15,6 +15,7 @@ beside an earlier attempt's are sent once too.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 import warnings
