@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs
 
 from orchestrator.layout import (
     DELIVERED_FILE,
@@ -36,6 +35,7 @@ from orchestrator.layout import (
     join,
     read_json,
     storage_fs,
+    upload,
     write_json,
 )
 from orchestrator.tracking.write import MlflowTracker
@@ -50,10 +50,8 @@ def store_task_files(run_folder: str, files: Mapping[str, Path]) -> None:
         path = Path(path)
         if not path.exists():
             continue
-        fs, target = storage_fs(join(run_folder, TASK_FILES_DIR, name))
-        fs.create_dir(target, recursive=True)
-        pyarrow.fs.copy_files(str(path), target if path.is_dir() else f"{target}/{path.name}",
-                              source_filesystem=pyarrow.fs.LocalFileSystem(), destination_filesystem=fs)
+        target = join(run_folder, TASK_FILES_DIR, name)
+        upload(path, target if path.is_dir() else join(target, path.name))
 
 
 def _artifact_path(relative: str) -> str | None:

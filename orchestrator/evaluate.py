@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs
 
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.scoring import Evaluation, evaluate_checkpoint, split_task_config
@@ -31,7 +30,7 @@ from orchestrator.layout import (
     evaluation_record,
     join,
     spool_of,
-    storage_fs,
+    upload,
     write_json,
 )
 from orchestrator.preflight import LaunchError
@@ -92,10 +91,7 @@ def score_and_store(spec: ExperimentSpec, chosen: ChosenCheckpoint, split: str, 
     with chosen.checkpoint.as_directory() as directory, tempfile.TemporaryDirectory(prefix="evaluation-") as out:
         evaluation: Evaluation = evaluate_checkpoint(Path(directory), split, cache_dir=Path(cache_dir),
                                                      out_dir=Path(out), export=export)
-        filesystem, path = storage_fs(destination)
-        filesystem.create_dir(path, recursive=True)
-        pyarrow.fs.copy_files(out, path, source_filesystem=pyarrow.fs.LocalFileSystem(),
-                              destination_filesystem=filesystem)
+        upload(Path(out), destination)
     write_json(evaluation_record(destination, split),
                {"split": split, "step": evaluation.step, "metrics": evaluation.metrics,
                 "tags": {f"{split}.checkpoint": f"{chosen.which} (step {evaluation.step})"}})

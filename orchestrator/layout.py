@@ -150,6 +150,14 @@ def write_text(location: str, text: str) -> None:
         f.write(text.encode())
 
 
+def upload(local: Path, location: str) -> None:
+    """Copy a local folder's content into the folder `location`, or a local file to the file `location`, on any
+    storage (the folders above it made as needed)."""
+    fs, path = storage_fs(location)
+    fs.create_dir(path if local.is_dir() else path.rsplit("/", 1)[0], recursive=True)
+    pyarrow.fs.copy_files(str(local), path, source_filesystem=pyarrow.fs.LocalFileSystem(), destination_filesystem=fs)
+
+
 def remove(location: str) -> None:
     """Delete a file if it exists."""
     fs, path = storage_fs(location)
@@ -251,13 +259,10 @@ def diverged(run_folder: str) -> str | None:
 
 def record_error(run_folder: str, text: str) -> str | None:
     """Keep a failed run's whole error (the console prints its one-line reason) in the run's folder; where it is,
-    or None when it could not be written (a missing folder on remote storage is no reason to hide the error)."""
+    or None when it could not be written (a storage that does not answer is no reason to hide the error)."""
     location = join(run_folder, ERROR_FILE)
     try:
-        fs, path = storage_fs(location)
-        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-        with fs.open_output_stream(path) as f:
-            f.write(text.encode())
+        write_text(location, text)
     except OSError:
         return None
     return location
