@@ -45,7 +45,7 @@ from tasks.corpus_format import (
     open_corpus,
     write_manifest,
 )
-from tasks.text_sources import Source
+from tasks.text_sources import FileSlice, Source
 
 _SP: Any = None  # the sentencepiece model of a pool worker (set by _start_worker)
 _PR_SET_PDEATHSIG = 1
@@ -85,8 +85,10 @@ def encode_documents(sp: Any, docs: list[str], eos: int, dtype: np.dtype) -> tup
     return out, ends - lengths, lengths
 
 
-def _encode_task(columns: tuple[list[str], ...], eos: int, dtype: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    return [encode_documents(_SP, docs, eos, np.dtype(dtype)) for docs in columns]
+def _encode_task(columns: tuple[list[str] | FileSlice, ...], eos: int,
+                 dtype: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    return [encode_documents(_SP, docs.documents() if isinstance(docs, FileSlice) else docs, eos, np.dtype(dtype))
+            for docs in columns]
 
 
 def default_workers() -> int:
@@ -94,7 +96,7 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def encoded_chunks(model_path: Path, chunks: Iterator[tuple[tuple[list[str], ...], int]], eos: int, dtype: np.dtype,
+def encoded_chunks(model_path: Path, chunks: Iterator[tuple[tuple[list[str] | FileSlice, ...], int]], eos: int, dtype: np.dtype,
                    workers: int) -> Iterator[tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], int]]:
     """(encoded columns, progress) per chunk, in the order the chunks came; `workers` processes encode them."""
     if workers <= 1:
@@ -175,7 +177,11 @@ def write_columns(folder: Path, source: Source, columns: list[ColumnSpec], model
     text_writer = ColumnWriter(folder, texts, np.dtype(np.uint8), shard_bytes) if texts else None
     progress = Progress(source.label, source.unit, source.total)
 
-    def chunks() -> Iterator[tuple[tuple[list[str], ...], int]]:
+    def chunks() -> Iterator[tuple[tuple[list[str] | FileSlice, ...], int]]:
+        if source.slices is not None and len(columns) == 1 and text_writer is None:
+            for piece, done in source.slices():  # the encoding process reads the lines (FileSlice's docstring)
+                yield (piece,), done
+            return
         for chunk in source.chunks():
             items = chunk.items if len(columns) > 1 else (chunk.items,)
             if text_writer is not None:

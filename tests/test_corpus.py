@@ -80,6 +80,24 @@ def test_prepared_ids_equal_the_in_memory_tokenisation(tmp_path, small_shards):
     assert [d.tolist() for d in docs] == tokenizer.encode(texts), "each document's index entry is its own ids"
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 7, 16, 64, 10_000])
+def test_file_slices_hold_exactly_the_documents_of_the_text_mode_reader(tmp_path, chunk_bytes):
+    """The slices a pool worker reads itself give the documents `file_lines` gives (the path that the in-memory
+    reference reads), in order, whatever the cut: CRLF and lone CR endings, blank and space-only lines,
+    multi-byte characters, no final newline."""
+    text = ("ein Satz\r\nzwei\rdrei \u00e4\u00f6\u00fc\n\n   \nvier\u20ac\u20ac\r\n\r\n"
+            "f\u00fcnf \U0001f600 ende\nsechs\r\rsieben")
+    path = tmp_path / "nasty.txt"
+    path.write_bytes(text.encode("utf-8"))
+    expected = text_sources.documents_of([line for lines, _ in text_sources.file_lines(path) for line in lines])
+    slices = list(text_sources.file_slices(path, chunk_bytes))
+    assert [s.start for s, _ in slices] == [0] + [s.end for s, _ in slices[:-1]], "slices tile the file"
+    assert slices[-1][0].end == slices[-1][1] == path.stat().st_size
+    assert [doc for piece, _ in slices for doc in piece.documents()] == expected
+    assert expected == ["ein Satz", "zwei", "drei \u00e4\u00f6\u00fc", "vier\u20ac\u20ac", "f\u00fcnf \U0001f600 ende",
+                        "sechs", "sieben"]
+
+
 def test_a_worker_reads_the_old_batch_order_and_resumes_exactly(tmp_path, small_shards):
     cfg = _lm_files(tmp_path)
     task = build_task(cfg, MODEL, WorkerContext(seed=5, rank=1, world_size=2, cache_dir=tmp_path / "cache"))
