@@ -1,9 +1,9 @@
 """Preparing a corpus: text streamed in chunks, tokenised on every core, written as memory-mapped shards.
 
 The pipeline is nanoGPT's `data/openwebtext/prepare.py` (tokenise on `num_proc` processes, append eot to every
-document, write the ids into one flat uint16 file) made streaming: the main process reads chunks of text
-(tasks/text_sources.py), a pool of forked processes encodes them with the sentencepiece model, and the main
-process writes the results in order into bounded shards (tasks/corpus_format.py), so memory holds only a few
+document, write the ids into one flat uint16 file) made streaming: the text is cut into chunks
+(tasks/text_sources.py; a plain file into byte ranges that each worker reads itself, `FileSlice`), a pool of
+forked processes encodes them with the sentencepiece model, and the main process writes the results in order into bounded shards (tasks/corpus_format.py), so memory holds only a few
 chunks at any time whatever the corpus size. Chunks are submitted ahead by at most two per worker and taken
 back in submission order, which keeps the output identical to encoding the whole split in one call.
 
