@@ -6,6 +6,7 @@ learning-rate schedule of `optim.schedule` (`lr_lambda`). `LossMeter` sums the l
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -13,15 +14,27 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 
 from orchestrator.spec import OptimConfig
 from tasks import Batch
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 """Mean loss over a batch's `n_tokens` target tokens (Task.loss)."""
-WRAPPERS = (nn.parallel.DistributedDataParallel, FullyShardedDataParallel)
-"""What DDP and FSDP wrap a model in: gradients sync on the last micro-batch only."""
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether `model` is wrapped by torch's FullyShardedDataParallel, asked without importing FSDP: the import
+    (torch.distributed.fsdp and the DTensor machinery under it) costs about half a second of every Train
+    worker's start, which a run that does not shard would pay before its first step (benchmarks/RESULTS.md,
+    "Start-up against a bare Ray Train run"). Nothing can be wrapped in FSDP before something imported it
+    (Ray Train's `prepare_model` does, for run.strategy=fsdp)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel)
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    """Wrapped by DDP or FSDP: gradients sync on the last micro-batch only, the module is `model.module`."""
+    return isinstance(model, nn.parallel.DistributedDataParallel) or is_fsdp(model)
 
 
 def lr_lambda(optim: OptimConfig) -> Callable[[int], float]:
@@ -116,7 +129,7 @@ def train_step(model: nn.Module, micro_batches: Iterator[Batch], loss_fn: LossFn
     The loss of each micro-batch is its mean over its own target tokens, scaled by 1 / grad_accum (each
     micro-batch weighs the same in the gradient, as in nanoGPT); the meter weights by tokens for logging.
     """
-    wrapped = isinstance(model, WRAPPERS)
+    wrapped = is_wrapped(model)
     for micro in range(opt.grad_accum):
         batch = next(micro_batches).to(device)
         # Gradients are all-reduced once, on the last micro-batch (DDP's / FSDP's no_sync on the others); the
@@ -136,7 +149,7 @@ def train_step(model: nn.Module, micro_batches: Iterator[Batch], loss_fn: LossFn
         # Clipping must see the true gradients, so unscale first; step() then does not unscale again.
         opt.scaler.unscale_(opt.optimizer)
     if opt.grad_clip is not None:
-        if isinstance(model, FullyShardedDataParallel):
+        if is_fsdp(model):
             model.clip_grad_norm_(opt.grad_clip)  # the norm over every rank's shard, not this rank's alone
         else:
             nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)

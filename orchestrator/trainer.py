@@ -28,16 +28,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.fsdp import FullyShardedDataParallel
 
 from models import checkpoint_activations
 from orchestrator.checkpoint import TrainingState, capture_rng, restore_rng
-from orchestrator.optimizer_step import WRAPPERS, LossMeter, Optimization, train_step
+from orchestrator.optimizer_step import LossMeter, Optimization, is_fsdp, is_wrapped, train_step
 from orchestrator.spec import ExperimentSpec, RunSettings
 from tasks import Batch, Task, WorkerContext, build_task
 
@@ -50,7 +44,7 @@ def seed_everything(seed: int) -> None:
 def unwrap(model: nn.Module) -> nn.Module:
     """The module under a DDP or FSDP wrapper: what checkpoints and evaluation see. (`run.compile` compiles
     that module in place, so its state_dict keys stay those of the eager model.)"""
-    return model.module if isinstance(model, WRAPPERS) else model
+    return model.module if is_wrapped(model) else model
 
 
 def set_tf32(run: RunSettings, device: torch.device) -> None:
@@ -277,7 +271,9 @@ class Trainer:
     def restore(self, state: TrainingState) -> None:
         """Continue from a checkpoint of this run: weights, optimizer, schedule, step, best, and this rank's
         data position, stream state and RNG (a run resumed on fewer ranks keeps the positions it has)."""
-        if isinstance(self.model, FullyShardedDataParallel):
+        if is_fsdp(self.model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict  # FSDP only
+
             # Every rank loads the full (unsharded, parameter-named) state and keeps its shard of it.
             set_state_dict(self.model, self.opt.optimizer, model_state_dict=state.model,
                            optim_state_dict=state.optimizer, options=StateDictOptions(full_state_dict=True))
@@ -303,7 +299,9 @@ class Trainer:
         # A task's state between batches (Transformer-XL memory) belongs with its position; most tasks have none.
         stream_state = getattr(self.task, "stream_state", None)
         streams = self.gather(stream_state() if stream_state is not None else None)
-        if isinstance(self.model, FullyShardedDataParallel):
+        if is_fsdp(self.model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # FSDP only
+
             # Gathering the shards is a collective: every rank takes part, rank 0 alone receives the full state.
             model_state, optim_state = get_state_dict(
                 self.model, self.opt.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -325,8 +323,8 @@ class Trainer:
         """The task's validation metrics on rank 0 ({} elsewhere: Task.evaluate scores the whole split by
         itself). The unwrapped module, because DDP's forward would wait for the other ranks."""
         # FSDP: the module's parameters are shards; gathering them in full is a collective of every rank.
-        full = (FullyShardedDataParallel.summon_full_params(self.model, writeback=False)
-                if isinstance(self.model, FullyShardedDataParallel) else nullcontext())
+        full = (type(self.model).summon_full_params(self.model, writeback=False)
+                if is_fsdp(self.model) else nullcontext())
         with full:
             if self.rank != 0:
                 return {}

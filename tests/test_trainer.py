@@ -173,3 +173,33 @@ def test_nan_loss_stops_the_run_before_it_is_checkpointed(tmp_path):
     trainer, _ = train_locally(validate_spec({**raw, "optim": {**raw["optim"], "max_steps": stopped + 1, "warmup_steps": 1}}),
                                cache_dir=tmp_path / "cache")
     assert trainer.step == stopped + 1
+
+
+def test_a_worker_starts_without_importing_fsdp_and_still_recognises_an_fsdp_model():
+    """Importing FSDP costs about half a second of every Train worker's start, so the worker's modules leave it
+    to Ray Train's prepare_model (run.strategy=fsdp); once imported, an FSDP-wrapped model must still be seen as
+    one (its clipping, checkpoints and evaluation are collectives) and unwrapped, and DDP's as DDP's."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch, ray.train.torch; import orchestrator.worker; "
+             "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.checkpoint') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.strip() == "[]", done.stdout
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from orchestrator.optimizer_step import is_fsdp, is_wrapped
+    from orchestrator.trainer import unwrap
+
+    inner = torch.nn.Linear(2, 2)
+    sharded = object.__new__(FullyShardedDataParallel)  # an instance without a process group: only its type counts
+    torch.nn.Module.__init__(sharded)
+    sharded._fsdp_wrapped_module = inner  # what FSDP.module returns
+    assert is_fsdp(sharded) and is_wrapped(sharded) and unwrap(sharded) is inner
+    ddp = object.__new__(torch.nn.parallel.DistributedDataParallel)
+    torch.nn.Module.__init__(ddp)
+    ddp.module = inner
+    assert not is_fsdp(ddp) and is_wrapped(ddp) and unwrap(ddp) is inner
+    assert not is_fsdp(inner) and not is_wrapped(inner) and unwrap(inner) is inner
