@@ -120,6 +120,21 @@ def own_address() -> dict[str, str]:
     return {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"{host}:{port}"}
 
 
+def joined_runtime_env(address: str) -> dict[str, Any]:
+    """The `ray.init` runtime env of a launcher joining the cluster at `address`: every process of its job
+    (Ray Train's controller and its actors, Tune's trial drivers) gets the cluster's GCS address as
+    RAY_ADDRESS, for the reason `own_address` gives; on a machine that runs several Rays (one per engineer,
+    or a test cluster beside a local one) the placement-group cleaner's thread otherwise dies on "Found
+    multiple active Ray instances". Under `ray job submit` Ray merges this with the job's own runtime env,
+    variable by variable (ray/_private/worker.py, `_merge_runtime_env`), so the submitted working_dir and
+    env_vars stay. A Ray Client address (ray://) has no GCS address here to give."""
+    if address.startswith("ray://"):
+        return {}
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    return {"env_vars": {"RAY_ADDRESS": canonicalize_bootstrap_address_or_die(address)}}
+
+
 START_ATTEMPTS = 3
 """Starts of a local Ray before its failure is the user's: Ray waits a fixed 30 s (ray/_private/node.py,
 `raylet_start_wait_time_s`, not configurable) for the raylet to register, which a 2-core machine under load
@@ -160,11 +175,16 @@ def on_local_ray() -> bool:
     return _started_here or os.environ.get(LOCAL_RAY) == "1"
 
 
-def train_worker_env() -> dict[str, Any] | None:
-    """Ray Train's `worker_runtime_env`: none on a local Ray (the raylet gave every worker the environment);
-    on a joined cluster the launcher's verbosity, which `tracking.ConsoleLogger` reads, normal priority
-    for the training process (as Ray's job supervisor does for drivers), and the S3 endpoint and region
-    (orchestrator/storage.py; credentials stay with each node)."""
+WORKER_SETUP_HOOK = "orchestrator.worker.import_deferred_in_background"
+"""Ray's `worker_process_setup_hook` for Train workers: the training loop's slow imports start with the process."""
+
+
+def train_worker_env() -> dict[str, Any]:
+    """Ray Train's `worker_runtime_env`: `WORKER_SETUP_HOOK`; on a local Ray nothing more (the raylet gave every
+    worker the environment); on a joined cluster the launcher's verbosity, which `tracking.ConsoleLogger` reads,
+    normal priority for the training process (as Ray's job supervisor does for drivers), and the S3 endpoint
+    and region (orchestrator/storage.py; credentials stay with each node)."""
+    hook = {"worker_process_setup_hook": WORKER_SETUP_HOOK}
     if on_local_ray():
-        return None
-    return {"env_vars": {VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0", **storage_env()}}
+        return hook
+    return {**hook, "env_vars": {VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0", **storage_env()}}

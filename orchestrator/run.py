@@ -43,7 +43,13 @@ from orchestrator.preflight import (
 from orchestrator.pretrained import CHECKPOINTS_TAG
 from orchestrator.pretrained import preflight as check_init_from
 from orchestrator.progress import failure_reason, next_step, verbose
-from orchestrator.ray_env import start_local_ray, stored_result, train_worker_env, use_train_v2
+from orchestrator.ray_env import (
+    joined_runtime_env,
+    start_local_ray,
+    stored_result,
+    train_worker_env,
+    use_train_v2,
+)
 from orchestrator.spec import ExperimentSpec, SpecError, check_gpus, spec_to_yaml
 from orchestrator.tracking.describe import (
     RUN_KEY_TAG,
@@ -77,7 +83,7 @@ def connect() -> None:
     if address:
         # A cluster (e.g. under `ray job submit`): the job's own runtime_env applies; nodes have the project
         # installed (cluster.yaml setup_commands) and Train V2 is Ray 2.60's default.
-        ray.init(address=address, **ray_init_kwargs())
+        ray.init(address=address, runtime_env=joined_runtime_env(address), **ray_init_kwargs())
     else:
         start_local_ray(**ray_init_kwargs())
 

@@ -52,9 +52,9 @@ if TYPE_CHECKING:
 
 DEFERRED_MODULES = ("orchestrator.tracking.loggers", "orchestrator.deliver")
 """What logs to MLflow and stores a run's files: MLflow's import with them takes about half a second, which a
-worker that imported them with this module would spend before its first step; `train_loop_per_worker`
-imports them on a thread beside the task and model build instead (benchmarks/RESULTS.md, "Start-up against a
-bare Ray Train run"), and the code that uses them imports them where it runs."""
+worker that imported them with this module would spend before its first step. `import_deferred_in_background`
+imports them while Ray Train still sets its worker group up, and the code that uses them imports them where it
+runs (benchmarks/RESULTS.md, "Start-up against a bare Ray Train run")."""
 
 
 class InjectedFailure(RuntimeError):
@@ -243,6 +243,14 @@ def quiet_train_reports() -> None:
     logging.getLogger("ray.train.v2._internal.util").setLevel(logging.CRITICAL)
 
 
+def import_deferred_in_background() -> None:
+    """Ray's `worker_process_setup_hook` of a run's Train workers (ray_env.train_worker_env): called as the
+    worker process starts, it imports `DEFERRED_MODULES` on a thread and returns at once. The process then waits
+    about two seconds for Ray Train to set up the rest of its group (the synchronization actor, the dataset
+    manager, the process group) before the training function arrives: the import fits in that wait."""
+    threading.Thread(target=_import_deferred, name="import-deferred", daemon=True).start()
+
+
 def _import_deferred() -> None:
     for name in DEFERRED_MODULES:
         try:
@@ -254,7 +262,6 @@ def _import_deferred() -> None:
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point; `config[WORKER_CONFIG]` is the launcher's WorkerConfig."""
     quiet_train_reports()
-    threading.Thread(target=_import_deferred, name="import-tracking", daemon=True).start()
     cfg: WorkerConfig = config[WORKER_CONFIG]
     spec = ExperimentSpec.model_validate(cfg.spec)
     use_storage(spec.run.storage_endpoint, spec.run.storage_region)  # the launcher's store, on any node

@@ -189,6 +189,13 @@ def test_a_worker_starts_without_importing_fsdp_or_mlflow_and_still_recognises_a
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.stdout.strip() == "[]", done.stdout
+    # Ray's setup hook of Train workers (ray_env.WORKER_SETUP_HOOK) imports them on a thread and returns at once.
+    hook = ("import sys, threading; import orchestrator.worker as w; w.import_deferred_in_background(); "
+            "[t.join() for t in threading.enumerate() if t.name == 'import-deferred']; "
+            "print(all(m in sys.modules for m in ('mlflow', *w.DEFERRED_MODULES)))")
+    done = subprocess.run([sys.executable, "-c", hook], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.strip() == "True", done.stdout
 
     from torch.distributed.fsdp import FullyShardedDataParallel
 
