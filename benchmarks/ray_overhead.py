@@ -233,24 +233,17 @@ class Checkout:
     root: Path
 
 
-def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout,
-            address: str | None = None) -> dict[str, float]:
-    """`python -m orchestrator train PATH name=NAME` from `checkout` in a fresh process: seconds from its start
-    to each phase's first output line, to the first time each Ray actor's process title appears below it
-    (`process:<Actor>`, polled every 0.1 s), and to its first metric in the MLflow store."""
+def watched(cmd: Sequence[str], cwd: Path, env: Mapping[str, str], label: str) -> tuple[dict[str, float], float]:
+    """Run `cmd` to its end: seconds from its start to each phase's first output line (`PHASES`) and to the
+    first time each Ray actor's process title appears below it (`process:<Actor>`, polled every 0.1 s), and
+    the wall time (epoch seconds) of its start."""
     import threading
 
     import psutil
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout.root), os.environ.get("PYTHONPATH")]))}
-    env.pop("RAY_ADDRESS", None)  # its own local Ray, as a user's first command starts, unless told to join one
-    if address:
-        env["RAY_ADDRESS"] = address
     seen: dict[str, float] = {}
-    started_ms, start = time.time() * 1000, time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "orchestrator", "train", str(path), f"name={name}",
-                             "--verbose"], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    started, start = time.time(), time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
 
     def read() -> None:
@@ -279,12 +272,36 @@ def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout,
         time.sleep(0.1)
     reader.join()
     if proc.wait() != 0:
-        raise RuntimeError(f"orchestrator train ({checkout.label}) failed:\n{''.join(tail)}")
+        raise RuntimeError(f"{label} failed:\n{''.join(tail)}")
+    return seen, started
+
+
+def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout,
+            address: str | None = None) -> dict[str, float]:
+    """`python -m orchestrator train PATH name=NAME` from `checkout` in a fresh process (`watched`), and the
+    seconds from its start to its first metric in the MLflow store."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout.root), os.environ.get("PYTHONPATH")]))}
+    env.pop("RAY_ADDRESS", None)  # its own local Ray, as a user's first command starts, unless told to join one
+    if address:
+        env["RAY_ADDRESS"] = address
+    seen, started = watched([sys.executable, "-u", "-m", "orchestrator", "train", str(path), f"name={name}",
+                             "--verbose"], workdir, env, f"orchestrator train ({checkout.label})")
     spec = load_spec(path, [f"name={name}"])  # found by its key: its storage folder
     reader = TrackingReader(uri)
     run_id = reader.run_of(spec.tracking.experiment, RUN_KEY_TAG, RunLayout(spec.run.storage_path, name).folder)
     first_ms = reader.first_metric_ms([run_id])
-    seen["first_metric"] = math.nan if first_ms is None else (first_ms - started_ms) / 1000
+    seen["first_metric"] = math.nan if first_ms is None else first_ms / 1000 - started
+    return seen
+
+
+def bare_run(workdir: Path, round_: int) -> dict[str, float]:
+    """benchmarks/bare_ray_train.py in a fresh process with its own local Ray (`watched`), and the seconds
+    from its start to its worker's report."""
+    stamp, env = workdir / f"bare-{round_}.stamp", {**os.environ}
+    env.pop("RAY_ADDRESS", None)
+    seen, started = watched([sys.executable, "-u", str(Path(__file__).with_name("bare_ray_train.py")), str(stamp),
+                             str(workdir / "bare-runs")], workdir, env, "the bare Ray Train run")
+    seen["first_metric"] = float(stamp.read_text()) - started
     return seen
 
 
@@ -337,6 +354,61 @@ def measure_cli(scale: Scale, workdir: Path, *, rounds: int = 1, against: Path |
     return rows
 
 
+def smoke_startup_spec(workdir: Path) -> Path:
+    """configs/smoke.yaml's model and task as `orchestrator train` runs them, mha, its first console metric
+    after 10 steps (the bare run's report comes after 10 steps too), no evaluation or checkpoint before it."""
+    import yaml
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml").read_text())
+    raw["name"] = "startup"
+    raw["model"]["attention"] = {"kind": "mha", "heads": 4}
+    raw["optim"].update(max_steps=10, warmup_steps=2)
+    raw["run"].update(log_every=10, eval_every=10, checkpoint_every=10, final_eval=False,
+                      storage_path=str(workdir / "runs"))
+    raw["tracking"] = {"uri": f"sqlite:///{workdir / 'mlflow.db'}"}
+    raw.pop("tune", None)
+    path = workdir / "startup.yaml"
+    path.write_text(spec_to_yaml(validate_spec(raw)))
+    return path
+
+
+def measure_startup(workdir: Path, *, rounds: int) -> list[Row]:
+    """Measurement 5: the bare Ray Train V2 run (bare_ray_train.py) and `orchestrator train` on the smoke
+    spec, each a fresh process with its own local Ray, alternated `rounds` times (order swapped every round,
+    so a shared machine's load drift hits both alike) after one untimed run of each (OS file cache, tokenizer
+    cache). The ratio of the medians is what the project adds above Ray's own floor."""
+    path, uri = smoke_startup_spec(workdir), f"sqlite:///{workdir / 'mlflow.db'}"
+    here = Checkout("this", Path.cwd())
+    bare_run(workdir, -1)
+    cli_run(path, "warm-up", uri, workdir, here)
+
+    def printed(label: str, run: Any) -> Any:
+        def each(round_: int) -> dict[str, float]:
+            phases = run(round_)
+            print(f"round {round_} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
+            return phases
+        return each
+
+    samples = alternating({"bare": printed("bare", partial(bare_run, workdir)),
+                           "orchestrator": printed("orchestrator", lambda round_: cli_run(
+                               path, f"startup-{round_}", uri, workdir, here))}, rounds)
+    ours, bare = samples["orchestrator"], samples["bare"]
+    keys = ["first_metric", *PHASES]
+    keys += sorted({k for phases in ours + bare for k in phases if k not in keys},
+                   key=lambda k: statistics.median(p.get(k, math.inf) for p in ours + bare))
+    rows: list[Row] = []
+    for key in keys:
+        values, floor = [p[key] for p in ours if key in p], [p[key] for p in bare if key in p]
+        rows.append({"measurement": f"startup_seconds_to_{key}",
+                     "ray": statistics.median(values) if values else math.nan,
+                     "plain": statistics.median(floor) if floor else math.nan,
+                     "windows": "ray: orchestrator train, smoke spec, mha, 10 steps; plain: a bare Ray Train run",
+                     "samples": ";".join(f"{v:.2f}" for v in values),
+                     "plain_samples": ";".join(f"{v:.2f}" for v in floor),
+                     "rounds": rounds, "load_avg_1min": os.getloadavg()[0]})
+    return rows
+
+
 def plot_comparison(before: Path, after: Path, path: Path) -> Path:
     """Two CSVs of this benchmark (e.g. before and after a change, same machine) side by side: the Ray / plain
     throughput ratio, and the seconds to the first metric of each start-up measurement."""
@@ -380,6 +452,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1, help="(plain, Ray) pairs for the steady state, order "
                         "swapped each round (a shared machine's load then hits both sides alike); with --cli-only, "
                         "`orchestrator train` start-ups per checkout")
+    parser.add_argument("--startup", action="store_true", help="only measurement 5: `orchestrator train` on the "
+                        "smoke spec against a bare Ray Train V2 run (benchmarks/bare_ray_train.py), --rounds times")
     parser.add_argument("--no-sweep", action="store_true", help="skip measurement 3 (the two-trial sweep)")
     parser.add_argument("--against", default=None, metavar="CHECKOUT",
                         help="with --cli-only: another checkout of this project (e.g. `git worktree add /tmp/before "
@@ -404,8 +478,13 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         if (workdir / "runs").exists():
             raise SystemExit(f"--workdir {workdir} already holds runs/; give an empty folder (runs are not reused)")
-        rows = [] if args.cli_only else measure(scale, workdir, rounds=args.rounds, sweep=not args.no_sweep)
-        rows += measure_cli(scale, workdir, rounds=args.rounds if args.cli_only else 1,
+        if args.startup:
+            rows = measure_startup(workdir, rounds=args.rounds)
+        elif args.cli_only:
+            rows = []
+        else:
+            rows = measure(scale, workdir, rounds=args.rounds, sweep=not args.no_sweep)
+        rows += [] if args.startup else measure_cli(scale, workdir, rounds=args.rounds if args.cli_only else 1,
                             against=Path(args.against) if args.against else None, address=args.address)
         for row in rows:
             plain = row["plain"]

@@ -118,6 +118,10 @@ class LocalCluster:
             end_ray_in(self.temp_dir)
 
 
+STARTUP_CONCURRENCY = {"RAY_worker_maximum_startup_concurrency": "16"}
+"""What cluster.yaml's `ray start` commands set (its comment says why)."""
+
+
 class RayHead:
     """`ray start --head` in its own temp dir on free ports; with `autoscaling` (a `fake_multinode` config's
     node types), Ray's fake autoscaler adds and removes worker raylets on this machine as demand asks."""
@@ -135,13 +139,13 @@ class RayHead:
                    f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
                    f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
                    "--object-store-memory=200000000", "--disable-usage-stats"]
-        extra = {}
+        extra = dict(STARTUP_CONCURRENCY)  # as cluster.yaml starts every node
         if autoscaling is not None:
             config = fake_autoscaling_config(self.address, **autoscaling)
             path = Path(self.temp_dir) / "autoscaling.yaml"
             path.write_text(json.dumps(config))
             command.append(f"--autoscaling-config={path}")
-            extra = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+            extra.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
         self.env = private_env(self.temp_dir, **extra)
         try:
             subprocess.run(command, env=self.env, check=True, capture_output=True, text=True, timeout=180)

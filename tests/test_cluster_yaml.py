@@ -112,3 +112,16 @@ def test_launcher_counts_the_gpus_the_autoscaler_may_add_before_any_gpu_node_is_
     most = max_resources(load("cluster.yaml"), head={"CPU": 8.0})
     assert most is not None and most["GPU"] == 8 * 4
     assert load("cluster.yaml")["available_node_types"]["ray.worker.gpu"]["min_workers"] == 0
+
+
+def test_every_node_starts_ray_with_the_startup_concurrency_the_test_clusters_use():
+    """A Train run starts about seven actor processes at once; both cluster configs raise the raylet's limit on
+    concurrent worker starts (cluster.yaml says why) on every node, to the value the real-process tests' clusters
+    use, so the job-log test sees what a user's cluster prints."""
+    from tests.cluster_helpers import STARTUP_CONCURRENCY
+
+    (name, value), = STARTUP_CONCURRENCY.items()
+    for path in ("cluster.yaml", "docs/cluster-onprem.yaml"):
+        config = load(path)
+        starts = [c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c]
+        assert len(starts) == 2 and all(f"{name}={value} " in c for c in starts), (path, starts)
