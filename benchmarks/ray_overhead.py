@@ -21,6 +21,11 @@ Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
    titles below the launcher, polled every 0.1 s). Against the plain core's first window with a warm cache.
    `--cli-only` measures just this, `--rounds N` times; `--against CHECKOUT` alternates it with another
    checkout's (before/after a change, on the same machine and load).
+5. Start-up against Ray's own floor (`--startup`): `orchestrator train` on configs/smoke.yaml's model and task
+   (mha, first console metric after 10 steps) against benchmarks/bare_ray_train.py (a bare Ray Train V2
+   `TorchTrainer`, one worker, a tiny model, one report after 10 steps), each a fresh process with its own
+   local Ray, alternated `--rounds` times: seconds to the first metric, when each phase and Ray actor began,
+   and the per-round ratio (the two runs of a round ran back to back).
 
 Metric times come from the run's MLflow store, read through orchestrator/tracking/read.py (runs found by their
 key tag), so that no code outside orchestrator/ imports mlflow (STYLE.md section 5).
@@ -29,6 +34,7 @@ key tag), so that no code outside orchestrator/ imports mlflow (STYLE.md section
     python -m benchmarks.ray_overhead --quick --out benchmarks/results    # about a minute (Ray start-up)
     python -m benchmarks.ray_overhead --compare before.csv after.csv      # plot two runs' rows side by side
     python -m benchmarks.ray_overhead --cli-only --rounds 3 --against /tmp/before   # start-up, A/B
+    python -m benchmarks.ray_overhead --startup --rounds 6                          # against a bare Ray Train run
 """
 
 from __future__ import annotations
@@ -406,6 +412,9 @@ def measure_startup(workdir: Path, *, rounds: int) -> list[Row]:
                      "samples": ";".join(f"{v:.2f}" for v in values),
                      "plain_samples": ";".join(f"{v:.2f}" for v in floor),
                      "rounds": rounds, "load_avg_1min": os.getloadavg()[0]})
+    # Paired within each round (the two ran back to back): the ratio a shared machine's load drift moves least.
+    ratios = [p["first_metric"] / b["first_metric"] for p, b in zip(ours, bare)]
+    rows[0].update(round_ratios=";".join(f"{r:.3f}" for r in ratios), median_round_ratio=statistics.median(ratios))
     return rows
 
 
@@ -494,6 +503,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         against = f"  against {row['against']:10.2f}" if "against" in row else ""
         print(f"{row['measurement']:48s} ray {row['ray']:10.2f}  plain {row['plain']:10.2f}  "
               f"ratio {row['ray_over_plain']:.3f}{against}", flush=True)
+        if "round_ratios" in row and "median_round_ratio" in row and row["measurement"].startswith("startup"):
+            print(f"{'':48s} per round: {row['round_ratios']} (median {row['median_round_ratio']:.3f})", flush=True)
     print(f"wrote {write_csv(rows, results_dir(args.out, torch.device('cpu')) / f'{args.name}.csv')}")
     return rows
 
