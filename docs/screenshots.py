@@ -115,13 +115,14 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_ui(args: Sequence[str], *, cwd: Path, env: dict[str, str], port: int, log: Path) -> Iterator[str]:
-    """`orchestrator ui ARGS --port PORT` in its own process group until the block ends; yields the UI's base URL
-    once it answers /health. Its output goes to `log` (read the printed links there), not to a pipe that would
-    fill and stall the server."""
+    """`orchestrator ui ARGS` (with `--port PORT` unless PORT is its default) in its own process group until the
+    block ends; yields the UI's base URL once it answers /health. Its output goes to `log` (read the printed
+    links there), not to a pipe that would fill and stall the server."""
     url = f"http://127.0.0.1:{port}"
+    port_args = [] if port == UI_PORT else ["--port", str(port)]
     with open(log, "w") as out:
         # Unbuffered: the links it prints before starting MLflow's server reach the log now, not at its exit.
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "ui", *args, "--port", str(port)], cwd=cwd,
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "ui", *args, *port_args], cwd=cwd,
                                 env={**env, "PYTHONUNBUFFERED": "1"}, stdout=out, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
     try:
@@ -318,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true",
                         help="the working folder already holds the sweep: skip the clone and the sweep")
     args = parser.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # our lines in order with the commands' own output
     out, workdir = args.out.resolve(), args.workdir.expanduser().resolve()
     try:
         print(f"Chromium: {find_chromium()}")
