@@ -260,6 +260,9 @@ def shoot_report_plot(browser, run_page: str, out: Path | None, also: Sequence[s
         close_assistant(page)
         page.get_by_text("report", exact=True).first.click()
         show_artifact_image(page, "score_vs_params.png")
+        # Selecting a file redraws the tree with that file alone for a moment, then the folder's whole listing
+        # again: wait for it (report.md: every report writes one) to show what a user sees.
+        page.get_by_text("report.md", exact=True).first.wait_for()
         save(page, out, PLOT_PNG)
         for name in also:
             show_artifact_image(page, name)
