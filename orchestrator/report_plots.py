@@ -15,11 +15,13 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from orchestrator.report_compare import Statistics
 from orchestrator.report_metrics import MethodRow, Mode, pareto_front
 
 _DPI = 120
+_FRONT, _DOMINATED = "tab:red", "tab:gray"
 
 
 def _new_figure(width: float = 7.0, height: float = 4.5) -> tuple[Figure, object]:
@@ -48,13 +50,26 @@ def _score_error(row: MethodRow, stats: Statistics | None) -> object:
     return None if math.isnan(row.score_std) else row.score_std
 
 
-def plot_score_vs_params(rows: Sequence[MethodRow], metric: str, mode: Mode, path: Path,
-                         stats: Statistics | None = None) -> Path | None:
-    """Score against attention parameters on a log axis, with the Pareto front drawn as a step line; error bars
-    are the score's confidence interval (`stats`), else the seed std.
+def front_line(params: Sequence[float], scores: Sequence[float],
+               front: Sequence[bool]) -> tuple[list[float], list[float]]:
+    """The Pareto front as the staircase the score plot draws: its points by size, each score held up to the next
+    point (the best score reachable with no more parameters), and the last one held to the largest model
+    plotted, since a larger model off the front does no better. A front of one point that is also the largest
+    model is that point alone: no line (the legend then shows the front as a marker only)."""
+    on_front = sorted((p, s) for p, s, f in zip(params, scores, front) if f)
+    if not on_front:
+        return [], []
+    xs, ys = [p for p, _ in on_front], [s for _, s in on_front]
+    largest = max(p for p, s in zip(params, scores) if math.isfinite(p) and math.isfinite(s))
+    if largest > xs[-1]:
+        xs.append(largest)
+        ys.append(ys[-1])
+    return xs, ys
 
-    Returns None (no file) when no method logged its attention parameter count.
-    """
+
+def score_vs_params_figure(rows: Sequence[MethodRow], metric: str, mode: Mode,
+                           stats: Statistics | None = None) -> Figure | None:
+    """The figure of `plot_score_vs_params`; None when no method logged its attention parameter count."""
     points = [row for row in rows if not math.isnan(row.params_attention) and row.params_attention > 0]
     if not points:
         return None
@@ -68,23 +83,39 @@ def plot_score_vs_params(rows: Sequence[MethodRow], metric: str, mode: Mode, pat
             row.score_mean,
             yerr=_score_error(row, stats),
             fmt="o",
-            color="tab:red" if on_front else "tab:gray",
+            color=_FRONT if on_front else _DOMINATED,
             capsize=3,
         )
         ax.annotate(row.label, (row.params_attention, row.score_mean), textcoords="offset points",
                     xytext=(4, 4), fontsize=8)
-    front_points = sorted((p, s) for p, s, f in zip(params, scores, front) if f)
-    if front_points:
-        xs, ys = zip(*front_points)
-        # Step "post": between two front points the best reachable score is the smaller model's.
-        ax.step(xs, ys, where="post", color="tab:red", linestyle="--", label="Pareto front")
-        ax.legend(loc="best", fontsize=8)
+    xs, ys = front_line(params, scores, front)
+    # Step "post": between two front points the best reachable score is the smaller model's.
+    ax.step(xs, ys, where="post", color=_FRONT, linestyle="--")
+    # The legend describes what is drawn: a dashed line only where the front has one, markers always.
+    handles = [Line2D([], [], color=_FRONT, marker="o", linestyle="--" if len(xs) > 1 else "None",
+                      label="Pareto front")]
+    if not all(front):
+        handles.append(Line2D([], [], color=_DOMINATED, marker="o", linestyle="None", label="dominated"))
+    ax.legend(handles=handles, loc="best", fontsize=8)
     ax.set_xscale("log")
+    # Room for the labels of the outermost points, which would otherwise run past the figure's edge.
+    ax.margins(x=0.12, y=0.08)
     ax.set_xlabel("attention parameters (incl. output projection, no biases)")
     ax.set_ylabel(_metric_axis_label(metric, mode))
     ax.set_title(f"{metric} vs attention parameters")
     ax.grid(True, which="both", alpha=0.3)
-    return _save(fig, path)
+    return fig
+
+
+def plot_score_vs_params(rows: Sequence[MethodRow], metric: str, mode: Mode, path: Path,
+                         stats: Statistics | None = None) -> Path | None:
+    """Score against attention parameters on a log axis, with the Pareto front drawn as a step line
+    (`front_line`); error bars are the score's confidence interval (`stats`), else the seed std.
+
+    Returns None (no file) when no method logged its attention parameter count.
+    """
+    fig = score_vs_params_figure(rows, metric, mode, stats)
+    return None if fig is None else _save(fig, path)
 
 
 _COSTS = (("params", "attention parameters", "params_attention", None),
@@ -112,7 +143,7 @@ def plot_cost_front(rows: Sequence[MethodRow], stats: Statistics, metric: str, m
                 interval = getattr(row_stats, interval_name)
                 if not math.isnan(interval.low):
                     xerr = [[x - interval.low], [interval.high - x]]
-            color = "tab:red" if row_stats.on_front else "tab:orange" if row_stats.on_front_uncertain else "tab:gray"
+            color = _FRONT if row_stats.on_front else "tab:orange" if row_stats.on_front_uncertain else _DOMINATED
             ax.errorbar(x, row.score_mean, xerr=xerr, yerr=_score_error(row, stats), fmt="o", color=color, capsize=3)
             ax.annotate(row.label, (x, row.score_mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
         if attribute == "params_attention":

@@ -5,22 +5,21 @@
 One sweep (mha, mhe, sha; 20 steps each) is shared by the module; a `train` run checks the single-run lines.
 The browser tests skip, naming why, when Playwright or a Chromium binary is missing (`.ci/run` installs
 both: Playwright from PyPI, Chromium from Debian; Playwright's own browser download is not used).
-Set ORCHESTRATOR_SCREENSHOTS=<folder> to keep the browser's screenshots (docs/img/ holds the committed ones).
+The browser's steps are docs/screenshots.py's, which makes the README's pictures (docs/img/) from the README's own
+commands; set ORCHESTRATOR_SCREENSHOTS=<folder> to keep this tiny sweep's screenshots too.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from docs import screenshots
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -31,9 +30,7 @@ KINDS = ("mha heads=4", "mhe heads=4 mode=mul", "sha heads=4")
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    env.pop("RAY_ADDRESS", None)
-    return env
+    return screenshots.command_env(ROOT)
 
 
 def _orchestrator(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -169,152 +166,64 @@ def test_children_are_named_by_what_they_try_and_carry_the_swept_knobs_as_params
 
 
 # --- the MLflow UI in a browser -----------------------------------------------------------------------
-
-
-def _chromium() -> str:
-    """Debian's Chromium (or one named by CHROMIUM); the reason to skip when there is none."""
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        pytest.skip("Playwright for Python is not installed (pip install -e '.[dev]')")
-    path = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if not path:
-        pytest.skip("no Chromium binary (apt-get install chromium, or set CHROMIUM=/path/to/chrome)")
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# Opening, tidying and photographing the pages is docs/screenshots.py's (the README's pictures come from it);
+# here the same steps run on the tiny sweep, with assertions on what they show.
 
 
 @pytest.fixture(scope="module")
-def ui(sweep):
-    """`orchestrator ui` on the sweep's store, on a free port of 127.0.0.1; ended by its pid."""
-    _chromium()
-    s, _ = sweep
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "ui", str(ROOT / "configs" / "smoke.yaml"),
-                             f"tracking.uri={s.uri}", "--port", str(port)], cwd=s.folder, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300  # MLflow's server imports a lot; a loaded 2-core machine takes a while
+def ui(sweep, tmp_path_factory):
+    """`orchestrator ui` on the sweep's store, on a free port of 127.0.0.1; yields its base URL and output log."""
     try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"orchestrator ui did not serve {url}: {proc.stdout.read() if proc.poll() is not None else ''}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
+        screenshots.find_chromium()
+    except screenshots.MissingTool as err:
+        pytest.skip(str(err))
+    s, _ = sweep
+    log = tmp_path_factory.mktemp("ui") / "ui.log"
+    with screenshots.serve_ui([str(ROOT / "configs" / "smoke.yaml"), f"tracking.uri={s.uri}"], cwd=s.folder,
+                              env=_env(), port=screenshots.free_port(), log=log) as url:
+        yield url, log
 
 
 @pytest.fixture(scope="module")
 def browser(ui):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        chrome = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
-        try:
-            yield chrome
-        finally:
-            chrome.close()
+    with screenshots.chromium() as chrome:
+        yield chrome
 
 
-def _screenshot(page, name: str) -> None:
+def _pictures() -> Path | None:
     folder = os.environ.get("ORCHESTRATOR_SCREENSHOTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(folder) / name))
-
-
-def _open(browser, url: str):
-    page = browser.new_page(viewport={"width": 1600, "height": 900})
-    page.set_default_timeout(120_000)  # a loaded 2-core machine renders MLflow's UI slowly
-    page.goto(url)
-    return page
-
-
-def _close_assistant(page) -> None:
-    """MLflow 3.17 opens its assistant panel beside the page on first visit; it hides the table's right half."""
-    close = page.locator('[aria-label="Close"]').first
-    try:
-        close.wait_for(timeout=20_000)
-    except Exception:  # noqa: BLE001 - a UI without the panel
-        return
-    close.click()
+    return Path(folder) if folder else None
 
 
 def test_ui_runs_page_shows_the_parent_and_its_children_by_attention_kind(sweep, ui, browser):
     s, _ = sweep
+    url, log = ui
     _, experiment, parent, children = _runs(s)
     from orchestrator.tracking.read import ui_url
 
     # The experiment's own address opens on its training runs, not on MLflow 3's GenAI overview.
-    page = _open(browser, ui_url(ui, experiment.experiment_id))
+    page = screenshots.open_page(browser, ui_url(url, experiment.experiment_id))
     try:
         page.wait_for_url(re.compile(r"/#/experiments/\d+/(runs|overview)"))
         assert "/runs?" in page.url, page.url
     finally:
         page.close()
     # The link `orchestrator ui` prints: training runs, best first (children listed flat when sorted by a metric).
-    page = _open(browser, ui_url(ui, experiment.experiment_id, metric="val/ppl", mode="min"))
-    try:
-        page.get_by_text("smoke", exact=True).first.wait_for()
-        _close_assistant(page)
-        for child in children:
-            page.get_by_text(child.info.run_name, exact=True).wait_for()
-        page.get_by_test_id("column-selection-dropdown").first.click()  # the second opens a menu variant
-        search = page.get_by_placeholder("Search columns")
-        for column in ("Dataset", "Source", "Models", "val/ppl", "model.attention.kind"):  # drop 3, add 2
-            search.fill(column)
-            page.locator(".du-bois-light-tree-title", has_text=re.compile(f"^{re.escape(column)}$")).first.click()
-        page.keyboard.press("Escape")
-        cells = page.locator('[role="gridcell"][col-id="params.`model.attention.kind`"]')
-        cells.first.wait_for()
-        assert sorted(cells.all_inner_texts()) == sorted(["mha", "mhe", "sha", "-"]), cells.all_inner_texts()
-        # A name cell also holds the run's colour picker ("#e65b77"): the name is its last line.
-        rows = [cell.strip().splitlines()[-1] for cell in
-                page.locator('[role="gridcell"][col-id="attributes.`Run Name`"]').all_inner_texts()]
-        best = min(children, key=lambda c: c.data.metrics["val/ppl"])
-        assert rows[0] == best.info.run_name and rows[-1] == "smoke", rows
-        _screenshot(page, "mlflow-runs.png")
-    finally:
-        page.close()
+    link = screenshots.printed_link(log)
+    assert link == ui_url(url, experiment.experiment_id, metric="val/ppl", mode="min"), link
+    rows, kinds = screenshots.shoot_runs(browser, link, [c.info.run_name for c in children], _pictures())
+    assert sorted(kinds) == sorted(["mha", "mhe", "sha", "-"]), kinds
+    best = min(children, key=lambda c: c.data.metrics["val/ppl"])
+    assert rows[0] == best.info.run_name and rows[-1] == "smoke", rows
 
 
 def test_ui_parent_run_shows_the_reports_table_and_plot(sweep, ui, browser):
     s, _ = sweep
+    url, _ = ui
     _, experiment, parent, _ = _runs(s)
-    base = f"{ui}/#/experiments/{experiment.experiment_id}/runs/{parent.info.run_id}"
-    page = _open(browser, f"{base}?workflowType=machine_learning")
-    try:
-        _close_assistant(page)
-        table = page.get_by_text("PRR / PEoP", exact=False).first  # the description: the report's table
-        table.wait_for()
-        page.get_by_text("Best trial:", exact=False).first.wait_for()
-        page.get_by_role("cell", name=re.compile(r"^mhe")).first.wait_for()  # a row of the rendered table
-        more = page.get_by_text("Show more", exact=True)
-        if more.count():  # the UI folds a long description
-            more.first.click()
-        table.scroll_into_view_if_needed()
-        _screenshot(page, "mlflow-sweep-parent.png")
-        page.goto(f"{base}/artifacts?workflowType=machine_learning")
-        page.get_by_text("report", exact=True).first.click()
-        page.get_by_text("score_vs_params.png", exact=True).first.click()
-        image = page.locator('img[src^="blob:"]').first  # the UI fetches the artifact, shows it from a blob
-        image.wait_for()
-        page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=image.element_handle())
-        _screenshot(page, "mlflow-report-plot.png")
-        page.get_by_text("parallel_coordinates.png", exact=True).first.click()  # which knobs matter, as a plot
-        page.locator('img[src^="blob:"]').first.wait_for()
-    finally:
-        page.close()
+    from orchestrator.tracking.read import ui_url
+
+    run_page = ui_url(url, experiment.experiment_id, parent.info.run_id)
+    screenshots.shoot_parent(browser, run_page, _pictures())
+    # Which knobs matter, as a plot, drawn beside the score-vs-parameters one.
+    screenshots.shoot_report_plot(browser, run_page, _pictures(), also=["parallel_coordinates.png"])
