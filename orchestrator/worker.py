@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -43,6 +44,7 @@ from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.storage import use_storage
 from orchestrator.tracking.describe import RunHandle, device_tags
 from orchestrator.trainer import Cadence, NonFiniteLoss, Trainer, unwrap
+from orchestrator.ray_env import TRACKING_URI_ENV
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
 from tasks.base import WorkerContext
 
@@ -245,7 +247,8 @@ def quiet_train_reports() -> None:
 
 def import_deferred_in_background() -> None:
     """Ray's `worker_process_setup_hook` of a run's Train workers (ray_env.train_worker_env): called as the
-    worker process starts, it imports `DEFERRED_MODULES` on a thread and returns at once. The process then waits
+    worker process starts, it imports `DEFERRED_MODULES` on a thread, then opens the run's tracking store
+    (`TRACKING_URI_ENV`, tracking/write.py `open_store`), and returns at once. The process then waits
     about two seconds for Ray Train to set up the rest of its group (the synchronization actor, the dataset
     manager, the process group) before the training function arrives: the import fits in that wait."""
     threading.Thread(target=_import_deferred, name="import-deferred", daemon=True).start()
@@ -257,6 +260,11 @@ def _import_deferred() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the import where the module is used raises it, with its traceback
             return
+    uri = os.environ.get(TRACKING_URI_ENV)
+    if uri:
+        from orchestrator.tracking.write import open_store
+
+        open_store(uri)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
