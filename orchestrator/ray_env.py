@@ -175,19 +175,11 @@ def on_local_ray() -> bool:
     return _started_here or os.environ.get(LOCAL_RAY) == "1"
 
 
-WORKER_SETUP_HOOK = "orchestrator.worker.import_deferred_in_background"
-"""Ray's `worker_process_setup_hook` for Train workers: the training loop's slow imports start with the process."""
-TRACKING_URI_ENV = "ORCHESTRATOR_TRACKING_URI"
-"""The run's tracking URI, for that hook to open its store while the worker waits for Ray Train."""
-
-
-def train_worker_env(tracking_uri: str) -> dict[str, Any]:
-    """Ray Train's `worker_runtime_env`: `WORKER_SETUP_HOOK` and the tracking URI it opens; on a local Ray
-    nothing more (the raylet gave every worker the environment); on a joined cluster the launcher's verbosity,
-    which `tracking.ConsoleLogger` reads, normal priority for the training process (as Ray's job supervisor does
-    for drivers), and the S3 endpoint and region (orchestrator/storage.py; credentials stay with each node)."""
-    env: dict[str, Any] = {"worker_process_setup_hook": WORKER_SETUP_HOOK,
-                           "env_vars": {TRACKING_URI_ENV: tracking_uri}}
-    if not on_local_ray():
-        env["env_vars"].update({VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0", **storage_env()})
-    return env
+def train_worker_env() -> dict[str, Any] | None:
+    """Ray Train's `worker_runtime_env`: none on a local Ray (the raylet gave every worker the environment);
+    on a joined cluster the launcher's verbosity, which `tracking.ConsoleLogger` reads, normal priority
+    for the training process (as Ray's job supervisor does for drivers), and the S3 endpoint and region
+    (orchestrator/storage.py; credentials stay with each node)."""
+    if on_local_ray():
+        return None
+    return {"env_vars": {VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0", **storage_env()}}

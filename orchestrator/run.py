@@ -178,7 +178,7 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
                                                checkpoint_score_order=spec.mode),
             callbacks=callbacks or [],
             logging_config=train_logging_config(),
-            worker_runtime_env=train_worker_env(spec.tracking.uri),
+            worker_runtime_env=train_worker_env(),
         ),
     )
 

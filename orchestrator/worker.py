@@ -10,18 +10,15 @@ ends runs.
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
 import shutil
 import sys
 import tempfile
-import threading
 from collections.abc import Mapping
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray.train
 import ray.train.torch
@@ -30,6 +27,7 @@ from torch import nn
 
 from models.config import AdaptiveInputConfig
 from orchestrator.checkpoint import TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.deliver import store_task_files
 from orchestrator.layout import (
     checkpoint_name,
     checkpoint_step,
@@ -39,24 +37,16 @@ from orchestrator.layout import (
     mark_diverged,
     storage_fs,
 )
+from orchestrator.pretrained import load as load_pretrained
 from orchestrator.progress import quiet_exit_in_finalizers, verbose
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.storage import use_storage
 from orchestrator.tracking.describe import RunHandle, device_tags
+from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger
+from orchestrator.tracking.write import MlflowTracker, start_system_metrics
 from orchestrator.trainer import Cadence, NonFiniteLoss, Trainer, unwrap
-from orchestrator.ray_env import TRACKING_URI_ENV
 from orchestrator.worker_config import WORKER_CONFIG, WorkerConfig
 from tasks.base import WorkerContext
-
-if TYPE_CHECKING:
-    from orchestrator.tracking.loggers import MlflowLogger
-    from orchestrator.tracking.write import MlflowTracker
-
-DEFERRED_MODULES = ("orchestrator.tracking.loggers", "orchestrator.deliver")
-"""What logs to MLflow and stores a run's files: MLflow's import with them takes about half a second, which a
-worker that imported them with this module would spend before its first step. `import_deferred_in_background`
-imports them while Ray Train still sets its worker group up, and the code that uses them imports them where it
-runs (benchmarks/RESULTS.md, "Start-up against a bare Ray Train run")."""
 
 
 class InjectedFailure(RuntimeError):
@@ -97,17 +87,13 @@ class RayHooks:
         self.cfg, self.spec, self.rank = cfg, spec, rank
         self.tracker: MlflowTracker | None = None
         self.mlflow: MlflowLogger | None = None
+        self.logger = MetricsLogger()
         self._uploading: list[Path] = []
         """Temporary folders of checkpoints Ray may still be uploading (run.checkpoint_upload=async)."""
         self.sizes: dict[str, float] = {}
         """params.attention / params.total, in every result reported to Tune (not logged as MLflow metrics: they
         are params there), so a further objective of tune.metric may be a size (spec COST_OBJECTIVES)."""
-        from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger  # DEFERRED_MODULES
-
-        self.logger = MetricsLogger()
         if rank == 0:
-            from orchestrator.tracking.write import MlflowTracker
-
             tracking = spec.tracking
             self.tracker = MlflowTracker(tracking.uri, retries=tracking.retries, timeout_s=tracking.timeout_s,
                                          spool=cfg.spool)
@@ -193,8 +179,6 @@ class RayHooks:
         """Rank 0: the task's files into the run's storage, which the launcher sends to MLflow when the run ends
         (orchestrator/deliver.py: an outage then does not lose them)."""
         if self.rank == 0:
-            from orchestrator.deliver import store_task_files  # DEFERRED_MODULES
-
             store_task_files(self.cfg.run_path, files)
 
     def close(self, status: str) -> None:
@@ -245,28 +229,6 @@ def quiet_train_reports() -> None:
     logging.getLogger("ray.train.v2._internal.util").setLevel(logging.CRITICAL)
 
 
-def import_deferred_in_background() -> None:
-    """Ray's `worker_process_setup_hook` of a run's Train workers (ray_env.train_worker_env): called as the
-    worker process starts, it imports `DEFERRED_MODULES` on a thread, then opens the run's tracking store
-    (`TRACKING_URI_ENV`, tracking/write.py `open_store`), and returns at once. The process then waits
-    about two seconds for Ray Train to set up the rest of its group (the synchronization actor, the dataset
-    manager, the process group) before the training function arrives: the import fits in that wait."""
-    threading.Thread(target=_import_deferred, name="import-deferred", daemon=True).start()
-
-
-def _import_deferred() -> None:
-    for name in DEFERRED_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the import where the module is used raises it, with its traceback
-            return
-    uri = os.environ.get(TRACKING_URI_ENV)
-    if uri:
-        from orchestrator.tracking.write import open_store
-
-        open_store(uri)
-
-
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point; `config[WORKER_CONFIG]` is the launcher's WorkerConfig."""
     quiet_train_reports()
@@ -285,8 +247,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     pretrained = None
     if spec.model.init_from is not None:  # fine-tuning: the launcher resolved and checked the checkpoint
         assert cfg.init_checkpoint is not None, "the launcher resolves model.init_from into init_checkpoint"
-        from orchestrator.pretrained import load as load_pretrained  # MLflow's reader: only when fine-tuning
-
         pretrained = load_pretrained(cfg.init_checkpoint, Path(tempfile.mkdtemp(prefix="init-from-")))
         ctx = replace(ctx, tokenizer_path=pretrained.tokenizer)
     trainer = Trainer.create(spec, ctx, wrap=lambda model: prepare(model, spec),
@@ -308,8 +268,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     hooks.set_tags(device_tags(ctx.device, world_size))
     stop_system_metrics = None
     if spec.tracking.system_metrics and hooks.run_id is not None:
-        from orchestrator.tracking.write import start_system_metrics  # DEFERRED_MODULES
-
         stop_system_metrics = start_system_metrics(spec.tracking.uri, hooks.run_id,
                                                    spec.tracking.system_metrics_interval_s)
     if rank == 0 and state is not None:

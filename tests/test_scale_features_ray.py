@@ -45,21 +45,18 @@ def test_collective_timeout_reaches_torch_config(tmp_path):
 
 
 def test_train_workers_get_their_environment_from_the_raylet_locally_and_a_runtime_env_on_a_cluster(monkeypatch):
-    """On a Ray the launcher started, the raylet gave every worker the environment (the Train workers' runtime
-    env holds only the setup hook that starts their slow imports); on a joined cluster the Train workers get the
-    verbosity and normal priority too."""
+    """On a Ray the launcher started, the raylet gave every worker the environment (no runtime env of the
+    Train workers' own); on a joined cluster the Train workers get the verbosity and normal priority."""
     from orchestrator import ray_env
 
-    hook, uri = {"worker_process_setup_hook": ray_env.WORKER_SETUP_HOOK}, {ray_env.TRACKING_URI_ENV: "sqlite:///m.db"}
     monkeypatch.setattr(ray_env, "_started_here", True)
-    assert ray_env.train_worker_env("sqlite:///m.db") == {**hook, "env_vars": uri}
+    assert ray_env.train_worker_env() is None
     monkeypatch.setattr(ray_env, "_started_here", False)
     monkeypatch.setenv(ray_env.LOCAL_RAY, "1")  # a trial driver of a local Ray: set by its raylet
-    assert ray_env.train_worker_env("sqlite:///m.db") == {**hook, "env_vars": uri}
+    assert ray_env.train_worker_env() is None
     monkeypatch.delenv(ray_env.LOCAL_RAY)
     monkeypatch.setenv("ORCHESTRATOR_VERBOSE", "1")
-    assert ray_env.train_worker_env("sqlite:///m.db") == {
-        **hook, "env_vars": {**uri, "ORCHESTRATOR_VERBOSE": "1", "RAY_worker_niceness": "0"}}
+    assert ray_env.train_worker_env() == {"env_vars": {"ORCHESTRATOR_VERBOSE": "1", "RAY_worker_niceness": "0"}}
 
 
 def test_workers_of_a_local_ray_run_at_normal_priority_and_the_variable_reaches_them_on_a_cluster(ray_cluster):

@@ -175,32 +175,18 @@ def test_nan_loss_stops_the_run_before_it_is_checkpointed(tmp_path):
     assert trainer.step == stopped + 1
 
 
-def test_a_worker_starts_without_importing_fsdp_or_mlflow_and_still_recognises_an_fsdp_model(tmp_path):
-    """Importing FSDP, or MLflow, costs about half a second of every Train worker's start each, so the worker's
-    module imports neither (FSDP is left to Ray Train's prepare_model for run.strategy=fsdp; MLflow is imported
-    on a thread beside the model's build); once imported, an FSDP-wrapped model must still be seen as one (its
-    clipping, checkpoints and evaluation are collectives) and unwrapped, and DDP's as DDP's."""
-    import os
+def test_a_worker_starts_without_importing_fsdp_and_still_recognises_an_fsdp_model():
+    """Importing FSDP costs about half a second of every Train worker's start, so the worker's modules leave it
+    to Ray Train's prepare_model (run.strategy=fsdp); once imported, an FSDP-wrapped model must still be seen as
+    one (its clipping, checkpoints and evaluation are collectives) and unwrapped, and DDP's as DDP's."""
     import subprocess
     import sys
 
     probe = ("import sys, torch, ray.train.torch; import orchestrator.worker; "
-             "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.checkpoint', 'mlflow') "
-             "if m in sys.modules))")
+             "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.checkpoint') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.stdout.strip() == "[]", done.stdout
-    # Ray's setup hook of Train workers (ray_env.WORKER_SETUP_HOOK) imports them on a thread, opens the run's
-    # tracking store there (a SQLite store: its file and schema), and returns at once.
-    store = tmp_path / "mlflow.db"
-    hook = ("import sys, threading; import orchestrator.worker as w; w.import_deferred_in_background(); "
-            "[t.join() for t in threading.enumerate() if t.name == 'import-deferred']; "
-            "print(all(m in sys.modules for m in ('mlflow', *w.DEFERRED_MODULES)))")
-    done = subprocess.run([sys.executable, "-c", hook], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[1],
-                          env={**os.environ, "ORCHESTRATOR_TRACKING_URI": f"sqlite:///{store}"})
-    assert done.stdout.strip() == "True", done.stdout
-    assert store.stat().st_size > 0, "the hook opened the run's store"
 
     from torch.distributed.fsdp import FullyShardedDataParallel
 

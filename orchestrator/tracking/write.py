@@ -74,17 +74,6 @@ def log_files(uri: str, run_id: str, files: Iterable[Path], artifact_path: str) 
         client.log_artifact(run_id, str(path), artifact_path=artifact_path)
 
 
-def open_store(uri: str) -> None:
-    """Open `uri`'s tracking store in this process ahead of its first use, where nothing waits for it: MLflow
-    keeps one store per URI in a process, and opening a SQLite store (its engine and schema check) takes about
-    half a second, which a Train worker would otherwise spend before its first logged step. A store that cannot
-    be opened is left to the first real call, which reports it."""
-    try:
-        MlflowClient(tracking_uri=uri)
-    except Exception:  # noqa: BLE001 - see above
-        pass
-
-
 def start_system_metrics(uri: str, run_id: str, interval_s: float) -> Callable[[], None]:
     """MLflow's own system-metrics monitor for `run_id` on this node (a thread logging system/* metrics, resumed
     after the steps an earlier attempt logged); returns the call that stops it. Needs psutil (a dependency)."""
