@@ -11,6 +11,10 @@ Chance is 1 / (vocab_size / 2).
         --set 'model.attention={kind: mha, heads: 4}'
 
 The CSV goes to <out>/long-range/mqar-curves/<name>.csv (`--out benchmarks/results`).
+
+`--from-store URI --experiment NAME` instead reads the curves a sweep logged (every trial's val/acc by step,
+from its MLflow store) into the same folder, one row per trial and evaluation, and prints the first step at
+which each trial reached `--reached` (the phase change, which the report's seed-mean curve blurs).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from benchmarks.harness import Row, write_csv
 from orchestrator.local_run import train_locally
 from orchestrator.spec import ExperimentSpec, load_spec
+from orchestrator.tracking.read import TrackingReader
 from orchestrator.trainer import Trainer
 
 STUDY = "configs/studies/long_range.yaml"
@@ -60,6 +65,34 @@ def run(spec: ExperimentSpec, path: Path, cache_dir: Path) -> tuple[Curve, Train
     return curve, trainer
 
 
+def store_curves(uri: str, experiment: str, metric: str = "val/acc") -> list[Row]:
+    """Every finished trial's `metric` by step from a sweep's MLflow store: kind, seed, step, value."""
+    reader = TrackingReader(uri)
+    experiment_id = reader.experiment_id(experiment)
+    if experiment_id is None:
+        raise SystemExit(f"no experiment {experiment!r} in {uri}")
+    rows: list[Row] = []
+    for run in reader.runs(experiment_id):
+        params = run.data.params
+        if metric not in run.data.metrics or "model.attention.kind" not in params:
+            continue  # the sweep's parent run
+        for point in reader.metric_history(run.info.run_id, metric):
+            rows.append({"kind": params["model.attention.kind"], "seed": int(params["optim.seed"]),
+                         "step": point.step, metric.replace("/", "_"): point.value})
+    return sorted(rows, key=lambda row: (row["kind"], row["seed"], row["step"]))
+
+
+def first_reached(rows: Sequence[Row], column: str, threshold: float) -> dict[tuple[str, int], int | None]:
+    """(kind, seed) -> the first step whose `column` is >= threshold (None: never)."""
+    out: dict[tuple[str, int], int | None] = {}
+    for row in rows:
+        key = (row["kind"], row["seed"])
+        out.setdefault(key, None)
+        if out[key] is None and row[column] >= threshold:
+            out[key] = row["step"]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spec", default=STUDY)
@@ -74,7 +107,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="mqar_curve", help="file stem of the CSV")
     parser.add_argument("--cache-dir", default=None, help="generated-data cache (default: a temporary folder)")
+    parser.add_argument("--from-store", default=None, metavar="URI", help="read a sweep's curves from this store")
+    parser.add_argument("--experiment", default=None, help="with --from-store: the sweep's MLflow experiment")
+    parser.add_argument("--reached", type=float, default=0.9, help="with --from-store: the accuracy to report")
     args = parser.parse_args(argv)
+    if args.from_store:
+        rows = store_curves(args.from_store, args.experiment)
+        path = write_csv(rows, Path(args.out) / "long-range" / "mqar-curves" / f"{args.name}.csv")
+        for (kind, seed), step in first_reached(rows, "val_acc", args.reached).items():
+            print(f"{kind} seed {seed}: val/acc >= {args.reached} first at step {step}")
+        print(f"wrote {path}")
+        return
     torch.set_num_threads(args.threads)
     overrides = [f"optim.max_steps={args.steps}", f"run.eval_every={args.eval_every}",
                  f"run.checkpoint_every={args.steps}", f"task.eval_batches={args.eval_batches}",

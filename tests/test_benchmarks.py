@@ -219,3 +219,27 @@ def test_mqar_curve_rows_are_the_evaluations_of_the_trained_model(tmp_path):
     partial({"train/loss": 6.5, "train/tokens_per_s": 40.0, "val/loss": 6.0, "val/acc": 0.25}, 2)
     assert [(r["step"], r["train_loss"], r["val_acc"]) for r in harness.read_csv(tmp_path / "partial.csv")] == [
         ("2", "6.5", "0.25")]
+
+
+def test_mqar_curve_reads_every_trials_curve_from_a_sweep_store_and_finds_each_phase_change(tmp_path):
+    """Per trial (kind, seed) the logged val/acc by step, the parent run left out, and the first step at or above
+    the threshold: a seed that jumps at step 200 is not averaged with one that never does."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("recall", artifact_location=(tmp_path / "artifacts").as_uri())
+    client.create_run(experiment, run_name="sweep")  # the parent: no val/acc, no attention kind
+    curves = {("mha", 0): [0.25, 0.97, 0.99], ("mha", 1): [0.24, 0.30, 0.9], ("sha", 0): [0.2, 0.26, 0.27]}
+    for (kind, seed), values in curves.items():
+        run_id = client.create_run(experiment).info.run_id
+        client.log_batch(run_id, params=[Param("model.attention.kind", kind), Param("optim.seed", str(seed))],
+                         metrics=[Metric("val/acc", v, 1000 + step, step) for step, v in zip((100, 200, 300), values)])
+    rows = mqar_curve.store_curves(uri, "recall")
+    assert [(r["kind"], r["seed"], r["step"]) for r in rows] == [
+        (kind, seed, step) for kind, seed in curves for step in (100, 200, 300)]
+    assert [r["val_acc"] for r in rows] == [v for values in curves.values() for v in values]
+    assert mqar_curve.first_reached(rows, "val_acc", 0.9) == {("mha", 0): 200, ("mha", 1): 300, ("sha", 0): None}
+    with pytest.raises(SystemExit, match="no experiment 'other'"):
+        mqar_curve.store_curves(uri, "other")
