@@ -2,13 +2,14 @@
 
 Associative recall is learned after a sharp phase change (an induction-style circuit: a head that binds each
 value to its key, then one that matches the query's key), so a single final score hides whether a budget sits
-just before or just after it. This trains one point of configs/studies/long_range.yaml with the training core
+just before or just after it. This trains one point of a study (configs/studies/long_range_mqar_zoology.yaml,
+the MQAR that mha learns on a CPU, unless `--spec` names another) with the training core
 (`orchestrator.local_run.train_locally`, the loop every `orchestrator train` worker runs, without Ray or
 MLflow), scores the validation split every `--eval-every` steps, and writes one CSV row per evaluation (`Curve`).
 Chance is 1 / (vocab_size / 2).
 
-    nice -n 10 python -m benchmarks.mqar_curve --scale cpu --steps 600 --eval-every 50 \\
-        --set 'model.attention={kind: mha, heads: 4}'
+    nice -n 10 python -m benchmarks.mqar_curve --scale cpu --threads 1 --steps 2000 --eval-every 100 \\
+        --eval-batches 8 --set 'model.attention={kind: mha, heads: 4}'
 
 The CSV goes to <out>/long-range/mqar-curves/<name>.csv (`--out benchmarks/results`).
 
@@ -33,7 +34,7 @@ from orchestrator.spec import ExperimentSpec, load_spec
 from orchestrator.tracking.read import TrackingReader
 from orchestrator.trainer import Trainer
 
-STUDY = "configs/studies/long_range.yaml"
+STUDY = "configs/studies/long_range_mqar_zoology.yaml"
 
 
 class Curve:
