@@ -353,7 +353,8 @@ class MQARTaskConfig(_GeneratedTaskConfig):
     power_a: float = 0.01
     """Exponent of the power law of query distances (Zoology's power_a; 1 is uniform)."""
     random_non_queries: bool = True
-    """Fill the positions between queries with random tokens (Zoology's default), not zeros."""
+    """Fill the positions between queries with random tokens (Zoology's default), not zeros (Zoology's Figure 2).
+    With random tokens vocab_size must exceed seq_len; with zeros any vocab_size that holds the pairs will do."""
     causal: bool = False
     """Decoder (causal attention), as Zoology trains; false reads the example with a bidirectional encoder, which
     every attention kind can run (the inputs after a query hold no answer either way)."""
@@ -373,11 +374,14 @@ class MQARTaskConfig(_GeneratedTaskConfig):
             raise ValueError(f"task.vocab_size={self.vocab_size} is too small for task.num_kv_pairs="
                              f"{self.num_kv_pairs}: keys are drawn without repetition from {keys} ids and values "
                              f"from {values}; raise vocab_size to at least {2 * self.num_kv_pairs + 2}")
-        if self.vocab_size <= self.seq_len:
+        # Zoology asserts this bound whatever the fillers; its reason is the random fillers alone, so with zeros
+        # between the queries (a key then recurs only as its query) a small vocabulary is allowed.
+        if self.random_non_queries and self.vocab_size <= self.seq_len:
             raise ValueError(f"task.vocab_size={self.vocab_size} must exceed task.seq_len={self.seq_len} (Zoology's "
                              "bound): the random tokens between the queries are drawn from the whole vocabulary, "
                              "and with fewer ids than positions every key recurs among them, each time followed by "
-                             f"a wrong value; raise vocab_size above {self.seq_len} (Zoology uses 8192)")
+                             f"a wrong value; raise vocab_size above {self.seq_len} (Zoology uses 8192), or set "
+                             "task.random_non_queries: false (zeros between the queries)")
         if self.power_a <= 0:
             raise ValueError(f"task.power_a={self.power_a} must be > 0 (Zoology uses 0.01; 1 is uniform)")
         return self

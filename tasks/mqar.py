@@ -9,7 +9,8 @@ solves it with an induction head, so it is a sharp probe of what approximate att
 Followed from HazyResearch/zoology, zoology/data/multiquery_ar.py (commit d88d6f5), `multiquery_ar` with
 num_passes = 1:
 - lines 88-90: input_seq_len even, vocab_size > input_seq_len (with fewer ids the random fillers repeat every
-  key, each time followed by a wrong value) and 4 x num_kv_pairs <= input_seq_len (checked in MQARTaskConfig);
+  key, each time followed by a wrong value; Zoology asserts it whatever the fillers, MQARTaskConfig only with
+  random_non_queries, the one case with that reason) and 4 x num_kv_pairs <= input_seq_len (MQARTaskConfig);
 - lines 98-106: keys drawn without repetition from [1, vocab/2), values from [vocab/2, vocab), per example;
 - lines 109-111: the context `k1 v1 k2 v2 ...` at positions 0 .. 2P-1;
 - lines 115-120: the query region holds (seq_len - 2P) // 2 slots of two tokens; the slots of the P queries

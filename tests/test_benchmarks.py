@@ -17,9 +17,9 @@ import torch
 
 import yaml
 
-from benchmarks import attention_scaling, corpus_scale, decoding, harness, ray_overhead, throughput
+from benchmarks import attention_scaling, corpus_scale, decoding, harness, mqar_curve, ray_overhead, throughput
 from models.attention import ATTENTION_KINDS
-from orchestrator.spec import validate_spec
+from orchestrator.spec import load_spec, validate_spec
 
 CPU = torch.device("cpu")
 
@@ -191,3 +191,55 @@ def test_corpus_scale_builds_corpora_by_repetition_and_measures_a_process_tree(t
     measured = corpus_scale.measured([sys.executable, "-c", child], tmp_path)
     assert measured["peak_rss_mb"] - measured["main_rss_mb"] > 80 and measured["peak_pss_mb"] > 80
     assert measured["seconds"] >= 1.5 and measured["cpu_s"] > 0
+
+
+def test_mqar_curve_rows_are_the_evaluations_of_the_trained_model(tmp_path):
+    """One row per evaluation step, in order, with the validation metrics the trainer computed (the last equals a
+    fresh evaluation of the final weights) and the training window's throughput; the CSV holds every row so far
+    after each evaluation, so a probe cut off by a time limit keeps its curve."""
+    spec = load_spec(mqar_curve.STUDY, [
+        "model.attention={kind: mha, heads: 2}", "model.d_model=16", "model.ffn=32", "model.max_seq_len=32",
+        "task.seq_len=32", "task.num_kv_pairs=4", "task.train_examples=64", "task.eval_examples=16",
+        "task.eval_batches=2", "optim.max_steps=4", "optim.warmup_steps=1", "run.eval_every=2",
+        "run.log_every=2", "run.checkpoint_every=4", "run.cpus_per_worker=1"], scale="cpu")
+    path = tmp_path / "curve.csv"
+    curve, trainer = mqar_curve.run(spec, path, tmp_path / "cache")
+    assert [row["step"] for row in curve.rows] == [2, 4]
+    assert curve.rows[0]["elapsed_s"] <= curve.rows[1]["elapsed_s"]
+    final = trainer.task.evaluate(trainer.model)
+    assert curve.rows[-1]["val_acc"] == pytest.approx(final["val/acc"])
+    assert curve.rows[-1]["val_loss"] == pytest.approx(final["val/loss"], rel=1e-5)
+    assert all(math.isfinite(row["train_loss"]) and row["answers_per_s"] > 0 for row in curve.rows)
+    written = harness.read_csv(path)
+    assert [int(r["step"]) for r in written] == [2, 4]
+    assert _floats(written, "val_loss") == pytest.approx([row["val_loss"] for row in curve.rows], rel=1e-5)
+
+    partial = mqar_curve.Curve(tmp_path / "partial.csv")
+    partial({"train/loss": 7.0}, 1)  # a training window without an evaluation makes no row
+    partial({"train/loss": 6.5, "train/tokens_per_s": 40.0, "val/loss": 6.0, "val/acc": 0.25}, 2)
+    assert [(r["step"], r["train_loss"], r["val_acc"]) for r in harness.read_csv(tmp_path / "partial.csv")] == [
+        ("2", "6.5", "0.25")]
+
+
+def test_mqar_curve_reads_every_trials_curve_from_a_sweep_store_and_finds_each_phase_change(tmp_path):
+    """Per trial (kind, seed) the logged val/acc by step, the parent run left out, and the first step at or above
+    the threshold: a seed that jumps at step 200 is not averaged with one that never does."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("recall", artifact_location=(tmp_path / "artifacts").as_uri())
+    client.create_run(experiment, run_name="sweep")  # the parent: no val/acc, no attention kind
+    curves = {("mha", 0): [0.25, 0.97, 0.99], ("mha", 1): [0.24, 0.30, 0.9], ("sha", 0): [0.2, 0.26, 0.27]}
+    for (kind, seed), values in curves.items():
+        run_id = client.create_run(experiment).info.run_id
+        client.log_batch(run_id, params=[Param("model.attention.kind", kind), Param("optim.seed", str(seed))],
+                         metrics=[Metric("val/acc", v, 1000 + step, step) for step, v in zip((100, 200, 300), values)])
+    rows = mqar_curve.store_curves(uri, "recall")
+    assert [(r["kind"], r["seed"], r["step"]) for r in rows] == [
+        (kind, seed, step) for kind, seed in curves for step in (100, 200, 300)]
+    assert [r["val_acc"] for r in rows] == [v for values in curves.values() for v in values]
+    assert mqar_curve.first_reached(rows, "val_acc", 0.9) == {("mha", 0): 200, ("mha", 1): 300, ("sha", 0): None}
+    with pytest.raises(SystemExit, match="no experiment 'other'"):
+        mqar_curve.store_curves(uri, "other")

@@ -156,6 +156,17 @@ def test_mqar_queries_follow_the_power_law_and_fill_the_rest_at_random(tmp_path)
     assert (zeros[:, 2 * cfg.num_kv_pairs:] == 0).mean() > 0.8
 
 
+def test_mqar_with_zeros_between_queries_takes_a_vocabulary_below_the_length(tmp_path):
+    """Zoology's bound vocab_size > seq_len is about random fillers; with zeros a key recurs only as its query,
+    so 14 ids (6 keys, 7 values) at n = 64 make valid examples: every nonzero token after the pairs is a query."""
+    cfg = MQARTaskConfig(**{**MQAR, "vocab_size": 14, "random_non_queries": False})
+    data = mqar_split(cfg, "train", tmp_path)
+    targets = mqar.targets(data["positions"], data["answers"], cfg.seq_len)
+    _replay_answers(data["inputs"], targets, cfg.num_kv_pairs, cfg.vocab_size)
+    after_pairs = data["inputs"][:, 2 * cfg.num_kv_pairs:]
+    assert np.array_equal(after_pairs != 0, targets[:, 2 * cfg.num_kv_pairs:] != mqar.IGNORE)
+
+
 def test_mqar_splits_are_deterministic_and_sized(tmp_path):
     cfg = MQARTaskConfig(**MQAR)
     sizes = {s: len(mqar_split(cfg, s, tmp_path)["inputs"]) for s in ("train", "validation", "test")}
@@ -248,6 +259,8 @@ def test_pairs_that_do_not_fit_and_a_vocabulary_too_small_are_refused():
     with pytest.raises(ValueError, match=r"vocab_size=64 must exceed task.seq_len=64 \(Zoology's bound\)"):
         MQARTaskConfig(**{**MQAR, "vocab_size": 64})
     MQARTaskConfig(**{**MQAR, "vocab_size": 65})
+    with pytest.raises(ValueError, match=r"or set task.random_non_queries: false"):
+        MQARTaskConfig(**{**MQAR, "vocab_size": 64, "random_non_queries": True})
     with pytest.raises(ValueError, match="must be even"):
         MQARTaskConfig(**{**MQAR, "seq_len": 63})
     with pytest.raises(ValueError, match="task.min_len=46 and task.seq_len=48 leave no expression length"):
