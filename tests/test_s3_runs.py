@@ -83,7 +83,9 @@ def test_sweep_on_s3_killed_during_a_tracking_outage_resumes_exactly_and_every_c
     read the sweep from S3 and MLflow; checkpoints tags and the exported model point into the bucket."""
     server, root, mlflow, env = s3_mlflow
     storage = f"{root}/runs"
-    steps = 32
+    # Long enough that the second trial is still training when the outage has begun and its points are spooled:
+    # with 32 steps, on a loaded machine, a slow stop of the MLflow server once let the trial finish first.
+    steps = 48
     spec = write_spec(tmp_path, "s3-sweep", mlflow.uri, tune={"num_samples": 2, "max_concurrent": 1},
                       run={"storage_path": storage, "final_eval": True}, optim={"max_steps": steps})
     first = orchestrator(tmp_path, "sweep", str(spec), env=env)
