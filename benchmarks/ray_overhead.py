@@ -282,6 +282,12 @@ def watched(cmd: Sequence[str], cwd: Path, env: Mapping[str, str], label: str) -
     return seen, started
 
 
+def print_round(round_: int, label: str, phases: dict[str, float]) -> dict[str, float]:
+    """One timed process's phases as a progress line; returns them."""
+    print(f"round {round_} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
+    return phases
+
+
 def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout,
             address: str | None = None) -> dict[str, float]:
     """`python -m orchestrator train PATH name=NAME` from `checkout` in a fresh process (`watched`), and the
@@ -331,9 +337,8 @@ def measure_cli(scale: Scale, workdir: Path, *, rounds: int = 1, against: Path |
     checkouts = [Checkout("this", Path.cwd())] + ([Checkout("against", against.resolve())] if against else [])
 
     def timed(round_: int, checkout: Checkout) -> dict[str, float]:
-        phases = cli_run(path, f"cli-{checkout.label}-{round_}", uri, workdir, checkout, address)
-        print(f"round {round_} {checkout.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
-        return phases
+        return print_round(round_, checkout.label,
+                           cli_run(path, f"cli-{checkout.label}-{round_}", uri, workdir, checkout, address))
 
     samples = alternating({c.label: partial(timed, checkout=c) for c in checkouts}, rounds)
     common = {"d_model": scale.d_model, "layers": scale.layers, "seq_len": scale.seq_len,
@@ -388,16 +393,11 @@ def measure_startup(workdir: Path, *, rounds: int) -> list[Row]:
     bare_run(workdir, -1)
     cli_run(path, "warm-up", uri, workdir, here)
 
-    def printed(label: str, run: Any) -> Any:
-        def each(round_: int) -> dict[str, float]:
-            phases = run(round_)
-            print(f"round {round_} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
-            return phases
-        return each
-
-    samples = alternating({"bare": printed("bare", partial(bare_run, workdir)),
-                           "orchestrator": printed("orchestrator", lambda round_: cli_run(
-                               path, f"startup-{round_}", uri, workdir, here))}, rounds)
+    samples = alternating({
+        "bare": lambda round_: print_round(round_, "bare", bare_run(workdir, round_)),
+        "orchestrator": lambda round_: print_round(round_, "orchestrator", cli_run(
+            path, f"startup-{round_}", uri, workdir, here)),
+    }, rounds)
     ours, bare = samples["orchestrator"], samples["bare"]
     keys = ["first_metric", *PHASES]
     keys += sorted({k for phases in ours + bare for k in phases if k not in keys},

@@ -3,8 +3,9 @@
 The pipeline is nanoGPT's `data/openwebtext/prepare.py` (tokenise on `num_proc` processes, append eot to every
 document, write the ids into one flat uint16 file) made streaming: the text is cut into chunks
 (tasks/text_sources.py; a plain file into byte ranges that each worker reads itself, `FileSlice`), a pool of
-forked processes encodes them with the sentencepiece model, and the main process writes the results in order into bounded shards (tasks/corpus_format.py), so memory holds only a few
-chunks at any time whatever the corpus size. Chunks are submitted ahead by at most two per worker and taken
+forked processes encodes them with the sentencepiece model, and the main process writes the results in order
+into bounded shards (tasks/corpus_format.py), so memory holds only a few chunks at any time whatever the
+corpus size. Chunks are submitted ahead by at most two per worker and taken
 back in submission order, which keeps the output identical to encoding the whole split in one call.
 
 Why a process pool on one machine and not `datasets.map(num_proc=...)` or Ray Data: `map` first converts the
@@ -96,8 +97,8 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def encoded_chunks(model_path: Path, chunks: Iterator[tuple[tuple[list[str] | FileSlice, ...], int]], eos: int, dtype: np.dtype,
-                   workers: int) -> Iterator[tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], int]]:
+def encoded_chunks(model_path: Path, chunks: Iterator[tuple[tuple[list[str] | FileSlice, ...], int]], eos: int,
+                   dtype: np.dtype, workers: int) -> Iterator[tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], int]]:
     """(encoded columns, progress) per chunk, in the order the chunks came; `workers` processes encode them."""
     if workers <= 1:
         _start_worker(str(model_path))

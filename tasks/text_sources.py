@@ -187,10 +187,16 @@ def file_lines(path: Path, chunk_chars: int | None = None) -> Iterator[tuple[lis
             if not batch:
                 return
             batch += text.readline()  # finish the current line
-            lines = batch.split("\n")
-            if batch.endswith("\n"):
-                lines.pop()
-            yield lines, raw.tell()
+            yield split_lines(batch), raw.tell()
+
+
+def split_lines(text: str) -> list[str]:
+    """The lines of `text` (newlines already translated to "\n"), as `datasets`' text builder splits them: on
+    "\n" only, a final newline ending the last line rather than starting an empty one."""
+    lines = text.split("\n")
+    if text.endswith("\n"):
+        lines.pop()
+    return lines
 
 
 @dataclass(frozen=True)
@@ -210,11 +216,7 @@ class FileSlice:
         with open(self.path, "rb") as raw:
             raw.seek(self.start)
             text = raw.read(self.end - self.start).decode("utf-8")
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-        lines = text.split("\n")
-        if text.endswith("\n"):
-            lines.pop()
-        return documents_of(lines)
+        return documents_of(split_lines(text.replace("\r\n", "\n").replace("\r", "\n")))
 
 
 def file_slices(path: Path, chunk_bytes: int | None = None) -> Iterator[tuple[FileSlice, int]]:
