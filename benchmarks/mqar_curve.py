@@ -67,7 +67,8 @@ def run(spec: ExperimentSpec, path: Path, cache_dir: Path) -> tuple[Curve, Train
 
 
 def store_curves(uri: str, experiment: str, metric: str = "val/acc") -> list[Row]:
-    """Every finished trial's `metric` by step from a sweep's MLflow store: kind, seed, step, value."""
+    """Every finished trial's `metric` by step from a sweep's MLflow store: kind, seed, step, value. A trial
+    stopped or still running is left out, as `orchestrator report` leaves it out: its curve ends early."""
     reader = TrackingReader(uri)
     experiment_id = reader.experiment_id(experiment)
     if experiment_id is None:
@@ -77,6 +78,8 @@ def store_curves(uri: str, experiment: str, metric: str = "val/acc") -> list[Row
         params = run.data.params
         if metric not in run.data.metrics or "model.attention.kind" not in params:
             continue  # the sweep's parent run
+        if run.info.status != "FINISHED":
+            continue
         for point in reader.metric_history(run.info.run_id, metric):
             rows.append({"kind": params["model.attention.kind"], "seed": int(params["optim.seed"]),
                          "step": point.step, metric.replace("/", "_"): point.value})

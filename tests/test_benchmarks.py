@@ -222,8 +222,9 @@ def test_mqar_curve_rows_are_the_evaluations_of_the_trained_model(tmp_path):
 
 
 def test_mqar_curve_reads_every_trials_curve_from_a_sweep_store_and_finds_each_phase_change(tmp_path):
-    """Per trial (kind, seed) the logged val/acc by step, the parent run left out, and the first step at or above
-    the threshold: a seed that jumps at step 200 is not averaged with one that never does."""
+    """Per finished trial (kind, seed) the logged val/acc by step, the parent run and an unfinished trial left
+    out, and the first step at or above the threshold: a seed that jumps at step 200 is not averaged with one
+    that never does."""
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
@@ -232,10 +233,12 @@ def test_mqar_curve_reads_every_trials_curve_from_a_sweep_store_and_finds_each_p
     experiment = client.create_experiment("recall", artifact_location=(tmp_path / "artifacts").as_uri())
     client.create_run(experiment, run_name="sweep")  # the parent: no val/acc, no attention kind
     curves = {("mha", 0): [0.25, 0.97, 0.99], ("mha", 1): [0.24, 0.30, 0.9], ("sha", 0): [0.2, 0.26, 0.27]}
-    for (kind, seed), values in curves.items():
+    stopped = {("mha", 4): [0.24]}  # a trial stopped after its first evaluation (KILLED)
+    for (kind, seed), values in {**curves, **stopped}.items():
         run_id = client.create_run(experiment).info.run_id
         client.log_batch(run_id, params=[Param("model.attention.kind", kind), Param("optim.seed", str(seed))],
                          metrics=[Metric("val/acc", v, 1000 + step, step) for step, v in zip((100, 200, 300), values)])
+        client.set_terminated(run_id, "KILLED" if (kind, seed) in stopped else "FINISHED")
     rows = mqar_curve.store_curves(uri, "recall")
     assert [(r["kind"], r["seed"], r["step"]) for r in rows] == [
         (kind, seed, step) for kind, seed in curves for step in (100, 200, 300)]
