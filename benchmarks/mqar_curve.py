@@ -30,6 +30,8 @@ import torch
 
 from benchmarks.harness import Row, write_csv
 from orchestrator.local_run import train_locally
+from orchestrator.report_metrics import ReportError
+from orchestrator.report_runs import compared_runs, find_experiment_id, with_status
 from orchestrator.spec import ExperimentSpec, load_spec
 from orchestrator.tracking.read import TrackingReader
 from orchestrator.trainer import Trainer
@@ -67,19 +69,15 @@ def run(spec: ExperimentSpec, path: Path, cache_dir: Path) -> tuple[Curve, Train
 
 
 def store_curves(uri: str, experiment: str, metric: str = "val/acc") -> list[Row]:
-    """Every finished trial's `metric` by step from a sweep's MLflow store: kind, seed, step, value. A trial
-    stopped or still running is left out, as `orchestrator report` leaves it out: its curve ends early."""
+    """Every finished trial's `metric` by step from a sweep's MLflow store: kind, seed, step, value. The trials
+    are the ones `orchestrator report` compares (`report_runs`): sweep parents are left out, and so is a trial
+    stopped or still running, whose curve ends early."""
     reader = TrackingReader(uri)
-    experiment_id = reader.experiment_id(experiment)
-    if experiment_id is None:
-        raise SystemExit(f"no experiment {experiment!r} in {uri}")
+    runs = reader.runs(find_experiment_id(reader, experiment))
+    trials, _ = with_status(compared_runs(runs, None, experiment), ["FINISHED"])
     rows: list[Row] = []
-    for run in reader.runs(experiment_id):
+    for run in trials:
         params = run.data.params
-        if metric not in run.data.metrics or "model.attention.kind" not in params:
-            continue  # the sweep's parent run
-        if run.info.status != "FINISHED":
-            continue
         for point in reader.metric_history(run.info.run_id, metric):
             rows.append({"kind": params["model.attention.kind"], "seed": int(params["optim.seed"]),
                          "step": point.step, metric.replace("/", "_"): point.value})
@@ -116,7 +114,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--reached", type=float, default=0.9, help="with --from-store: the accuracy to report")
     args = parser.parse_args(argv)
     if args.from_store:
-        rows = store_curves(args.from_store, args.experiment)
+        try:
+            rows = store_curves(args.from_store, args.experiment)
+        except ReportError as error:  # a wrong --experiment or --from-store: the message names the fix
+            raise SystemExit(str(error)) from None
         path = write_csv(rows, Path(args.out) / "long-range" / "mqar-curves" / f"{args.name}.csv")
         for (kind, seed), step in first_reached(rows, "val_acc", args.reached).items():
             print(f"{kind} seed {seed}: val/acc >= {args.reached} first at step {step}")

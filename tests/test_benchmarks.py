@@ -228,14 +228,19 @@ def test_mqar_curve_reads_every_trials_curve_from_a_sweep_store_and_finds_each_p
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
+    from orchestrator.report_metrics import ReportError
+    from orchestrator.tracking.describe import PARENT_TAG
+
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     experiment = client.create_experiment("recall", artifact_location=(tmp_path / "artifacts").as_uri())
-    client.create_run(experiment, run_name="sweep")  # the parent: no val/acc, no attention kind
+    parent = client.create_run(experiment, run_name="sweep").info.run_id  # no attention kind
+    client.log_metric(parent, "val/acc", 0.99, step=300)  # a parent may carry its best trial's score
+    client.set_terminated(parent, "FINISHED")
     curves = {("mha", 0): [0.25, 0.97, 0.99], ("mha", 1): [0.24, 0.30, 0.9], ("sha", 0): [0.2, 0.26, 0.27]}
     stopped = {("mha", 4): [0.24]}  # a trial stopped after its first evaluation (KILLED)
     for (kind, seed), values in {**curves, **stopped}.items():
-        run_id = client.create_run(experiment).info.run_id
+        run_id = client.create_run(experiment, tags={PARENT_TAG: parent}).info.run_id
         client.log_batch(run_id, params=[Param("model.attention.kind", kind), Param("optim.seed", str(seed))],
                          metrics=[Metric("val/acc", v, 1000 + step, step) for step, v in zip((100, 200, 300), values)])
         client.set_terminated(run_id, "KILLED" if (kind, seed) in stopped else "FINISHED")
@@ -244,5 +249,5 @@ def test_mqar_curve_reads_every_trials_curve_from_a_sweep_store_and_finds_each_p
         (kind, seed, step) for kind, seed in curves for step in (100, 200, 300)]
     assert [r["val_acc"] for r in rows] == [v for values in curves.values() for v in values]
     assert mqar_curve.first_reached(rows, "val_acc", 0.9) == {("mha", 0): 200, ("mha", 1): 300, ("sha", 0): None}
-    with pytest.raises(SystemExit, match="no experiment 'other'"):
+    with pytest.raises(ReportError, match="experiment 'other' does not exist in this tracking store"):
         mqar_curve.store_curves(uri, "other")
