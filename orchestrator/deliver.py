@@ -110,8 +110,9 @@ def _send_scores(tracker: MlflowTracker, run_id: str, record: Mapping[str, Any])
 
 
 def deliver_outputs(tracker: MlflowTracker, run_id: str | None, run_folder: str) -> bool:
-    """Send the run folder's outputs that the MLflow run `run_id` does not hold yet; True when it holds them all
-    (also when there is no MLflow run to send to: nothing is owed)."""
+    """Send the run folder's outputs that the MLflow run `run_id` does not hold yet; True when it holds them all.
+    None (the run could not be opened yet): True, as nothing can be owed to it yet; its outputs wait in the run
+    folder for whoever opens it."""
     if run_id is None:
         return True
     ledger_path = join(run_folder, DELIVERED_FILE)

@@ -295,6 +295,10 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
         raise
     finally:
         run_id = run_id or tracker.ensure_run(handle)
+        if run_id is None:  # the server never answered this launcher: nothing of the run is in MLflow yet
+            print(f"[{label}] the tracking server at {spec.tracking.uri} did not answer, so the run has no MLflow "
+                  f"run yet; its metric points wait in {tracker.spool or 'memory'} and its outputs in {run_folder} "
+                  "until `orchestrator resume` opens the run and sends them")
         if run_id is not None and status == "FAILED":
             tracker.set_tags(run_id, failure_tags(failure or "the launcher stopped before the run ended"))
         if run_id is not None and not delivered:  # never FINISHED without its test scores and model

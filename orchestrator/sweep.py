@@ -49,6 +49,7 @@ from orchestrator.tracking.describe import (
     RUN_KEY_TAG,
     SEED_TAG,
     TRIAL_TAG,
+    RunHandle,
     failure_tags,
     flatten,
     git_commit,
@@ -93,10 +94,9 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     set_verbose(verbose_on)  # the launcher's --verbose, also on a cluster whose job env does not carry it
     quiet_exit_in_finalizers()
     trial_id = tune.get_context().get_trial_id()
-    spec = validate_spec(resolve(study_raw, config), where=f"trial {trial_id}")
+    spec, handle = _trial_run(study_raw, config, trial_id, commit=commit, parent_run_id=parent_run_id)
     use_storage(spec.run.storage_endpoint, spec.run.storage_region)  # a driver on another node: its own process
-    # What the trial tries, then its id: the MLflow runs page lists children by name.
-    run_name = f"{describe_config(config) or spec.name} ({trial_id})"
+    run_name = handle.run_name
     layout = RunLayout(spec.run.storage_path, spec.name)
     run_path = layout.trial_folder(trial_id)
     tracker = open_tracker(spec.tracking, layout.spool_of_trial(trial_id))
@@ -105,9 +105,6 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
         # (the sweep's outcome counts it from its record and closes its child run if it was left RUNNING).
         return
     # Found by trial id first: a retried or restored trial keeps its child run.
-    handle = describe_run(spec, run_name=run_name, role="trial", commit=commit, key=(TRIAL_TAG, trial_id),
-                          run_path=run_path, parent_run_id=parent_run_id)
-    handle = replace(handle, tags={**handle.tags, **point_tags(config, spec.optim.seed)})
     handle = handle.with_run_id(tracker.ensure_run(handle))
     train_spec, init_checkpoint = stage_to_train(spec, storage_path=layout.trials_folder,
                                                  run_name=layout.trial_pretrain_name(trial_id),
@@ -122,6 +119,19 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
     result, _, final = fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir, label=f"trial {trial_id}",
                                       advice=None, console=trial_label(trial_id, config))
     mark_finished(run_path, {**dict(result.metrics or {}), **final})
+
+
+def _trial_run(study_raw: dict[str, Any], config: dict[str, Any], trial_id: str, *, commit: str,
+               parent_run_id: str | None) -> tuple[ExperimentSpec, RunHandle]:
+    """A trial's spec and the handle of its child MLflow run: the trial driver opens the run with it, and the
+    launcher, when the server was away for the whole trial (`_close_children`)."""
+    spec = validate_spec(resolve(study_raw, config), where=f"trial {trial_id}")
+    # What the trial tries, then its id: the MLflow runs page lists children by name.
+    run_name = f"{describe_config(config) or spec.name} ({trial_id})"
+    run_path = RunLayout(spec.run.storage_path, spec.name).trial_folder(trial_id)
+    handle = describe_run(spec, run_name=run_name, role="trial", commit=commit, key=(TRIAL_TAG, trial_id),
+                          run_path=run_path, parent_run_id=parent_run_id)
+    return spec, replace(handle, tags={**handle.tags, **point_tags(config, spec.optim.seed)})
 
 
 def point_tags(config: dict[str, Any], seed: int) -> dict[str, str]:
@@ -283,7 +293,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
                                               verbose=tune_verbosity, callbacks=[_console(study)]),
                 )
             grid = tuner.fit()
-            outcome = _sweep_outcome(study, grid, tracker, parent_run_id)
+            outcome = _sweep_outcome(study, grid, tracker, parent_run_id, commit)
             _summarize(study, outcome, tracker)
             status = "KILLED" if outcome.interrupted else "FAILED" if outcome.errors else "FINISHED"
             return outcome
@@ -295,7 +305,8 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
                 tracker.end_run(parent_run_id, status)
 
 
-def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_id: str | None) -> SweepOutcome:
+def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_id: str | None,
+                   commit: str) -> SweepOutcome:
     """Per trial: done (its run folder's record says it finished, or ASHA stopped it: Tune's last result says
     done), errored, or neither (the sweep was interrupted); children left RUNNING are closed (KILLED, or FAILED
     when errored). The record, not Tune's last result, decides for a finished trial: Tune saves its state now
@@ -313,7 +324,7 @@ def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_i
         trials.append({"trial_id": trial_id, "config": {k: v for k, v in (result.config or {}).items()},
                        "state": state, "error": failure_reason(result.error) if state == "error" else None,
                        "metrics": {k: v for k, v in metrics.items() if "/" in k or k in ("step", "evaluations")}})
-    _close_children(tracker, spec, trials)
+    _close_children(tracker, study, trials, parent_run_id, commit)
     errors = sum(t["state"] == "error" for t in trials)
     interrupted = any(t["state"] == "unfinished" for t in trials) or len(trials) < expected_trials(study)
     best = None
@@ -347,16 +358,23 @@ def _send_trial_spools(spec: ExperimentSpec, layout: RunLayout) -> None:
         open_tracker(spec.tracking, spool).send_spooled()
 
 
-def _close_children(tracker: MlflowTracker, spec: ExperimentSpec, trials: list[dict[str, Any]]) -> None:
+def _close_children(tracker: MlflowTracker, study: Study, trials: list[dict[str, Any]], parent_run_id: str | None,
+                    commit: str) -> None:
     """Child runs left RUNNING: a finished trial's gets the outputs it still owes (an outage at its end) and ends
-    FINISHED once they are in; one ASHA stopped mid-run ends KILLED; an errored one FAILED, with its reason."""
+    FINISHED once they are in; one ASHA stopped mid-run ends KILLED; an errored one FAILED, with its reason. A
+    finished trial with no child run (the server was away for all of it) gets it now, with its spooled points."""
+    spec = study.base
     experiment_id = tracker.experiment_id(spec.tracking.experiment)
     if experiment_id is None:
         return
     layout = RunLayout(spec.run.storage_path, spec.name)
     for trial in trials:
         trial_id = str(trial["trial_id"])
+        finished_trial = trial["state"] == "done" and trial["metrics"].get("step") == spec.optim.max_steps
         run_id = tracker.find_run(experiment_id, TRIAL_TAG, trial_id)
+        if run_id is None and finished_trial:
+            _, handle = _trial_run(study.raw, trial["config"], trial_id, commit=commit, parent_run_id=parent_run_id)
+            run_id = open_tracker(spec.tracking, layout.spool_of_trial(trial_id)).ensure_run(handle)
         if run_id is None:
             continue
         trial["mlflow_run_id"] = run_id
@@ -365,7 +383,7 @@ def _close_children(tracker: MlflowTracker, spec: ExperimentSpec, trials: list[d
         if trial["error"]:
             tracker.set_tags(run_id, failure_tags(trial["error"]))
             tracker.end_run(run_id, "FAILED")
-        elif trial["state"] == "done" and trial["metrics"].get("step") == spec.optim.max_steps:
+        elif finished_trial:
             trial_tracker = open_tracker(spec.tracking, layout.spool_of_trial(trial_id))
             if deliver_outputs(trial_tracker, run_id, layout.trial_folder(trial_id)):
                 trial_tracker.end_run(run_id, "FINISHED")

@@ -208,6 +208,54 @@ def test_tracking_outage_ending_after_the_run_loses_no_point(tmp_path, server):
     assert not (tmp_path / "runs" / "outage" / "mlflow-spool.jsonl").exists()
 
 
+def test_sweep_trial_that_trained_during_a_whole_outage_gets_its_run_and_every_point_at_resume(tmp_path, server):
+    """A 2-trial sweep (the same configuration twice, one at a time) whose MLflow server dies at the first
+    trial's last step and is back only after the sweep: the second trial trains with no MLflow run at all (the
+    launcher says so and where its points wait); `resume` creates its child run, sends its spooled points, test
+    scores and model, and ends it FINISHED with the same loss curve as the first trial, one point per step."""
+    steps = 2 * CHECKPOINT_EVERY
+    spec = write_spec(tmp_path, "late-trial", server.uri, tune={"num_samples": 2, "max_concurrent": 1},
+                      run={"final_eval": True}, optim={"max_steps": steps})
+
+    def children() -> list:
+        return [r for r in runs_of(server.uri, "late-trial") if r.data.tags.get("orchestrator.role") == "trial"]
+
+    def first_trial_at_its_last_step() -> bool:
+        trials = children()  # one listing: the second trial cannot start before the first one ends
+        return len(trials) == 1 and max(points_per_step(server.uri, trials[0].info.run_id, "train/loss"),
+                                        default=0) == steps
+
+    first = orchestrator(tmp_path, "sweep", str(spec))
+    try:
+        wait_for(first_trial_at_its_last_step, 400, "the first trial's last step", first)
+        server.stop()
+        assert first.wait(420) == 0, first.output[-4000:]
+    finally:
+        if server.proc is None:
+            server.start()
+    assert "2 trials: 2 finished" in first.output, first.output[-4000:]
+    assert re.search(r"did not answer, so the run has no MLflow run yet; its metric points wait in \S+"
+                     r"mlflow-spool\.jsonl", first.output), first.output[-4000:]
+    assert len(children()) == 1  # the second trial's run does not exist yet
+
+    resumed = orchestrator(tmp_path, "resume", "late-trial", "--storage-path", str(tmp_path / "runs"))
+    assert resumed.wait(300) == 0, resumed.output[-4000:]
+    assert "2 trials: 2 finished, 0 errored, 0 unfinished" in resumed.output, resumed.output[-4000:]
+    trials = children()
+    assert len(trials) == 2 and all(t.info.status == "FINISHED" for t in trials), [t.info.status for t in trials]
+    for trial in trials:
+        assert_one_point_per_step(server.uri, trial.info.run_id, last_step=steps)
+        assert {"test/loss", "test/ppl"} <= set(trial.data.metrics), trial.data.metrics
+        assert trial.data.params["model.d_model"] == "16"
+        assert "model" in {a.path for a in MlflowClient(server.uri).list_artifacts(trial.info.run_id)}
+    curves = [{m.step: m.value for m in MlflowClient(server.uri).get_metric_history(t.info.run_id, "train/loss")}
+              for t in trials]
+    assert curves[0] == curves[1]
+    [parent] = [r for r in runs_of(server.uri, "late-trial") if r.data.tags.get("orchestrator.role") == "sweep"]
+    assert parent.info.status == "FINISHED"
+    assert not list((tmp_path / "runs" / "late-trial").rglob("mlflow-spool.jsonl"))
+
+
 def test_two_launchers_side_by_side_finish_with_clean_consoles(tmp_path, server):
     """Two `orchestrator train` started at once on one machine, each with its own local Ray: both finish, and
     neither console shows a traceback (Ray Train's PlacementGroupCleaner, asking the state API without an

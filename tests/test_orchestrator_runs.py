@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import warnings
 from pathlib import Path
 
@@ -179,7 +180,8 @@ def test_resumed_sweep_restarts_a_failed_trial_from_its_checkpoint(ray_cluster, 
 
 @pytest.mark.slow
 def test_two_worker_ddp_run_trains_with_tracking_server_down(ray_cluster, workspace, unused_port):
-    """Two gloo DDP ranks train to the end while every MLflow call fails: logging warns, never stops training.
+    """Two gloo DDP ranks train to the end while every MLflow call fails: logging warns, never stops training,
+    and rank 0's points wait in the run folder's spool as points of a run not opened yet (for `resume` to send).
     (One run checks both, to keep the suite's Ray time small.)"""
     raw = tiny_spec("ddp-no-server", workspace,
                     run={"workers": 2, "cpus_per_worker": 0.5, "checkpoint_every": 4},
@@ -191,6 +193,9 @@ def test_two_worker_ddp_run_trains_with_tracking_server_down(ray_cluster, worksp
     assert outcome.metrics["step"] == 4 and outcome.metrics["val/ppl"] > 0
     assert any(issubclass(w.category, TrackingWarning) and str(unused_port) in str(w.message) for w in caught)
     assert outcome.mlflow_run_id is None
+    rows = [json.loads(line) for line in (Path(outcome.path) / "mlflow-spool.jsonl").read_text().splitlines()]
+    assert {r["run_id"] for r in rows} == {None}
+    assert sorted(r["step"] for r in rows if r["key"] == "train/loss") == [1, 2, 3, 4]  # rank 0's, once each
     state = read_checkpoint(Path(outcome.checkpoint))
     assert state.step == 4 and len(state.data_positions) == 2 and len(state.rng) == 2  # one entry per rank
     assert not torch.equal(state.rng[0]["torch"], state.rng[1]["torch"])  # each rank's own dropout stream
@@ -425,6 +430,54 @@ def test_restarted_logger_logs_each_step_once_and_spool_survives_the_process(tmp
     assert launcher.end_run(resumed.run_id, "FINISHED") is True
     assert loss_curve(MlflowClient(uri), resumed.run_id)[5] == 5.0 and not spool.exists()
     assert MlflowClient(uri).get_run(resumed.run_id).info.status == "FINISHED"
+
+
+@pytest.mark.parametrize("opened_by", ["the launcher at the run's end", "the next launcher, after a kill",
+                                       "a resumed worker"])
+def test_points_of_a_run_never_opened_outlive_the_process_and_go_to_the_run_once_opened(tmp_path, unused_port,
+                                                                                     opened_by):
+    """The server is away for a worker's whole life (a trial that started during an outage): its run is never
+    opened there, so its points are spooled without a run id, not kept in memory. Whoever opens the run later
+    through the spool's tracker gets them: the launcher that started the worker (its tracker made before the
+    worker logged), the next launcher when that one was killed after opening the run (a resumed sweep closing
+    a finished trial), or a resumed worker after a sweep's resume sent every spool it could (these it cannot)."""
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.loggers import MlflowLogger
+    from orchestrator.tracking.write import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spool = tmp_path / "trial" / "mlflow-spool.jsonl"
+    handle = run_handle({}, "", experiment="late", run_name="trial", role="trial", kind="mha", commit="abc",
+                        key=("orchestrator.trial", "t0"))
+    launcher = MlflowTracker(uri, retries=1, timeout_s=1, spool=spool)  # the trial driver, before its worker
+    down = MlflowTracker(f"http://127.0.0.1:{unused_port}", retries=1, timeout_s=1, cooldown_s=0.0, spool=spool)
+    with pytest.warns(TrackingWarning):
+        worker = MlflowLogger(down, lambda: down.ensure_run(handle))
+        for step in (1, 2, 3):
+            worker.log({"train/loss": float(step)}, step)
+        worker.close()
+    assert worker.run_id is None
+    rows = [json.loads(line) for line in spool.read_text().splitlines()]
+    assert [(r["run_id"], r["step"], r["value"]) for r in rows] == [(None, 1, 1.0), (None, 2, 2.0), (None, 3, 3.0)]
+
+    if opened_by != "a resumed worker":
+        run_id = launcher.ensure_run(handle)
+        closer = launcher if opened_by == "the launcher at the run's end" else MlflowTracker(uri, spool=spool)
+        assert closer.end_run(run_id, "FINISHED") is True
+        expected = {1: 1.0, 2: 2.0, 3: 3.0}
+    else:
+        MlflowTracker(uri, retries=1, timeout_s=1, spool=spool).send_spooled()  # `resume` of the sweep
+        assert spool.read_text().splitlines() == [json.dumps(r) for r in rows]  # kept for the run's opener
+        resumed_tracker = MlflowTracker(uri, retries=1, timeout_s=1, spool=spool)
+        resumed = MlflowLogger(resumed_tracker, lambda: resumed_tracker.ensure_run(handle))
+        resumed.log({"train/loss": 40.0}, 4)
+        resumed.log({"train/loss": 30.0}, 3)  # recomputed after a checkpoint: the spooled point stays
+        run_id = resumed.run_id
+        expected = {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0}
+    assert loss_curve(MlflowClient(uri), run_id) == expected
+    assert not spool.exists()  # everything was taken
+    experiment = MlflowClient(uri).get_experiment_by_name("late").experiment_id
+    assert [r.info.run_id for r in MlflowClient(uri).search_runs([experiment])] == [run_id]
 
 
 def test_artifacts_of_a_sqlite_store_live_next_to_it_whatever_the_working_directory(tmp_path, monkeypatch):

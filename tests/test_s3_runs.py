@@ -100,8 +100,12 @@ def test_sweep_on_s3_killed_during_a_tracking_outage_resumes_exactly_and_every_c
                 and (status is None or r.info.status == status)]
 
     def second_trial_logging():
-        running = [r for r in children("RUNNING") if train_losses(mlflow.uri, r.info.run_id)]
-        return len(children("FINISHED")) == 1 and running and running[0]
+        # One listing of the runs: with two, the first trial, seen RUNNING by the first and FINISHED by the
+        # second, was once taken for the second trial (the outage then began before the second trial started).
+        trials = children()
+        finished = [r for r in trials if r.info.status == "FINISHED"]
+        running = [r for r in trials if r.info.status == "RUNNING" and train_losses(mlflow.uri, r.info.run_id)]
+        return len(finished) == 1 and running and running[0]
 
     second = wait_for(second_trial_logging, 480, "the second trial's first points", first)
     trial_folder = second.data.tags["orchestrator.checkpoints"]

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from orchestrator.progress import VERBOSE_ENV
-from orchestrator.tracking.write import MAX_BUFFERED_METRICS, MlflowTracker
+from orchestrator.tracking.write import MlflowTracker
 
 
 class BaseLogger(Protocol):
@@ -50,15 +49,15 @@ class MlflowLogger:
     """Metrics of one MLflow run, through a guarded tracker.
 
     The run is opened through `open_run` (`MlflowTracker.ensure_run` of the launcher's handle, which also logs
-    params when it creates the run); when the server is down at the start,
-    metrics wait in a bounded backlog and the run is opened as soon as the server answers, so a run that
-    started during an outage still ends up complete in MLflow.
+    params when it creates the run); when the server is down at the start, metrics wait in the tracker's spool
+    as points of a run not open yet, and the run is opened as soon as the server answers (here, or by the
+    launcher or `orchestrator resume` if it never answers while this process lives), so a run that started
+    during an outage still ends up complete in MLflow.
     """
 
     def __init__(self, tracker: MlflowTracker, open_run: Callable[[], str | None]):
         self.tracker = tracker
         self._open_run = open_run
-        self._backlog: deque[tuple[dict[str, float], int]] = deque(maxlen=MAX_BUFFERED_METRICS)
         self._last: dict[str, int] | None = None
         """Per metric, the last step the run already holds; None until MLflow was asked."""
         self.run_id: str | None = open_run()
@@ -71,11 +70,7 @@ class MlflowLogger:
         if self.run_id is not None and self._last is None and self.tracker.available:
             self.tracker.flush(self.run_id)  # an earlier attempt's spool first, so its steps count as logged
             self._last = self.tracker.last_steps(self.run_id)
-        if self._last is None:
-            return False
-        while self._backlog:
-            self._send(*self._backlog.popleft())
-        return True
+        return self._last is not None
 
     def _send(self, metrics: Mapping[str, float], step: int) -> None:
         # A resumed run recomputes the steps after its checkpoint: the first attempt's points stay, once.
@@ -87,12 +82,11 @@ class MlflowLogger:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._ensure_run():
             self._send(metrics, step)
-        elif self.run_id is not None:
-            # MLflow cannot say which steps the run holds (an outage at a resume): spooled all the same, so a
-            # driver killed meanwhile loses nothing; the tracker sends each (metric, step) once.
+        else:
+            # MLflow cannot say which steps the run holds (an outage at a resume), or there is no run to log to
+            # yet (the server was away since launch: run id None): spooled all the same, so a driver killed
+            # meanwhile loses nothing; the tracker sends each (metric, step) once, to the run once it is open.
             self.tracker.log_metrics(self.run_id, metrics, step, once=True)
-        else:  # no run to log to yet (the server was away since launch): kept here until it answers
-            self._backlog.append((dict(metrics), step))
 
     def close(self, status: str = "FINISHED") -> None:
         """Send what is buffered (what cannot be sent stays in the spool); the launcher ends the run."""

@@ -10,6 +10,12 @@ written there too, so they survive the process: the launcher sends them before i
 spool) already holds are not sent again, and training metrics (`log_metrics(..., once=True)`) are checked
 again when they are sent, so points spooled by a worker that could not ask MLflow (resumed during an outage)
 beside an earlier attempt's are sent once too.
+
+A tracker with a spool serves the one MLflow run of that spool's run folder. Points logged before that run could
+be opened (the server was away when the run started, and maybe for all of it) are spooled without a run id; they
+become the run's as soon as the run is opened (`ensure_run`) or ended (`end_run`) through a tracker of the spool,
+in whichever process and however much later: the worker when the server comes back, the launcher at the run's
+end, or `orchestrator resume`.
 """
 
 from __future__ import annotations
@@ -111,7 +117,7 @@ class MlflowTracker:
         self._client: MlflowClient | None = None
         self._down_until = 0.0
         self._failures = 0  # consecutive failed calls: each doubles the cool-down, up to _MAX_COOLDOWN_S
-        self._pending: deque[tuple[str, Metric]] = deque(maxlen=MAX_BUFFERED_METRICS)
+        self._pending: deque[tuple[str | None, Metric]] = deque(maxlen=MAX_BUFFERED_METRICS)
         self._once: set[int] = set()
         """ids of pending points to send only if their run does not hold that (metric, step) yet (`once`)."""
         self._held: dict[str, dict[str, int]] = {}
@@ -206,6 +212,12 @@ class MlflowTracker:
         """The run `handle` describes: its run id reopened, else the run carrying its key tag, else a new run
         with its tags, params and spec. The only way runs are created, so a run started during an outage and
         opened later by the worker, or found again by the launcher after training, is the same run."""
+        run_id = self._open(handle)
+        if run_id is not None:
+            self._adopt(run_id)
+        return run_id
+
+    def _open(self, handle: RunHandle) -> str | None:
         if handle.run_id:
             return self._reopen(handle.run_id)
         experiment_id = self.experiment_id(handle.experiment)
@@ -223,6 +235,12 @@ class MlflowTracker:
                 self.log_artifact(run_id, path)
         return run_id
 
+    def _adopt(self, run_id: str) -> None:
+        """`run_id` is the spool's run: the points logged before it was known (run id None) become its."""
+        if any(rid is None for rid, _ in self._pending):
+            self._pending = deque(((rid or run_id, m) for rid, m in self._pending), maxlen=MAX_BUFFERED_METRICS)
+            self._save_spool()
+
     def run_status(self, run_id: str) -> str | None:
         """RUNNING, FINISHED, FAILED or KILLED (None when the server cannot be asked)."""
         return self._call("run lookup", lambda client: client.get_run(run_id).info.status)
@@ -232,6 +250,7 @@ class MlflowTracker:
         be sent the run is left open, so it is never shown as ended with holes; False then, and the spool
         keeps them for the next launcher of this run (`orchestrator resume`)."""
         self._load_spool()
+        self._adopt(run_id)
         self.flush(run_id, force=True)
         if self.holds_unsent(run_id):
             return False
@@ -264,8 +283,9 @@ class MlflowTracker:
                 held[metric.key].add(metric.step)
         return held
 
-    def holds_unsent(self, run_id: str) -> bool:
-        """Points of `run_id` wait in this tracker (in memory, and in its spool file if it has one)."""
+    def holds_unsent(self, run_id: str | None) -> bool:
+        """Points of `run_id` wait in this tracker (in memory, and in its spool file if it has one); None: points
+        whose run is not open yet."""
         return any(rid == run_id for rid, _ in self._pending)
 
     # --- params, tags, metrics, artifacts ------------------------------------------------------------
@@ -282,11 +302,13 @@ class MlflowTracker:
         return not items or self._call("tag logging",
                                        lambda client: client.log_batch(run_id, tags=items) or True) is not None
 
-    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int, *, once: bool = False) -> None:
+    def log_metrics(self, run_id: str | None, metrics: Mapping[str, float], step: int, *,
+                    once: bool = False) -> None:
         """Buffer and send. `once`: a training metric, sent only if the run does not hold that (metric, step)
         yet, checked when it is sent: points logged while the server could not say which steps it holds (a
         worker resumed during an outage recomputes steps it logged before) are spooled all the same, and
-        whichever attempt's point of a step reaches the server first is the one kept."""
+        whichever attempt's point of a step reaches the server first is the one kept. `run_id` None: the
+        spool's run, not open yet (the points are spooled and sent once it is)."""
         now_ms = int(time.time() * 1000)
         for key, value in metrics.items():
             metric = Metric(key, float(value), now_ms, step)
@@ -295,9 +317,13 @@ class MlflowTracker:
                 self._once.add(id(metric))
         self.flush(run_id)
 
-    def flush(self, run_id: str, *, force: bool = False) -> None:
+    def flush(self, run_id: str | None, *, force: bool = False) -> None:
         """Send buffered metrics of `run_id`, 1000 a call; what the server does not take stays buffered
-        (and spooled). `force` (a launcher's last chance) also asks the server again which steps it holds."""
+        (and spooled). `force` (a launcher's last chance) also asks the server again which steps it holds.
+        None (points of a run not open yet) only spools them."""
+        if run_id is None:
+            self._save_spool()
+            return
         if force:
             self._held.pop(run_id, None)
         while (self.available or force) and any(rid == run_id for rid, _ in self._pending):
@@ -346,9 +372,10 @@ class MlflowTracker:
 
     def send_spooled(self) -> None:
         """Send every point the spool holds, whichever run it belongs to (a launcher's last chance, before it
-        goes on: resume of a sweep whose trials ended during an outage)."""
+        goes on: resume of a sweep whose trials ended during an outage). Points of a run never opened wait
+        for whoever opens it (the resumed trial, or the launcher's closing of a finished one)."""
         self._load_spool()
-        for run_id in {rid for rid, _ in self._pending}:
+        for run_id in {rid for rid, _ in self._pending}:  # None: kept (flush only spools it)
             self.flush(run_id, force=True)
 
     def _load_spool(self) -> None:
