@@ -181,8 +181,9 @@ def test_resumed_sweep_restarts_a_failed_trial_from_its_checkpoint(ray_cluster, 
 @pytest.mark.slow
 def test_two_worker_ddp_run_trains_with_tracking_server_down(ray_cluster, workspace, unused_port):
     """Two gloo DDP ranks train to the end while every MLflow call fails: logging warns, never stops training,
-    and rank 0's points wait in the run folder's spool as points of a run not opened yet (for `resume` to send).
-    (One run checks both, to keep the suite's Ray time small.)"""
+    and rank 0's points wait in the run folder's spool as points of a run not opened yet; `resume`, once a
+    server answers (here the module's store, `tracking.uri=` on resume), opens the run and sends every point
+    and the test scores. (One run checks all of it, to keep the suite's Ray time small.)"""
     raw = tiny_spec("ddp-no-server", workspace,
                     run={"workers": 2, "cpus_per_worker": 0.5, "checkpoint_every": 4},
                     tracking={"uri": f"http://127.0.0.1:{unused_port}", "retries": 2, "timeout_s": 1,
@@ -196,6 +197,11 @@ def test_two_worker_ddp_run_trains_with_tracking_server_down(ray_cluster, worksp
     rows = [json.loads(line) for line in (Path(outcome.path) / "mlflow-spool.jsonl").read_text().splitlines()]
     assert {r["run_id"] for r in rows} == {None}
     assert sorted(r["step"] for r in rows if r["key"] == "train/loss") == [1, 2, 3, 4]  # rank 0's, once each
+    closed = resume("ddp-no-server", workspace["storage"], [f"tracking.uri={workspace['uri']}"])
+    run = MlflowClient(workspace["uri"]).get_run(closed.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["test/loss"] == outcome.metrics["test/loss"]
+    assert loss_curve(MlflowClient(workspace["uri"]), run.info.run_id).keys() == {1, 2, 3, 4}
+    assert not (Path(outcome.path) / "mlflow-spool.jsonl").exists()
     state = read_checkpoint(Path(outcome.checkpoint))
     assert state.step == 4 and len(state.data_positions) == 2 and len(state.rng) == 2  # one entry per rank
     assert not torch.equal(state.rng[0]["torch"], state.rng[1]["torch"])  # each rank's own dropout stream
