@@ -73,7 +73,7 @@ def store_curves(uri: str, experiment: str, metric: str = "val/acc") -> list[Row
     are the ones `orchestrator report` compares (`report_runs`): sweep parents are left out, and so is a trial
     stopped or still running, whose curve ends early."""
     reader = TrackingReader(uri)
-    runs = reader.runs(find_experiment_id(reader, experiment))
+    runs = reader.runs(find_experiment_id(reader, experiment, store_flag="--from-store"))
     trials, _ = with_status(compared_runs(runs, None, experiment), ["FINISHED"])
     rows: list[Row] = []
     for run in trials:

@@ -27,13 +27,15 @@ def check_store_exists(tracking_uri: str) -> None:
             )
 
 
-def find_experiment_id(reader: TrackingReader, name: str) -> str:
+def find_experiment_id(reader: TrackingReader, name: str, *, store_flag: str = "--tracking-uri") -> str:
+    """The id of experiment `name`; a missing one is refused listing the store's experiments and naming the
+    caller's flags (`store_flag`: the one that names the store)."""
     experiment = reader.experiment(name)
     if experiment is None:
         names = sorted(reader.experiment_names())
         raise ReportError(
             f"experiment {name!r} does not exist in this tracking store; existing experiments: "
-            f"{', '.join(repr(n) for n in names) or '(none)'}. Check --experiment and --tracking-uri."
+            f"{', '.join(repr(n) for n in names) or '(none)'}. Check --experiment and {store_flag}."
         )
     if experiment.lifecycle_stage == "deleted":
         raise ReportError(

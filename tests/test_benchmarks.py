@@ -249,5 +249,6 @@ def test_mqar_curve_reads_every_trials_curve_from_a_sweep_store_and_finds_each_p
         (kind, seed, step) for kind, seed in curves for step in (100, 200, 300)]
     assert [r["val_acc"] for r in rows] == [v for values in curves.values() for v in values]
     assert mqar_curve.first_reached(rows, "val_acc", 0.9) == {("mha", 0): 200, ("mha", 1): 300, ("sha", 0): None}
-    with pytest.raises(ReportError, match="experiment 'other' does not exist in this tracking store"):
+    with pytest.raises(ReportError, match="experiment 'other' does not exist in this tracking store; existing "
+                                          "experiments: 'Default', 'recall'. Check --experiment and --from-store."):
         mqar_curve.store_curves(uri, "other")
