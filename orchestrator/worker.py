@@ -104,13 +104,15 @@ class RayHooks:
     def run_id(self) -> str | None:
         return self.mlflow.run_id if self.mlflow is not None else None
 
+    # Deferred, not sent directly: a run the server has not opened yet (or that does not answer now) gets them
+    # from the spool with its points, whoever opens it (MlflowTracker.defer).
     def log_params(self, params: Mapping[str, Any]) -> None:
-        if self.tracker is not None and self.run_id is not None:
-            self.tracker.log_params(self.run_id, params)
+        if self.tracker is not None:
+            self.tracker.defer(self.run_id, "params", params)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
-        if self.tracker is not None and self.run_id is not None:
-            self.tracker.set_tags(self.run_id, tags)
+        if self.tracker is not None:
+            self.tracker.defer(self.run_id, "tags", tags)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.logger.log(metrics, step)

@@ -246,7 +246,8 @@ def test_sweep_trial_that_trained_during_a_whole_outage_gets_its_run_and_every_p
     for trial in trials:
         assert_one_point_per_step(server.uri, trial.info.run_id, last_step=steps)
         assert {"test/loss", "test/ppl"} <= set(trial.data.metrics), trial.data.metrics
-        assert trial.data.params["model.d_model"] == "16"
+        assert trial.data.params["model.d_model"] == "16"  # the launcher's handle
+        assert int(trial.data.params["params.attention"]) > 0 and "device.name" in trial.data.tags  # the worker's
         assert "model" in {a.path for a in MlflowClient(server.uri).list_artifacts(trial.info.run_id)}
     curves = [{m.step: m.value for m in MlflowClient(server.uri).get_metric_history(t.info.run_id, "train/loss")}
               for t in trials]

@@ -200,6 +200,7 @@ def test_two_worker_ddp_run_trains_with_tracking_server_down(ray_cluster, worksp
     closed = resume("ddp-no-server", workspace["storage"], [f"tracking.uri={workspace['uri']}"])
     run = MlflowClient(workspace["uri"]).get_run(closed.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["test/loss"] == outcome.metrics["test/loss"]
+    assert run.data.params["params.attention"] == str(int(outcome.metrics["params.attention"]))  # rank 0's
     assert loss_curve(MlflowClient(workspace["uri"]), run.info.run_id).keys() == {1, 2, 3, 4}
     assert not (Path(outcome.path) / "mlflow-spool.jsonl").exists()
     state = read_checkpoint(Path(outcome.checkpoint))
@@ -459,12 +460,17 @@ def test_points_of_a_run_never_opened_outlive_the_process_and_go_to_the_run_once
     down = MlflowTracker(f"http://127.0.0.1:{unused_port}", retries=1, timeout_s=1, cooldown_s=0.0, spool=spool)
     with pytest.warns(TrackingWarning):
         worker = MlflowLogger(down, lambda: down.ensure_run(handle))
+        down.defer(worker.run_id, "params", {"params.attention": 96})  # what only the worker knows (RayHooks)
+        down.defer(worker.run_id, "tags", {"device.name": "cpu"})
         for step in (1, 2, 3):
             worker.log({"train/loss": float(step)}, step)
         worker.close()
     assert worker.run_id is None
     rows = [json.loads(line) for line in spool.read_text().splitlines()]
-    assert [(r["run_id"], r["step"], r["value"]) for r in rows] == [(None, 1, 1.0), (None, 2, 2.0), (None, 3, 3.0)]
+    assert [(r["run_id"], r["step"], r["value"]) for r in rows if "step" in r] == [
+        (None, 1, 1.0), (None, 2, 2.0), (None, 3, 3.0)]
+    assert [(r["run_id"], r["kind"], r["items"]) for r in rows if "items" in r] == [
+        (None, "params", {"params.attention": "96"}), (None, "tags", {"device.name": "cpu"})]
 
     if opened_by != "a resumed worker":
         run_id = launcher.ensure_run(handle)
@@ -481,9 +487,31 @@ def test_points_of_a_run_never_opened_outlive_the_process_and_go_to_the_run_once
         run_id = resumed.run_id
         expected = {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0}
     assert loss_curve(MlflowClient(uri), run_id) == expected
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.data.params["params.attention"] == "96" and run.data.tags["device.name"] == "cpu"
     assert not spool.exists()  # everything was taken
     experiment = MlflowClient(uri).get_experiment_by_name("late").experiment_id
     assert [r.info.run_id for r in MlflowClient(uri).search_runs([experiment])] == [run_id]
+
+
+def test_a_deferred_param_the_server_refuses_is_dropped_and_does_not_hold_the_points_behind_it(tmp_path):
+    """Deferred params are retried until the server takes them, but a param it refuses (logged before with
+    another value) can never be taken: it is dropped with a warning, and the run's points still go out."""
+    from orchestrator.tracking.describe import run_handle
+    from orchestrator.tracking.write import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spool = tmp_path / "run" / "mlflow-spool.jsonl"
+    tracker = MlflowTracker(uri, retries=1, timeout_s=1, cooldown_s=0.0, spool=spool)
+    run_id = tracker.ensure_run(run_handle({}, "", experiment="refused", run_name="run", role="run", kind="mha",
+                                           commit="abc", key=("orchestrator.run", "/runs/refused")))
+    tracker.defer(run_id, "params", {"params.attention": 96})
+    with pytest.warns(TrackingWarning, match=r"refused the params \['params.attention'\] .* dropped"):
+        tracker.defer(run_id, "params", {"params.attention": 97})
+    tracker.log_metrics(run_id, {"train/loss": 1.0}, 1)
+    assert loss_curve(MlflowClient(uri), run_id) == {1: 1.0}
+    assert MlflowClient(uri).get_run(run_id).data.params["params.attention"] == "96"
+    assert not spool.exists() and not tracker.holds_unsent(run_id)
 
 
 def test_artifacts_of_a_sqlite_store_live_next_to_it_whatever_the_working_directory(tmp_path, monkeypatch):

@@ -11,9 +11,9 @@ spool) already holds are not sent again, and training metrics (`log_metrics(...,
 again when they are sent, so points spooled by a worker that could not ask MLflow (resumed during an outage)
 beside an earlier attempt's are sent once too.
 
-A tracker with a spool serves the one MLflow run of that spool's run folder. Points logged before that run could
-be opened (the server was away when the run started, and maybe for all of it) are spooled without a run id; they
-become the run's as soon as the run is opened (`ensure_run`) or ended (`end_run`) through a tracker of the spool,
+A tracker with a spool serves the one MLflow run of that spool's run folder. Points, params and tags given before
+that run could be opened (the server was away when the run started, and maybe for all of it) are spooled without
+a run id; they become the run's as soon as the run is opened (`ensure_run`) or ended (`end_run`) through a tracker of the spool,
 in whichever process and however much later: the worker when the server comes back, the launcher at the run's
 end, or `orchestrator resume`.
 """
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 
 from orchestrator.layout import read_text, remove, write_text
 from orchestrator.progress import verbose
@@ -118,6 +119,9 @@ class MlflowTracker:
         self._down_until = 0.0
         self._failures = 0  # consecutive failed calls: each doubles the cool-down, up to _MAX_COOLDOWN_S
         self._pending: deque[tuple[str | None, Metric]] = deque(maxlen=MAX_BUFFERED_METRICS)
+        self._deferred: list[tuple[str | None, str, dict[str, str]]] = []
+        """(run id, "params" or "tags", items) given while the run was not open (run id None), or whose run
+        has not taken them yet: spooled with the points, sent before them."""
         self._once: set[int] = set()
         """ids of pending points to send only if their run does not hold that (metric, step) yet (`once`)."""
         self._held: dict[str, dict[str, int]] = {}
@@ -237,8 +241,9 @@ class MlflowTracker:
 
     def _adopt(self, run_id: str) -> None:
         """`run_id` is the spool's run: the points logged before it was known (run id None) become its."""
-        if any(rid is None for rid, _ in self._pending):
+        if any(rid is None for rid, _ in self._pending) or any(rid is None for rid, _, _ in self._deferred):
             self._pending = deque(((rid or run_id, m) for rid, m in self._pending), maxlen=MAX_BUFFERED_METRICS)
+            self._deferred = [(rid or run_id, kind, items) for rid, kind, items in self._deferred]
             self._save_spool()
 
     def run_status(self, run_id: str) -> str | None:
@@ -286,7 +291,7 @@ class MlflowTracker:
     def holds_unsent(self, run_id: str | None) -> bool:
         """Points of `run_id` wait in this tracker (in memory, and in its spool file if it has one); None: points
         whose run is not open yet."""
-        return any(rid == run_id for rid, _ in self._pending)
+        return any(rid == run_id for rid, _ in self._pending) or any(rid == run_id for rid, _, _ in self._deferred)
 
     # --- params, tags, metrics, artifacts ------------------------------------------------------------
 
@@ -301,6 +306,34 @@ class MlflowTracker:
         items = [RunTag(k, str(v)) for k, v in tags.items()]
         return not items or self._call("tag logging",
                                        lambda client: client.log_batch(run_id, tags=items) or True) is not None
+
+    def defer(self, run_id: str | None, kind: str, items: Mapping[str, Any]) -> None:
+        """Params or tags (`kind`) of a run that may not be open yet (run id None) or may not answer: spooled,
+        and sent before its points by every flush until the server takes them. What a worker learns once
+        (its model's sizes, its device) must reach the run even if the worker never sees the server."""
+        if items:
+            self._deferred.append((run_id, kind, {k: str(v) for k, v in items.items()}))
+            self.flush(run_id)
+
+    def _send_deferred(self, run_id: str, force: bool) -> bool:
+        """Send the run's deferred params and tags; True when none is left."""
+        for entry in [e for e in self._deferred if e[0] == run_id]:
+            _, kind, items = entry
+            entities = ([Param(k, v[:MAX_PARAM_CHARS]) for k, v in items.items()] if kind == "params" else
+                        [RunTag(k, v) for k, v in items.items()])
+            for i in range(0, len(entities), _BATCH):
+                chunk = {kind: entities[i : i + _BATCH]}
+                if self._call(f"{kind} logging", lambda client, chunk=chunk: client.log_batch(run_id, **chunk) or True,
+                              force=force) is None:
+                    if not _refused(self.last_error):
+                        return False
+                    # The server answered, no (a param logged before with another value): retrying cannot help,
+                    # and holding it would hold every point behind it.
+                    warnings.warn(f"MLflow refused the {kind} {sorted(items)} of run {run_id}; they are dropped",
+                                  TrackingWarning, stacklevel=2)
+                    break
+            self._deferred.remove(entry)
+        return True
 
     def log_metrics(self, run_id: str | None, metrics: Mapping[str, float], step: int, *,
                     once: bool = False) -> None:
@@ -326,6 +359,9 @@ class MlflowTracker:
             return
         if force:
             self._held.pop(run_id, None)
+        if (self.available or force) and not self._send_deferred(run_id, force):
+            self._save_spool()
+            return
         while (self.available or force) and any(rid == run_id for rid, _ in self._pending):
             batch = self._unsent(run_id, force)
             if batch is None:
@@ -375,7 +411,7 @@ class MlflowTracker:
         goes on: resume of a sweep whose trials ended during an outage). Points of a run never opened wait
         for whoever opens it (the resumed trial, or the launcher's closing of a finished one)."""
         self._load_spool()
-        for run_id in {rid for rid, _ in self._pending}:  # None: kept (flush only spools it)
+        for run_id in {rid for rid, _ in self._pending} | {rid for rid, _, _ in self._deferred}:  # None: kept
             self.flush(run_id, force=True)
 
     def _load_spool(self) -> None:
@@ -390,12 +426,15 @@ class MlflowTracker:
                           TrackingWarning, stacklevel=3)
             return
         self._spooled = bool(rows)
-        self._pending, self._once = deque(maxlen=MAX_BUFFERED_METRICS), set()
+        self._pending, self._once, self._deferred = deque(maxlen=MAX_BUFFERED_METRICS), set(), []
         for line in rows:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a partial line: files are replaced whole, so only a foreign edit makes one
+            if "items" in row:  # params or tags (`defer`)
+                self._deferred.append((row["run_id"], row["kind"], row["items"]))
+                continue
             metric = Metric(row["key"], row["value"], row["timestamp"], row["step"])
             self._pending.append((row["run_id"], metric))
             if row.get("once"):
@@ -404,21 +443,23 @@ class MlflowTracker:
     def _save_spool(self) -> None:
         """Mirror the unsent points into the spool, whole (layout.write_text: a kill leaves the old or the new).
         A storage outage keeps them in memory only, with a warning, until the next flush writes them."""
-        if self.spool is None or (not self._pending and not self._spooled):
+        if self.spool is None or (not self._pending and not self._deferred and not self._spooled):
             return
         try:
-            if not self._pending:
+            if not self._pending and not self._deferred:
                 remove(self.spool)
             else:
-                rows = [json.dumps({"run_id": rid, "key": m.key, "value": m.value, "timestamp": m.timestamp,
-                                    "step": m.step, **({"once": True} if id(m) in self._once else {})})
-                        for rid, m in self._pending]
+                rows = [json.dumps({"run_id": rid, "kind": kind, "items": items})
+                        for rid, kind, items in self._deferred]
+                rows += [json.dumps({"run_id": rid, "key": m.key, "value": m.value, "timestamp": m.timestamp,
+                                     "step": m.step, **({"once": True} if id(m) in self._once else {})})
+                         for rid, m in self._pending]
                 write_text(self.spool, "\n".join(rows) + "\n")
         except OSError as err:
             warnings.warn(f"metric spool {self.spool} not written ({type(err).__name__}: {str(err)[:200]}); the "
                           "points stay in memory until storage answers", TrackingWarning, stacklevel=3)
             return
-        self._spooled = bool(self._pending)
+        self._spooled = bool(self._pending or self._deferred)
 
     def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> bool:
         """True when the store took the file."""
@@ -429,6 +470,11 @@ class MlflowTracker:
         """Every file under `directory`, as the artifact folder `artifact_path`."""
         self._call(f"artifact upload ({Path(directory).name}/)",
                    lambda client: client.log_artifacts(run_id, str(directory), artifact_path))
+
+
+def _refused(error: Exception | None) -> bool:
+    """The server answered and said no to the request itself (not: it could not be reached)."""
+    return isinstance(error, MlflowException) and error.error_code == "INVALID_PARAMETER_VALUE"
 
 
 def open_tracker(settings: TrackingSettings, spool: str | None = None) -> MlflowTracker:
