@@ -11,11 +11,11 @@ spool) already holds are not sent again, and training metrics (`log_metrics(...,
 again when they are sent, so points spooled by a worker that could not ask MLflow (resumed during an outage)
 beside an earlier attempt's are sent once too.
 
-A tracker with a spool serves the one MLflow run of that spool's run folder. Points, params and tags given before
-that run could be opened (the server was away when the run started, and maybe for all of it) are spooled without
-a run id; they become the run's as soon as the run is opened (`ensure_run`) or ended (`end_run`) through a tracker of the spool,
-in whichever process and however much later: the worker when the server comes back, the launcher at the run's
-end, or `orchestrator resume`.
+A tracker with a spool serves the one MLflow run of that spool's run folder. Points, params and tags given
+before that run could be opened (the server was away when the run started, and maybe for all of it) are spooled
+without a run id; they become the run's as soon as the run is opened (`ensure_run`) or ended (`end_run`)
+through a tracker of the spool, in whichever process and however much later: the worker when the server comes
+back, the launcher at the run's end, or `orchestrator resume`.
 """
 
 from __future__ import annotations
@@ -240,7 +240,8 @@ class MlflowTracker:
         return run_id
 
     def _adopt(self, run_id: str) -> None:
-        """`run_id` is the spool's run: the points logged before it was known (run id None) become its."""
+        """`run_id` is the spool's run: the points, params and tags given before it was known (run id None)
+        become its."""
         if any(rid is None for rid, _ in self._pending) or any(rid is None for rid, _, _ in self._deferred):
             self._pending = deque(((rid or run_id, m) for rid, m in self._pending), maxlen=MAX_BUFFERED_METRICS)
             self._deferred = [(rid or run_id, kind, items) for rid, kind, items in self._deferred]
