@@ -221,9 +221,11 @@ def test_sweep_trial_that_trained_during_a_whole_outage_gets_its_run_and_every_p
         return [r for r in runs_of(server.uri, "late-trial") if r.data.tags.get("orchestrator.role") == "trial"]
 
     def first_trial_at_its_last_step() -> bool:
-        trials = children()  # one listing: the second trial cannot start before the first one ends
-        return len(trials) == 1 and max(points_per_step(server.uri, trials[0].info.run_id, "train/loss"),
-                                        default=0) == steps
+        # One listing, the first trial still RUNNING in it: the second cannot start before the first ends, and
+        # the first still has its final evaluation to run, seconds, before it does.
+        trials = children()
+        return len(trials) == 1 and trials[0].info.status == "RUNNING" and max(
+            points_per_step(server.uri, trials[0].info.run_id, "train/loss"), default=0) == steps
 
     first = orchestrator(tmp_path, "sweep", str(spec))
     try:
