@@ -238,7 +238,7 @@ def test_tracker_with_dead_server_warns_then_skips_quickly(unused_port):
     # down it keeps the points and leaves the run open.
     with pytest.warns(TrackingWarning):
         assert tracker.end_run("some-run") is False
-    assert len(tracker._pending) == 3
+    assert len(tracker._waiting.points_of("some-run")) == 3
 
 
 def test_checkpoint_roundtrip_restores_rng(tmp_path):

@@ -1,5 +1,5 @@
 """Writing to MLflow without ever stopping training: run creation (the only place runs are made), tags, params,
-metrics, artifacts, and the spool that keeps metric points through an outage.
+metrics, artifacts, and sending what the spool (orchestrator/tracking/spool.py) kept through an outage.
 
 Every MLflow call goes through `MlflowTracker._call`: short HTTP timeouts, a bounded number of
 attempts with exponential backoff, then a warning and a cool-down during which calls are skipped, so a
@@ -20,12 +20,10 @@ back, the launcher at the run's end, or `orchestrator resume`.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -34,10 +32,10 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
-from orchestrator.layout import read_text, remove, write_text
 from orchestrator.progress import verbose
 from orchestrator.tracking.describe import MAX_PARAM_CHARS, RunHandle, artifact_location
 from orchestrator.tracking.read import configure_http, logged_steps, newest_run_with_tag
+from orchestrator.tracking.spool import Unsent
 
 if TYPE_CHECKING:
     from orchestrator.spec import TrackingSettings
@@ -45,7 +43,6 @@ if TYPE_CHECKING:
 _BATCH = 100  # log_batch takes at most 100 params (and 1000 metrics) per call
 _COOLDOWN_S = 30.0
 _MAX_COOLDOWN_S = 600.0
-MAX_BUFFERED_METRICS = 20_000
 
 T = TypeVar("T")
 
@@ -111,19 +108,12 @@ class MlflowTracker:
         self.cooldown_s = cooldown_s
         self.spool = str(spool) if spool is not None else None
         """Where unsent metric points are kept across processes: a local path or a URI (None: in memory only)."""
-        self._spooled = True
-        """The spool may hold points: a flush with nothing pending then deletes it (and only then: on an object
-        store every check is a request)."""
         # Created on first use, inside the guard: for a SQLite URI the constructor already opens the store.
         self._client: MlflowClient | None = None
         self._down_until = 0.0
         self._failures = 0  # consecutive failed calls: each doubles the cool-down, up to _MAX_COOLDOWN_S
-        self._pending: deque[tuple[str | None, Metric]] = deque(maxlen=MAX_BUFFERED_METRICS)
-        self._deferred: list[tuple[str | None, str, dict[str, str]]] = []
-        """(run id, "params" or "tags", items) given while the run was not open (run id None), or whose run
-        has not taken them yet: spooled with the points, sent before them."""
-        self._once: set[int] = set()
-        """ids of pending points to send only if their run does not hold that (metric, step) yet (`once`)."""
+        self._waiting = Unsent(self.spool)
+        """Points, params and tags the server has not taken, mirrored into the spool."""
         self._held: dict[str, dict[str, int]] = {}
         """Per run, the last step of each metric the server holds, as far as this tracker knows."""
         self.last_error: Exception | None = None
@@ -242,9 +232,7 @@ class MlflowTracker:
     def _adopt(self, run_id: str) -> None:
         """`run_id` is the spool's run: the points, params and tags given before it was known (run id None)
         become its."""
-        if any(rid is None for rid, _ in self._pending) or any(rid is None for rid, _, _ in self._deferred):
-            self._pending = deque(((rid or run_id, m) for rid, m in self._pending), maxlen=MAX_BUFFERED_METRICS)
-            self._deferred = [(rid or run_id, kind, items) for rid, kind, items in self._deferred]
+        if self._waiting.adopt(run_id):
             self._save_spool()
 
     def run_status(self, run_id: str) -> str | None:
@@ -269,9 +257,8 @@ class MlflowTracker:
         last = self._call("metric history", lambda client: logged_steps(client, run_id))
         if last is None:
             return None
-        for rid, metric in self._pending:
-            if rid == run_id:
-                last[metric.key] = max(last.get(metric.key, metric.step), metric.step)
+        for metric in self._waiting.points_of(run_id):
+            last[metric.key] = max(last.get(metric.key, metric.step), metric.step)
         return last
 
     def steps_held(self, run_id: str, keys: Iterable[str]) -> dict[str, set[int]]:
@@ -284,15 +271,15 @@ class MlflowTracker:
             key: {m.step for m in client.get_metric_history(run_id, key)} for key in keys})
         for key, steps in (history or {}).items():
             held[key] |= steps
-        for rid, metric in self._pending:
-            if rid == run_id and metric.key in held:
+        for metric in self._waiting.points_of(run_id):
+            if metric.key in held:
                 held[metric.key].add(metric.step)
         return held
 
     def holds_unsent(self, run_id: str | None) -> bool:
         """Points of `run_id` wait in this tracker (in memory, and in its spool file if it has one); None: points
         whose run is not open yet."""
-        return any(rid == run_id for rid, _ in self._pending) or any(rid == run_id for rid, _, _ in self._deferred)
+        return self._waiting.holds(run_id)
 
     # --- params, tags, metrics, artifacts ------------------------------------------------------------
 
@@ -313,12 +300,12 @@ class MlflowTracker:
         and sent before its points by every flush until the server takes them. What a worker learns once
         (its model's sizes, its device) must reach the run even if the worker never sees the server."""
         if items:
-            self._deferred.append((run_id, kind, {k: str(v) for k, v in items.items()}))
+            self._waiting.deferred.append((run_id, kind, {k: str(v) for k, v in items.items()}))
             self.flush(run_id)
 
     def _send_deferred(self, run_id: str, force: bool) -> bool:
         """Send the run's deferred params and tags; True when none is left."""
-        for entry in [e for e in self._deferred if e[0] == run_id]:
+        for entry in [e for e in self._waiting.deferred if e[0] == run_id]:
             _, kind, items = entry
             entities = ([Param(k, v[:MAX_PARAM_CHARS]) for k, v in items.items()] if kind == "params" else
                         [RunTag(k, v) for k, v in items.items()])
@@ -333,7 +320,7 @@ class MlflowTracker:
                     warnings.warn(f"MLflow refused the {kind} {sorted(items)} of run {run_id}; they are dropped",
                                   TrackingWarning, stacklevel=2)
                     break
-            self._deferred.remove(entry)
+            self._waiting.deferred.remove(entry)
         return True
 
     def log_metrics(self, run_id: str | None, metrics: Mapping[str, float], step: int, *,
@@ -345,10 +332,7 @@ class MlflowTracker:
         spool's run, not open yet (the points are spooled and sent once it is)."""
         now_ms = int(time.time() * 1000)
         for key, value in metrics.items():
-            metric = Metric(key, float(value), now_ms, step)
-            self._pending.append((run_id, metric))
-            if once:
-                self._once.add(id(metric))
+            self._waiting.add(run_id, Metric(key, float(value), now_ms, step), once=once)
         self.flush(run_id)
 
     def flush(self, run_id: str | None, *, force: bool = False) -> None:
@@ -363,7 +347,7 @@ class MlflowTracker:
         if (self.available or force) and not self._send_deferred(run_id, force):
             self._save_spool()
             return
-        while (self.available or force) and any(rid == run_id for rid, _ in self._pending):
+        while (self.available or force) and self._waiting.points_of(run_id):
             batch = self._unsent(run_id, force)
             if batch is None:
                 break
@@ -374,17 +358,17 @@ class MlflowTracker:
                     break
                 held = self._held.setdefault(run_id, {})
                 for metric in batch:
-                    if id(metric) in self._once:
+                    if id(metric) in self._waiting.once:
                         held[metric.key] = max(held.get(metric.key, metric.step), metric.step)
-            self._drop({id(m) for m in batch})
+            self._waiting.drop({id(m) for m in batch})
         self._save_spool()
 
     def _unsent(self, run_id: str, force: bool) -> list[Metric] | None:
         """The next batch of the run's points (at most 1000); `once` points whose (metric, step) the run
         holds, or an earlier pending point has, are dropped from the buffer here. None when the server
         cannot say which steps it holds."""
-        mine = [m for rid, m in self._pending if rid == run_id]
-        if not any(id(m) in self._once for m in mine):
+        mine, once = self._waiting.points_of(run_id), self._waiting.once
+        if not any(id(m) in once for m in mine):
             return mine[:1000]
         if run_id not in self._held:
             held = self._call("metric history", lambda client: logged_steps(client, run_id), force=force)
@@ -393,74 +377,39 @@ class MlflowTracker:
             self._held[run_id] = held
         seen, batch, duplicates = dict(self._held[run_id]), [], set()
         for metric in mine:
-            if id(metric) in self._once:
+            if id(metric) in once:
                 if metric.step <= seen.get(metric.key, -1):
                     duplicates.add(id(metric))
                     continue
                 seen[metric.key] = metric.step
             batch.append(metric)
-        self._drop(duplicates)
+        self._waiting.drop(duplicates)
         return batch[:1000]
-
-    def _drop(self, ids: set[int]) -> None:
-        if ids:
-            self._pending = deque((p for p in self._pending if id(p[1]) not in ids), maxlen=MAX_BUFFERED_METRICS)
-            self._once -= ids
 
     def send_spooled(self) -> None:
         """Send every point the spool holds, whichever run it belongs to (a launcher's last chance, before it
         goes on: resume of a sweep whose trials ended during an outage). Points of a run never opened wait
         for whoever opens it (the resumed trial, or the launcher's closing of a finished one)."""
         self._load_spool()
-        for run_id in {rid for rid, _ in self._pending} | {rid for rid, _, _ in self._deferred}:  # None: kept
+        for run_id in self._waiting.run_ids():  # None: kept (flush only spools it)
             self.flush(run_id, force=True)
 
     def _load_spool(self) -> None:
-        """Take the spool as the unsent points. With a spool, every flush ends by mirroring the buffer into
-        it, so the file is the whole truth: another process (the worker) may have sent or added points since."""
-        if self.spool is None:
-            return
+        """Take the spool as the unsent entries (another process, the worker, may have sent or added some)."""
         try:
-            rows = (read_text(self.spool) or "").splitlines()
+            self._waiting.load()
         except OSError as err:  # storage is away: what this process holds stays the truth until it answers
             warnings.warn(f"metric spool {self.spool} not read ({type(err).__name__}: {str(err)[:200]})",
                           TrackingWarning, stacklevel=3)
-            return
-        self._spooled = bool(rows)
-        self._pending, self._once, self._deferred = deque(maxlen=MAX_BUFFERED_METRICS), set(), []
-        for line in rows:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a partial line: files are replaced whole, so only a foreign edit makes one
-            if "items" in row:  # params or tags (`defer`)
-                self._deferred.append((row["run_id"], row["kind"], row["items"]))
-                continue
-            metric = Metric(row["key"], row["value"], row["timestamp"], row["step"])
-            self._pending.append((row["run_id"], metric))
-            if row.get("once"):
-                self._once.add(id(metric))
 
     def _save_spool(self) -> None:
-        """Mirror the unsent points into the spool, whole (layout.write_text: a kill leaves the old or the new).
-        A storage outage keeps them in memory only, with a warning, until the next flush writes them."""
-        if self.spool is None or (not self._pending and not self._deferred and not self._spooled):
-            return
+        """Mirror the unsent entries into the spool. A storage outage keeps them in memory only, with a warning,
+        until the next flush writes them."""
         try:
-            if not self._pending and not self._deferred:
-                remove(self.spool)
-            else:
-                rows = [json.dumps({"run_id": rid, "kind": kind, "items": items})
-                        for rid, kind, items in self._deferred]
-                rows += [json.dumps({"run_id": rid, "key": m.key, "value": m.value, "timestamp": m.timestamp,
-                                     "step": m.step, **({"once": True} if id(m) in self._once else {})})
-                         for rid, m in self._pending]
-                write_text(self.spool, "\n".join(rows) + "\n")
+            self._waiting.save()
         except OSError as err:
             warnings.warn(f"metric spool {self.spool} not written ({type(err).__name__}: {str(err)[:200]}); the "
                           "points stay in memory until storage answers", TrackingWarning, stacklevel=3)
-            return
-        self._spooled = bool(self._pending or self._deferred)
 
     def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> bool:
         """True when the store took the file."""
