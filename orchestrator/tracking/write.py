@@ -284,16 +284,24 @@ class MlflowTracker:
     # --- params, tags, metrics, artifacts ------------------------------------------------------------
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
-        items = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
-        for i in range(0, len(items), _BATCH):
-            chunk = items[i : i + _BATCH]
-            self._call("param logging", lambda client, chunk=chunk: client.log_batch(run_id, params=chunk))
+        self._log_items(run_id, "params", params)
 
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> bool:
         """True when the server took them (or there were none)."""
-        items = [RunTag(k, str(v)) for k, v in tags.items()]
-        return not items or self._call("tag logging",
-                                       lambda client: client.log_batch(run_id, tags=items) or True) is not None
+        return self._log_items(run_id, "tags", tags)
+
+    def _log_items(self, run_id: str, kind: str, items: Mapping[str, Any], *, force: bool = False) -> bool:
+        """Params or tags (`kind`) through log_batch, 100 a call; True when the server took them all (or there
+        were none)."""
+        entities = ([Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in items.items()] if kind == "params" else
+                    [RunTag(k, str(v)) for k, v in items.items()])
+        for i in range(0, len(entities), _BATCH):
+            chunk = {kind: entities[i : i + _BATCH]}
+            # `or True`: log_batch returns None, which _call uses to say "failed".
+            if self._call(f"{kind[:-1]} logging", lambda client, chunk=chunk: client.log_batch(run_id, **chunk) or True,
+                          force=force) is None:
+                return False
+        return True
 
     def defer(self, run_id: str | None, kind: str, items: Mapping[str, Any]) -> None:
         """Params or tags (`kind`) of a run that may not be open yet (run id None) or may not answer: spooled,
@@ -307,19 +315,13 @@ class MlflowTracker:
         """Send the run's deferred params and tags; True when none is left."""
         for entry in [e for e in self._waiting.deferred if e[0] == run_id]:
             _, kind, items = entry
-            entities = ([Param(k, v[:MAX_PARAM_CHARS]) for k, v in items.items()] if kind == "params" else
-                        [RunTag(k, v) for k, v in items.items()])
-            for i in range(0, len(entities), _BATCH):
-                chunk = {kind: entities[i : i + _BATCH]}
-                if self._call(f"{kind} logging", lambda client, chunk=chunk: client.log_batch(run_id, **chunk) or True,
-                              force=force) is None:
-                    if not _refused(self.last_error):
-                        return False
-                    # The server answered, no (a param logged before with another value): retrying cannot help,
-                    # and holding it would hold every point behind it.
-                    warnings.warn(f"MLflow refused the {kind} {sorted(items)} of run {run_id}; they are dropped",
-                                  TrackingWarning, stacklevel=2)
-                    break
+            if not self._log_items(run_id, kind, items, force=force):
+                if not _refused(self.last_error):
+                    return False
+                # The server answered, no (a param logged before with another value): retrying cannot help,
+                # and holding it would hold every point behind it.
+                warnings.warn(f"MLflow refused the {kind} {sorted(items)} of run {run_id}; they are dropped",
+                              TrackingWarning, stacklevel=2)
             self._waiting.deferred.remove(entry)
         return True
 
