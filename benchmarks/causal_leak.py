@@ -5,7 +5,7 @@ lets the output at position i depend on inputs after i through *which keys a que
 (docs/long_attention.md, tests/test_causal_routing.py). This benchmark asks whether a model trained that
 way learns to use it:
 
-1. Train a causal LM with the training core (`orchestrator.local_run.train_locally`) on the WikiText-2
+1. Train a causal LM with the training core (`orchestrator.launch.local_run.train_locally`) on the WikiText-2
    recipe (configs/wikitext2.yaml: trains on valid.txt), for each attention kind x routing.
 2. On test.txt, cut every scored window at random positions c and score the next-token prediction at
    c - 1 (target x_c) twice: with the window's true inputs at positions >= c, and with those positions taken
@@ -43,7 +43,7 @@ import torch
 from benchmarks.harness import Row, results_dir, write_csv
 from models import LanguageModel
 from models.attention import ATTENTION
-from orchestrator.local_run import train_locally
+from orchestrator.launch import train_locally
 from orchestrator.spec import ExperimentSpec, load_spec
 
 RECIPE = "configs/wikitext2.yaml"

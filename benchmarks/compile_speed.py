@@ -36,8 +36,7 @@ from benchmarks.harness import (
 )
 from models.attention import ATTENTION, ATTENTION_KINDS
 from orchestrator.spec import validate_spec
-from orchestrator.optimizer_step import train_step
-from orchestrator.trainer import Trainer
+from orchestrator.training import train_step, Trainer
 from tasks import WorkerContext
 
 def bench_raw(kind: str, *, d_model: int, layers: int, seq_len: int, batch_size: int) -> dict[str, Any]:

@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Row, interleaved_medians, results_dir, write_csv
-from orchestrator.checkpoint import read_checkpoint
-from orchestrator.export import load_model
 from orchestrator.spec import load_spec
+from orchestrator.training import read_checkpoint, load_model
 from tasks import WorkerContext, build_task
 from tasks.translation import corpus_scores
 

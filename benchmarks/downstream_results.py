@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from orchestrator.layout import EVALUATION_DIR
+from orchestrator.storage import EVALUATION_DIR
 from orchestrator.tracking.describe import CHECKPOINTS_TAG, ROLE_TAG
 from orchestrator.tracking.read import TrackingReader
 

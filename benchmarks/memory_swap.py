@@ -2,7 +2,7 @@
 
 No parameter depends on `model.memory.mem_len` (the memory is layer inputs cached at run time), so the same
 weights can be evaluated with more, less or no memory. This scores a checkpoint folder of a run with
-`orchestrator.scoring.evaluate_checkpoint` (what `orchestrator evaluate` runs) with `mem_len` replaced in
+`orchestrator.training.scoring.evaluate_checkpoint` (what `orchestrator evaluate` runs) with `mem_len` replaced in
 its model config: the whole split with memory, plus the word-level perplexity.
 
     python -m benchmarks.memory_swap RUNS/wikitext2-txl/checkpoint_000002500 --mem-len 0 128 \\
@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.checkpoint import read_checkpoint
-from orchestrator.scoring import evaluate_checkpoint
 from orchestrator.spec import ExperimentSpec
+from orchestrator.training import read_checkpoint, evaluate_checkpoint
 
 
 def score_with_memory(checkpoint: Path, mem_len: int, split: str, cache_dir: Path) -> dict[str, float]:

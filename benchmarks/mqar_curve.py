@@ -4,7 +4,7 @@ Associative recall is learned after a sharp phase change (an induction-style cir
 value to its key, then one that matches the query's key), so a single final score hides whether a budget sits
 just before or just after it. This trains one point of a study (configs/studies/long_range_mqar_zoology.yaml,
 the MQAR that mha learns on a CPU, unless `--spec` names another) with the training core
-(`orchestrator.local_run.train_locally`, the loop every `orchestrator train` worker runs, without Ray or
+(`orchestrator.launch.local_run.train_locally`, the loop every `orchestrator train` worker runs, without Ray or
 MLflow), scores the validation split every `--eval-every` steps, and writes one CSV row per evaluation (`Curve`).
 Chance is 1 / (vocab_size / 2).
 
@@ -29,12 +29,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Row, write_csv
-from orchestrator.local_run import train_locally
-from orchestrator.report_metrics import ReportError
-from orchestrator.report_runs import compared_runs, find_experiment_id, with_status
+from orchestrator.launch import train_locally
+from orchestrator.report import ReportError, compared_runs, find_experiment_id, with_status
 from orchestrator.spec import ExperimentSpec, load_spec
 from orchestrator.tracking.read import TrackingReader
-from orchestrator.trainer import Trainer
+from orchestrator.training import Trainer
 
 STUDY = "configs/studies/long_range_mqar_zoology.yaml"
 
@@ -70,7 +69,7 @@ def run(spec: ExperimentSpec, path: Path, cache_dir: Path) -> tuple[Curve, Train
 
 def store_curves(uri: str, experiment: str, metric: str = "val/acc") -> list[Row]:
     """Every finished trial's `metric` by step from a sweep's MLflow store: kind, seed, step, value. The trials
-    are the ones `orchestrator report` compares (`report_runs`): sweep parents are left out, and so is a trial
+    are the ones `orchestrator report` compares (orchestrator/report/runs.py): sweep parents are left out, and so is a trial
     stopped or still running, whose curve ends early."""
     reader = TrackingReader(uri)
     runs = reader.runs(find_experiment_id(reader, experiment, store_flag="--from-store"))

@@ -2,15 +2,15 @@
 
 Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
 
-1. Steady-state tokens/s of a one-worker Ray Train run (`orchestrator.run.run_training`), read from the
+1. Steady-state tokens/s of a one-worker Ray Train run (`orchestrator.launch.run.run_training`), read from the
    `train/tokens_per_s` windows the worker logs every `log_every` steps, against the same training core run
-   in this process without Ray (`plain_run`: `orchestrator.local_run.train_locally` on the same spec, so the
+   in this process without Ray (`plain_run`: `orchestrator.launch.local_run.train_locally` on the same spec, so the
    same `Trainer`, seeds, steps and window accounting as the worker; torch threads = the Ray worker's CPUs).
    So this measures Ray against the same core without Ray, not against a different loop. The first window
    (warm-up) is dropped on both sides.
 2. Start-up of that run: seconds from the launch call to its first logged metric, against the plain run's
    seconds from its start (task build included) to its first window. Both pay the tokenizer training (fresh cache).
-3. Start-up of a sweep (`orchestrator.sweep.run_sweep`, two grid trials, one at a time) to its first
+3. Start-up of a sweep (`orchestrator.launch.sweep.run_sweep`, two grid trials, one at a time) to its first
    reported metric, with the tokenizer cache already warm.
 4. Start-up of `orchestrator train` as a user runs it, on a warm machine: a fresh `python -m orchestrator
    train spec.yaml --verbose` process (its own local Ray) with the tokenizer cache warm, from the process
@@ -57,8 +57,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import Row, alternating, results_dir, save_figure, write_csv
-from orchestrator.layout import RunLayout
-from orchestrator.local_run import train_locally
+from orchestrator.launch import train_locally
 from orchestrator.spec import (
     ExperimentSpec,
     load_spec,
@@ -66,6 +65,7 @@ from orchestrator.spec import (
     study_from_raw,
     validate_spec,
 )
+from orchestrator.storage import RunLayout
 from orchestrator.tracking.describe import RUN_KEY_TAG
 from orchestrator.tracking.read import TrackingReader
 
@@ -158,7 +158,7 @@ def steady(windows: Sequence[tuple[int, float]], max_steps: int) -> float:
 
 def ray_run(spec: ExperimentSpec, uri: str) -> tuple[list[tuple[int, float]], float]:
     """A one-worker Ray Train run of `spec`: its tokens/s windows and seconds from launch to its first metric."""
-    from orchestrator.run import run_training
+    from orchestrator.launch import run_training
 
     launched_ms = time.time() * 1000
     outcome = run_training(spec)
@@ -173,7 +173,7 @@ def measure(scale: Scale, workdir: Path, *, rounds: int = 1, sweep: bool = True)
     """Measurements 1-3. With `rounds` > 1 the steady state is measured in that many (plain, Ray) pairs, the
     order swapped every round, so that load from other processes on a shared machine hits both sides alike;
     the rounds after the first train half as many steps (their caches are warm)."""
-    from orchestrator.sweep import run_sweep
+    from orchestrator.launch import run_sweep
 
     storage, uri = workdir / "runs", f"sqlite:///{workdir / 'mlflow.db'}"
     run_spec = validate_spec(bench_spec("ray-overhead-run", scale, storage, uri))

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.layout import EVALUATION_DIR, RunLayout, resolve
+from orchestrator.storage import EVALUATION_DIR, RunLayout, resolve
 from orchestrator.tracking.describe import RUN_KEY_TAG
 from orchestrator.tracking.read import TrackingReader
 

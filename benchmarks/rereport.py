@@ -4,7 +4,7 @@ test with few seeds) with Holm's correction, PRR / PEoP bootstrap intervals, pow
 
 For a study whose MLflow store is gone but whose per-run numbers were written out: the numbers come from
 `runs.csv` (written from the store by downstream_results.py), the statistics from the same functions
-`orchestrator report` uses (orchestrator/report_metrics.py, report_compare.py, report_tables.py).
+`orchestrator report` uses (orchestrator/report/metrics.py, compare.py, tables.py).
 
     python -m benchmarks.rereport benchmarks/results/sst2-downstream --column dev_acc_last --metric val/acc
     python -m benchmarks.rereport benchmarks/results/sst2-downstream --column test_acc --metric test/acc
@@ -17,9 +17,8 @@ import csv
 from collections.abc import Sequence
 from pathlib import Path
 
-from orchestrator.report_compare import analyse
-from orchestrator.report_metrics import RunRecord, default_group_keys, group_runs, infer_mode, summarize
-from orchestrator.report_tables import comparison_markdown, rows_to_frame, rows_to_markdown
+from orchestrator.report import analyse, RunRecord, default_group_keys, group_runs, infer_mode, summarize
+from orchestrator.report import comparison_markdown, rows_to_frame, rows_to_markdown
 
 
 def records(path: Path, column: str, metric: str) -> list[RunRecord]:

@@ -3,7 +3,7 @@
 Both models have the same width, depth, heads, feed-forward size, vocabulary and sequence length, no
 dropout, and train on the very same batch with the same loss code and AdamW; one step is forward,
 cross-entropy over the masked positions, backward and an AdamW update, taken by the training core's
-`orchestrator.trainer.train_step` for every model (BERT through a `loss_fn` adapter; constant learning rate,
+`orchestrator.training.trainer.train_step` for every model (BERT through a `loss_fn` adapter; constant learning rate,
 no clipping, fp32). The two are timed in alternation (harness.interleaved_medians) so load from other
 processes on a shared machine hits both alike; the ratio of tokens/s is the number that counts. BERT
 (Devlin et al., 2019, arXiv 1810.04805) is built from a `BertConfig`, so nothing is downloaded; it needs the
@@ -34,8 +34,7 @@ import torch.nn.functional as F
 from benchmarks.harness import Row, interleaved_medians, peak_memory_bytes, results_dir, write_csv
 from models import LanguageModel, ModelConfig
 from orchestrator.spec import OptimConfig
-from orchestrator.optimizer_step import LossFn, Optimization
-from orchestrator.optimizer_step import train_step as core_train_step
+from orchestrator.training import LossFn, Optimization, train_step as core_train_step
 from tasks import Batch
 
 IGNORE = -100

@@ -15,9 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from orchestrator.layout import parent, resolve
-from orchestrator.preflight import LaunchError, check_data_files, check_storage
-from orchestrator.progress import set_verbose
+from orchestrator.console import set_verbose
+from orchestrator.launch import LaunchError, check_data_files, check_storage
 from orchestrator.spec import (
     SpecError,
     Study,
@@ -30,6 +29,7 @@ from orchestrator.spec import (
     spec_to_yaml,
 )
 from orchestrator.spec.search_space import grid_points
+from orchestrator.storage import parent, resolve
 from orchestrator.tracking.describe import artifact_root
 
 DEFAULT_STORAGE = "runs"
@@ -218,7 +218,7 @@ def _artifact_flags(uri: str) -> list[str]:
 
 
 def _set_verbosity(verbose: bool) -> None:
-    """Before Ray starts: the launcher's --verbose for Ray (orchestrator/ray_console.py), the workers, and
+    """Before Ray starts: the launcher's --verbose for Ray (orchestrator/launch/ray_console.py), the workers, and
     MLflow's own Python logs (its database set-up lines)."""
     import logging
 
@@ -268,8 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _ui(args)
         if args.command == "resume":
             # Deferred here and below: Ray is imported only by the commands that run something.
-            from orchestrator.resume import resume
-            from orchestrator.sweep import SweepOutcome
+            from orchestrator.launch import resume, SweepOutcome
 
             outcome = resume(args.name, args.storage_path, args.overrides)
             print(f"resumed {args.name}")
@@ -280,11 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"run {outcome.name}: {outcome.metrics.get('step')} steps, MLflow run {outcome.mlflow_run_id}")
             return 0
         if args.command == "status":
-            from orchestrator.status import status_cli
+            from orchestrator.launch import status_cli
 
             return status_cli(args.name, args.storage_path)
         if args.command == "evaluate":
-            from orchestrator.evaluate import evaluate_stored
+            from orchestrator.launch import evaluate_stored
 
             storage = resolve(args.storage_path)
             try:
@@ -303,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = study.base
         check_data_files(spec)
         if args.command == "prepare":
-            from orchestrator.prepare import describe_argv, prepare_spec
+            from orchestrator.launch import describe_argv, prepare_spec
 
             return prepare_spec(study, describe_argv(args.spec, args.overrides, args.scale))
         if args.command == "validate":
@@ -318,8 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         _check_local_gpus(study)
         # Ray is imported only from here on.
-        from orchestrator.run import run_training
-        from orchestrator.sweep import run_sweep
+        from orchestrator.launch import run_training, run_sweep
 
         if args.command == "train":
             outcome = run_training(spec)

@@ -2,7 +2,7 @@
 
 A task turns the `task:` and `model:` blocks of a spec into a model, a resumable stream of training
 batches for this worker's shard, a loss and an evaluation. It knows nothing of Ray or MLflow: the
-worker loop (orchestrator/worker.py) drives it, and only plain numbers and files come back.
+worker loop (orchestrator/launch/worker.py) drives it, and only plain numbers and files come back.
 """
 
 from __future__ import annotations

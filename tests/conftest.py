@@ -63,7 +63,7 @@ def ray_cluster():
     """A 2-CPU, 0-GPU local Ray cluster (explicit counts keep tests machine-independent)."""
     import ray
 
-    from orchestrator.ray_env import start_local_ray
+    from orchestrator.cluster.ray_env import start_local_ray
 
     start_local_ray(num_cpus=2, num_gpus=0)
     try:

@@ -1,8 +1,8 @@
-"""Hooks for tests that drive the training core in this process (orchestrator.local_run)."""
+"""Hooks for tests that drive the training core in this process (orchestrator.launch.local_run)."""
 
 from __future__ import annotations
 
-from orchestrator.local_run import LocalHooks
+from orchestrator.launch.local_run import LocalHooks
 
 
 class FailAtStep3(LocalHooks):

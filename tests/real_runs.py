@@ -78,7 +78,7 @@ class Proc:
 
 def kill_tree(proc: Proc) -> None:
     """SIGKILL the launcher alone, as a user's `kill -9` or the OOM killer would: its local Ray must end with it
-    (orchestrator/ray_reaper.py), every process it had started gone within 10 s, Ray's agents and the Train
+    (orchestrator/cluster/reaper.py), every process it had started gone within 10 s, Ray's agents and the Train
     workers included."""
     tree = descendants(proc.popen.pid)
     os.kill(proc.popen.pid, signal.SIGKILL)

@@ -228,7 +228,7 @@ def test_mqar_curve_reads_every_trials_curve_from_a_sweep_store_and_finds_each_p
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.report_metrics import ReportError
+    from orchestrator.report.metrics import ReportError
     from orchestrator.tracking.describe import PARENT_TAG
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

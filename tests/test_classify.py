@@ -14,10 +14,10 @@ import torch
 
 from models import LanguageModel, ModelConfig, SequenceClassifier
 from models.classifier import load_encoder
-from orchestrator.local_run import train_locally
-from orchestrator.pretrained import check_compatible, preflight, resolve
+from orchestrator.launch.local_run import train_locally
+from orchestrator.launch.pretrained import check_compatible, preflight, resolve
 from orchestrator.spec import SpecError, validate_spec
-from orchestrator.trainer import Trainer
+from orchestrator.training.trainer import Trainer
 from tasks import WorkerContext, build_task
 from tasks.classify import accuracy_and_macro_f1, classification_data, encode_examples
 from tasks.config import ClassifyTaskConfig
@@ -92,7 +92,7 @@ def test_named_labels_map_to_ids_in_the_given_order(tmp_path):
 
 
 def test_bad_labels_in_local_files_fail_before_ray_starts(tmp_path):
-    from orchestrator.preflight import check_labelled_data
+    from orchestrator.launch.preflight import check_labelled_data
 
     files = _files(tmp_path, ROWS[:10] + [("a third kind of film .", 7)])
     spec = validate_spec({"name": "x", "task": {"kind": "classify", "max_len": 32, "files": files}, "model": MODEL})

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.pretrained import CHECKPOINTS_TAG
+from orchestrator.launch.pretrained import CHECKPOINTS_TAG
 from orchestrator.tracking.describe import TRIAL_TAG
 from tests.cluster_helpers import LocalCluster, RayHead, private_env, ray_cli
 from tests.real_runs import (

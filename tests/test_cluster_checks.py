@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster_resources import ClusterView, max_resources
-from orchestrator.sweep import max_concurrent_trials, pin_paths
-from orchestrator.preflight import check_multi_node
+from orchestrator.cluster.resources import ClusterView, max_resources
+from orchestrator.launch.preflight import check_multi_node
+from orchestrator.launch.sweep import max_concurrent_trials, pin_paths
 from orchestrator.spec import SpecError, study_from_raw, validate_spec
 
 
@@ -91,7 +91,7 @@ def test_an_unreachable_tracking_store_is_refused_with_its_reason_and_no_trainin
     import socket
     import warnings
 
-    from orchestrator.preflight import LaunchError, check_tracking
+    from orchestrator.launch.preflight import LaunchError, check_tracking
     from orchestrator.tracking.write import MlflowTracker
 
     with socket.socket() as s:

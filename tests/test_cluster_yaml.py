@@ -107,7 +107,7 @@ def test_onprem_mlflow_server_allows_the_host_name_its_runs_use():
 
 def test_launcher_counts_the_gpus_the_autoscaler_may_add_before_any_gpu_node_is_up():
     """GPU workers start at 0; their written-out resources let the launcher admit GPU runs at once."""
-    from orchestrator.cluster_resources import max_resources
+    from orchestrator.cluster.resources import max_resources
 
     most = max_resources(load("cluster.yaml"), head={"CPU": 8.0})
     assert most is not None and most["GPU"] == 8 * 4

@@ -1,4 +1,4 @@
-"""A run's outputs after training (orchestrator/deliver.py): the final evaluation's scores and files and the task's
+"""A run's outputs after training (orchestrator/launch/deliver.py): the final evaluation's scores and files and the task's
 files reach its MLflow run from storage exactly once, through an outage, a second delivery and a rewritten file.
 
 A SQLite store stands in for the server that is up; a URI where nothing listens is the server that is down (the
@@ -14,8 +14,8 @@ import socket
 import pytest
 from mlflow import MlflowClient
 
-from orchestrator.deliver import deliver_outputs, store_task_files
-from orchestrator.layout import DELIVERED_FILE, evaluation_record, write_json
+from orchestrator.launch.deliver import deliver_outputs, store_task_files
+from orchestrator.storage.layout import DELIVERED_FILE, evaluation_record, write_json
 from orchestrator.tracking.write import MlflowTracker
 
 STEP = 24

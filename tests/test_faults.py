@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from orchestrator.checkpoint import read_checkpoint
+from orchestrator.training.checkpoint import read_checkpoint
 
 from tests.real_runs import (
     CHECKPOINT_EVERY,

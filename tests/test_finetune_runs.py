@@ -13,14 +13,14 @@ import torch
 from mlflow import MlflowClient
 
 from benchmarks.downstream_results import collect
-from orchestrator.checkpoint import read_checkpoint
-from orchestrator.layout import trained_to
-from orchestrator.run import run_training
-from orchestrator.sweep import run_sweep
-from orchestrator.pretrained import CHECKPOINTS_TAG
-from orchestrator.report import build_report
+from orchestrator.launch.pretrained import CHECKPOINTS_TAG
+from orchestrator.launch.run import run_training
+from orchestrator.launch.sweep import run_sweep
+from orchestrator.report.build import build_report
 from orchestrator.spec import study_from_raw, validate_spec
+from orchestrator.storage.layout import trained_to
 from orchestrator.tracking.describe import PARENT_TAG, ROLE_TAG
+from orchestrator.training.checkpoint import read_checkpoint
 
 EVAL_SENTENCES = 24
 

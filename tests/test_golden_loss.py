@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.local_run import train_locally
+from orchestrator.launch.local_run import train_locally
 from orchestrator.spec import validate_spec
 
 GOLDEN = Path(__file__).parent / "assets" / "golden_losses.json"

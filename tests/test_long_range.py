@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from models import ModelConfig
 from models.attention import ATTENTION_KINDS
-from orchestrator.export import load_model
-from orchestrator.local_run import latest_checkpoint, train_locally
-from orchestrator.scoring import evaluate_checkpoint
+from orchestrator.launch.local_run import latest_checkpoint, train_locally
 from orchestrator.spec import SpecError, validate_spec
+from orchestrator.training.export import load_model
+from orchestrator.training.scoring import evaluate_checkpoint
 from tasks import WorkerContext, build_task, check_compatible
 from tasks import listops, mqar
 from tasks.config import ByteLMTaskConfig, ListOpsTaskConfig, MQARTaskConfig

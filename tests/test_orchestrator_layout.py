@@ -1,5 +1,6 @@
-"""The shape of orchestrator/ (docs/orchestrator.md, "Modules"): no import cycle, small modules, one owner of
-the storage layout, one way into MLflow, and read-only commands that do not import Ray."""
+"""The shape of the code (docs/architecture.md): orchestrator/'s rooms layered as that page states and draws them,
+no import cycle, small modules in every package, the packages' one direction, lazy faces, one owner of the
+storage layout, one way into MLflow, and read-only commands that do not import Ray."""
 
 from __future__ import annotations
 
@@ -12,44 +13,25 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.layout import RunLayout, checkpoint_name, checkpoint_step, checkpoint_steps, latest_checkpoint
+from docs import architecture
+from orchestrator.storage.layout import RunLayout, checkpoint_name, checkpoint_step, checkpoint_steps, latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "orchestrator"
 MAX_LINES = 450
-"""STYLE.md splits a module past about 500 lines; DESIGN.md asks for none over about 450 in orchestrator/."""
-
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+"""STYLE.md splits a module past about 500 lines; DESIGN.md asks for none over about 450 in any package."""
+LIMITED = ("orchestrator", "models", "tasks", "kernels", "benchmarks")
+ROOMS = [path.name for path in sorted(PACKAGE.iterdir()) if (path / "__init__.py").exists()]
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+    return architecture.modules()
 
 
 def import_graph() -> dict[str, set[str]]:
     """Module -> the orchestrator modules it imports, anywhere in the file (function-local imports count: a
     cycle hidden in a function is still a cycle)."""
-    modules = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        edges: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                # `from orchestrator.tracking import write` names a module; `from orchestrator.spec import X` a name
-                targets = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
-            else:
-                continue
-            for target in targets:
-                if target in modules and target != name:
-                    edges.add(target)
-                    break
-        graph[name] = edges
-    return graph
+    return architecture.import_graph()
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -82,14 +64,99 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_orchestrator_has_no_import_cycle():
     graph = import_graph()
-    assert "orchestrator.run" in graph and "orchestrator.layout" in graph["orchestrator.run"]
+    assert "orchestrator.launch.run" in graph and "orchestrator.storage.layout" in graph["orchestrator.launch.run"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle among orchestrator modules: " + " -> ".join(cycle)
 
 
-def test_no_orchestrator_module_is_over_the_line_limit():
-    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+def test_no_module_of_the_five_packages_is_over_the_line_limit():
+    files = [path for package in LIMITED for path in sorted((ROOT / package).rglob("*.py"))]
+    assert len(files) > 100 and PACKAGE / "launch" / "run.py" in files
+    long = {str(path.relative_to(ROOT)): n for path in files if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these by responsibility (over {MAX_LINES} lines): {long}"
+
+
+# --- the rooms of orchestrator/, against docs/architecture.md ---------------------------------------------------
+
+def test_the_rooms_import_no_cycle_and_only_the_rooms_below_them():
+    page = architecture.PAGE.read_text()
+    layers = architecture.stated_layers(page)
+    assert sorted(layers) == sorted([*ROOMS, architecture.ENTRY]), "docs/architecture.md lists every room, once"
+    rooms = architecture.room_graph()
+    assert find_cycle(rooms) is None, "import cycle among rooms: " + " -> ".join(find_cycle(rooms))
+    upward = architecture.against_the_layers(architecture.arrows_of(rooms), layers)
+    assert not upward, ("these imports point up the layers of docs/architecture.md; move the code down (or the "
+                        "layering, on that page, first):\n" + "\n".join(upward))
+
+
+def test_the_pages_picture_is_the_code_and_points_only_down():
+    page = architecture.PAGE.read_text()
+    drawn, actual = architecture.drawn_arrows(page), architecture.arrows_of(architecture.room_graph())
+    assert not architecture.against_the_layers(drawn, architecture.stated_layers(page))
+    assert drawn == actual, (f"docs/architecture.md draws other arrows than the code has: only in the code "
+                             f"{sorted(actual - drawn)}, only drawn {sorted(drawn - actual)}; if the code is right, "
+                             "run python -m docs.architecture")
+
+
+def test_an_upward_import_is_caught_by_the_layers_and_by_the_picture(tmp_path):
+    """The check itself: a storage module that imports the launcher must fail both ways."""
+    graph = architecture.import_graph()
+    graph["orchestrator.storage.layout"] = graph["orchestrator.storage.layout"] | {"orchestrator.launch.run"}
+    arrows = architecture.arrows_of(architecture.room_graph(graph))
+    page = architecture.PAGE.read_text()
+    assert architecture.against_the_layers(arrows, architecture.stated_layers(page)) == ["storage --> launch"]
+    assert arrows - architecture.drawn_arrows(page) == {("storage", "launch")}
+    assert find_cycle(architecture.room_graph(graph)) is not None
+
+
+def test_the_top_level_packages_depend_one_way():
+    """orchestrator -> tasks -> models -> kernels: nothing imports a package to its left."""
+    order = ["orchestrator", "tasks", "models", "kernels"]
+    wrong = []
+    for i, package in enumerate(order):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for name in architecture.imported_names(path):
+                top = name.split(".")[0]
+                if top in order[:i]:
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+FACE_CHECK = textwrap.dedent("""
+    import importlib, sys
+    room = importlib.import_module("orchestrator.{room}")
+    inside = sorted(m for m in sys.modules if m.startswith("orchestrator.{room}."))
+    assert not inside, inside  # a face loads nothing until a name is used
+    for name in room.__all__:
+        getattr(room, name)
+    print("ok", len(room.__all__))
+""")
+
+
+@pytest.mark.parametrize("room", [room for room in ROOMS if room not in ("spec", "tracking")])
+def test_a_face_offers_names_that_resolve_and_loads_nothing_until_asked(room):
+    done = subprocess.run([sys.executable, "-c", FACE_CHECK.format(room=room)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
+
+
+def test_a_face_refuses_a_name_that_a_module_would_shadow():
+    from orchestrator import lazy_face
+    with pytest.raises(ImportError, match=r"\['run'\]"):
+        lazy_face("orchestrator.launch", {"run": "run", "run_sweep": "sweep"})
+    getattr_, _ = lazy_face("orchestrator.launch", {"run_sweep": "sweep"})
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        getattr_("nothing")
+
+
+def test_the_cli_and_the_benchmarks_import_rooms_by_their_faces():
+    """`from orchestrator.launch.run import ...` in cli.py or a benchmark reaches past the face."""
+    deep = re.compile(r"^\s*from orchestrator\.(" + "|".join(r for r in ROOMS if r not in ("spec", "tracking"))
+                      + r")\.\w+ import", re.M)
+    files = [PACKAGE / "cli.py", *sorted((ROOT / "benchmarks").glob("*.py"))]
+    offenders = [f"{path.relative_to(ROOT)}: {m.group(0).strip()}" for path in files
+                 for m in deep.finditer(path.read_text())]
+    assert not offenders, "import these through the room's face (its __init__):\n" + "\n".join(offenders)
 
 
 def _code_files() -> list[Path]:
@@ -108,8 +175,8 @@ CHECKPOINT_NAME_CODE = r"""checkpoint_\{|%09d|:09d|["']checkpoint_["'*]|checkpoi
 
 
 def test_checkpoint_folder_names_are_made_and_parsed_only_in_the_layout():
-    offenders = _offenders(CHECKPOINT_NAME_CODE, {PACKAGE / "layout.py"})
-    assert not offenders, "use orchestrator.layout.checkpoint_name / checkpoint_step:\n" + "\n".join(offenders)
+    offenders = _offenders(CHECKPOINT_NAME_CODE, {PACKAGE / "storage" / "layout.py"})
+    assert not offenders, "use orchestrator.storage.layout.checkpoint_name / checkpoint_step:\n" + "\n".join(offenders)
 
 
 def test_checkpoint_names_round_trip(tmp_path):

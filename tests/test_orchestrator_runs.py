@@ -15,15 +15,15 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from orchestrator.checkpoint import read_checkpoint
-from orchestrator.evaluate import evaluate_stored
-from orchestrator.preflight import LaunchError
-from orchestrator.resume import resume
-from orchestrator.run import run_training
-from orchestrator.sweep import run_sweep
+from orchestrator.launch.evaluate import evaluate_stored
+from orchestrator.launch.preflight import LaunchError
+from orchestrator.launch.resuming import resume
+from orchestrator.launch.run import run_training
+from orchestrator.launch.sweep import run_sweep
 from orchestrator.spec import SpecError, study_from_raw, validate_spec
 from orchestrator.tracking.describe import PARENT_TAG, TRIAL_TAG
 from orchestrator.tracking.write import TrackingWarning
+from orchestrator.training.checkpoint import read_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +244,7 @@ def test_tracker_with_dead_server_warns_then_skips_quickly(unused_port):
 def test_checkpoint_roundtrip_restores_rng(tmp_path):
     import random
 
-    from orchestrator.checkpoint import (
+    from orchestrator.training.checkpoint import (
         TrainingState,
         capture_rng,
         restore_rng,
@@ -266,7 +266,7 @@ def test_checkpoint_roundtrip_restores_rng(tmp_path):
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "inverse_sqrt", "constant"])
 def test_lr_schedules_warm_up_then_decay(schedule):
     from orchestrator.spec import OptimConfig
-    from orchestrator.optimizer_step import lr_lambda
+    from orchestrator.training.optimizer_step import lr_lambda
 
     factor = lr_lambda(OptimConfig(schedule=schedule, warmup_steps=4, max_steps=20))
     assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -282,8 +282,8 @@ def test_a_run_that_diverged_is_not_trained_again_on_retry_or_resume(tmp_path):
     """The worker marks a NaN run's folder; a retried trial or a resume then fails at once with the reason."""
     from types import SimpleNamespace
 
-    from orchestrator.layout import diverged, mark_diverged
-    from orchestrator.run import fit_and_finish
+    from orchestrator.launch.run import fit_and_finish
+    from orchestrator.storage.layout import diverged, mark_diverged
     from orchestrator.tracking.describe import run_handle
     from orchestrator.tracking.write import MlflowTracker
 
@@ -320,8 +320,8 @@ def test_the_reason_a_run_failed_is_on_its_mlflow_run(tmp_path, error, reason):
     the FAILED run carries the one-line reason as `orchestrator.failure` and as its MLflow description."""
     from types import SimpleNamespace
 
-    from orchestrator.ray_env import use_train_v2
-    from orchestrator.run import fit_and_finish
+    from orchestrator.cluster.ray_env import use_train_v2
+    from orchestrator.launch.run import fit_and_finish
     from orchestrator.tracking.describe import run_handle
     from orchestrator.tracking.write import MlflowTracker
 

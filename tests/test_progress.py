@@ -1,4 +1,4 @@
-"""The terminal lines of orchestrator/progress.py: report lines, trial labels, the sweep progress line and
+"""The terminal lines of orchestrator/console/progress.py: report lines, trial labels, the sweep progress line and
 its ETA. No Ray."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from orchestrator.progress import SweepProgress, describe_config, report_line, trial_label
+from orchestrator.console.progress import SweepProgress, describe_config, report_line, trial_label
 
 
 def test_a_whole_attention_block_is_described_by_kind_and_knobs():
@@ -77,7 +77,7 @@ def test_a_pickled_progress_forgets_its_clock():
 
 FINALIZER = """
 import sys
-from orchestrator.progress import quiet_exit_in_finalizers
+from orchestrator.console.progress import quiet_exit_in_finalizers
 quiet_exit_in_finalizers()
 
 class Dying:
@@ -96,7 +96,7 @@ def test_a_sigterm_exit_inside_a_finalizer_is_not_printed_but_other_errors_are(e
     import subprocess
     import sys
 
-    from orchestrator.ray_env import PROJECT_ROOT
+    from orchestrator.cluster.ray_env import PROJECT_ROOT
 
     done = subprocess.run([sys.executable, "-c", FINALIZER.format(error=error)], capture_output=True, text=True,
                           cwd=PROJECT_ROOT, env={**os.environ, "ORCHESTRATOR_VERBOSE": "0"}, timeout=60)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from orchestrator import ray_env, ray_reaper
+from orchestrator.cluster import ray_env, reaper as ray_reaper
 
 
 class FakeRay:
@@ -72,7 +72,7 @@ def test_any_other_start_failure_is_not_retried(fake):
     assert (stand_in.inits, stand_in.shutdowns) == (1, 0)
 
 
-# --- the local Ray ends with its launcher (orchestrator/ray_reaper.py) ------------------------------------------
+# --- the local Ray ends with its launcher (orchestrator/cluster/reaper.py) ------------------------------------------
 
 STUBBORN = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "log = open(sys.argv[1], 'a') if len(sys.argv) > 1 else None; print('up', flush=True); time.sleep(120)")
@@ -90,7 +90,7 @@ def _stubborn(owner: str, log: Path | None = None) -> subprocess.Popen:
 
 LAUNCHER = """
 import sys, time
-from orchestrator.ray_reaper import start_reaper, tell_session
+from orchestrator.cluster.reaper import start_reaper, tell_session
 reaper = start_reaper("1-aa")
 tell_session(reaper, sys.argv[1])
 log = open(sys.argv[1] + "/logs/driver.log", "a")  # a driver keeps its own Ray logs open too

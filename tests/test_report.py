@@ -21,8 +21,8 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
-from orchestrator.report import PARENT_TAG, REPORT_TAG, Report, ReportError, build_report, report_cli
-from orchestrator.report_metrics import (
+from orchestrator.report.build import PARENT_TAG, REPORT_TAG, Report, ReportError, build_report, report_cli
+from orchestrator.report.metrics import (
     MethodGroup,
     RunRecord,
     default_group_keys,
@@ -33,7 +33,7 @@ from orchestrator.report_metrics import (
     prr,
     summarize,
 )
-from orchestrator.report_tables import rows_to_markdown
+from orchestrator.report.tables import rows_to_markdown
 
 MHA_PARAMS = 4 * 768**2
 SHA_PARAMS = 3 * 768 * 64 + 768**2

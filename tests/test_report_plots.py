@@ -1,5 +1,5 @@
 """The score-vs-parameters plot draws what its legend names: the Pareto front as a visible line whenever the front
-has any extent, out to the largest model plotted (orchestrator/report_plots.py, `front_line`).
+has any extent, out to the largest model plotted (orchestrator/report/plots.py, `front_line`).
 
 The smoke sweep's usual outcome is the case that once drew a legend entry with no line: one method both smallest
 and best, so its front is a single point and a step line through one point has no length.
@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from orchestrator.report_metrics import MethodRow, pareto_front
-from orchestrator.report_plots import front_line, score_vs_params_figure
+from orchestrator.report.metrics import MethodRow, pareto_front
+from orchestrator.report.plots import front_line, score_vs_params_figure
 
 # val/ppl (lower is better) and attention parameters of the smoke study's three kinds (d_model 64, 4 heads).
 SMOKE = {"mha": (32_768, 89.7), "mhe": (14_720, 102.5), "sha": (14_336, 81.5)}

@@ -21,10 +21,10 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from scipy import stats
 
-from orchestrator.pareto import Objective, non_dominated
-from orchestrator.report import PARENT_TAG, ReportError, build_report
-from orchestrator.report_objectives import as_list
-from orchestrator.report_stats import EXACT_BELOW, Interval, compare, holm, power_analysis
+from orchestrator.report.build import PARENT_TAG, ReportError, build_report
+from orchestrator.report.objectives import as_list
+from orchestrator.report.pareto import Objective, non_dominated
+from orchestrator.report.stats import EXACT_BELOW, Interval, compare, holm, power_analysis
 
 SEEDS = 10
 NOISE = stats.zscore(np.random.default_rng(7).normal(size=SEEDS), ddof=1)  # mean 0, sample std 1 exactly

@@ -16,7 +16,10 @@ from pathlib import Path
 import pyarrow.fs
 import pytest
 
-from orchestrator.layout import (
+from orchestrator.launch.name_lock import S3Lease, name_lock
+from orchestrator.launch.preflight import LaunchError, check_storage
+from orchestrator.spec import SpecError, validate_spec
+from orchestrator.storage.layout import (
     RunLayout,
     checkpoint_name,
     checkpoint_steps,
@@ -30,9 +33,6 @@ from orchestrator.layout import (
     storage_fs,
     write_text,
 )
-from orchestrator.name_lock import S3Lease, name_lock
-from orchestrator.preflight import LaunchError, check_storage
-from orchestrator.spec import SpecError, validate_spec
 
 SPEC = {"name": "unit", "task": {"kind": "clm", "seq_len": 16, "batch_size": 4, "vocab_size": 120,
                                  "builtin": {"train_sentences": 50, "eval_sentences": 10}}}
@@ -88,7 +88,7 @@ def test_preflight_checks_the_bucket_answers_and_takes_writes_naming_field_and_f
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         nowhere = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    monkeypatch.setattr("orchestrator.storage.ATTEMPTS", 1)
+    monkeypatch.setattr("orchestrator.storage.object_store.ATTEMPTS", 1)
     with pytest.raises(SpecError, match=rf"endpoint {nowhere}.*run.storage_endpoint"):
         check_storage(_spec(join(root, "runs"), storage_endpoint=nowhere))  # the spec's endpoint wins
 
@@ -210,8 +210,8 @@ def test_metric_spool_in_the_bucket_survives_killed_processes_and_each_point_is_
 def test_init_from_a_run_stored_in_the_bucket(s3, tmp_path):
     """`model.init_from` names a pretraining run in s3:// storage (by name, or by its folder's URI): its
     checkpoint is found in the bucket, checked, downloaded, and its encoder and tokenizer fine-tune."""
-    from orchestrator.local_run import train_locally
-    from orchestrator.pretrained import preflight
+    from orchestrator.launch.local_run import train_locally
+    from orchestrator.launch.pretrained import preflight
 
     server, root = s3
     model = {"d_model": 16, "layers": 1, "ffn": 32, "max_seq_len": 32, "attention": {"kind": "mha", "heads": 2}}

@@ -18,12 +18,12 @@ import torch
 
 from models import LanguageModel, ModelConfig, checkpoint_activations
 from models.attention import ATTENTION_KINDS
-from orchestrator.checkpoint import read_checkpoint
-from orchestrator.local_run import LocalHooks, latest_checkpoint, train_locally
+from orchestrator.launch.local_run import LocalHooks, latest_checkpoint, train_locally
+from orchestrator.launch.worker import has_unused_parameters
 from orchestrator.spec import SpecError, validate_spec
-from orchestrator.optimizer_step import train_step
-from orchestrator.trainer import Prefetcher, Trainer
-from orchestrator.worker import has_unused_parameters
+from orchestrator.training.checkpoint import read_checkpoint
+from orchestrator.training.optimizer_step import train_step
+from orchestrator.training.trainer import Prefetcher, Trainer
 from tasks import WorkerContext
 from tests.attention_cases import tiny_knobs
 from tests.local_training import FailAtStep3
@@ -329,7 +329,7 @@ def test_compile_benchmark_writes_a_row_per_kind_and_a_plot(tmp_path):
 
 
 def test_tf32_switch_sets_cuda_matmul_and_conv_precision_and_leaves_cpu_alone():
-    from orchestrator.trainer import set_tf32
+    from orchestrator.training.trainer import set_tf32
 
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
     saved = matmul.fp32_precision, conv.fp32_precision

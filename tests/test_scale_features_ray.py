@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from orchestrator.checkpoint import read_checkpoint
-from orchestrator.run import build_trainer, run_training
+from orchestrator.launch.run import build_trainer, run_training
+from orchestrator.launch.worker import has_unused_parameters
+from orchestrator.launch.worker_config import WorkerConfig
 from orchestrator.spec import validate_spec
-from orchestrator.worker import has_unused_parameters
-from orchestrator.worker_config import WorkerConfig
+from orchestrator.training.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_collective_timeout_reaches_torch_config(tmp_path):
 def test_train_workers_get_their_environment_from_the_raylet_locally_and_a_runtime_env_on_a_cluster(monkeypatch):
     """On a Ray the launcher started, the raylet gave every worker the environment (no runtime env of the
     Train workers' own); on a joined cluster the Train workers get the verbosity and normal priority."""
-    from orchestrator import ray_env
+    from orchestrator.cluster import ray_env
 
     monkeypatch.setattr(ray_env, "_started_here", True)
     assert ray_env.train_worker_env() is None
@@ -81,7 +81,7 @@ def test_the_local_ray_leaves_the_launchers_environment_as_it_was(ray_cluster):
     controller, and later subprocesses of the same process (a test session's) would inherit them."""
     import os
 
-    from orchestrator.ray_env import LOCAL_RAY, TRAIN_V2, on_local_ray
+    from orchestrator.cluster.ray_env import LOCAL_RAY, TRAIN_V2, on_local_ray
 
     assert on_local_ray()
     for name in (TRAIN_V2, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "RAY_prestart_worker_first_driver", LOCAL_RAY):

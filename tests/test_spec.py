@@ -13,9 +13,8 @@ import yaml
 
 import torch
 
-from orchestrator.checkpoint import capture_rng, cuda_rng_of_rank
 from orchestrator.cli import main
-from orchestrator.preflight import check_data_files
+from orchestrator.launch.preflight import check_data_files
 from orchestrator.spec import (
     SpecError,
     apply_overrides,
@@ -28,6 +27,7 @@ from orchestrator.spec import (
     study_from_raw,
     validate_spec,
 )
+from orchestrator.training.checkpoint import capture_rng, cuda_rng_of_rank
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -381,10 +381,10 @@ def test_train_and_sweep_refuse_to_overwrite_an_existing_run(tmp_path):
     """A name already used in the storage path is refused before Ray starts, with the resume command."""
     import ray
 
-    from orchestrator.layout import RunLayout
-    from orchestrator.preflight import LaunchError
-    from orchestrator.run import run_training
-    from orchestrator.sweep import run_sweep
+    from orchestrator.launch.preflight import LaunchError
+    from orchestrator.launch.run import run_training
+    from orchestrator.launch.sweep import run_sweep
+    from orchestrator.storage.layout import RunLayout
 
     ray_was_running = ray.is_initialized()  # another module's session fixture may have started it
     storage = tmp_path / "runs"

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from models import LanguageModel, ModelConfig, Seq2SeqTransformer
-from orchestrator.checkpoint import read_checkpoint
-from orchestrator.export import load_model, export_model
-from orchestrator.evaluate import choose_checkpoint
-from orchestrator.local_run import latest_checkpoint, train_locally
+from orchestrator.launch.evaluate import choose_checkpoint
+from orchestrator.launch.local_run import latest_checkpoint, train_locally
 from orchestrator.spec import validate_spec
-from orchestrator.optimizer_step import LossMeter
-from orchestrator.trainer import Best, Cadence, Trainer
+from orchestrator.training.checkpoint import read_checkpoint
+from orchestrator.training.export import load_model, export_model
+from orchestrator.training.optimizer_step import LossMeter
+from orchestrator.training.trainer import Best, Cadence, Trainer
 from tasks import WorkerContext
 from tests.local_training import FailAtStep3
 
@@ -156,7 +156,7 @@ def test_nan_loss_stops_the_run_before_it_is_checkpointed(tmp_path):
     """lr 1e4 makes the loss non-finite within a few steps (lr 300 only grew it to 1e12 on some CPUs): the core
     stops with the step and value, and no checkpoint holds the diverged state (every checkpoint step closes a
     logging window that is checked first)."""
-    from orchestrator.trainer import NonFiniteLoss
+    from orchestrator.training.trainer import NonFiniteLoss
 
     raw = tiny_raw("nan", lr=1e4, grad_clip=None, max_steps=40, warmup_steps=10)
     raw["run"] = {"checkpoint_every": 1, "eval_every": 1, "log_every": 1}
@@ -182,7 +182,7 @@ def test_a_worker_starts_without_importing_fsdp_and_still_recognises_an_fsdp_mod
     import subprocess
     import sys
 
-    probe = ("import sys, torch, ray.train.torch; import orchestrator.worker; "
+    probe = ("import sys, torch, ray.train.torch; import orchestrator.launch.worker; "
              "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.checkpoint') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parents[1])
@@ -190,8 +190,8 @@ def test_a_worker_starts_without_importing_fsdp_and_still_recognises_an_fsdp_mod
 
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from orchestrator.optimizer_step import is_fsdp, is_wrapped
-    from orchestrator.trainer import unwrap
+    from orchestrator.training.optimizer_step import is_fsdp, is_wrapped
+    from orchestrator.training.trainer import unwrap
 
     inner = torch.nn.Linear(2, 2)
     sharded = object.__new__(FullyShardedDataParallel)  # an instance without a process group: only its type counts

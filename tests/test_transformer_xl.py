@@ -12,11 +12,11 @@ import torch.nn as nn
 from models import LanguageModel, ModelConfig
 from models.attention.registry import RELATIVE_KINDS
 from models.attention.relative import RelativeBiases, RelativeMechanism, relative_sinusoids
-from orchestrator.checkpoint import read_checkpoint
-from orchestrator.scoring import evaluate_checkpoint
-from orchestrator.local_run import latest_checkpoint, train_locally
+from orchestrator.launch.local_run import latest_checkpoint, train_locally
 from orchestrator.spec import SpecError, validate_spec
-from orchestrator.trainer import Trainer
+from orchestrator.training.checkpoint import read_checkpoint
+from orchestrator.training.scoring import evaluate_checkpoint
+from orchestrator.training.trainer import Trainer
 from tasks import WorkerContext, build_task
 from tasks.recurrence import covering_rows
 from tests.local_training import FailAtStep3

@@ -142,7 +142,7 @@ def test_the_sweep_parent_carries_the_reports_comparison(sweep):
     assert tags["sweep.best_run_id"] == best.info.run_id
     assert metrics["best/val/ppl"] == pytest.approx(best.data.metrics["val/ppl"])
     assert metrics["trials/finished"] == 3 and metrics["trials/errored"] == 0
-    # PRR against MHA for a lower-is-better metric: 1 - (score - mha) / mha (orchestrator/report_metrics.py).
+    # PRR against MHA for a lower-is-better metric: 1 - (score - mha) / mha (orchestrator/report/metrics.py).
     mha, mhe = by_kind["mha"].data.metrics["val/ppl"], by_kind["mhe"].data.metrics["val/ppl"]
     expected = 1 - (mhe - mha) / mha
     prr = {key: value for key, value in metrics.items() if key.startswith("prr/")}
@@ -151,7 +151,7 @@ def test_the_sweep_parent_carries_the_reports_comparison(sweep):
     files = {f.path for f in client.list_artifacts(parent.info.run_id, "report")}
     assert {"report/report.md", "report/report.csv", "report/score_vs_params.png", "report/importance.csv",
             "report/parallel_coordinates.png"} <= files, files
-    # Which knobs matter: fANOVA importances (orchestrator/report_importance.py) on the parent, summing to 1.
+    # Which knobs matter: fANOVA importances (orchestrator/report/importance.py) on the parent, summing to 1.
     importance = {key: value for key, value in metrics.items() if key.startswith("importance/")}
     assert importance and sum(importance.values()) == pytest.approx(1.0), importance
 

@@ -12,16 +12,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from models import ModelConfig
-from orchestrator.layout import resolve as resolve_location
 from orchestrator.spec.merge import merge_mappings
 from orchestrator.spec.messages import describe_errors
+from orchestrator.storage.layout import resolve as resolve_location
 from tasks import check_compatible
 from tasks.config import TaskConfig
 
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 COST_OBJECTIVES = ("params.attention", "params.total", "train/tokens_per_s", "memory/peak_gb", "train/loss")
 """What every training run reports besides its task's metrics, so a further objective of tune.metric may be it:
-the sizes (orchestrator/worker.py reports them with every result) and the train/* of each report step."""
+the sizes (orchestrator/launch/worker.py reports them with every result) and the train/* of each report step."""
 
 
 class SpecError(ValueError):

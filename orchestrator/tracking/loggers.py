@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from orchestrator.progress import VERBOSE_ENV
+from orchestrator.console.progress import VERBOSE_ENV
 from orchestrator.tracking.write import MlflowTracker
 
 
@@ -23,7 +23,7 @@ class ConsoleLogger:
 
     Only with `orchestrator ... --verbose` (ORCHESTRATOR_VERBOSE=1 in the worker's environment; unset, as
     outside the launcher, counts as verbose): by default the launcher prints one line per report itself
-    (orchestrator/ray_console.py), without Ray's `(RayTrainWorker pid=...)` prefix on every line."""
+    (orchestrator/launch/ray_console.py), without Ray's `(RayTrainWorker pid=...)` prefix on every line."""
 
     def __init__(self, label: str, max_steps: int, *, enabled: bool | None = None):
         self.label = label

@@ -32,7 +32,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
-from orchestrator.progress import verbose
+from orchestrator.console.progress import verbose
 from orchestrator.tracking.describe import MAX_PARAM_CHARS, RunHandle, artifact_location
 from orchestrator.tracking.read import configure_http, logged_steps, newest_run_with_tag
 from orchestrator.tracking.spool import Unsent

@@ -1,0 +1,148 @@
+"""Checks that need the machine, not just the spec, done before Ray starts: a missing or empty data file
+fails here in a second with the field's name, not half a minute later inside a Ray worker; a tracking store
+that cannot be reached is refused unless the spec opts into offline logging; a multi-node cluster gets
+storage and tracking that every node reaches (`check_multi_node`, once the cluster is known); and an s3://
+storage answers and takes writes (`check_storage`). (A run name is held by one live launcher at a time:
+orchestrator/launch/name_lock.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.spec import ExperimentSpec, SpecError
+from orchestrator.storage.layout import cache_dir_of, is_remote
+from orchestrator.storage.object_store import StorageError, check_s3_storage, is_s3, use_storage
+
+if TYPE_CHECKING:  # mlflow is imported only by the commands that log
+    from orchestrator.tracking.write import MlflowTracker
+
+class LaunchError(RuntimeError):
+    """A run or sweep cannot be started or resumed; the message says why and what to do."""
+
+
+def check_storage(spec: ExperimentSpec) -> None:
+    """The spec's run.storage_endpoint / storage_region become this process's S3 settings (storage.use_storage),
+    and an s3:// run.storage_path answers and takes writes, before any trial starts (SpecError naming the field
+    and the fix); local and other remote storage are checked by their first write."""
+    use_storage(spec.run.storage_endpoint, spec.run.storage_region)
+    if is_s3(spec.run.storage_path):
+        try:
+            check_s3_storage(spec.run.storage_path)
+        except StorageError as err:
+            raise SpecError(str(err)) from None
+
+
+def _data_files(spec: ExperimentSpec) -> list[tuple[str, list[Path]]]:
+    """(field, the files it may name) for each split the spec reads from local files."""
+    files = getattr(spec.task, "files", None)  # generated tasks (listops, mqar) read no files
+    if files is None:
+        return []
+    out = []
+    for split in ("train", "validation", "test"):
+        value = getattr(files, split)
+        if value is None:
+            continue
+        field = f"task.files.{split}"
+        if spec.task.kind == "translation":  # a prefix: <prefix>.<lang> or <prefix>.<lang>.gz per side
+            for lang in (spec.task.source_lang, spec.task.target_lang):
+                out.append((f"{field} ({lang} side)", [Path(f"{value}.{lang}"), Path(f"{value}.{lang}.gz")]))
+        else:
+            out.append((field, [Path(value)]))
+    return out
+
+
+def check_data_files(spec: ExperimentSpec) -> None:
+    """Every local data file the spec names exists and is not empty, and a hub dataset is cached here or known
+    to the hub (SpecError naming the field): a missing dataset fails in seconds, not inside a Ray worker."""
+    from tasks.text_sources import hub_dataset_problem
+
+    # only tasks that may name a hub dataset have task.dataset (not the generated ones, nor bytelm's files)
+    problem = (hub_dataset_problem(spec.task, Path(cache_dir_of(spec.run.storage_path)))
+               if hasattr(spec.task, "dataset") else None)
+    if problem:
+        raise SpecError(problem)
+    for field, candidates in _data_files(spec):
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
+            raise SpecError(f"{field}: {' or '.join(str(p) for p in candidates)} does not exist; fix the path "
+                            "(relative paths are resolved against the directory the command runs in)")
+        if found.stat().st_size == 0:
+            raise SpecError(f"{field}: {found} is empty (0 bytes); point it at the split's text")
+
+
+def check_labelled_data(spec: ExperimentSpec, cache_dir: str) -> None:
+    """A classification spec's local files have the named text and label columns, and every label is one of
+    the classes (SpecError naming the field), read once here so that a bad column fails before Ray starts.
+    The files are parsed into `cache_dir`'s datasets cache, where the workers find them again."""
+    if spec.task.kind != "classify" or spec.task.files is None:
+        return
+    from tasks.classify import classification_data
+
+    splits = tuple(s for s in ("train", "validation", "test") if getattr(spec.task.files, s) is not None)
+    try:
+        classification_data(spec.task, splits, Path(cache_dir))
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+
+
+def check_tracking(spec: ExperimentSpec, tracker: "MlflowTracker") -> None:
+    """The tracking store answers, or the spec says to train without it (tracking.offline_ok)."""
+    if spec.tracking.offline_ok or tracker.reachable():
+        return
+    refused = str(tracker.last_error or "")
+    if "Invalid Host header" in refused:  # MLflow 3's DNS-rebinding guard: a 403 for a Host outside --allowed-hosts
+        from urllib.parse import urlparse
+
+        host = urlparse(spec.tracking.uri).netloc
+        raise LaunchError(
+            f"tracking.uri={spec.tracking.uri!r}: the MLflow server refuses the host name {host!r} (403 Invalid Host "
+            f"header: MLflow 3 serves only localhost and private IPs unless told); restart the server with "
+            f"`mlflow server ... --allowed-hosts {host}`, or set tracking.uri to the server's private IP"
+        )
+    if "error code 401" in refused or "error code 403" in refused:
+        raise LaunchError(
+            f"tracking.uri={spec.tracking.uri!r}: the MLflow server refuses these credentials ({refused[:200]}); set "
+            "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for the launcher and, "
+            "on a cluster, in the job's runtime_env"
+        )
+    why = f"{type(tracker.last_error).__name__}: {str(tracker.last_error)[:200]}" if tracker.last_error else "no answer"
+    raise LaunchError(
+        f"tracking.uri={spec.tracking.uri!r} cannot be reached ({why}); start the MLflow "
+        "server or fix the URI (e.g. tracking.uri=sqlite:///mlflow.db), or set tracking.offline_ok=true to "
+        "train anyway: metrics then wait in the run folder's spool and are sent when the server answers"
+    )
+
+
+def _is_local_tracking(uri: str) -> bool:
+    """A tracking URI that names a file on the machine that opens it (SQLite, ./mlruns), not a server."""
+    if uri.startswith(("sqlite:", "file:")):
+        return True
+    return "://" not in uri and not uri.startswith("databricks")  # a bare path is a file store
+
+
+def check_multi_node(spec: ExperimentSpec, nodes: int, autoscaling: bool) -> None:
+    """On a cluster of several nodes (or one an autoscaler may grow), storage and tracking must be one place
+    that every node reaches: Ray Train workers on other nodes write checkpoints to run.storage_path, and rank 0
+    logs to tracking.uri from whichever node it lands on. Called once the cluster is known (after connect),
+    before any trial starts; a single node, or a head that runs everything, keeps local paths."""
+    if nodes <= 1 and not autoscaling:
+        return
+    where = f"{nodes} nodes" + (" and an autoscaler that may add more" if autoscaling else "")
+    storage = spec.run.storage_path
+    if not is_remote(storage) and not spec.run.shared_storage:
+        raise SpecError(
+            f"run.storage_path={storage!r} is a local folder, but the Ray cluster has {where}: each node would "
+            "keep its own checkpoints, and a trial moved to another node could not resume. Use storage every node "
+            "reaches: run.storage_path=s3://<bucket>/runs (or gs://...), or, if this folder is a shared mount "
+            "(NFS, EFS) on every node, say so with run.shared_storage=true"
+        )
+    uri = spec.tracking.uri
+    if _is_local_tracking(uri):
+        # MLflow's SQLite and file stores are single-machine stores: a worker on another node would open its own
+        # file, and SQLite's locking is unreliable on network file systems (sqlite.org/faq.html#q5).
+        raise SpecError(
+            f"tracking.uri={uri!r} is a file on each node, but the Ray cluster has {where}: rank 0 logs from "
+            "whichever node it runs on, so runs would be split across machines. Run `mlflow server` on the head "
+            "(cluster.yaml starts one on port 5000) and set tracking.uri=http://<head-ip>:5000"
+        )

@@ -1,0 +1,3 @@
+from orchestrator.report.build import main
+
+main()

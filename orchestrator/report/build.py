@@ -1,0 +1,398 @@
+"""`orchestrator report`: compare the methods of an MLflow experiment the way the MHE paper does.
+
+Reads the runs of one experiment (or the trials of one sweep), groups seeds of the same method
+configuration, and writes a PRR / PEoP table (Markdown + CSV) and plots to a folder, which it also
+logs as artifacts under `report/` of the sweep's parent run so the comparison sits next to the runs
+in the MLflow UI. The formulas live in `report_metrics`, the table formatting in `report_tables`,
+the figures in `report_plots`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from orchestrator.report.compare import Statistics, analyse
+from orchestrator.report.importance import importance, importance_markdown
+from orchestrator.report.metrics import (
+    MethodGroup,
+    MethodRow,
+    Mode,
+    ReportError,
+    RunRecord,
+    Summary,
+    default_group_keys,
+    group_runs,
+    infer_mode,
+    param_value,
+    summarize,
+)
+from orchestrator.report.objectives import (
+    TrialObjectives,
+    as_list,
+    check_objectives,
+    objectives_markdown,
+    trial_objectives,
+    write_objectives,
+)
+from orchestrator.report.plots import (
+    find_knob_sweeps,
+    knob_plot_name,
+    plot_cost_front,
+    plot_curves,
+    plot_knob_sweep,
+    plot_score_vs_params,
+)
+from orchestrator.report.runs import (
+    REPORT_TAG,
+    check_store_exists,
+    compared_runs,
+    counts,
+    find_experiment_id,
+    parent_ids,
+    with_status,
+)
+from orchestrator.report.tables import comparison_markdown, markdown_document, rows_to_frame, rows_to_markdown
+from orchestrator.tracking.describe import PARENT_TAG
+from orchestrator.tracking.read import Run, TrackingReader
+from orchestrator.tracking.write import log_files, new_run
+
+__all__ = ["Report", "ReportError", "build_report", "report_cli"]
+
+ARTIFACT_DIR = "report"
+# Metrics tried in order when neither --metric nor the spec's `tune.metric` names one.
+_DEFAULT_METRICS = ("val/bleu", "val/ppl", "val/loss")
+
+
+@dataclass(frozen=True)
+class Report:
+    """What `build_report` produced: the table as rows and data, the files, and where they were logged."""
+
+    experiment: str
+    metric: str
+    mode: Mode
+    reference: str
+    lower_reference: str | None
+    rows: list[MethodRow]
+    table: pd.DataFrame
+    markdown: str
+    out_dir: Path
+    files: list[Path]
+    mlflow_run_id: str | None
+    warnings: list[str]
+    stats: Statistics | None = None
+    """Intervals, tests against the reference, verdicts, power and Pareto fronts (report_compare)."""
+    importance: Mapping[str, float] = field(default_factory=dict)
+    """fANOVA importance of each knob that varied among the runs (report_importance); empty without knobs."""
+    objectives: TrialObjectives | None = None
+    """With several objectives: every run's values and whether it is non-dominated (report_objectives)."""
+
+
+def build_report(
+    tracking_uri: str,
+    experiment: str,
+    *,
+    metric: str | Sequence[str] | None = None,
+    mode: Mode | Sequence[Mode] | None = None,
+    parent_run_id: str | None = None,
+    reference: str = "mha",
+    lower_reference: str | None = "sha",
+    group_by: Sequence[str] | None = None,
+    out_dir: Path,
+    log_to_mlflow: bool = True,
+    statuses: Sequence[str] | None = ("FINISHED",),
+    alpha: float = 0.05,
+    bootstrap: bool = False,
+) -> Report:
+    """Build the comparison report of `experiment` (or of the sweep `parent_run_id`) into `out_dir`.
+
+    `metric` defaults to the spec's `tune.metric` param; `mode` defaults to the spec's `tune.mode`
+    for that metric, else it is inferred from the metric name. `reference` / `lower_reference` name
+    the methods PRR / PEoP are measured against, by kind ("mha") or by full label ("mha heads=12");
+    `lower_reference=None` (or "none") skips PEoP. Only runs whose MLflow status is in `statuses` are compared
+    (default FINISHED: a run that failed, was stopped early by ASHA or interrupted ended at whatever its last
+    value was); None compares every run. Several metrics (a list, or the spec's list `tune.metric`) are
+    objectives: the first is compared in the table, and every run is marked non-dominated or not over all of
+    them. `alpha` sets the tests' level and the intervals' (1 - alpha); `bootstrap` adds a bootstrap interval
+    of each method's mean.
+
+    Raises ReportError with a fix when the runs cannot be compared. Problems that still leave a
+    useful table (no lower reference, skipped runs) are returned in `Report.warnings` and written
+    into report.md rather than logged, so the caller decides how to show them.
+    """
+    if not 0.0 < alpha < 0.5:
+        raise ReportError(f"--alpha {alpha}: the tests' level must be in (0, 0.5), e.g. 0.05 for 95% intervals")
+    if lower_reference is not None and lower_reference.strip().lower() in ("", "none"):
+        lower_reference = None
+    check_store_exists(tracking_uri)
+    reader = TrackingReader(tracking_uri)
+    experiment_id = find_experiment_id(reader, experiment)
+    all_runs = reader.runs(experiment_id)
+    runs, left_out = with_status(compared_runs(all_runs, parent_run_id, experiment), statuses)
+    records = [RunRecord(run.info.run_id, dict(run.data.params), dict(run.data.metrics)) for run in runs]
+
+    names, modes = _choose_objectives(records, metric, mode)
+    metric, mode = names[0], modes[0]
+    keys = _group_keys(records, group_by)
+    groups = _groups_with_metric(records, keys, metric)
+    summary = summarize(groups, metric, mode, reference, lower_reference)
+    stats = analyse(summary, mode, alpha=alpha, bootstrap=bootstrap)
+    warnings = list(summary.warnings)
+    if left_out:
+        warnings.append(f"{sum(left_out.values())} run(s) left out by status ({counts(left_out)}: failed, stopped "
+                        "early by ASHA, interrupted or still running); `--status all` compares them at their last value")
+    skipped = sum(metric not in record.metrics for record in records)
+    if skipped:
+        warnings.append(
+            f"{skipped} run(s) without {metric!r} skipped (crashed or stopped before evaluation?)"
+        )
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = rows_to_frame(summary.rows, stats)
+    files = [out_dir / "report.csv"]
+    table.to_csv(files[0], index=False)
+    extra = []
+    scored = [record for record in records if metric in record.metrics]
+    objectives = None
+    if len(names) > 1:
+        labels = {run.run_id: group.label for group in groups for run in group.runs}
+        objectives = trial_objectives(scored, labels, names, modes)
+        files.append(write_objectives(objectives, out_dir))
+        extra.append(objectives_markdown(objectives))
+    importance_scores, importance_files = importance(scored, metric, mode, out_dir, warnings)
+    files += importance_files
+    extra.append(importance_markdown(importance_scores, metric))
+    files += _write_plots(reader, groups, summary, stats, metric, mode, out_dir)
+    scope = f"children of parent run {parent_run_id}" if parent_run_id else "all runs of the experiment"
+    markdown = markdown_document(
+        experiment, metric, mode, summary, scope, len(records) - skipped, warnings, files, stats,
+        [section for section in extra if section],
+    )
+    (out_dir / "report.md").write_text(markdown)
+    files.insert(0, out_dir / "report.md")
+
+    mlflow_run_id = None
+    if log_to_mlflow:
+        mlflow_run_id = parent_run_id or _single_parent(all_runs) or \
+            new_run(tracking_uri, experiment_id, run_name="report", tags={REPORT_TAG: "true"})
+        log_files(tracking_uri, mlflow_run_id, files, artifact_path=ARTIFACT_DIR)
+    return Report(
+        experiment=experiment,
+        metric=metric,
+        mode=mode,
+        reference=summary.reference,
+        lower_reference=summary.lower_reference,
+        rows=summary.rows,
+        table=table,
+        markdown=markdown,
+        out_dir=out_dir,
+        files=files,
+        mlflow_run_id=mlflow_run_id,
+        warnings=warnings,
+        stats=stats,
+        importance=importance_scores,
+        objectives=objectives,
+    )
+
+
+def _spec_setting(records: Sequence[RunRecord], key: str) -> str | None:
+    """A spec param (e.g. `tune.metric`) when all runs that logged it agree, else None."""
+    values = {param_value(record.params, key) for record in records} - {None}
+    return values.pop() if len(values) == 1 else None
+
+
+def _choose_objectives(records: Sequence[RunRecord], metric: str | Sequence[str] | None,
+                       mode: Mode | Sequence[Mode] | None) -> tuple[list[str], list[Mode]]:
+    """The compared metric(s) and direction(s): explicit, else the spec's tune settings, else defaults. The first
+    is the table's metric; it must be a metric some run logged."""
+    available = sorted({name for record in records for name in record.metrics})
+    spec_names = as_list(_spec_setting(records, "tune.metric"))
+    names = as_list(metric) if isinstance(metric, str) else list(metric) if metric is not None else None
+    if names is None:
+        default = next((name for name in _DEFAULT_METRICS if name in available), None)
+        names = spec_names or ([default] if default else None)
+        if names is None:
+            raise ReportError(
+                f"no metric given and none of {list(_DEFAULT_METRICS)} was logged; "
+                f"pass --metric with one of: {', '.join(available) or '(no metrics logged)'}"
+            )
+    if not any(names[0] in record.metrics for record in records):
+        raise ReportError(
+            f"no run logged the metric {names[0]!r}; metrics that exist: "
+            f"{', '.join(available) or '(no metrics logged)'}. Pass one of them to --metric."
+        )
+    modes = as_list(mode) if isinstance(mode, str) else list(mode) if mode is not None else None
+    if modes is None:
+        spec_modes = as_list(_spec_setting(records, "tune.mode"))
+        same = spec_names is not None and spec_modes is not None and len(spec_modes) == len(spec_names)
+        by_name = dict(zip(spec_names, spec_modes)) if same else {}  # type: ignore[arg-type]
+        modes = [by_name.get(name) for name in names]
+    return names, check_objectives(records, names, modes)
+
+
+def _group_keys(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> list[str]:
+    if not group_by:
+        return default_group_keys(records)
+    logged = sorted({name for record in records for name in record.params})
+    unknown = [key for key in group_by if key not in logged]
+    if unknown:
+        model_params = [name for name in logged if name.startswith("model.")] or logged
+        raise ReportError(
+            f"--group-by names params no run logged: {unknown}; "
+            f"logged model params: {', '.join(model_params)}"
+        )
+    return list(group_by)
+
+
+def _groups_with_metric(records: Sequence[RunRecord], keys: Sequence[str], metric: str) -> list[MethodGroup]:
+    """Group the runs that have the metric, after checking that no method lacks it entirely.
+
+    A method whose runs all lack the metric usually means the runs logged different metrics (an
+    MT run has val/bleu, an LM run val/ppl); silently dropping it would hide it from the table.
+    """
+    lacking = [
+        group for group in group_runs(records, keys) if not any(metric in run.metrics for run in group.runs)
+    ]
+    if lacking:
+        details = "; ".join(
+            f"{group.label!r} has {sorted({m for r in group.runs for m in r.metrics}) or 'no metrics'}"
+            for group in lacking
+        )
+        common = set.intersection(*(set(record.metrics) for record in records))
+        raise ReportError(
+            f"the runs logged different metrics: no run of {len(lacking)} method(s) has {metric!r} "
+            f"({details}). "
+            f"Metrics every run has: {', '.join(sorted(common)) or '(none)'}. Pick one with --metric, or "
+            "restrict the report to one sweep with --parent-run."
+        )
+    return group_runs([record for record in records if metric in record.metrics], keys)
+
+
+def _seed_mean_curve(reader: TrackingReader, group: MethodGroup, metric: str) -> pd.Series:
+    """Mean over seeds of the metric history, step by step (steps a seed lacks are skipped)."""
+    per_run = []
+    for run in group.runs:
+        history = reader.metric_history(run.run_id, metric)
+        if history:
+            # A resumed run may log a step twice; the later value is the one that continued.
+            values = {point.step: point.value for point in history}
+            per_run.append(pd.Series(values, dtype=float))
+    if not per_run:
+        return pd.Series(dtype=float)
+    return pd.concat(per_run, axis=1).mean(axis=1, skipna=True).sort_index()
+
+
+def _write_plots(
+    reader: TrackingReader,
+    groups: Sequence[MethodGroup],
+    summary: Summary,
+    stats: Statistics,
+    metric: str,
+    mode: Mode,
+    out_dir: Path,
+) -> list[Path]:
+    rows = summary.rows
+    written = [plot_score_vs_params(rows, metric, mode, out_dir / "score_vs_params.png", stats),
+               plot_cost_front(rows, stats, metric, mode, out_dir / "cost_front.png")]
+    by_label = {group.label: group for group in groups}
+    # Table order (references first), so the curve colours match the reading order of the table.
+    curves = {row.label: _seed_mean_curve(reader, by_label[row.label], metric) for row in rows}
+    written.append(plot_curves(curves, metric, mode, out_dir / "curves.png"))
+    references = [row for row in rows if row.label in (summary.reference, summary.lower_reference)]
+    for sweep in find_knob_sweeps(rows):
+        written.append(plot_knob_sweep(sweep, metric, mode, references, out_dir / knob_plot_name(sweep)))
+    return [path for path in written if path is not None]
+
+
+def _single_parent(runs: Sequence[Run]) -> str | None:
+    """The sweep parent to attach the report to, when the experiment holds exactly one sweep."""
+    known = {run.info.run_id for run in runs}
+    parents = parent_ids(runs) & known
+    return parents.pop() if len(parents) == 1 else None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="orchestrator report",
+        description="PRR / PEoP comparison table and plots from the MLflow runs of an experiment.",
+    )
+    parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="MLflow tracking URI")
+    parser.add_argument("--experiment", required=True, help="MLflow experiment name (one study)")
+    parser.add_argument("--parent-run", help="only the trials of this sweep parent run id")
+    parser.add_argument(
+        "--metric", help="compared metric (default: the spec's tune.metric, else val/bleu|val/ppl|val/loss); "
+                         "several comma-separated are objectives: the first is compared, runs are marked "
+                         "non-dominated over all"
+    )
+    parser.add_argument(
+        "--mode", help="min or max per metric, comma-separated (default: tune.mode, else from the name)"
+    )
+    parser.add_argument("--alpha", type=float, default=0.05,
+                        help="level of the tests; intervals are 1 - alpha (default 0.05: 95%%)")
+    parser.add_argument("--bootstrap", action="store_true",
+                        help="add a percentile bootstrap interval of each method's mean")
+    parser.add_argument("--reference", default="mha", help="PRR reference method: kind or full label")
+    parser.add_argument(
+        "--lower-reference",
+        default="sha",
+        help="PEoP reference method: kind or full label; 'none' skips PEoP",
+    )
+    parser.add_argument(
+        "--group-by", help="comma-separated params defining a method (default: the attention knobs)"
+    )
+    parser.add_argument("--status", default="FINISHED",
+                        help="comma-separated MLflow run statuses to compare (FINISHED, FAILED, KILLED, RUNNING) or "
+                             "'all' (default: FINISHED; failed, early-stopped and running runs end at any value)")
+    parser.add_argument("--out", type=Path, help="output folder (default: reports/<experiment>)")
+    parser.add_argument("--no-log", action="store_true", help="write files only, do not log them to MLflow")
+    return parser
+
+
+def report_cli(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `orchestrator report`; returns the exit code (2 on a ReportError)."""
+    args = _parser().parse_args(argv)
+    group_by = [key.strip() for key in args.group_by.split(",") if key.strip()] if args.group_by else None
+    try:
+        report = build_report(
+            args.tracking_uri,
+            args.experiment,
+            metric=args.metric,
+            mode=args.mode,
+            parent_run_id=args.parent_run,
+            reference=args.reference,
+            lower_reference=args.lower_reference,
+            group_by=group_by,
+            out_dir=args.out or Path("reports") / args.experiment,
+            log_to_mlflow=not args.no_log,
+            statuses=None if args.status.strip().lower() == "all" else
+            [status.strip() for status in args.status.split(",") if status.strip()],
+            alpha=args.alpha,
+            bootstrap=args.bootstrap,
+        )
+    except ReportError as err:
+        print(f"orchestrator report: error: {err}", file=sys.stderr)
+        return 2
+    print(rows_to_markdown(report.rows, report.metric, report.mode, report.stats))
+    if report.stats is not None:
+        print(comparison_markdown(report.rows, report.stats, report.reference, report.metric))
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"wrote {len(report.files)} files to {report.out_dir}")
+    if report.mlflow_run_id:
+        print(f"logged under '{ARTIFACT_DIR}/' of MLflow run {report.mlflow_run_id}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m orchestrator.report ...` without the CLI wrapper."""
+    sys.exit(report_cli(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The report's uncertainty columns: each method's interval, its test against the reference with Holm's correction
+and a verdict, intervals of PRR and PEoP, power, and the quality-vs-cost Pareto front with and without uncertainty.
+
+Works on the table rows of `report_metrics.summarize` (which carry each run's seed and score); the statistics
+themselves are `report_stats`'. docs/report.md explains every column this fills.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from orchestrator.report.metrics import MethodRow, Mode, Summary, peop, prr
+from orchestrator.report.pareto import Objective, non_dominated
+from orchestrator.report.stats import (
+    WELCH,
+    Comparison,
+    Interval,
+    bootstrap_interval,
+    compare,
+    holm,
+    mean_interval,
+    mean_of,
+)
+
+BETTER, WORSE, SAME, UNTESTED = "better", "worse", "indistinguishable", "n/a"
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """The uncertainty columns of one table row."""
+
+    ci: Interval
+    bootstrap: Interval | None
+    comparison: Comparison | None
+    """None for the reference itself."""
+    p_holm: float
+    verdict: str
+    prr_ci: Interval
+    peop_ci: Interval
+    tokens_ci: Interval
+    memory_ci: Interval
+    on_front: bool
+    """On the Pareto front of the means over quality and every cost the runs logged."""
+    on_front_uncertain: bool
+    """Not surely dominated: no other method is better or equal on every axis by its whole interval."""
+
+
+@dataclass(frozen=True)
+class Statistics:
+    rows: Mapping[str, RowStats]
+    alpha: float
+    bootstrap: bool
+    comparisons: int
+    """m of Holm's correction: the methods tested against the reference."""
+    front_axes: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def _by_seed(row: MethodRow) -> tuple[dict[str, float], str]:
+    """seed -> score, or run id -> score (never paired) when seeds are missing or repeat, with the reason."""
+    seeds = list(row.seeds)
+    if seeds and None not in seeds and len(set(seeds)) == len(seeds):
+        return dict(zip(seeds, row.scores)), ""  # type: ignore[arg-type]
+    why = "no seed param logged" if None in seeds else "several runs share a seed"
+    return dict(zip(row.run_ids, row.scores)), why
+
+
+def _welch_reason(row: MethodRow, ref: MethodRow, why: str) -> str:
+    if why:
+        return why
+    return f"seeds {sorted(set(row.seeds), key=str)} vs {sorted(set(ref.seeds), key=str)}"
+
+
+def _verdict(comparison: Comparison | None, p_holm: float, alpha: float, mode: Mode) -> str:
+    if comparison is None or math.isnan(p_holm):
+        return UNTESTED
+    if p_holm >= alpha:
+        return SAME
+    higher = comparison.diff > 0
+    return BETTER if higher == (mode == "max") else WORSE
+
+
+def _ratio_interval(row: MethodRow, other: MethodRow, ratio: Callable[[float, float], float], level: float,
+                    paired: bool) -> Interval:
+    """Bootstrap interval of ratio(mean of row's scores, mean of other's) over seeds (jointly when paired)."""
+    def statistic(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
+        means_x, means_y = np.mean(x, axis=axis), np.mean(y, axis=axis)
+        values = [ratio(float(a), float(b)) for a, b in zip(np.ravel(means_x), np.ravel(means_y))]
+        return np.reshape(np.array(values, dtype=float), np.shape(means_x))
+
+    if paired:
+        order = sorted(range(len(row.seeds)), key=lambda i: str(row.seeds[i]))
+        by_seed = dict(zip(other.seeds, other.scores))
+        x = [row.scores[i] for i in order]
+        y = [by_seed[row.seeds[i]] for i in order]
+    else:
+        x, y = list(row.scores), list(other.scores)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return bootstrap_interval([x, y], statistic, level, paired=paired)
+
+
+def analyse(summary: Summary, mode: Mode, *, alpha: float = 0.05, bootstrap: bool = False) -> Statistics:
+    """The uncertainty columns of every row of `summary` (its reference and lower reference as in the table)."""
+    if not 0.0 < alpha < 0.5:
+        raise ValueError(f"alpha={alpha} must be in (0, 0.5), e.g. 0.05 for 95% intervals")
+    level = 1.0 - alpha
+    rows = {row.label: row for row in summary.rows}
+    ref = rows[summary.reference]
+    low = rows.get(summary.lower_reference) if summary.lower_reference else None
+    ref_scores, ref_why = _by_seed(ref)
+    comparisons: dict[str, Comparison] = {}
+    notes: list[str] = []
+    for row in summary.rows:
+        if row.label == ref.label:
+            continue
+        scores, why = _by_seed(row)
+        comparison = compare(scores, ref_scores, level)
+        if comparison.test == WELCH:
+            comparison = replace(comparison, note=_welch_reason(row, ref, why or ref_why))
+        comparisons[row.label] = comparison
+    labels = list(comparisons)
+    adjusted = dict(zip(labels, holm([comparisons[label].p_value for label in labels])))
+    m = sum(not math.isnan(comparisons[label].p_value) for label in labels)
+    fronts = _fronts(summary.rows, mode, level)
+    out = {}
+    for row in summary.rows:
+        comparison = comparisons.get(row.label)
+        p_holm = adjusted.get(row.label, math.nan)
+        paired_ref = comparison is not None and comparison.test != WELCH and comparison.test != ""
+        prr_ci = Interval.none()
+        if comparison is not None:
+            prr_ci = _ratio_interval(row, ref, lambda a, b: prr(a, b, mode), level, paired_ref)
+        peop_ci = Interval.none()
+        if low is not None and row.label != low.label and math.isfinite(row.peop):
+            paired_low = _by_seed(row)[0].keys() == _by_seed(low)[0].keys()
+            peop_ci = _ratio_interval(row, low, lambda a, b: peop(a, b, row.params_attention, low.params_attention,
+                                                                   mode), level, paired_low)
+        out[row.label] = RowStats(
+            ci=mean_interval(row.scores, level),
+            bootstrap=bootstrap_interval([row.scores], mean_of, level, paired=False) if bootstrap else None,
+            comparison=comparison, p_holm=p_holm, verdict=_verdict(comparison, p_holm, alpha, mode),
+            prr_ci=prr_ci, peop_ci=peop_ci,
+            tokens_ci=mean_interval(row.tokens, level), memory_ci=mean_interval(row.memory, level),
+            on_front=fronts.point[row.label], on_front_uncertain=fronts.uncertain[row.label])
+    if any(c.test == WELCH for c in comparisons.values()):
+        notes.append("some methods ran other seeds than the reference: Welch's unpaired t-test for those rows")
+    return Statistics(out, alpha, bootstrap, m, fronts.axes, tuple(notes))
+
+
+@dataclass(frozen=True)
+class _Fronts:
+    axes: tuple[str, ...]
+    point: Mapping[str, bool]
+    uncertain: Mapping[str, bool]
+
+
+def _fronts(rows: Sequence[MethodRow], mode: Mode, level: float) -> _Fronts:
+    """Quality against every cost logged by all methods: attention params, tokens/s, peak memory."""
+    objectives = [Objective("score", mode, [row.score_mean for row in rows],
+                            [mean_interval(row.scores, level) for row in rows])]
+    costs = (("params", "min", [row.params_attention for row in rows], None),
+             ("tokens/s", "max", [row.tokens_per_s for row in rows], [mean_interval(row.tokens, level) for row in rows]),
+             ("peak memory", "min", [row.peak_memory_gb for row in rows],
+              [mean_interval(row.memory, level) for row in rows]))
+    for name, sense, values, intervals in costs:
+        if all(math.isfinite(value) for value in values) and len(set(values)) > 1:
+            objectives.append(Objective(name, sense, values, intervals))  # type: ignore[arg-type]
+    labels = [row.label for row in rows]
+    return _Fronts(tuple(o.name for o in objectives), dict(zip(labels, non_dominated(objectives))),
+                   dict(zip(labels, non_dominated(objectives, uncertain=True))))

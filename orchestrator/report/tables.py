@@ -1,0 +1,212 @@
+"""The report's table as data (CSV) and as Markdown, in the paper's units.
+
+Kept apart from the formulas so that changing how numbers are printed never touches how they are
+computed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from orchestrator.report.compare import RowStats, Statistics
+from orchestrator.report.metrics import MethodRow, Mode, Summary
+from orchestrator.report.stats import EXACT_BELOW, POWER, Interval
+
+
+def rows_to_frame(rows: Sequence[MethodRow], stats: Statistics | None = None) -> pd.DataFrame:
+    """The table as data (CSV): raw numbers, PRR as a fraction, NaN where undefined; with `stats`, the intervals,
+    the test against the reference, its verdict, power and the Pareto fronts."""
+    frame = pd.DataFrame(
+        {
+            "method": [row.label for row in rows],
+            "kind": [row.kind for row in rows],
+            "n_runs": [row.n_runs for row in rows],
+            "params_attention": [row.params_attention for row in rows],
+            "params_total": [row.params_total for row in rows],
+            "score_mean": [row.score_mean for row in rows],
+            "score_std": [row.score_std for row in rows],
+            "prr": [row.prr for row in rows],
+            "peop": [row.peop for row in rows],
+            "tokens_per_s": [row.tokens_per_s for row in rows],
+            "peak_memory_gb": [row.peak_memory_gb for row in rows],
+        }
+    )
+    if stats is None:
+        return frame
+    columns: dict[str, list[object]] = {}
+
+    def add(name: str, value: object) -> None:
+        columns.setdefault(name, []).append(value)
+
+    for row in rows:
+        row_stats = stats.rows[row.label]
+        comparison = row_stats.comparison
+        for name, interval in (("score", row_stats.ci), ("score_boot", row_stats.bootstrap),
+                               ("prr", row_stats.prr_ci), ("peop", row_stats.peop_ci),
+                               ("tokens_per_s", row_stats.tokens_ci), ("peak_memory_gb", row_stats.memory_ci)):
+            if name == "score_boot" and not stats.bootstrap:
+                continue
+            interval = interval or Interval.none()
+            add(f"{name}_ci_low", interval.low)
+            add(f"{name}_ci_high", interval.high)
+        add("test", comparison.test if comparison else "")
+        add("n_compared", comparison.n if comparison else math.nan)
+        add("diff", comparison.diff if comparison else math.nan)
+        add("diff_ci_low", comparison.ci.low if comparison else math.nan)
+        add("diff_ci_high", comparison.ci.high if comparison else math.nan)
+        add("p_value", comparison.p_value if comparison else math.nan)
+        add("p_holm", row_stats.p_holm)
+        add("verdict", row_stats.verdict)
+        add("mdd", comparison.mdd if comparison else math.nan)
+        add("seeds_needed", comparison.seeds_needed if comparison else math.nan)
+        add("test_note", comparison.note if comparison else "")
+        add("on_front", row_stats.on_front)
+        add("on_front_uncertain", row_stats.on_front_uncertain)
+    return pd.concat([frame, pd.DataFrame(columns)], axis=1)
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "-" if not math.isfinite(value) else format(value, spec)
+
+
+def _score_decimals(rows: Sequence[MethodRow]) -> int:
+    """One precision for the whole score column: 4 significant digits of its largest value.
+
+    BLEU 27.31 and perplexity 43.02 get 2 decimals, a loss of 3.214 gets 3; equal decimals keep
+    the column comparable by eye.
+    """
+    largest = max((abs(row.score_mean) for row in rows if math.isfinite(row.score_mean)), default=0.0)
+    if largest == 0.0:
+        return 2
+    return min(4, max(1, 3 - math.floor(math.log10(largest))))
+
+
+def _interval(value: float, interval: Interval | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    """`value [low, high]` in `spec` (times `scale`), the interval left out where it is undefined."""
+    if not math.isfinite(value):
+        return "-"
+    text = format(scale * value, spec) + suffix
+    if interval is not None and math.isfinite(interval.low) and math.isfinite(interval.high):
+        text += f" [{format(scale * interval.low, spec)}, {format(scale * interval.high, spec)}]"
+    return text
+
+
+def _front(row_stats: RowStats | None) -> str:
+    if row_stats is None:
+        return "-"
+    return "yes" if row_stats.on_front else "within CI" if row_stats.on_front_uncertain else "no"
+
+
+def rows_to_markdown(rows: Sequence[MethodRow], metric: str, mode: Mode, stats: Statistics | None = None) -> str:
+    """The table for people: the score's seed mean with its interval, PRR in percent and PEoP with two decimals
+    as the paper prints them (with bootstrap intervals), costs, and whether the method is on the Pareto front."""
+    arrow = "↓" if mode == "min" else "↑"
+    score_spec = f".{_score_decimals(rows)}f"
+    level = f"{100 * (1 - stats.alpha):g}%" if stats else ""
+    score_head = f"{metric} {arrow} mean [{level} CI]" if stats else f"{metric} {arrow} (mean ± std)"
+    heads = ["Method", "Attn params", "Total params", "Runs", score_head]
+    if stats is not None and stats.bootstrap:
+        heads.append("bootstrap CI")
+    heads += ["PRR", "PEoP", "tokens/s", "Peak mem (GB)"] + (["Pareto front"] if stats else [])
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for row in rows:
+        row_stats = stats.rows[row.label] if stats else None
+        if row_stats is None:
+            score = _fmt(row.score_mean, score_spec)
+            score += f" ± {format(row.score_std, score_spec)}" if math.isfinite(row.score_std) else ""
+        else:
+            score = _interval(row.score_mean, row_stats.ci, score_spec)
+        cells = [row.label, _fmt(row.params_attention, ",.0f"), _fmt(row.params_total, ",.0f"), str(row.n_runs),
+                 score]
+        if row_stats is not None and stats is not None and stats.bootstrap:
+            boot = row_stats.bootstrap
+            cells.append(f"[{format(boot.low, score_spec)}, {format(boot.high, score_spec)}]"
+                         if boot is not None and math.isfinite(boot.low) else "-")
+        cells += [_interval(row.prr, row_stats.prr_ci if row_stats else None, ".1f", 100.0, "%"),
+                  _interval(row.peop, row_stats.peop_ci if row_stats else None, ".2f"),
+                  _fmt(row.tokens_per_s, ",.0f"), _fmt(row.peak_memory_gb, ".2f")]
+        if stats is not None:
+            cells.append(_front(row_stats))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _detectable(mdd: float, spec: str) -> str:
+    return "none with these seeds" if math.isinf(mdd) else _fmt(mdd, spec)
+
+
+def comparison_markdown(rows: Sequence[MethodRow], stats: Statistics, reference: str, metric: str) -> str:
+    """Each method against the reference: difference of seed means with its interval, the test and its p-value,
+    Holm's adjusted p-value and the verdict, and for an indistinguishable pair what the study could detect."""
+    spec = f".{_score_decimals(rows) + 1}f"
+    level = f"{100 * (1 - stats.alpha):g}%"
+    heads = ["Method", f"Δ {metric} vs {reference} [{level} CI]", "test", "n", "p", "p (Holm)", "verdict",
+             "detectable Δ", "seeds for Δ"]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for row in rows:
+        row_stats = stats.rows[row.label]
+        comparison = row_stats.comparison
+        if comparison is None:
+            continue
+        seeds = "-" if math.isnan(comparison.seeds_needed) else \
+            "never (Δ = 0)" if math.isinf(comparison.seeds_needed) and comparison.diff == 0 else \
+            "> 10,000" if math.isinf(comparison.seeds_needed) else f"{comparison.seeds_needed:.0f}"
+        indistinct = row_stats.verdict != "better" and row_stats.verdict != "worse"
+        test = comparison.test + (f" ({comparison.note})" if comparison.note else "") if comparison.test else \
+            comparison.note or "-"
+        cells = [row.label, _interval(comparison.diff, comparison.ci, "+" + spec), test, str(comparison.n),
+                 _fmt(comparison.p_value, ".3g"), _fmt(row_stats.p_holm, ".3g"), row_stats.verdict,
+                 _detectable(comparison.mdd, spec) if indistinct else "", seeds if indistinct else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_document(
+    experiment: str,
+    metric: str,
+    mode: Mode,
+    summary: Summary,
+    scope: str,
+    n_runs: int,
+    warnings: Sequence[str],
+    files: Sequence[Path],
+    stats: Statistics,
+    extra: Sequence[str] = (),
+) -> str:
+    """The report.md page: what was compared against what, the tables, warnings, the plots; `extra`: further
+    sections (objectives of a multi-objective sweep, hyperparameter importance)."""
+    direction = "lower is better" if mode == "min" else "higher is better"
+    lower = f"**{summary.lower_reference}**" if summary.lower_reference else "nothing (PEoP blank)"
+    level = f"{100 * (1 - stats.alpha):g}%"
+    axes = ", ".join(stats.front_axes)
+    lines = [
+        f"# Report: {experiment}",
+        "",
+        f"- Metric: `{metric}` ({direction}); score = last logged value of each run; mean over seeds with a "
+        f"{level} Student-t interval" + (" and a percentile bootstrap interval." if stats.bootstrap else "."),
+        f"- PRR against **{summary.reference}**, PEoP against {lower}, both on the seed-mean score; their "
+        f"{level} intervals are percentile bootstraps over seeds (paired seeds resampled together).",
+        f"- Each method against **{summary.reference}**: paired over matched seeds (paired t-test; the exact "
+        f"sign-flip test below {EXACT_BELOW} seeds), Welch's t-test where the seed sets differ. Verdicts at "
+        f"alpha = {stats.alpha:g} after Holm's correction for {stats.comparisons} comparison(s).",
+        f"- Detectable Δ and seeds for Δ: two-sided t-test at alpha = {stats.alpha:g} with {100 * POWER:g}% power, "
+        "taking the observed spread of the differences as the true one.",
+        f"- Pareto front over {axes}: 'yes' on the front of the means, 'within CI' dominated only within the "
+        "intervals, 'no' dominated by another method's whole interval.",
+        "- Attention params = `params.attention` (Q/K/V/O projections and method extras, no biases).",
+        f"- Runs: {n_runs} ({scope}).",
+        "",
+        rows_to_markdown(summary.rows, metric, mode, stats),
+        comparison_markdown(summary.rows, stats, summary.reference, metric),
+    ]
+    lines += list(stats.notes and [f"Note: {note}." for note in stats.notes] + [""])
+    for section in extra:
+        lines += [section, ""]
+    if warnings:
+        lines += ["Warnings:", ""] + [f"- {warning}" for warning in warnings] + [""]
+    lines += [f"![{path.stem}]({path.name})" for path in files if path.suffix == ".png"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,174 @@
+"""One optimizer step, the only code that steps an optimizer (orchestrator/training/trainer.py drives it): `grad_accum`
+micro-batches -> bf16 / fp16 autocast -> backward of loss / grad_accum (DDP all-reduces on the last micro-batch
+only; fp16 scales the loss first) -> unscale -> clip -> AdamW (skipped when fp16 gradients overflowed) -> the
+learning-rate schedule of `optim.schedule` (`lr_lambda`). `LossMeter` sums the losses on the device."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from orchestrator.spec import OptimConfig
+from tasks import Batch
+
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+"""Mean loss over a batch's `n_tokens` target tokens (Task.loss)."""
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether `model` is wrapped by torch's FullyShardedDataParallel, asked without importing FSDP: the import
+    (torch.distributed.fsdp and the DTensor machinery under it) costs about half a second of every Train
+    worker's start, which a run that does not shard would pay before its first step (benchmarks/RESULTS.md,
+    "Start-up against a bare Ray Train run"). Nothing can be wrapped in FSDP before something imported it
+    (Ray Train's `prepare_model` does, for run.strategy=fsdp)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel)
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    """Wrapped by DDP or FSDP: gradients sync on the last micro-batch only, the module is `model.module`."""
+    return isinstance(model, nn.parallel.DistributedDataParallel) or is_fsdp(model)
+
+
+def lr_lambda(optim: OptimConfig) -> Callable[[int], float]:
+    """Multiplier of optim.lr after `step` optimizer steps: linear warmup, then the chosen decay."""
+    warmup, total = optim.warmup_steps, optim.max_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup  # never 0: the first step already learns
+        if optim.schedule == "constant":
+            return 1.0
+        if optim.schedule == "inverse_sqrt":
+            # Vaswani et al. (2017), eq. 3, normalised to 1 at the end of warmup.
+            return math.sqrt(max(warmup, 1)) / math.sqrt(step + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if optim.schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class LossMeter:
+    """Token-weighted training loss and throughput over a logging window.
+
+    The loss is summed on the device as `loss * n_tokens` and read once per window, so a step never waits
+    for the device to say its loss (no host sync per micro-batch).
+    """
+
+    def __init__(self) -> None:
+        self._weighted: torch.Tensor | None = None
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, n_tokens: int) -> None:
+        # float64: a long window of float32 sums would round away the last digits the golden-loss test compares
+        term = loss.detach().double() * n_tokens
+        self._weighted = term if self._weighted is None else self._weighted + term
+        self.tokens += n_tokens
+
+    def restart_clock(self) -> None:
+        """Evaluation and checkpointing are not training throughput: the window's clock starts again."""
+        self.started = time.perf_counter()
+
+    def read(self, world_size: int = 1) -> dict[str, float]:
+        """`train/loss` (mean over this rank's target tokens) and `train/tokens_per_s` (every rank consumes
+        about as many tokens, so this rank's rate x world size); then a new window starts."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        loss = self._weighted.item() / max(self.tokens, 1) if self._weighted is not None else math.nan
+        out = {"train/loss": loss, "train/tokens_per_s": self.tokens * world_size / elapsed}
+        self._weighted, self.tokens = None, 0
+        self.restart_clock()
+        return out
+
+
+@dataclass
+class Optimization:
+    """AdamW, its warmup + decay schedule and the gradient scaler of `optim` (enabled for fp16 only)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    grad_accum: int
+    grad_clip: float | None
+    autocast_dtype: torch.dtype | None
+    """bf16 autocast on CUDA, fp16 autocast anywhere; None trains in fp32."""
+    skipped_steps: int = 0
+    """fp16 steps skipped so far in this process because a gradient overflowed (inf/NaN after unscaling)."""
+
+    @classmethod
+    def build(cls, model: nn.Module, optim: OptimConfig, device: torch.device, precision: str = "fp32") -> Optimization:
+        # Frozen parameters (model.freeze) stay out of the optimizer: weight decay would still move them.
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
+                                      betas=optim.betas, weight_decay=optim.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
+        # bf16 keeps fp32's exponent range, so only fp16 scales the loss (its gradients would underflow); the
+        # disabled scaler of the other precisions keeps one checkpoint format.
+        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16 if device.type == "cuda" else None}.get(precision)
+        return cls(optimizer, scheduler, scaler, optim.grad_accum, optim.grad_clip, dtype)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return self.scheduler.get_last_lr()[0]
+
+
+def train_step(model: nn.Module, micro_batches: Iterator[Batch], loss_fn: LossFn, opt: Optimization,
+               device: torch.device, meter: LossMeter | None = None) -> float:
+    """One optimizer step over `opt.grad_accum` micro-batches; returns the learning rate it used.
+
+    The loss of each micro-batch is its mean over its own target tokens, scaled by 1 / grad_accum (each
+    micro-batch weighs the same in the gradient, as in nanoGPT); the meter weights by tokens for logging.
+    """
+    wrapped = is_wrapped(model)
+    for micro in range(opt.grad_accum):
+        batch = next(micro_batches).to(device)
+        # Gradients are all-reduced once, on the last micro-batch (DDP's / FSDP's no_sync on the others); the
+        # backward must run inside no_sync too, since that is where the reduction hooks fire.
+        sync = model.no_sync() if wrapped and micro < opt.grad_accum - 1 else nullcontext()
+        autocast = (torch.autocast(device.type, dtype=opt.autocast_dtype) if opt.autocast_dtype is not None
+                    else nullcontext())
+        with sync:
+            with autocast:
+                loss = loss_fn(model, batch)
+            # fp16: the scaled loss keeps small gradients above fp16's underflow (a no-op when disabled).
+            opt.scaler.scale(loss / opt.grad_accum).backward()
+        if meter is not None:
+            meter.add(loss, batch.n_tokens)  # n_tokens is a host int: counting tokens never syncs
+    scaling = opt.scaler.is_enabled()
+    if scaling:
+        # Clipping must see the true gradients, so unscale first; step() then does not unscale again.
+        opt.scaler.unscale_(opt.optimizer)
+    if opt.grad_clip is not None:
+        if is_fsdp(model):
+            model.clip_grad_norm_(opt.grad_clip)  # the norm over every rank's shard, not this rank's alone
+        else:
+            nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+    skipped = False
+    if scaling:
+        # GradScaler.step skips the update when unscale_ found inf/NaN, and update() then lowers the scale: a
+        # lower scale is how a skipped step shows (the step already read found_inf on the host, so reading the
+        # scale adds no wait of its own).
+        scale = opt.scaler.get_scale()
+        opt.scaler.step(opt.optimizer)
+        opt.scaler.update()
+        skipped = opt.scaler.get_scale() < scale
+    else:
+        opt.optimizer.step()
+    opt.optimizer.zero_grad(set_to_none=True)
+    lr = opt.lr
+    if skipped:
+        # No update happened, so the schedule does not advance either (as Accelerate's optimizer_step_was_skipped).
+        opt.skipped_steps += 1
+    else:
+        opt.scheduler.step()
+    return lr
