@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.k_flash_attention import (
+from kernels.k_flash_tiles import (
     _dot,
     _finish_softmax,
     _load_row_stats,
