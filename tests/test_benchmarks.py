@@ -17,7 +17,16 @@ import torch
 
 import yaml
 
-from benchmarks import attention_scaling, corpus_scale, decoding, harness, mqar_curve, ray_overhead, throughput
+from benchmarks import (
+    attention_scaling,
+    corpus_scale,
+    decoding,
+    harness,
+    mqar_curve,
+    ray_overhead,
+    ray_startup,
+    throughput,
+)
 from models.attention import ATTENTION_KINDS
 from orchestrator.spec import load_spec, validate_spec
 
@@ -172,7 +181,7 @@ def test_ray_overhead_plain_run_windows(tmp_path):
     ("/usr/bin/python -m orchestrator train spec.yaml", None),
 ], ids=["init", "private-actor", "actor", "idle", "task", "not-ray"])
 def test_ray_overhead_names_each_actor_by_its_process_title(title, actor):
-    match = ray_overhead.RAY_PROCESS.match(title)
+    match = ray_startup.RAY_PROCESS.match(title)
     assert (match.group(1) if match else None) == actor
 
 
