@@ -4,7 +4,7 @@ An export folder holds `model.safetensors` (the weights; tied embeddings stored 
 architecture, vocabulary size and resolved model config, from which the module is rebuilt) and, when the task
 has one, `tokenizer.model` (sentencepiece). Runs log it to MLflow as the `model/` artifact folder:
 
-    from orchestrator.training.export import load_model
+    from orchestrator.training import load_model
     model = load_model("path/to/model")      # e.g. from `mlflow artifacts download -r RUN_ID -a model`
 """
 
