@@ -3,13 +3,20 @@
 A checkpoint is one directory: `state.pt` (model, optimizer, LR scheduler, grad scaler, step, every
 rank's data position, stream state and RNG states, the MLflow run id), `spec.yaml` (the resolved spec, so a model
 can be rebuilt from the checkpoint alone; STYLE.md section 3) and `tokenizer.model` (the run's sentencepiece
-model, which scoring and fine-tuning read instead of rebuilding it from the data). The directory is filled under a temporary
-name and renamed into place, so a crash never leaves a half-written checkpoint for Ray to upload.
+model, which scoring and fine-tuning read instead of rebuilding it from the data). The directory is filled under a
+temporary name and renamed into place, so a crash never leaves a half-written checkpoint for Ray to upload.
+
+A checkpoint holds data, never code: `state.pt` is tensors, numbers, strings and containers of them, and is read
+with `torch.load(weights_only=True)`, PyTorch's restricted unpickler, so a `state.pt` planted in a shared bucket or
+handed over by someone else is refused (`CheckpointError`, naming the file) instead of running what it carries.
+Checkpoints written before numpy's RNG state was stored as plain numbers hold one numpy array; the three types
+that rebuild an array from its bytes are allowed for them, nothing else.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -28,11 +35,33 @@ TOKENIZER_FILE = "tokenizer.model"
 """The run's sentencepiece model, so a checkpoint is scored or fine-tuned from without the run's data cache."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as data: not a state this project writes, or one whose reading could run
+    code."""
+
+
+def _numpy_state_as_data(state: tuple) -> dict[str, Any]:
+    """numpy's legacy RNG state, ("MT19937", uint32[624], pos, has_gauss, cached_gaussian), as plain values that
+    the restricted unpickler reads (the keys as an int64 tensor: uint32 tensors have no arithmetic support)."""
+    kind, keys, pos, has_gauss, cached_gaussian = state
+    return {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+
+
+def _numpy_state_of(saved: Any) -> tuple:
+    """The state np.random.set_state takes, from a checkpoint of either form (plain values, or the tuple itself
+    in checkpoints written before)."""
+    if isinstance(saved, dict):
+        keys = saved["keys"].numpy().astype(np.uint32)
+        return saved["kind"], keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]
+    return tuple(saved)
+
+
 def capture_rng() -> dict[str, Any]:
-    """Every RNG a training step can draw from (dropout, masking, sampling)."""
+    """Every RNG a training step can draw from (dropout, masking, sampling), as plain data."""
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _numpy_state_as_data(np.random.get_state()),
         "torch": torch.get_rng_state(),
         # The current device's generator only: a Ray Train worker draws from the one GPU it was given, and a run
         # resumed after a node loss may be placed where a worker sees another number of GPUs (per-device lists
@@ -51,7 +80,7 @@ def cuda_rng_of_rank(saved: Any) -> torch.Tensor | None:
 
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(_numpy_state_of(state["numpy"]))
     torch.set_rng_state(state["torch"])
     cuda = cuda_rng_of_rank(state.get("cuda"))
     if cuda is not None and torch.cuda.is_available():
@@ -102,11 +131,34 @@ def write_checkpoint(parent: Path, state: TrainingState, spec_yaml: str, tokeniz
     return final
 
 
+def _legacy_numpy_types() -> list[Any]:
+    """What unpickles the numpy array of a checkpoint written before the RNG state was plain data: the array type,
+    its dtype and numpy's array rebuilder, under the module names numpy 2 and numpy 1 pickled them with."""
+    core = getattr(np, "_core", None) or np.core
+    reconstruct = core.multiarray._reconstruct
+    return [np.ndarray, np.dtype, type(np.dtype(np.uint32)), reconstruct,
+            (reconstruct, "numpy.core.multiarray._reconstruct"), (reconstruct, "numpy._core.multiarray._reconstruct")]
+
+
 def read_checkpoint(directory: Path) -> TrainingState:
-    """The state of a checkpoint directory (written by `write_checkpoint`)."""
+    """The state of a checkpoint directory (written by `write_checkpoint`), read as data only."""
     path = Path(directory) / STATE_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{directory} holds no {STATE_FILE}; it was not written by orchestrator/training/checkpoint.py")
-    # weights_only=False: our own files carry numpy/python RNG tuples, which the safe loader rejects.
-    data = torch.load(path, map_location="cpu", weights_only=False)
+        raise FileNotFoundError(f"{directory} holds no {STATE_FILE}; it was not written by "
+                                "orchestrator/training/checkpoint.py")
+    try:
+        with torch.serialization.safe_globals(_legacy_numpy_types()):
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        detail = next((line.strip() for line in str(err).splitlines() if "Unsupported" in line or "global" in line),
+                      str(err).splitlines()[0] if str(err) else type(err).__name__)
+        raise CheckpointError(
+            f"{path} is refused: it holds objects other than tensors, numbers, strings and their containers "
+            f"({detail[:200]}), and reading them could run code. The checkpoints this project writes hold none; "
+            "do not load this file unless you know who wrote it and why.") from None
+    if not isinstance(data, dict) or not {"step", "model"} <= data.keys():
+        raise CheckpointError(f"{path} is not a training state of this project (a dict with step, model, ...)")
+    known = {f for f in TrainingState.__dataclass_fields__}
+    if unknown := sorted(set(data) - known):
+        raise CheckpointError(f"{path} holds fields no training state has: {unknown}")
     return TrainingState(**data)
