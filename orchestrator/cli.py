@@ -26,6 +26,7 @@ from orchestrator.spec import (
     load_spec,
     load_study,
     local_gpu_count,
+    name_problem,
     spec_to_yaml,
 )
 from orchestrator.spec.search_space import grid_points
@@ -33,6 +34,14 @@ from orchestrator.storage import parent, resolve
 from orchestrator.tracking.describe import artifact_root
 
 DEFAULT_STORAGE = "runs"
+
+
+def _run_name(value: str) -> str:
+    """NAME of resume, status and evaluate: a folder under the storage path, held to the rule of a spec's name
+    before it is joined to any path."""
+    if (problem := name_problem(value)) is not None:
+        raise argparse.ArgumentTypeError(f"{value[:80]!r} is not a run name ({problem})")
+    return value
 DEFAULT_UI_PORT = 5000
 
 
@@ -59,19 +68,19 @@ def _parser() -> argparse.ArgumentParser:
     with_verbose(with_spec("train", "train one run of a spec without search domains"))
     with_verbose(with_spec("sweep", "run a Ray Tune sweep over the spec's search domains"))
     resume = with_verbose(sub.add_parser("resume", help="continue a run or sweep from its latest checkpoints"))
-    resume.add_argument("name", help="the spec's name (its folder under the storage path)")
+    resume.add_argument("name", type=_run_name, help="the spec's name (its folder under the storage path)")
     resume.add_argument("overrides", nargs="*", metavar="key.path=value",
                         help="what may change on resume: train longer (optim.max_steps=, runs only), retries, "
                              "placement, cadence, tracking (see orchestrator.spec.RESUME_OVERRIDES)")
     resume.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
     status = sub.add_parser("status", help="where a run or sweep stands: trials, best so far, last checkpoint, "
                                            "MLflow link (while it runs and after)")
-    status.add_argument("name", help="the run's or sweep's name (its folder under the storage path)")
+    status.add_argument("name", type=_run_name, help="the run's or sweep's name (its folder under the storage path)")
     status.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
     evaluate = sub.add_parser("evaluate", help="score a finished run (every trial of a sweep) on a split again",
                               description="score a finished run (every trial of a sweep) on all of a split, log "
                                           "<split>/* metrics to its MLflow run, outputs to <run>/evaluation/")
-    evaluate.add_argument("name", help="the run's or sweep's name (its folder under the storage path)")
+    evaluate.add_argument("name", type=_run_name, help="the run's or sweep's name (its folder under the storage path)")
     evaluate.add_argument("--split", choices=("test", "validation"), default="test")
     evaluate.add_argument("--checkpoint", default="best",
                           help="best (by the spec's tune.metric), latest, all (every kept checkpoint, in step "

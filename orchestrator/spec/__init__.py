@@ -8,7 +8,8 @@ also start from another with `base: other.yaml` and give only what differs (`rea
 
 Modules: `models` (the pydantic blocks and ExperimentSpec), `loading` (files, `base:` chains, scales,
 overrides, validation, studies), `merge` (how a base and a child merge), `messages` (errors that name the
-field), `search_space` (the domain syntax and Tune's param space). The names below are the package's API.
+field), `search_space` (the domain syntax and Tune's param space), `names` (what a run may be called),
+`resources` (GPUs a spec asks for against what a machine has). The names below are the package's API.
 """
 
 from orchestrator.spec.loading import (
@@ -32,12 +33,14 @@ from orchestrator.spec.models import (
     SpecError,
     TrackingSettings,
     TuneSettings,
-    check_gpus,
-    local_gpu_count,
     spec_to_yaml,
 )
+from orchestrator.spec.names import MAX_NAME_LENGTH, NAME_PATTERN, name_problem
+from orchestrator.spec.resources import check_gpus, local_gpu_count
 
-__all__ = ["RESUME_OVERRIDES", "ExperimentSpec", "OptimConfig", "RunSettings", "SpecError", "Study",
-           "TrackingSettings", "TuneSettings", "apply_overrides", "apply_resume_overrides", "apply_scale",
-           "check_gpus", "expected_trials", "load_spec", "load_study", "local_gpu_count", "merge_base", "read_yaml",
-           "spec_to_yaml", "study_from_raw", "validate_spec"]
+__all__ = [
+    "MAX_NAME_LENGTH", "NAME_PATTERN", "RESUME_OVERRIDES", "ExperimentSpec", "OptimConfig", "RunSettings",
+    "SpecError", "Study", "TrackingSettings", "TuneSettings", "apply_overrides", "apply_resume_overrides",
+    "apply_scale", "check_gpus", "expected_trials", "load_spec", "load_study", "local_gpu_count", "merge_base",
+    "name_problem", "read_yaml", "spec_to_yaml", "study_from_raw", "validate_spec",
+]

@@ -14,11 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from models import ModelConfig
 from orchestrator.spec.merge import merge_mappings
 from orchestrator.spec.messages import describe_errors
+from orchestrator.spec.names import MAX_NAME_LENGTH, NAME_PATTERN
 from orchestrator.storage.layout import resolve as resolve_location
 from tasks import check_compatible
 from tasks.config import TaskConfig
 
-_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 COST_OBJECTIVES = ("params.attention", "params.total", "train/tokens_per_s", "memory/peak_gb", "train/loss")
 """What every training run reports besides its task's metrics, so a further objective of tune.metric may be it:
 the sizes (orchestrator/launch/worker.py reports them with every result) and the train/* of each report step."""
@@ -30,7 +30,8 @@ class SpecError(ValueError):
 
 class _Section(BaseModel):
     # validate_default: the defaults of storage_path and tracking.uri are relative and must be made absolute too.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: a NaN passes every `x <= 0` check and fails only in a worker, minutes later.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class OptimConfig(_Section):
@@ -66,6 +67,8 @@ class OptimConfig(_Section):
                 f"optim.warmup_steps={self.warmup_steps} must be in [0, optim.max_steps={self.max_steps}]; "
                 "shorten the warmup or train longer"
             )
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0 (got {self.weight_decay}); 0 disables it")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"optim.grad_clip must be > 0 or null to disable (got {self.grad_clip})")
         if not all(0.0 <= b < 1.0 for b in self.betas):
@@ -270,8 +273,8 @@ class TrackingSettings(_Section):
 
     uri: str = "sqlite:///mlflow.db"
     """MLflow tracking URI: a local SQLite file (made absolute) or a server such as http://head:5000."""
-    experiment: str | None = None
-    """MLflow experiment (one per study); defaults to the spec's name."""
+    experiment: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
+    """MLflow experiment (one per study; letters, digits, . _ -); defaults to the spec's name."""
     retries: int = 3
     """Attempts per logging call before it is dropped with a warning (training never stops for logging)."""
     timeout_s: float = 5.0
@@ -295,6 +298,11 @@ class TrackingSettings(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrackingSettings:
+        if "@" in self.uri.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError(
+                "tracking.uri must not hold credentials (user:password@host): they would be printed, logged as a "
+                "param and stored in every checkpoint; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                "in the environment instead (MLflow reads them), and give the server as http://<host>:<port>")
         if self.retries < 1 or self.timeout_s <= 0:
             raise ValueError("tracking.retries must be >= 1 and tracking.timeout_s > 0")
         if self.system_metrics_interval_s <= 0:
@@ -305,7 +313,7 @@ class TrackingSettings(_Section):
 class ExperimentSpec(_Section):
     """A complete, resolved experiment: everything a run needs, and what is stored in its checkpoints."""
 
-    name: str = Field(pattern=_NAME_PATTERN)
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
     """Run or sweep name (letters, digits, . _ -); names the storage folder and the MLflow experiment."""
     task: TaskConfig
     """Data and objective: {kind: mlm | clm | translation, ...} (tasks/config.py)."""
@@ -413,27 +421,6 @@ class ExperimentSpec(_Section):
 
 
 _PRETRAIN_FIELDS = ("task", "optim", "run")
-
-
-# --- resources --------------------------------------------------------------------------------------
-
-
-def check_gpus(spec: ExperimentSpec, available: float, where: str) -> None:
-    """Fail before launching when one run asks for more GPUs than `where` has."""
-    need = spec.run.gpus_per_run
-    if need > available:
-        raise SpecError(
-            f"run.workers={spec.run.workers} x run.gpus_per_worker={spec.run.gpus_per_worker} asks for {need:g} "
-            f"GPUs per run but {where} has {available:g}; lower run.workers or run.gpus_per_worker "
-            "(0 trains on CPU), or add GPU nodes to the cluster"
-        )
-
-
-def local_gpu_count() -> int:
-    """GPUs visible to this process (the check used when no Ray cluster is connected yet)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def spec_to_yaml(spec: ExperimentSpec | Mapping[str, Any]) -> str:
