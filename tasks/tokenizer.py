@@ -8,7 +8,7 @@ workers never read a half-written model (the helpers: tasks/cache.py).
 
 from __future__ import annotations
 
-import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Literal
@@ -85,7 +85,10 @@ def train_or_load(
                     input_sentence_size=2_000_000, shuffle_input_sentence=True, num_threads=2,
                     minloglevel=2,
                 )
-                os.replace(Path(work) / "spm.model", tmp)
+                # move, not os.replace: the work folder is in $TMPDIR, often another file system than the cache
+                # (an NFS storage path, a tmpfs /tmp), where a rename fails with EXDEV; `tmp` is in the cache's
+                # own folder, so the final rename into place stays atomic.
+                shutil.move(Path(work) / "spm.model", tmp)
 
         atomic_write(model_path, write)
     return Tokenizer(model_path), False

@@ -194,3 +194,27 @@ def test_check_compatible_names_the_fields():
         with pytest.raises(ValueError, match=r"model\.attention\.kind='linformer'.*task\.kind"):
             check_compatible(TASK.validate_python({"kind": kind, "seq_len": 64} if kind == "clm" else
                                                   {"kind": kind, "max_source_len": 64}), linformer)
+
+
+def test_a_tokenizer_is_cached_on_another_file_system_than_the_temporary_folder(tmp_path, monkeypatch):
+    """The work folder is in $TMPDIR; the cache may be on another file system (an NFS storage path), where a
+    rename between them fails with EXDEV. /dev/shm (tmpfs) is another file system than tmp_path here when the
+    machine has one; the test says which it used."""
+    import os
+    import tempfile
+
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK) and os.stat(shm).st_dev != os.stat(tmp_path).st_dev):
+        pytest.skip("no second file system (a writable /dev/shm on another device than the test's folder)")
+    work = Path(tempfile.mkdtemp(dir=shm, prefix="tokenizer-test-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(work))
+    try:
+        settings = dict(data_fingerprint="exdev", model_type="unigram", cache_dir=tmp_path / "cache")
+        tokenizer, hit = train_or_load(lambda: [f"line {i} of a small corpus" for i in range(200)], vocab_size=40,
+                                       **settings)
+        assert not hit and os.stat(tmp_path / "cache").st_dev != os.stat(work).st_dev
+        assert train_or_load(lambda: [], vocab_size=40, **settings)[1]
+        assert list(work.iterdir()) == []  # the work folder was cleaned up, its model moved out
+    finally:
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
