@@ -183,11 +183,20 @@ def file_lines(path: Path, chunk_chars: int | None = None) -> Iterator[tuple[lis
         binary = gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw
         text = io.TextIOWrapper(binary, encoding="utf-8")  # universal newlines, as the text builder's open()
         while True:
-            batch = text.read(chunk_chars)
+            try:
+                batch = text.read(chunk_chars)
+            except UnicodeDecodeError as err:
+                raise not_utf8(path, err, f"after about {raw.tell()} bytes") from None
             if not batch:
                 return
             batch += text.readline()  # finish the current line
             yield split_lines(batch), raw.tell()
+
+
+def not_utf8(path: Path, err: UnicodeDecodeError, where: str) -> ValueError:
+    """A corpus file with a byte that is not UTF-8, named with where it is (a bare UnicodeDecodeError names no
+    file, and surfaces from a Ray worker minutes after the launch)."""
+    return ValueError(f"{path} is not UTF-8 text: {err.reason} ({where}); convert it, e.g. iconv -f latin1 -t utf-8")
 
 
 def split_lines(text: str) -> list[str]:
@@ -215,7 +224,11 @@ class FileSlice:
         a text-mode open translates them), then filtered by `documents_of`."""
         with open(self.path, "rb") as raw:
             raw.seek(self.start)
-            text = raw.read(self.end - self.start).decode("utf-8")
+            data = raw.read(self.end - self.start)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise not_utf8(Path(self.path), err, f"at byte {self.start + err.start}") from None
         return documents_of(split_lines(text.replace("\r\n", "\n").replace("\r", "\n")))
 
 

@@ -7,6 +7,8 @@ orchestrator/launch/name_lock.py.)"""
 
 from __future__ import annotations
 
+import codecs
+import gzip
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,6 +71,23 @@ def check_data_files(spec: ExperimentSpec) -> None:
                             "(relative paths are resolved against the directory the command runs in)")
         if found.stat().st_size == 0:
             raise SpecError(f"{field}: {found} is empty (0 bytes); point it at the split's text")
+        if spec.task.kind != "bytelm" and (problem := utf8_problem(found)):  # bytelm reads bytes, any bytes
+            raise SpecError(f"{field}: {found} is not UTF-8 text ({problem}); convert it, e.g. "
+                            f"iconv -f latin1 -t utf-8 {found} > {found.stem}.utf8{found.suffix}")
+
+
+def utf8_problem(path: Path, limit: int = 1 << 20) -> str | None:
+    """Why the first `limit` bytes of a text file (decompressed, for .gz) are not UTF-8, or None. A prefix, so
+    that a corpus of gigabytes is checked in milliseconds; a bad byte further in is named by the reader
+    (tasks/text_sources.py) with its file and offset."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        head = f.read(limit)
+    try:  # final only when the file ended: a character cut by the limit is not an error
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < limit)
+    except UnicodeDecodeError as err:
+        return f"byte {head[err.start]:#04x} at offset {err.start} is not valid UTF-8"
+    return None
 
 
 def check_labelled_data(spec: ExperimentSpec, cache_dir: str) -> None:

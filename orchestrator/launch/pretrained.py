@@ -30,6 +30,7 @@ from models.classifier import load_encoder
 from orchestrator.cluster.ray_env import stored_result
 from orchestrator.launch.evaluate import choose_checkpoint
 from orchestrator.spec import ExperimentSpec, SpecError
+from orchestrator.spec.loading import bounded_yaml
 from orchestrator.storage.layout import checkpoint_steps, is_remote, join, storage_fs, resolve as resolve_location
 from orchestrator.tracking.describe import CHECKPOINTS_TAG
 from orchestrator.tracking.read import TrackingReader
@@ -106,8 +107,8 @@ def _read_spec(location: str, value: str) -> ExperimentSpec:
     fs, path = storage_fs(location)
     try:
         with fs.open_input_stream(join(path, SPEC_FILE)) as f:
-            return ExperimentSpec.model_validate(yaml.safe_load(f.read().decode()))
-    except (OSError, ValidationError, yaml.YAMLError) as err:
+            return ExperimentSpec.model_validate(bounded_yaml(f.read().decode()))
+    except (OSError, ValidationError, yaml.YAMLError, UnicodeDecodeError) as err:
         raise SpecError(f"model.init_from={value!r}: {location} has no readable {SPEC_FILE} ({type(err).__name__}); "
                         "it was not written by this orchestrator") from None
 

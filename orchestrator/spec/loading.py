@@ -26,13 +26,52 @@ from orchestrator.spec.search_space import (
     validation_points,
 )
 
+MAX_SPEC_VALUES = 100_000
+"""Values a spec file may expand to, an alias counted again at every use. Real specs have a few hundred; a few
+hundred bytes of nested aliases (a "billion laughs") expand to billions, which merging and validation walk."""
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Values under `node` once every alias is expanded; each node is counted once (memo), so this is linear in
+    the file even when its expansion is not."""
+    if id(node) not in memo:
+        memo[id(node)] = 1  # a node reached again while counting it (a recursive alias) counts once
+        children = ([part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        memo[id(node)] = 1 + sum(_expanded_size(child, memo) for child in children)
+    return memo[id(node)]
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a document whose aliases expand past MAX_SPEC_VALUES values."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        if (size := _expanded_size(node, {})) > MAX_SPEC_VALUES:
+            raise yaml.YAMLError(f"its aliases expand to {size:,} values, more than {MAX_SPEC_VALUES:,}; a spec "
+                                 "needs a few hundred (write the repeated blocks out, or use base:)")
+        return super().construct_document(node)
+
+
+def bounded_yaml(text: str) -> Any:
+    """YAML parsed safely (no tags that build objects) and with its alias expansion bounded: for every YAML read
+    from a file or from storage (a checkpoint's spec.yaml), which a careless or hostile hand may have written."""
+    return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader, with a bound on aliases
+
+
 def _read_mapping(path: Path, missing: str) -> dict[str, Any]:
     if not path.is_file():
         raise SpecError(missing)
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+                        "save the spec as UTF-8") from None
+    try:
+        data = bounded_yaml(text)
     except yaml.YAMLError as err:
         raise SpecError(f"{path}: not valid YAML: {err}") from err
+    except RecursionError:
+        raise SpecError(f"{path}: nested too deeply to be a spec") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a spec is a mapping with name/task/model/... keys, got {type(data).__name__}")
     return data
