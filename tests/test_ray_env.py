@@ -126,3 +126,12 @@ def test_the_reaper_kills_its_owners_processes_when_the_launcher_ends_and_no_oth
         for proc in (by_env, by_session, *others, launcher):
             proc.kill()
             proc.wait()
+
+
+def test_the_project_root_given_to_every_ray_process_is_the_checkout():
+    """Ray's processes import the project from PROJECT_ROOT (their PYTHONPATH): it must be the folder that holds
+    the packages, wherever ray_env.py sits inside orchestrator/."""
+    assert (ray_env.PROJECT_ROOT / "pyproject.toml").is_file()
+    assert all((ray_env.PROJECT_ROOT / package / "__init__.py").is_file()
+               for package in ("orchestrator", "tasks", "models", "kernels"))
+    assert str(ray_env.PROJECT_ROOT) in ray_env.local_ray_environment()["PYTHONPATH"].split(os.pathsep)

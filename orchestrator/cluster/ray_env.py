@@ -31,7 +31,8 @@ from orchestrator.console.progress import VERBOSE_ENV, verbose
 from orchestrator.storage.layout import ray_storage
 from orchestrator.storage.object_store import storage_env
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+"""The checkout (orchestrator/cluster/ray_env.py is two folders down): on every Ray process's PYTHONPATH."""
 TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
 LOCAL_RAY = "ORCHESTRATOR_LOCAL_RAY"
 """Set to 1 in every process of a Ray the launcher started itself (through the raylet's environment)."""
