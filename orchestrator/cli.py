@@ -34,6 +34,7 @@ from orchestrator.storage import parent, resolve
 from orchestrator.tracking.describe import artifact_root
 
 DEFAULT_STORAGE = "runs"
+DEFAULT_UI_PORT = 5000
 
 
 def _run_name(value: str) -> str:
@@ -42,7 +43,6 @@ def _run_name(value: str) -> str:
     if (problem := name_problem(value)) is not None:
         raise argparse.ArgumentTypeError(f"{value[:80]!r} is not a run name ({problem})")
     return value
-DEFAULT_UI_PORT = 5000
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -4,7 +4,6 @@ storage layout, one way into MLflow, and read-only commands that do not import R
 
 from __future__ import annotations
 
-import ast
 import re
 import subprocess
 import sys
@@ -22,16 +21,6 @@ MAX_LINES = 450
 """STYLE.md splits a module past about 500 lines; DESIGN.md asks for none over about 450 in any package."""
 LIMITED = ("orchestrator", "models", "tasks", "kernels", "benchmarks")
 ROOMS = [path.name for path in sorted(PACKAGE.iterdir()) if (path / "__init__.py").exists()]
-
-
-def _modules() -> dict[str, Path]:
-    return architecture.modules()
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the orchestrator modules it imports, anywhere in the file (function-local imports count: a
-    cycle hidden in a function is still a cycle)."""
-    return architecture.import_graph()
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -63,7 +52,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_orchestrator_has_no_import_cycle():
-    graph = import_graph()
+    graph = architecture.import_graph()  # function-local imports count: a cycle hidden in one is a cycle
     assert "orchestrator.launch.run" in graph and "orchestrator.storage.layout" in graph["orchestrator.launch.run"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle among orchestrator modules: " + " -> ".join(cycle)

@@ -9,8 +9,6 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from orchestrator.spec.names import NAME_PATTERN, name_problem
-
 def _field_path(loc: Sequence[Any], raw: Any) -> str:
     """A pydantic error location as the spec's dotted path, without the union tags pydantic inserts."""
     parts: list[str] = []
@@ -83,8 +81,6 @@ def describe_errors(err: ValidationError, raw: Mapping[str, Any], root: type[Bas
             msg = _unknown_field_message(root, item["loc"])
         elif item["type"] == "missing":
             msg = "required field is missing; add it to the spec"
-        elif item["type"] == "string_pattern_mismatch" and item["ctx"]["pattern"] == NAME_PATTERN:
-            msg = f"{item['input']!r} is not a name: {name_problem(item['input'])}"
         elif item["type"] == "finite_number":
             msg = f"must be a finite number (got {item['input']}); NaN and infinity are refused"
         lines.append(f"  {path}: {msg}" if path else f"  {msg}")

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from models import ModelConfig
 from orchestrator.spec.merge import merge_mappings
 from orchestrator.spec.messages import describe_errors
-from orchestrator.spec.names import MAX_NAME_LENGTH, NAME_PATTERN
+from orchestrator.spec.names import Name
 from orchestrator.storage.layout import resolve as resolve_location
 from tasks import check_compatible
 from tasks.config import TaskConfig
@@ -273,7 +273,7 @@ class TrackingSettings(_Section):
 
     uri: str = "sqlite:///mlflow.db"
     """MLflow tracking URI: a local SQLite file (made absolute) or a server such as http://head:5000."""
-    experiment: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
+    experiment: Name | None = None
     """MLflow experiment (one per study; letters, digits, . _ -); defaults to the spec's name."""
     retries: int = 3
     """Attempts per logging call before it is dropped with a warning (training never stops for logging)."""
@@ -313,7 +313,7 @@ class TrackingSettings(_Section):
 class ExperimentSpec(_Section):
     """A complete, resolved experiment: everything a run needs, and what is stored in its checkpoints."""
 
-    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
+    name: Name
     """Run or sweep name (letters, digits, . _ -); names the storage folder and the MLflow experiment."""
     task: TaskConfig
     """Data and objective: {kind: mlm | clm | translation, ...} (tasks/config.py)."""

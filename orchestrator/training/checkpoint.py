@@ -158,7 +158,6 @@ def read_checkpoint(directory: Path) -> TrainingState:
             "do not load this file unless you know who wrote it and why.") from None
     if not isinstance(data, dict) or not {"step", "model"} <= data.keys():
         raise CheckpointError(f"{path} is not a training state of this project (a dict with step, model, ...)")
-    known = {f for f in TrainingState.__dataclass_fields__}
-    if unknown := sorted(set(data) - known):
+    if unknown := sorted(data.keys() - TrainingState.__dataclass_fields__.keys()):
         raise CheckpointError(f"{path} holds fields no training state has: {unknown}")
     return TrainingState(**data)
