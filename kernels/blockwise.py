@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from kernels.reference import check_attention_inputs, check_key_padding_mask
+from kernels.reference import autocast_off, check_attention_inputs, check_key_padding_mask, fp32_softmax
 
 # Elements of one block's logits across batch and heads: 2^22 fp32 values are 16 MiB per [rows, N] buffer,
 # and the backward holds four of them (S, P, dP, dS) at once.
@@ -90,32 +90,36 @@ class BlockwiseAttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        q, k, v, lse = ctx.saved_tensors
-        seq_q, seq_k = q.shape[2], k.shape[2]
-        k_up, v_up = _upcast(k), _upcast(v)
-        kpm = ctx.key_padding_mask
-        kpm_B11N = None if kpm is None else kpm[:, None, None, :]
-        dq = torch.zeros_like(q, dtype=k_up.dtype)
-        dk = torch.zeros_like(k_up)
-        dv = torch.zeros_like(v_up)
-        for start in range(0, seq_q, ctx.rows_per_block):
-            stop = min(start + ctx.rows_per_block, seq_q)
-            masked = _masked(range(start, stop), seq_k, ctx.causal, kpm_B11N, q.device)
-            q_blk = _upcast(q[:, :, start:stop])
-            p, _ = _probabilities(q_blk, k_up, masked, ctx.scale, lse[:, :, start:stop])
-            ds = torch.zeros_like(p)
-            if dout is not None:
-                do_blk = _upcast(dout[:, :, start:stop])
-                dv += torch.matmul(p.transpose(-1, -2), do_blk)
-                dp = torch.matmul(do_blk, v_up.transpose(-1, -2))
-                ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-            if dlse is not None:
-                ds = ds + p * dlse[:, :, start:stop, None].to(p.dtype)
-            dq[:, :, start:stop] = torch.matmul(ds, k_up) * ctx.scale
-            dk += torch.matmul(ds.transpose(-1, -2), q_blk) * ctx.scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        # A backward run inside the caller's autocast (loss.backward() in the autocast block) would recompute P
+        # from bf16 logits; the recomputation follows the forward's fp32.
+        with autocast_off(ctx.saved_tensors[0].device.type):
+            q, k, v, lse = ctx.saved_tensors
+            seq_q, seq_k = q.shape[2], k.shape[2]
+            k_up, v_up = _upcast(k), _upcast(v)
+            kpm = ctx.key_padding_mask
+            kpm_B11N = None if kpm is None else kpm[:, None, None, :]
+            dq = torch.zeros_like(q, dtype=k_up.dtype)
+            dk = torch.zeros_like(k_up)
+            dv = torch.zeros_like(v_up)
+            for start in range(0, seq_q, ctx.rows_per_block):
+                stop = min(start + ctx.rows_per_block, seq_q)
+                masked = _masked(range(start, stop), seq_k, ctx.causal, kpm_B11N, q.device)
+                q_blk = _upcast(q[:, :, start:stop])
+                p, _ = _probabilities(q_blk, k_up, masked, ctx.scale, lse[:, :, start:stop])
+                ds = torch.zeros_like(p)
+                if dout is not None:
+                    do_blk = _upcast(dout[:, :, start:stop])
+                    dv += torch.matmul(p.transpose(-1, -2), do_blk)
+                    dp = torch.matmul(do_blk, v_up.transpose(-1, -2))
+                    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+                if dlse is not None:
+                    ds = ds + p * dlse[:, :, start:stop, None].to(p.dtype)
+                dq[:, :, start:stop] = torch.matmul(ds, k_up) * ctx.scale
+                dk += torch.matmul(ds.transpose(-1, -2), q_blk) * ctx.scale
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
+@fp32_softmax  # the forward's logits in fp32 under any autocast (kernels/reference.py)
 def exact_attention_blockwise(
     q: torch.Tensor,
     k: torch.Tensor,

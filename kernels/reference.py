@@ -8,13 +8,23 @@ so these functions are an independent check of the hand-written Triton backward 
 Softmax runs in fp32 for fp16/bf16/fp32 inputs (fp16 logits overflow) and in fp64 for fp64 inputs; ``out``
 is cast back to the input dtype and ``lse`` stays in the softmax dtype. A query row whose keys are all
 masked returns zeros and ``lse = -inf``, never NaN.
+
+Under autocast (bf16 or fp16, on CPU as on CUDA) these functions run with autocast switched off
+(``fp32_softmax``): matmul is on autocast's lower-precision list, so it would cast the upcast logits back to
+half precision, and the softmax, its log-sum-exp and every merge of attention parts built on that lse
+(models/attention/lse.py) would be computed in bf16. tests/test_mixed_precision.py fails if that happens.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+Fn = TypeVar("Fn", bound=Callable)
 
 # Reformer gives a token's logit to itself a large negative value rather than -inf, so that a query still
 # has something to attend to when every other key is masked (Kitaev et al., 2020, arXiv 2001.04451, sec. 2.2;
@@ -22,6 +32,24 @@ import torch
 SELF_LOGIT = -1e5
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def autocast_off(device_type: str) -> torch.autocast:
+    """The context the fp32 parts run in (a function of its own so a test can break it and watch a check fail)."""
+    return torch.autocast(device_type, enabled=False)
+
+
+def fp32_softmax(fn: Fn) -> Fn:
+    """Run an attention function (q first) with autocast off on q's device: its own upcasts then hold, and the
+    logits, softmax and lse stay in fp32 whatever the caller's autocast; ``out`` still returns in the inputs'
+    dtype, so the rest of the layer runs in the caller's precision."""
+
+    @functools.wraps(fn)
+    def wrapper(q: torch.Tensor, *args, **kwargs):
+        with autocast_off(q.device.type):
+            return fn(q, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -120,6 +148,7 @@ def _softmax_with_lse(
     return out_BHMD.to(v_BHND.dtype), lse_BHM
 
 
+@fp32_softmax
 def exact_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -168,6 +197,7 @@ def chunk_neighbours(n_chunks: int, lookback: int, wrap: bool) -> torch.Tensor:
     return kc_CL % n_chunks if wrap else kc_CL.clamp(min=-1)
 
 
+@fp32_softmax
 def chunked_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -93,7 +93,6 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["task.colour=1"], ["task.colour", "valid fields here: batch_size, builtin"]),
         (["tune.metric=val/bleu"], ["tune.metric='val/bleu'", "task.kind=mlm", "val/ppl"]),
         (["task.seq_len=64"], ["task.seq_len=64", "model.max_seq_len=32"]),
-        (["run.precision=bf16"], ["run.precision=bf16", "gpus_per_worker"]),
         (["optim.warmup_steps=20"], ["optim.warmup_steps=20", "max_steps=10"]),
         (["run.workers=2", "run.gpus_per_worker=0.5"], ["run.gpus_per_worker=0.5", "run.workers=2", "NCCL"]),
         (["run.gpus_per_worker=1.5"], ["run.gpus_per_worker=1.5", "whole number"]),
@@ -103,7 +102,7 @@ def test_yaml_and_dotted_overrides(tmp_path):
     ],
     ids=["unknown-kind", "k-over-seq-len", "typo-attention", "typo-optim", "typo-union-member", "moved-field",
          "no-close-name", "metric-not-produced", "seq-len",
-         "bf16-cpu", "warmup", "fractional-gpu-ddp", "gpu-over-one-not-whole", "system-metrics-interval", "type",
+         "warmup", "fractional-gpu-ddp", "gpu-over-one-not-whole", "system-metrics-interval", "type",
          "name"],
 )
 def test_errors_name_the_field_and_the_fix(tmp_path, overrides, expected):

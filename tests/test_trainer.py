@@ -175,10 +175,10 @@ def test_nan_loss_stops_the_run_before_it_is_checkpointed(tmp_path):
     assert trainer.step == stopped + 1
 
 
-def test_a_worker_starts_without_importing_fsdp_and_still_recognises_an_fsdp_model():
-    """Importing FSDP costs about half a second of every Train worker's start, so the worker's modules leave it
-    to Ray Train's prepare_model (run.strategy=fsdp); once imported, an FSDP-wrapped model must still be seen as
-    one (its clipping, checkpoints and evaluation are collectives) and unwrapped, and DDP's as DDP's."""
+def test_a_worker_starts_without_importing_fsdp_and_still_recognises_a_sharded_model(tmp_path):
+    """Importing FSDP costs about half a second of every Train worker's start, so the worker's modules import it
+    only when run.strategy=fsdp shards the model (orchestrator/training/sharding.py); a sharded model must still
+    be seen as one (its gradient sync, checkpoints and evaluation are collectives), and DDP's as a wrapper."""
     import subprocess
     import sys
 
@@ -187,19 +187,22 @@ def test_a_worker_starts_without_importing_fsdp_and_still_recognises_an_fsdp_mod
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.stdout.strip() == "[]", done.stdout
+    # A one-rank process group in a child process (this one's tests must not inherit a default group).
+    shard = ("import torch, torch.distributed as dist; from orchestrator.training.sharding import is_sharded, shard_model; "
+             "from orchestrator.training.optimizer_step import is_wrapped; "
+             f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1); "
+             "m = torch.nn.Sequential(torch.nn.Linear(2, 2)); plain = is_sharded(m); "
+             "shard_model(m, torch.device('cpu'), 'fp32', 1); print(plain, is_sharded(m), is_wrapped(m))")
+    done = subprocess.run([sys.executable, "-c", shard], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.split() == ["False", "True", "False"], done.stdout + done.stderr
 
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from orchestrator.training.optimizer_step import is_fsdp, is_wrapped
+    from orchestrator.training.optimizer_step import is_wrapped
     from orchestrator.training.trainer import unwrap
 
     inner = torch.nn.Linear(2, 2)
-    sharded = object.__new__(FullyShardedDataParallel)  # an instance without a process group: only its type counts
-    torch.nn.Module.__init__(sharded)
-    sharded._fsdp_wrapped_module = inner  # what FSDP.module returns
-    assert is_fsdp(sharded) and is_wrapped(sharded) and unwrap(sharded) is inner
     ddp = object.__new__(torch.nn.parallel.DistributedDataParallel)
     torch.nn.Module.__init__(ddp)
     ddp.module = inner
-    assert not is_fsdp(ddp) and is_wrapped(ddp) and unwrap(ddp) is inner
-    assert not is_fsdp(inner) and not is_wrapped(inner) and unwrap(inner) is inner
+    assert is_wrapped(ddp) and unwrap(ddp) is inner
+    assert not is_wrapped(inner) and unwrap(inner) is inner

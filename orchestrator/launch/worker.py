@@ -22,6 +22,7 @@ from typing import Any
 
 import ray.train
 import ray.train.torch
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -45,6 +46,7 @@ from orchestrator.tracking.describe import RunHandle, device_tags
 from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger
 from orchestrator.tracking.write import MlflowTracker, start_system_metrics
 from orchestrator.training.checkpoint import TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.training.sharding import shard_model
 from orchestrator.training.trainer import Cadence, NonFiniteLoss, Trainer, unwrap
 from tasks.base import WorkerContext
 
@@ -73,11 +75,14 @@ def has_unused_parameters(spec: ExperimentSpec) -> bool:
     return isinstance(spec.model.embedding, AdaptiveInputConfig) and not spec.model.tie_output
 
 
-def prepare(model: nn.Module, spec: ExperimentSpec) -> nn.Module:
-    """Ray's prepare_model with the spec's strategy. DDP searches the graph for unused parameters only where a
-    config can have them: the search costs a graph traversal every step."""
-    kwargs = {"find_unused_parameters": True} if spec.run.strategy == "ddp" and has_unused_parameters(spec) else None
-    return ray.train.torch.prepare_model(model, parallel_strategy=spec.run.strategy, parallel_strategy_kwargs=kwargs)
+def prepare(model: nn.Module, spec: ExperimentSpec, device: torch.device, world_size: int) -> nn.Module:
+    """DDP through Ray's prepare_model, which searches the graph for unused parameters only where a config can have
+    them (the search costs a graph traversal every step); FSDP2 by the project itself (Ray's prepare_model would
+    wrap in FSDP1, which refuses CPUs): orchestrator/training/sharding.py."""
+    if spec.run.strategy == "fsdp":
+        return shard_model(model.to(device), device, spec.run.precision, world_size)
+    kwargs = {"find_unused_parameters": True} if has_unused_parameters(spec) else None
+    return ray.train.torch.prepare_model(model, parallel_strategy="ddp", parallel_strategy_kwargs=kwargs)
 
 
 class RayHooks:
@@ -122,8 +127,10 @@ class RayHooks:
         # `evaluations` is ASHA's time unit: counted from the step, so a resumed trial keeps its rung even
         # though Tune's training_iteration restarts at 1 (a function trial has no Tune checkpoint).
         report = {"step": step, "evaluations": Cadence.of(self.spec).reports_until(step), **self.sizes, **metrics}
-        # Every rank gathers (positions and RNG of all ranks); rank 0 alone gets a state to write.
+        # Every rank gathers (positions and RNG of all ranks); rank 0 alone gets a state to write. A sharded run's
+        # ranks each write their shards too.
         state = trainer.checkpoint_state(self.run_id) if checkpoint else None
+        shards = trainer.checkpoint_shards() if checkpoint else None
         if not checkpoint:
             ray.train.report(report)
             return
@@ -134,8 +141,9 @@ class RayHooks:
         tmp = Path(tempfile.mkdtemp(prefix="orchestrator-ckpt-"))
         try:
             ckpt = None
-            if state is not None:
-                folder = write_checkpoint(tmp, state, spec_to_yaml(self.spec), trainer.task.artifacts().get("tokenizer"))
+            if state is not None or shards is not None:
+                folder = write_checkpoint(tmp, state, spec_to_yaml(self.spec), trainer.task.artifacts().get("tokenizer"),
+                                          shards=shards, step=step)
                 ckpt = ray.train.Checkpoint.from_directory(str(folder))
             # Named by step, not Ray's timestamp default, so storage listings read as a training history.
             upload = partial(ray.train.report, report, checkpoint=ckpt, checkpoint_dir_name=checkpoint_name(step))
@@ -251,7 +259,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         assert cfg.init_checkpoint is not None, "the launcher resolves model.init_from into init_checkpoint"
         pretrained = load_pretrained(cfg.init_checkpoint, Path(tempfile.mkdtemp(prefix="init-from-")))
         ctx = replace(ctx, tokenizer_path=pretrained.tokenizer)
-    trainer = Trainer.create(spec, ctx, wrap=lambda model: prepare(model, spec),
+    trainer = Trainer.create(spec, ctx, wrap=lambda model: prepare(model, spec, ctx.device, world_size),
                              gather=lambda obj: _gather(obj, world_size),
                              initialize=pretrained.initializer(spec.model.freeze) if pretrained else None)
 

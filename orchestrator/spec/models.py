@@ -86,8 +86,11 @@ class RunSettings(_Section):
     cpus_per_worker: float = 1
     """CPUs reserved per worker."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """fp32; bf16 autocast (GPU only); or fp16 autocast with dynamic loss scaling (GradScaler; for GPUs without
-    bf16 such as V100/T4; also runs on CPU, slowly): overflowing steps are skipped and counted (train/skipped_steps)."""
+    """fp32; bf16 autocast (with run.strategy=fsdp: bf16 parameters and fp32 gradient reduction instead); or fp16
+    autocast with dynamic loss scaling (GradScaler; for GPUs without bf16 such as V100/T4): overflowing steps are
+    skipped and counted (train/skipped_steps). Softmax, log-sum-exp and the loss stay fp32 in every precision. Both
+    half precisions also run on CPU (torch's CPU autocast), which exists for testing the GPU paths and for CPUs
+    with bf16 units; elsewhere it is slower than fp32."""
     tf32: bool = True
     """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores (Ampere and newer; no effect on CPU or
     older GPUs): ~10-bit mantissa products, fp32 accumulation."""
@@ -100,8 +103,9 @@ class RunSettings(_Section):
     """Recompute each transformer layer's activations in backward instead of storing them (torch.utils.checkpoint):
     about one extra forward per step for activation memory of one layer. Reversible stacks already recompute."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    """How Ray Train's prepare_model wraps the model across workers: ddp (replicated) or fsdp (sharded
-    parameters, gradients and optimizer state; needs GPUs: torch's FSDP has no CPU backend)."""
+    """How the model is spread across workers: ddp (replicated, through Ray Train's prepare_model) or fsdp (FSDP2's
+    fully_shard per transformer layer: sharded parameters, gradients and optimizer state, checkpoints written
+    shard by shard through torch.distributed.checkpoint; NCCL on GPUs, gloo on CPU)."""
     collective_timeout_s: int = 1800
     """Timeout of the process group's collectives (Ray's TorchConfig(timeout_s)): rank 0 evaluates alone while
     the other ranks wait at the next collective, so raise it above the time of one evaluation on long splits."""
@@ -164,13 +168,8 @@ class RunSettings(_Section):
             )
         if self.gpus_per_worker > 1 and self.gpus_per_worker != int(self.gpus_per_worker):
             raise ValueError(f"run.gpus_per_worker={self.gpus_per_worker:g}: above 1, give a whole number of GPUs")
-        if self.precision == "bf16" and self.gpus_per_worker == 0:
-            raise ValueError("run.precision=bf16 needs GPUs (run.gpus_per_worker > 0); use precision: fp32 on CPU")
         if self.max_failures < -1:
             raise ValueError("run.max_failures must be >= 0, or -1 for unlimited retries")
-        if self.strategy == "fsdp" and self.gpus_per_worker == 0:
-            raise ValueError("run.strategy=fsdp needs GPUs (run.gpus_per_worker > 0): torch's FullyShardedDataParallel "
-                             "has no CPU backend; use strategy: ddp on CPU")
         if self.strategy == "fsdp" and self.precision == "fp16":
             raise ValueError("run.precision=fp16 is not supported with run.strategy=fsdp (its sharded gradients need "
                              "a sharded loss scaler); use precision: bf16 with fsdp, or strategy: ddp with fp16")

@@ -3,7 +3,9 @@
 A checkpoint is one directory: `state.pt` (model, optimizer, LR scheduler, grad scaler, step, every
 rank's data position, stream state and RNG states, the MLflow run id), `spec.yaml` (the resolved spec, so a model
 can be rebuilt from the checkpoint alone; STYLE.md section 3) and `tokenizer.model` (the run's sentencepiece
-model, which scoring and fine-tuning read instead of rebuilding it from the data). The directory is filled under a
+model, which scoring and fine-tuning read instead of rebuilding it from the data). A sharded (FSDP) run's model
+and optimizer tensors are in `sharded/` instead, one file per rank (torch.distributed.checkpoint), read back in
+full by `read_checkpoint` (orchestrator/training/sharding.py). The directory is filled under a
 temporary name and renamed into place, so a crash never leaves a half-written checkpoint for Ray to upload.
 
 A checkpoint holds data, never code: `state.pt` is tensors, numbers, strings and containers of them, and is read
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from orchestrator.storage.layout import checkpoint_name
+from orchestrator.training.sharding import SHARDS_DIR, ShardIndexError, load_full_state, save_shards
 
 STATE_FILE = "state.pt"
 SPEC_FILE = "spec.yaml"
@@ -109,19 +112,34 @@ class TrainingState:
     best: dict[str, Any] = field(default_factory=dict)
     """The compared metric's best value so far and its step ({metric, value, step}); empty before the first
     evaluation (and in checkpoints written before it was kept)."""
+    sharded: bool = False
+    """Written by a sharded (FSDP) run: `model` is empty and `optimizer` holds the param groups in state.pt; the
+    tensors are in the DCP folder `sharded/` (orchestrator/training/sharding.py). Read back, the state holds them
+    in full, FQN-keyed."""
 
 
-def write_checkpoint(parent: Path, state: TrainingState, spec_yaml: str, tokenizer: Path | None = None) -> Path:
-    """Write `state` as `parent/<checkpoint_name(step)>` atomically (temp dir + rename), with the run's tokenizer."""
+def write_checkpoint(parent: Path, state: TrainingState | None, spec_yaml: str, tokenizer: Path | None = None, *,
+                     shards: dict[str, Any] | None = None, step: int | None = None) -> Path:
+    """Write `state` as `parent/<checkpoint_name(step)>` atomically (temp dir + rename), with the run's tokenizer.
+
+    A sharded run calls this on every rank (a collective): each passes its `shards` (Trainer.checkpoint_shards)
+    and the step, rank 0 also the state; each rank's folder then holds its part, which Ray Train gathers into one
+    checkpoint."""
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
-    final = parent / checkpoint_name(state.step)
+    step = state.step if state is not None else step
+    if step is None:
+        raise ValueError("write_checkpoint needs the state or, for a rank that writes shards only, the step")
+    final = parent / checkpoint_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=parent))
     try:
-        torch.save(state.__dict__, tmp / STATE_FILE)
-        (tmp / SPEC_FILE).write_text(spec_yaml)
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+        if shards is not None:
+            save_shards(shards, tmp / SHARDS_DIR)
+        if state is not None:
+            torch.save(state.__dict__, tmp / STATE_FILE)
+            (tmp / SPEC_FILE).write_text(spec_yaml)
+            if tokenizer is not None:
+                shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -160,4 +178,17 @@ def read_checkpoint(directory: Path) -> TrainingState:
         raise CheckpointError(f"{path} is not a training state of this project (a dict with step, model, ...)")
     if unknown := sorted(data.keys() - TrainingState.__dataclass_fields__.keys()):
         raise CheckpointError(f"{path} holds fields no training state has: {unknown}")
-    return TrainingState(**data)
+    state = TrainingState(**data)
+    if state.sharded:
+        try:
+            state.model, state.optimizer = load_full_state(Path(directory) / SHARDS_DIR,
+                                                           state.optimizer.get("param_groups", []))
+        except ShardIndexError as err:
+            raise CheckpointError(str(err)) from None
+        except BaseException as err:  # DCP's CheckpointException is a BaseException: a shard missing or cut short
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            last = next((line.strip() for line in reversed(str(err).splitlines()) if line.strip()), type(err).__name__)
+            raise CheckpointError(f"{Path(directory) / SHARDS_DIR} cannot be read in full ({last[:300]}): a rank's "
+                                  "shard is missing or incomplete") from None
+    return state

@@ -6,35 +6,46 @@ learning-rate schedule of `optim.schedule` (`lr_lambda`). `LossMeter` sums the l
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from orchestrator.spec import OptimConfig
+from orchestrator.training.sharding import is_sharded
 from tasks import Batch
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 """Mean loss over a batch's `n_tokens` target tokens (Task.loss)."""
 
 
-def is_fsdp(model: nn.Module) -> bool:
-    """Whether `model` is wrapped by torch's FullyShardedDataParallel, asked without importing FSDP: the import
-    (torch.distributed.fsdp and the DTensor machinery under it) costs about half a second of every Train
-    worker's start, which a run that does not shard would pay before its first step (benchmarks/RESULTS.md,
-    "Start-up against a bare Ray Train run"). Nothing can be wrapped in FSDP before something imported it
-    (Ray Train's `prepare_model` does, for run.strategy=fsdp)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel)
-
-
 def is_wrapped(model: nn.Module) -> bool:
-    """Wrapped by DDP or FSDP: gradients sync on the last micro-batch only, the module is `model.module`."""
-    return isinstance(model, nn.parallel.DistributedDataParallel) or is_fsdp(model)
+    """Wrapped by DDP: gradients sync on the last micro-batch only, the module is `model.module`. (FSDP2 shards
+    the module in place: no wrapper, orchestrator/training/sharding.py.)"""
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Inside, a backward all-reduces (DDP) or reduce-scatters (FSDP) the gradients only when `enabled`: off for
+    every micro-batch but the last, which then reduces the accumulated sum once (DDP's no_sync; FSDP2's
+    set_requires_gradient_sync). The backward must run inside it, since that is where the reduction hooks fire."""
+    if enabled:
+        yield
+    elif is_wrapped(model):
+        with model.no_sync():
+            yield
+    elif is_sharded(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def lr_lambda(optim: OptimConfig) -> Callable[[int], float]:
@@ -100,7 +111,8 @@ class Optimization:
     grad_accum: int
     grad_clip: float | None
     autocast_dtype: torch.dtype | None
-    """bf16 autocast on CUDA, fp16 autocast anywhere; None trains in fp32."""
+    """The autocast dtype (bf16 or fp16, on CPU as on CUDA); None trains in fp32, or in the bf16 parameters of
+    FSDP's mixed-precision policy (orchestrator/training/sharding.py), which needs no autocast."""
     skipped_steps: int = 0
     """fp16 steps skipped so far in this process because a gradient overflowed (inf/NaN after unscaling)."""
 
@@ -113,7 +125,7 @@ class Optimization:
         # bf16 keeps fp32's exponent range, so only fp16 scales the loss (its gradients would underflow); the
         # disabled scaler of the other precisions keeps one checkpoint format.
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16 if device.type == "cuda" else None}.get(precision)
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
         return cls(optimizer, scheduler, scaler, optim.grad_accum, optim.grad_clip, dtype)
 
     @property
@@ -129,15 +141,11 @@ def train_step(model: nn.Module, micro_batches: Iterator[Batch], loss_fn: LossFn
     The loss of each micro-batch is its mean over its own target tokens, scaled by 1 / grad_accum (each
     micro-batch weighs the same in the gradient, as in nanoGPT); the meter weights by tokens for logging.
     """
-    wrapped = is_wrapped(model)
     for micro in range(opt.grad_accum):
         batch = next(micro_batches).to(device)
-        # Gradients are all-reduced once, on the last micro-batch (DDP's / FSDP's no_sync on the others); the
-        # backward must run inside no_sync too, since that is where the reduction hooks fire.
-        sync = model.no_sync() if wrapped and micro < opt.grad_accum - 1 else nullcontext()
         autocast = (torch.autocast(device.type, dtype=opt.autocast_dtype) if opt.autocast_dtype is not None
                     else nullcontext())
-        with sync:
+        with gradient_sync(model, enabled=micro == opt.grad_accum - 1):
             with autocast:
                 loss = loss_fn(model, batch)
             # fp16: the scaled loss keeps small gradients above fp16's underflow (a no-op when disabled).
@@ -149,10 +157,8 @@ def train_step(model: nn.Module, micro_batches: Iterator[Batch], loss_fn: LossFn
         # Clipping must see the true gradients, so unscale first; step() then does not unscale again.
         opt.scaler.unscale_(opt.optimizer)
     if opt.grad_clip is not None:
-        if is_fsdp(model):
-            model.clip_grad_norm_(opt.grad_clip)  # the norm over every rank's shard, not this rank's alone
-        else:
-            nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+        # Sharded (FSDP2), the gradients are DTensors and the norm is taken over every rank's shard.
+        nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
     skipped = False
     if scaling:
         # GradScaler.step skips the update when unscale_ found inf/NaN, and update() then lowers the scale: a

@@ -15,13 +15,13 @@ golden-loss test), and the throughput benchmark (`train_step` alone). What diffe
 
 from __future__ import annotations
 
+import copy
 import math
 import queue
 import random
 import resource
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -32,7 +32,8 @@ from torch import nn
 from models import checkpoint_activations
 from orchestrator.spec import ExperimentSpec, RunSettings
 from orchestrator.training.checkpoint import TrainingState, capture_rng, restore_rng
-from orchestrator.training.optimizer_step import LossMeter, Optimization, is_fsdp, is_wrapped, train_step
+from orchestrator.training.optimizer_step import LossMeter, Optimization, is_wrapped, train_step
+from orchestrator.training.sharding import full_model_state, is_sharded, restore_sharded, shard_tensors
 from tasks import Batch, Task, WorkerContext, build_task
 
 def seed_everything(seed: int) -> None:
@@ -42,8 +43,8 @@ def seed_everything(seed: int) -> None:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module under a DDP or FSDP wrapper: what checkpoints and evaluation see. (`run.compile` compiles
-    that module in place, so its state_dict keys stay those of the eager model.)"""
+    """The module under a DDP wrapper: what checkpoints and evaluation see (FSDP2 shards in place, no wrapper).
+    (`run.compile` compiles that module in place, so its state_dict keys stay those of the eager model.)"""
     return model.module if is_wrapped(model) else model
 
 
@@ -236,6 +237,9 @@ class Trainer:
     step: int = 0
     position: dict[str, Any] | None = None
     """The training stream's position after the last consumed batch."""
+    eval_replica: nn.Module | None = None
+    """Sharded runs, rank 0: an unsharded copy of the model that evaluation loads the gathered weights into
+    (Task.evaluate runs on rank 0 alone, and a sharded forward is a collective of every rank)."""
 
     def __post_init__(self) -> None:
         self.opt = Optimization.build(self.model, self.spec.optim, self.device, self.spec.run.precision)
@@ -256,6 +260,8 @@ class Trainer:
         model = task.build_model()
         if initialize is not None:
             initialize(model)
+        # Taken before compile and activation checkpointing: evaluation needs neither.
+        replica = copy.deepcopy(model) if spec.run.strategy == "fsdp" and ctx.rank == 0 else None
         if spec.run.activation_checkpointing:
             checkpoint_activations(model)
         if spec.run.compile:
@@ -264,19 +270,21 @@ class Trainer:
             model.compile(backend=spec.run.compile_backend)
         model = wrap(model)
         seed_everything(spec.optim.seed + 1000 * ctx.rank)
-        return cls(spec, task, model, ctx.device, ctx.rank, ctx.world_size, gather or (lambda obj: [obj]))
+        return cls(spec, task, model, ctx.device, ctx.rank, ctx.world_size, gather or (lambda obj: [obj]),
+                   eval_replica=replica if is_sharded(model) else None)
 
     # --- state ---------------------------------------------------------------------------------------
 
     def restore(self, state: TrainingState) -> None:
         """Continue from a checkpoint of this run: weights, optimizer, schedule, step, best, and this rank's
         data position, stream state and RNG (a run resumed on fewer ranks keeps the positions it has)."""
-        if is_fsdp(self.model):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict  # FSDP only
-
-            # Every rank loads the full (unsharded, parameter-named) state and keeps its shard of it.
-            set_state_dict(self.model, self.opt.optimizer, model_state_dict=state.model,
-                           optim_state_dict=state.optimizer, options=StateDictOptions(full_state_dict=True))
+        if state.sharded != is_sharded(self.model):
+            raise ValueError(f"checkpoint of step {state.step} was written by a {'sharded' if state.sharded else 'DDP'} "
+                             f"run; this run is {'sharded' if is_sharded(self.model) else 'not sharded'}: resume it "
+                             "with the run.strategy it was trained with")
+        if state.sharded:
+            # The full (FQN-keyed) state, read from every rank's shards; each rank keeps its own shard of it.
+            restore_sharded(self.model, self.opt.optimizer, state.model, state.optimizer)
         else:
             unwrap(self.model).load_state_dict(state.model)
             self.opt.optimizer.load_state_dict(state.optimizer)
@@ -299,12 +307,11 @@ class Trainer:
         # A task's state between batches (Transformer-XL memory) belongs with its position; most tasks have none.
         stream_state = getattr(self.task, "stream_state", None)
         streams = self.gather(stream_state() if stream_state is not None else None)
-        if is_fsdp(self.model):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # FSDP only
-
-            # Gathering the shards is a collective: every rank takes part, rank 0 alone receives the full state.
-            model_state, optim_state = get_state_dict(
-                self.model, self.opt.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sharded = is_sharded(self.model)
+        if sharded:
+            # The model and optimizer tensors are written by every rank as shards (checkpoint_shards); rank 0's
+            # state carries the optimizer's param groups, which name parameters by FQN.
+            model_state, optim_state = {}, {"param_groups": shard_tensors(self.model, self.opt.optimizer)[1]}
         elif self.rank == 0:
             model_state, optim_state = unwrap(self.model).state_dict(), self.opt.optimizer.state_dict()
         if self.rank != 0:
@@ -314,24 +321,34 @@ class Trainer:
             scheduler=self.opt.scheduler.state_dict(), scaler=self.opt.scaler.state_dict(),
             data_positions=positions, rng=rngs, mlflow_run_id=mlflow_run_id, stream_states=streams,
             spec=self.spec.model_dump(mode="json"),
-            best={"metric": self.best.metric, "value": self.best.value, "step": self.best.step},
+            best={"metric": self.best.metric, "value": self.best.value, "step": self.best.step}, sharded=sharded,
         )
+
+    def checkpoint_shards(self) -> dict[str, Any] | None:
+        """A sharded run's model and optimizer tensors as this rank holds them (every rank writes its own, through
+        torch.distributed.checkpoint); None for a run that is not sharded. Every rank must call it."""
+        return shard_tensors(self.model, self.opt.optimizer)[0] if is_sharded(self.model) else None
 
     # --- evaluation and the loop ---------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
         """The task's validation metrics on rank 0 ({} elsewhere: Task.evaluate scores the whole split by
         itself). The unwrapped module, because DDP's forward would wait for the other ranks."""
-        # FSDP: the module's parameters are shards; gathering them in full is a collective of every rank.
-        full = (type(self.model).summon_full_params(self.model, writeback=False)
-                if is_fsdp(self.model) else nullcontext())
-        with full:
+        model = unwrap(self.model)
+        if is_sharded(self.model):
+            # Gathering the full weights is a collective of every rank; rank 0 evaluates its unsharded replica.
+            weights = full_model_state(self.model)
             if self.rank != 0:
                 return {}
-            self.model.eval()
-            with torch.no_grad():
-                metrics = self.task.evaluate(unwrap(self.model))
-            self.model.train()
+            assert self.eval_replica is not None, "Trainer.create keeps a replica on rank 0 of a sharded run"
+            self.eval_replica.load_state_dict(weights)
+            model = self.eval_replica
+        if self.rank != 0:
+            return {}
+        model.eval()
+        with torch.no_grad():
+            metrics = self.task.evaluate(model)
+        model.train()
         return metrics
 
     def _batches(self, stream: Iterator[tuple[Batch, dict[str, Any]]]) -> Iterator[Batch]:

@@ -1,0 +1,197 @@
+"""run.strategy=fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) and the sharded checkpoint it writes.
+
+Sharding follows torchtitan (torchtitan/models/llama3/infra/parallelize.py, `apply_fsdp`): `fully_shard` on each
+transformer layer, then on the root, over an explicit 1-D device mesh (gloo on CPU, NCCL on CUDA: the process
+group Ray Train set up). Under run.precision=bf16 the mixed-precision policy computes with bf16 parameters and
+reduces gradients in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), with no autocast: the
+fp32 master weights and optimizer state stay sharded. Layers that share a parameter with the rest of the model
+(Linformer's layerwise projections), and the layers of a reversible stack or of a Transformer-XL memory stack
+(which call a layer's sub-blocks or `forward_with_memory`, not the layer itself, so the layer's all-gather hooks
+would not fire) stay in the root's group instead.
+
+A sharded checkpoint is written through torch.distributed.checkpoint (DCP): every rank writes its own shard of the
+model and optimizer tensors (`__<rank>_0.distcp`), rank 0 the index (`.metadata`); nothing is gathered onto one
+rank. Only tensors go through DCP, flat-keyed `model/<fqn>` and `optim/<fqn>/<slot>`; the optimizer's param
+groups and everything else travel in the checkpoint's `state.pt` (orchestrator/training/checkpoint.py).
+
+Reading it back must not run code: DCP reads its `.metadata` with plain `pickle.load`, and any non-tensor item with
+`torch.load(weights_only=False)`. `SafeShardReader` reads the index with an unpickler that knows only DCP's own
+metadata classes, and refuses an index that lists a non-tensor item (this project never writes one).
+
+FSDP's import (torch.distributed.fsdp and DTensor) costs about half a second of a worker's start, so only a run
+that shards imports it, inside the functions below (benchmarks/RESULTS.md, "Start-up against a bare Ray Train run").
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SHARDS_DIR = "sharded"
+"""The DCP folder inside a checkpoint directory."""
+MODEL_PREFIX, OPTIM_PREFIX = "model/", "optim/"
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `fully_shard` was applied to `model`, asked without importing FSDP (nothing can be sharded before
+    something imported it)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def layers_to_shard(model: nn.Module) -> list[nn.Module]:
+    """The transformer layers that get their own FSDP group: those outside reversible stacks whose parameters
+    no other part of the model uses."""
+    from models.transformer import TransformerLayer, TransformerStack
+
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    layers = []
+    for stack in (m for m in model.modules() if isinstance(m, TransformerStack)):
+        if stack.reversible or stack.mem_len:  # these call the layers' parts, or forward_with_memory, not the layer
+            continue
+        for layer in stack.modules():
+            if isinstance(layer, TransformerLayer) and all(owners[id(p)] == 1 for p in layer.parameters()):
+                layers.append(layer)
+    return layers
+
+
+def shard_model(model: nn.Module, device: torch.device, precision: str, world_size: int) -> nn.Module:
+    """`model` (on `device`) sharded in place across the default process group's `world_size` ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
+              else MixedPrecisionPolicy())
+    for layer in layers_to_shard(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model state on rank 0, on CPU ({} on the other ranks); a collective of every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def shard_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict]]:
+    """This rank's shards of the model and optimizer tensors, flat-keyed for DCP, and the optimizer's param
+    groups (plain values, the same on every rank; parameters named by FQN)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    flat: dict[str, Any] = {MODEL_PREFIX + name: value for name, value in model_state.items()}
+    for name, slots in optim_state["state"].items():
+        for slot, value in slots.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {name}/{slot} is a {type(value).__name__}, not a tensor: only "
+                                "tensors go into a sharded checkpoint")
+            flat[f"{OPTIM_PREFIX}{name}/{slot}"] = value
+    return flat, optim_state["param_groups"]
+
+
+def save_shards(flat: dict[str, Any], directory: Path) -> None:
+    """Every rank writes its shards into `directory` (its own local folder is fine: Ray Train gathers the ranks'
+    folders into one checkpoint); rank 0 also writes the index. A collective of every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(directory)))
+
+
+def restore_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, torch.Tensor],
+                    optimizer_state: dict[str, Any]) -> None:
+    """Load full (unsharded, FQN-keyed) model and optimizer states into a sharded model: each rank keeps its
+    shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+# --- reading a sharded checkpoint as data ------------------------------------------------------------------
+
+
+class ShardIndexError(ValueError):
+    """A DCP index that is not one this project writes."""
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """DCP's metadata classes, torch.Size, dtypes and layouts; nothing else can be named in the index."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        from torch.distributed.checkpoint import filesystem, metadata
+
+        allowed: dict[str, Any] = {
+            "torch.distributed.checkpoint.metadata": {
+                n: getattr(metadata, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                  "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                  "StorageMeta", "_MEM_FORMAT_ENCODING")},
+            "torch.distributed.checkpoint.filesystem": {"_StorageInfo": filesystem._StorageInfo},
+            "torch.serialization": {"_get_layout": torch.serialization._get_layout},
+            "torch": {"Size": torch.Size, **{n: getattr(torch, n) for n in dir(torch)
+                                              if isinstance(getattr(torch, n, None), torch.dtype)}},
+            "pathlib": {"PosixPath": Path, "WindowsPath": Path, "Path": Path},
+            "collections": {"OrderedDict": dict},
+        }
+        found = allowed.get(module, {}).get(name)
+        if found is None:
+            raise ShardIndexError(f"the index names {module}.{name}, which a DCP index of tensors never holds")
+        return found
+
+
+def safe_shard_reader(directory: Path) -> Any:
+    """A DCP FileSystemReader whose index is read as data (see the module docstring)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+    class SafeShardReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            index = Path(self.path) / ".metadata"
+            try:
+                metadata = _IndexUnpickler(io.BytesIO(index.read_bytes())).load()
+            except (pickle.UnpicklingError, ShardIndexError, EOFError, AttributeError, TypeError) as err:
+                raise ShardIndexError(f"{index} is refused: {err}; a sharded checkpoint's index names DCP's "
+                                      "metadata classes only, and reading anything else could run code") from None
+            entries = getattr(metadata, "state_dict_metadata", None)
+            if not isinstance(entries, dict):
+                raise ShardIndexError(f"{index} is not a DCP index")
+            if others := sorted(k for k, v in entries.items() if isinstance(v, BytesStorageMetadata)):
+                raise ShardIndexError(f"{index} lists non-tensor items {others[:3]}: DCP would unpickle them with "
+                                      "code execution allowed, and this project's sharded checkpoints hold none")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeShardReader(str(directory))
+
+
+def load_full_state(directory: Path, param_groups: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The full model state and the full (FQN-keyed) optimizer state of a sharded checkpoint's DCP folder, read
+    in this process alone on CPU (whatever the number of ranks that wrote it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = safe_shard_reader(directory)
+    entries = reader.read_metadata().state_dict_metadata
+    flat = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+            for key, meta in entries.items() if isinstance(meta, TensorStorageMetadata)}
+    dcp.load(flat, storage_reader=safe_shard_reader(directory), no_dist=True)
+    model_state = {k[len(MODEL_PREFIX):]: v for k, v in flat.items() if k.startswith(MODEL_PREFIX)}
+    slots: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in flat.items():
+        if key.startswith(OPTIM_PREFIX):
+            name, slot = key[len(OPTIM_PREFIX):].rsplit("/", 1)
+            slots.setdefault(name, {})[slot] = value
+    return model_state, {"state": slots, "param_groups": param_groups}

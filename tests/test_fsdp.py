@@ -1,0 +1,195 @@
+"""FSDP2 on CPU (gloo), without Ray: two processes shard a tiny model with the project's `shard_model`, and what
+they compute and write is compared with one process holding the whole model.
+
+- Gradients after one backward equal a single process's on the concatenated batch (pytorch issue 162338: FSDP2
+  over gloo once summed the ranks' gradients instead of averaging them; Adam would hide a factor of 2 in its
+  update, so gradients are compared, not weights).
+- A sharded checkpoint, written shard by shard into each rank's own folder and gathered as Ray Train gathers them,
+  reads back in one process as the full model and optimizer state.
+- A tampered index (code in the pickle, or a non-tensor item) is refused without running anything.
+
+The Ray Train runs (loss curve against DDP, a killed run resumed, the export) are in tests/test_fsdp_ray.py.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from models import LanguageModel, ModelConfig
+from orchestrator.training.checkpoint import CheckpointError, TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.training.sharding import SHARDS_DIR, layers_to_shard
+
+WORLD = 2
+VOCAB, SEQ, PER_RANK = 40, 12, 3
+
+
+VARIANTS = {
+    "mha": {},
+    # One projection E for every layer, owned by the model: the root's group holds it, each layer keeps its own.
+    "linformer-layerwise": {"causal": False, "attention": {"kind": "linformer", "heads": 2, "k": 4, "sharing": "layerwise"}},
+    # The reversible stack recomputes its layers in backward by calling their sub-blocks: one group, the root's.
+    "reversible": {"reversible": True},
+}
+
+
+def tiny_model(causal: bool = True, **model) -> LanguageModel:
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{"d_model": 16, "layers": 2, "ffn": 32, "max_seq_len": SEQ, "dropout": 0.0,
+                         "attention": {"kind": "mha", "heads": 2}, **model})
+    return LanguageModel(cfg, vocab_size=VOCAB, causal=causal)
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (WORLD * PER_RANK, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _rank_main(rank: int, root: str, precision: str, variant: str) -> None:
+    """One rank: shard, one backward on its slice of the batch, gradients gathered in full; one AdamW step; a
+    sharded checkpoint into its own folder."""
+    from orchestrator.training.sharding import is_sharded, shard_model, shard_tensors
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD)
+    try:
+        model = shard_model(tiny_model(**VARIANTS[variant]), torch.device("cpu"), precision, WORLD)
+        assert is_sharded(model)
+        mine = batch()[rank * PER_RANK:(rank + 1) * PER_RANK]
+        loss_of(model, mine).backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer.step()
+        flat, groups = shard_tensors(model, optimizer)
+        full = {name: p.full_tensor() for name, p in model.named_parameters()}
+        state = None
+        if rank == 0:
+            state = TrainingState(step=1, model={}, optimizer={"param_groups": groups}, scheduler={}, scaler={},
+                                  data_positions=[None] * WORLD, rng=[], mlflow_run_id=None, sharded=True)
+        write_checkpoint(Path(root) / f"rank{rank}", state, "name: x\n", shards=flat, step=1)
+        if rank == 0:
+            torch.save({"grads": grads, "params": full}, Path(root) / "gathered.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_ranks(root: Path, precision: str = "fp32", variant: str = "mha") -> dict:
+    mp.spawn(_rank_main, args=(str(root), precision, variant), nprocs=WORLD, join=True)
+    return torch.load(root / "gathered.pt")
+
+
+def gathered_checkpoint(root: Path) -> Path:
+    """Both ranks' folders merged into one, as Ray Train uploads every rank's checkpoint folder into the same
+    storage directory."""
+    merged = root / "merged"
+    for rank in range(WORLD):
+        shutil.copytree(root / f"rank{rank}" / "checkpoint_000000001", merged, dirs_exist_ok=True)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def fp32_ranks(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("fsdp")
+    return root, run_two_ranks(root)
+
+
+def test_sharded_gradients_equal_one_process_on_the_whole_batch(fp32_ranks):
+    _, got = fp32_ranks
+    reference = tiny_model()
+    loss_of(reference, batch()).backward()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_every_layer_gets_its_own_group_unless_it_recomputes():
+    assert len(layers_to_shard(tiny_model())) == 2
+    assert layers_to_shard(tiny_model(**VARIANTS["reversible"])) == []
+    shared = tiny_model(**VARIANTS["linformer-layerwise"])
+    assert len(layers_to_shard(shared)) == 2
+    layer_params = {id(p) for layer in layers_to_shard(shared) for p in layer.parameters()}
+    assert all(id(p) not in layer_params for p in shared.shared_state.parameters())
+
+
+@pytest.mark.parametrize("variant", ["linformer-layerwise", "reversible"])
+def test_shared_and_recomputing_models_shard_with_the_same_gradients(variant, tmp_path):
+    got = run_two_ranks(tmp_path, variant=variant)
+    reference = tiny_model(**VARIANTS[variant])
+    loss_of(reference, batch()).backward()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_sharded_checkpoint_reads_back_in_full_in_one_process(fp32_ranks):
+    root, got = fp32_ranks
+    merged = gathered_checkpoint(root)
+    assert sorted(p.name for p in (merged / SHARDS_DIR).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    state = read_checkpoint(merged)
+    assert state.sharded and state.step == 1
+    assert state.model.keys() == got["params"].keys()
+    for name, value in got["params"].items():
+        torch.testing.assert_close(state.model[name], value, rtol=0, atol=0, msg=name)
+    slots = state.optimizer["state"]
+    assert slots.keys() == got["params"].keys() and set(slots["head.weight" if "head.weight" in slots else
+                                                                next(iter(slots))]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert state.optimizer["param_groups"][0]["lr"] == pytest.approx(1e-2)
+    # One rank's shard missing (its upload lost): not a checkpoint to resume from.
+    (merged / SHARDS_DIR / "__1_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match="__1_0.distcp"):
+        read_checkpoint(merged)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_tampered_index_is_refused_without_running_it(fp32_ranks, tmp_path, monkeypatch):
+    root, _ = fp32_ranks
+    merged = gathered_checkpoint(root)
+    monkeypatch.chdir(tmp_path)
+    index = merged / SHARDS_DIR / ".metadata"
+    index.write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(CheckpointError, match="posix.system|os.system"):
+        read_checkpoint(merged)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_an_index_listing_a_pickled_item_is_refused(fp32_ranks, tmp_path):
+    """DCP would read a non-tensor item with torch.load(weights_only=False); this project never writes one."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from orchestrator.training.sharding import safe_shard_reader
+
+    root, _ = fp32_ranks
+    merged = gathered_checkpoint(root)
+    index = merged / SHARDS_DIR / ".metadata"
+    metadata = safe_shard_reader(merged / SHARDS_DIR).read_metadata()
+    metadata.state_dict_metadata["extra"] = BytesStorageMetadata()
+    index.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="non-tensor items"):
+        read_checkpoint(merged)
+
+
+def test_bf16_policy_computes_in_bf16_and_keeps_fp32_gradients(tmp_path):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the gradients (of the fp32 sharded parameters)
+    are fp32 and within bf16 rounding of the fp32 run's, but not equal to them."""
+    got = run_two_ranks(tmp_path, precision="bf16")
+    reference = tiny_model()
+    loss_of(reference, batch()).backward()
+    differs = False
+    for name, param in reference.named_parameters():
+        assert got["grads"][name].dtype == torch.float32
+        torch.testing.assert_close(got["grads"][name], param.grad, rtol=5e-2, atol=5e-3, msg=name)
+        differs |= not torch.equal(got["grads"][name], param.grad)
+    assert differs
