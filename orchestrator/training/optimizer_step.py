@@ -126,6 +126,8 @@ class Optimization:
         # disabled scaler of the other precisions keeps one checkpoint format.
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+        if is_sharded(model) and precision == "bf16":
+            dtype = None  # FSDP's mixed-precision policy already computes in bf16 (as torchtitan: no autocast)
         return cls(optimizer, scheduler, scaler, optim.grad_accum, optim.grad_clip, dtype)
 
     @property

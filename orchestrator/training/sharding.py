@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,9 @@ def load_full_state(directory: Path, param_groups: list[dict]) -> tuple[dict[str
     entries = reader.read_metadata().state_dict_metadata
     flat = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
             for key, meta in entries.items() if isinstance(meta, TensorStorageMetadata)}
-    dcp.load(flat, storage_reader=safe_shard_reader(directory), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(flat, storage_reader=safe_shard_reader(directory), no_dist=True)
     model_state = {k[len(MODEL_PREFIX):]: v for k, v in flat.items() if k.startswith(MODEL_PREFIX)}
     slots: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in flat.items():
