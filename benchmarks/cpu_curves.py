@@ -28,6 +28,7 @@ from benchmarks.harness import Row, results_dir, save_figure, write_csv
 from models.attention import ATTENTION
 from orchestrator.launch import run_training, train_locally
 from orchestrator.spec import validate_spec
+from orchestrator.tracking.read import TrackingReader
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDINGS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"},
@@ -62,8 +63,6 @@ def precision_curves(kind: str, steps: int, root: Path) -> dict[str, dict[int, f
 
 
 def sharding_curves(kind: str, steps: int, root: Path) -> dict[str, dict[int, float]]:
-    from mlflow import MlflowClient
-
     curves = {}
     for name, run in SHARDINGS.items():
         raw = base_raw(kind, steps, root)
@@ -71,7 +70,7 @@ def sharding_curves(kind: str, steps: int, root: Path) -> dict[str, dict[int, fl
         raw["run"] = {**raw["run"], "workers": 2, "cpus_per_worker": 0.5, **run}
         start = time.perf_counter()
         outcome = run_training(validate_spec(raw))
-        history = MlflowClient(raw["tracking"]["uri"]).get_metric_history(outcome.mlflow_run_id, "train/loss")
+        history = TrackingReader(raw["tracking"]["uri"]).metric_history(outcome.mlflow_run_id, "train/loss")
         curves[name] = {m.step: m.value for m in sorted(history, key=lambda m: (m.step, m.timestamp))}
         print(f"[cpu_curves] sharding {name}: {steps} steps in {time.perf_counter() - start:.0f}s", flush=True)
     return curves

@@ -183,3 +183,16 @@ def test_a_bf16_run_follows_the_fp32_loss_curve_over_50_steps(tmp_path):
     assert max(gaps) <= CURVE_TOLERANCE, f"bf16 left the fp32 curve by {max(gaps):.4f} nats"
     assert gaps[-1] > 0  # the two runs really computed in different precisions
     assert curves["fp32"][CURVE_STEPS] < curves["fp32"][1] - 0.5  # and both learned
+
+
+def test_the_curves_benchmark_writes_each_precisions_gap_to_fp32(tmp_path):
+    """benchmarks/cpu_curves.py at toy length (its sharding part trains through Ray: run by hand, RESULTS.md)."""
+    from benchmarks.cpu_curves import main
+    from benchmarks.harness import read_csv
+
+    rows = main(["--part", "precision", "--steps", "3", "--out", str(tmp_path)])
+    assert [(r["run"], r["step"]) for r in rows] == [(p, s) for p in ("fp32", "bf16", "fp16") for s in (1, 2, 3)]
+    assert all(r["gap"] == 0.0 for r in rows if r["run"] == "fp32")
+    assert any(r["gap"] != 0.0 for r in rows if r["run"] == "bf16")
+    written = read_csv(next(tmp_path.glob("*/cpu_curves.csv")))
+    assert len(written) == 9 and next(tmp_path.glob("*/cpu_curves.png")).stat().st_size > 0

@@ -70,6 +70,9 @@ def shard_model(model: nn.Module, device: torch.device, precision: str, world_si
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # The root returns the logits of F.linear over [B, T, D], a view; FSDP2 warns that an in-place op on it would
+    # skip its pre-backward hook. Every task reads the logits out of place (`.float()`, cross_entropy, argmax).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(device.type, (world_size,))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
               else MixedPrecisionPolicy())
