@@ -40,6 +40,7 @@ from kernels.flash_attention import (  # noqa: E402
     flash_attention,
     tuned_launch_configs,
 )
+from kernels.parity import parity_error  # noqa: E402
 from kernels.reference import (  # noqa: E402
     SELF_LOGIT,
     chunk_neighbours,
@@ -58,20 +59,13 @@ SEQ_SCALE = 8 if KERNEL_DEVICE == "cuda" else 1
 # Block shapes with BLOCK_M != BLOCK_N, which move the causal band's boundaries off the diagonal.
 UNEQUAL_BLOCKS = [(128, 64), (64, 128)] if KERNEL_DEVICE == "cuda" else [(32, 16), (16, 32)]
 
-# Max abs error allowed, relative to max(1, max |reference|). fp16/bf16 kernels round P and dS to the input
-# dtype before the matrix products (as FlashAttention does), the references keep them in fp32.
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}
-
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    actual, expected = actual.double(), expected.double()
-    finite = torch.isfinite(expected)
-    assert torch.equal(finite, torch.isfinite(actual)), f"{what}: non-finite entries differ"
-    assert torch.equal(actual[~finite], expected[~finite]), f"{what}: infinite entries differ"
-    if finite.any():
-        err = (actual[finite] - expected[finite]).abs().max().item()
-        bound = TOLERANCE[dtype] * max(1.0, expected[finite].abs().max().item())
-        assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
+    """Within kernels.parity.PARITY_TOLERANCE of the reference (relative to max(1, max |reference|)), with
+    the same infinite entries."""
+    err, bound, problem = parity_error(actual, expected, dtype)
+    assert problem is None, f"{what}: {problem}"
+    assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
 
 
 def outputs_and_grads(fn, q, k, v, dout, dlse, **kwargs):
