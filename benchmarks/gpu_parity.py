@@ -1,0 +1,183 @@
+"""Part (a) of benchmarks.gpu_suite: the Triton kernels against their PyTorch references on the suite's device.
+
+Cases are the product of kernel x dtype (fp32, bf16, fp16) x head dim (64, 128) x length (a multiple of the
+block size, and one that is not) x mask:
+- `flash` (kernels.flash_attention against kernels.reference.exact_attention_reference): mask `causal` (no
+  padding) or `padded` (not causal; batch row 0 has its first keys padded, row 1 all of them, so its lse is
+  -inf and its output zero, row 2 its second half);
+- `chunked`, the sorted-chunk kernel (kernels.chunked_attention.chunked_flash_attention against
+  chunked_attention_reference) as LSH attention calls it: mask `lsh` = causal over a random permutation of
+  positions per head, self-mask and padding, one chunk of look-back with wrap-around.
+Each case compares out and lse, the gradients dq, dk, dv of sum(out * dout) + sum(lse * dlse) (the backward with
+the lse gradient folded into delta, docs/kernels.md), and dq, dk of sum(lse * dlse) alone (the backward's
+dout = None path): one CSV row per quantity, `passed` when the max abs error is within
+kernels.parity.PARITY_TOLERANCE of the reference (relative to max(1, max |reference|)), which tests/test_kernels.py
+asserts too.
+
+On CUDA every case runs at one fixed launch configuration (64 x 64 blocks, or 32 x 32 where those do not fit the
+device's shared memory): autotuning would compile and time every candidate (~16 per kernel set) for each
+compiled variant of the kernels, minutes that the suite does not have. The autotuned configurations are what
+part (b) times, and it records their error against SDPA. A dry run takes the interpreter's 16 x 16 blocks,
+lengths 32 and 37, and a covering subset of the cases: every value of every axis at least once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from benchmarks.gpu_common import PartResult, SuiteContext, release_memory, row_status
+from benchmarks.harness import Row, cases
+from kernels.chunked_attention import chunked_flash_attention
+from kernels.flash_attention import fixed_launch_config, flash_attention
+from kernels.parity import PARITY_TOLERANCE, parity_error
+from kernels.reference import chunked_attention_reference, exact_attention_reference
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
+MASKS = {"flash": ("causal", "padded"), "chunked": ("lsh",)}
+BATCH, HEADS = 3, 2
+"""Three batch rows: the padded cases give each its own pattern (see the module docstring)."""
+GPU_BLOCKS = ((64, 64), (32, 32))
+"""Fixed launch blocks on CUDA, largest first; the first that fits the shared memory of all three kernels."""
+GPU_LENGTHS = {True: 512, False: 500}
+"""Sequence length by `block_multiple` on CUDA (500 is a multiple of neither 64 nor 32)."""
+DRY_LENGTHS = {True: 32, False: 37}
+"""Under the interpreter's 16 x 16 blocks: two blocks, or two and a tail."""
+GPU_CHUNK, DRY_CHUNK = 64, 16
+QUANTITIES = ("out", "lse", "dq", "dk", "dv", "dq_lse_only", "dk_lse_only")
+
+
+def case_grid() -> list[dict[str, Any]]:
+    """Every case of the full (GPU) run, flash first."""
+    return [c for kernel, masks in MASKS.items()
+            for c in cases(kernel=[kernel], dtype=DTYPES, head_dim=HEAD_DIMS, block_multiple=(True, False), mask=masks)]
+
+
+def covering_subset(grid: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A few cases of `grid` in which every value of every axis appears at least once (greedy: each pick covers
+    the most (axis, value) pairs not yet covered), in grid order. The dry run's cases."""
+    uncovered = {(axis, value) for case in grid for axis, value in case.items()}
+    chosen: list[int] = []
+    while uncovered:
+        best = max(range(len(grid)), key=lambda i: len(uncovered & set(grid[i].items())))
+        chosen.append(best)
+        uncovered -= set(grid[best].items())
+    return [grid[i] for i in sorted(chosen)]
+
+
+def launch_blocks(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int] | None:
+    """The fixed (BLOCK_M, BLOCK_N) of a CUDA case; None under the interpreter (its own 16 x 16 blocks)."""
+    if device.type != "cuda":
+        return None
+    from kernels import (
+        k_flash_attention as kf,  # imports triton: only once a CUDA run needs it
+    )
+
+    props = torch.cuda.get_device_properties(device)
+    arch = props.major * 10 + props.minor
+    limit = getattr(props, "shared_memory_per_block_optin", kf.SHARED_MEMORY_BY_ARCH.get(arch, 99 * 1024))
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    block_d = 1 << (head_dim - 1).bit_length()
+    for block_m, block_n in GPU_BLOCKS:
+        cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_stages": 2}
+        if all(kf.shared_memory_estimate(name, cfg, block_d, elem_bytes) <= limit for name in kf.CONFIGS):
+            return block_m, block_n
+    return GPU_BLOCKS[-1]
+
+
+def make_inputs(case: dict[str, Any], ctx: SuiteContext) -> tuple[torch.Tensor, ...]:
+    """q, k, v [B, H, n, d], dout, dlse, and the keyword arguments of both the kernel and the reference."""
+    torch.manual_seed(0)
+    n = (DRY_LENGTHS if ctx.dry_run else GPU_LENGTHS)[case["block_multiple"]]
+    dtype, device = case["dtype"], ctx.device
+    q, k, v, dout = (torch.randn(BATCH, HEADS, n, case["head_dim"], dtype=dtype, device=device) for _ in range(4))
+    dlse = torch.randn(BATCH, HEADS, n, device=device)
+    pad_BN = torch.zeros(BATCH, n, dtype=torch.bool, device=device)
+    pad_BN[0, :3] = True
+    pad_BN[1, :] = True
+    pad_BN[2, n // 2:] = True
+    if case["kernel"] == "flash":
+        padded = case["mask"] == "padded"
+        kwargs = {"causal": not padded, "key_padding_mask": pad_BN if padded else None}
+    else:
+        positions = torch.stack([torch.randperm(n) for _ in range(BATCH * HEADS)]).view(BATCH, HEADS, n)
+        kwargs = {"chunk": DRY_CHUNK if ctx.dry_run else GPU_CHUNK, "lookback": 1, "positions": positions.to(device),
+                  "causal": True, "self_mask": True, "key_padding_mask": pad_BN, "wrap": True}
+    return q, k, v, dout, dlse, kwargs
+
+
+def _outputs(fn: Callable, q, k, v, dout, dlse, kwargs) -> dict[str, torch.Tensor]:
+    """out, lse, the gradients with dout and dlse, and those through lse alone (a second forward, as the first
+    graph is freed by its backward)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves, **kwargs)
+    dq, dk, dv = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    _, lse_again = fn(*leaves, **kwargs)
+    dq_lse, dk_lse = torch.autograd.grad(lse_again, leaves[:2], dlse)  # lse does not depend on v
+    return dict(zip(QUANTITIES, (out, lse, dq, dk, dv, dq_lse, dk_lse)))
+
+
+def run_case(case: dict[str, Any], ctx: SuiteContext) -> list[Row]:
+    q, k, v, dout, dlse, kwargs = make_inputs(case, ctx)
+    kernel, reference = ((flash_attention, exact_attention_reference) if case["kernel"] == "flash"
+                         else (chunked_flash_attention, chunked_attention_reference))
+    blocks = launch_blocks(case["dtype"], case["head_dim"], ctx.device) if case["kernel"] == "flash" else None
+    dtype_name = str(case["dtype"]).removeprefix("torch.")
+    base: Row = {"kernel": case["kernel"], "dtype": dtype_name, "head_dim": case["head_dim"], "seq": q.shape[2],
+                 "block_multiple": case["block_multiple"], "mask": case["mask"],
+                 "blocks": "interpreter 16x16" if ctx.dry_run else (f"{blocks[0]}x{blocks[1]}" if blocks else "fixed"),
+                 "tolerance": PARITY_TOLERANCE[case["dtype"]]}
+    try:
+        if blocks is not None:
+            with fixed_launch_config(*blocks):
+                got = _outputs(kernel, q, k, v, dout, dlse, kwargs)
+        else:
+            got = _outputs(kernel, q, k, v, dout, dlse, kwargs)
+        expected = _outputs(reference, q, k, v, dout, dlse, kwargs)
+    except Exception as err:  # noqa: BLE001 - a case that raises is a row of the CSV, and the part's error
+        return [{**base, "quantity": "all", "status": row_status(err), "passed": False}]
+    finally:
+        release_memory(ctx.device)
+    rows = []
+    for quantity in QUANTITIES:
+        err, bound, problem = parity_error(got[quantity], expected[quantity], case["dtype"])
+        rows.append({**base, "quantity": quantity, "max_abs_err": err, "bound": bound,
+                     "status": problem or "ok", "passed": problem is None and err <= bound})
+    return rows
+
+
+def run(ctx: SuiteContext) -> PartResult:
+    grid = case_grid()
+    chosen = covering_subset(grid) if ctx.dry_run else grid
+    rows: list[Row] = []
+    for index, case in enumerate(chosen, 1):
+        start = time.perf_counter()
+        case_rows = run_case(case, ctx)
+        rows.extend(case_rows)
+        worst = max((r["max_abs_err"] / r["bound"] for r in case_rows if "bound" in r), default=float("nan"))
+        verdict = "pass" if all(r["passed"] for r in case_rows) else "FAIL"
+        if case_rows[0]["quantity"] == "all":  # the case raised
+            verdict = case_rows[0]["status"]
+        print(f"  parity {index}/{len(chosen)} {case['kernel']:7s} {case_rows[0]['dtype']:8s} d={case['head_dim']:3d} "
+              f"n={case_rows[0]['seq']:4d} {case['mask']:6s}: {verdict} (worst error / bound {worst:.2f}) "
+              f"{time.perf_counter() - start:.1f}s", flush=True)
+    failed = [r for r in rows if not r["passed"]]
+    raised = [r for r in failed if r["status"] != "ok"]
+    lengths = DRY_LENGTHS if ctx.dry_run else GPU_LENGTHS
+    settings = {"lengths": "/".join(str(n) for n in lengths.values()), "blocks": sorted({r["blocks"] for r in rows})}
+    if raised:
+        return PartResult(rows, f"error: {len(raised)} comparisons could not be made; first: "
+                                f"{raised[0]['kernel']} {raised[0]['dtype']} d={raised[0]['head_dim']}: {raised[0]['status']}",
+                          settings=settings)
+    if failed:
+        first = failed[0]
+        return PartResult(rows, f"fail: {len(failed)} of {len(rows)} comparisons over tolerance; first: "
+                                f"{first['kernel']} {first['dtype']} d={first['head_dim']} n={first['seq']} "
+                                f"{first['mask']} {first['quantity']} {first['max_abs_err']:.3g} > {first['bound']:.3g}",
+                          settings=settings)
+    note = f"{len(chosen)} of {len(grid)} cases (every axis value once)" if ctx.dry_run else f"{len(grid)} cases"
+    return PartResult(rows, ctx.passed, f"{note}, {len(rows)} comparisons within tolerance", settings)

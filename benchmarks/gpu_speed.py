@@ -1,0 +1,216 @@
+"""Parts (b) and (c) of benchmarks.gpu_suite: attention speed against torch SDPA's flash backend.
+
+(b) `flash_vs_sdpa`: the fused Triton FlashAttention-2 kernel (kernels.flash_attention; Dao, 2023, arXiv
+2307.08691) against `F.scaled_dot_product_attention` under `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`, in bf16,
+n = 1k ... 16k, causal and not, head dim 128 with the shapes of benchmarks/kernels.py (hidden 2048, 16k tokens
+per batch); TFLOP/s of the forward and of forward + backward counted as that benchmark counts them
+(`attention_flops`). Head dim 64 and n up to 64k are `python -m benchmarks.kernels`'s sweep; the suite keeps to
+one head dim to stay within its time. Each case's first call autotunes the Triton kernels before timing, and
+the configuration each kernel settled on and the max |triton - sdpa| of the output go into the row.
+
+(c) `long_attention`: forward + backward at n = 4k ... 128k (2^12 ... 2^17), batch 1, d_model 1024, 16 heads of
+64, bf16, causal and not, of: bare SDPA (flash backend) on q, k, v; the bare sorted-chunk kernel
+(kernels.chunked_attention, chunk 64, one chunk of look-back), as Reformer's LSH attention calls it after its
+sort; and whole attention layers (projections included) of `mha` (SDPA inside), `lsh` (Reformer; buckets of 64,
+2 hash rounds), `hyper` (HyperAttention, Han et al., 2023, arXiv 2310.05869, at its defaults: blocks and samples
+of 256, exact below 4096 tokens) and `linformer` (Wang et al., 2020, arXiv 2006.04768, k = 256 shared per head;
+no causal form, so non-causal only). `speedup_vs_sdpa` divides bare SDPA's time by each row's, `speedup_vs_mha`
+the mha layer's: HyperAttention's paper reports 5.4x (causal) and 54x (non-causal) over FlashAttention-2 at
+131k for its attention alone. A size that runs out of memory is recorded as `oom` and the larger sizes of that
+row's implementation as skipped.
+
+Both time with `triton.testing.do_bench` on CUDA (gpu_common.time_ms). A dry run takes toy sizes on the CPU,
+the Triton kernels under the interpreter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.attention_scaling import Settings, Variant, build_layer
+from benchmarks.gpu_common import (
+    PartResult,
+    SuiteContext,
+    release_memory,
+    row_status,
+    status_of_rows,
+    time_ms,
+)
+from benchmarks.harness import Row, add_ratios
+from benchmarks.kernels import attention_flops, format_config, shapes
+from kernels.chunked_attention import chunked_flash_attention
+from kernels.flash_attention import KERNEL_NAMES, flash_attention, tuned_launch_configs
+
+DTYPE = torch.bfloat16
+FLASH_LENGTHS, DRY_FLASH_LENGTHS = (1024, 2048, 4096, 8192, 16384), (32,)
+FLASH_HEAD_DIM, DRY_FLASH_HEAD_DIM = 128, 16
+DRY_FLASH_SHAPE = (1, 2)
+"""(batch, heads) of a dry run; a GPU run takes benchmarks.kernels.shapes(n, d)."""
+LONG_LENGTHS, DRY_LONG_LENGTHS = tuple(2**p for p in range(12, 18)), (32,)
+LONG_MODEL = {"d_model": 1024, "heads": 16, "chunk": 64,
+              "knobs": {"lsh": {"bucket_size": 64, "n_hashes": 2}, "hyper": {}, "linformer": {"k": 256, "sharing": "headwise"}}}
+DRY_LONG_MODEL = {"d_model": 32, "heads": 2, "chunk": 16,
+                  "knobs": {"lsh": {"bucket_size": 8, "n_hashes": 2},
+                            "hyper": {"block_size": 8, "sample_size": 8, "min_seq_len": 16},
+                            "linformer": {"k": 8, "sharing": "headwise"}}}
+"""Toy sizes at which every layer still takes its approximate path (hyper's exact base case is shorter than n)."""
+LAYER_KINDS = ("mha", "lsh", "hyper", "linformer")
+
+
+def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    # Only the flash backend: a silent fallback to the math kernel would make the comparison meaningless.
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def triton_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    return flash_attention(q, k, v, causal=causal)[0]
+
+
+def fwd_and_fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], **kwargs: Any):
+    """Closures of a forward under no_grad and of a forward + backward from a fixed upstream gradient, on leaves
+    that require gradients; the backward's gradients are dropped each call, as a training step's are."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    with torch.no_grad():
+        grad = torch.randn_like(fn(*leaves, **kwargs))
+
+    def forward() -> None:
+        with torch.no_grad():
+            fn(*leaves, **kwargs)
+
+    def forward_backward() -> None:
+        fn(*leaves, **kwargs).backward(grad)
+        for leaf in leaves:
+            leaf.grad = None
+
+    return forward, forward_backward
+
+
+# ---- (b) the fused flash kernel against SDPA's flash backend ----------------------------------------------------
+
+
+def flash_case(n: int, causal: bool, ctx: SuiteContext) -> list[Row]:
+    d = DRY_FLASH_HEAD_DIM if ctx.dry_run else FLASH_HEAD_DIM
+    batch, heads = DRY_FLASH_SHAPE if ctx.dry_run else shapes(n, d)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, n, d, device=ctx.device, dtype=DTYPE) for _ in range(3))
+    base: Row = {"case": f"n={n} causal={causal}", "n": n, "head_dim": d, "causal": causal, "batch": batch,
+                 "heads": heads, "dtype": str(DTYPE).removeprefix("torch.")}
+    rows = []
+    error = None
+    for impl, fn in (("triton", triton_flash), ("sdpa-flash", sdpa_flash)):
+        row: Row = {**base, "impl": impl}
+        try:
+            forward, forward_backward = fwd_and_fwd_bwd(fn, [q, k, v], causal=causal)
+            forward_backward()  # Triton autotunes at its first call of a shape: not in the timed calls
+            fwd_ms, fwd_bwd_ms = time_ms(forward, ctx), time_ms(forward_backward, ctx)
+            if impl == "triton":
+                with torch.no_grad():
+                    error = (fn(q, k, v, causal).float() - sdpa_flash(q, k, v, causal).float()).abs().max().item()
+        except Exception as err:  # noqa: BLE001 - recorded in the row; the part's status names it
+            rows.append({**row, "status": row_status(err)})
+            continue
+        finally:
+            release_memory(ctx.device)
+        row.update({"status": "ok", "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
+                    "fwd_tflops": attention_flops(batch, heads, n, d, causal, False) / fwd_ms / 1e9,
+                    "fwd_bwd_tflops": attention_flops(batch, heads, n, d, causal, True) / fwd_bwd_ms / 1e9,
+                    "max_abs_err_vs_sdpa": error if impl == "triton" else 0.0})
+        configs = tuned_launch_configs(q, k, causal) if impl == "triton" else {}
+        row.update({f"{name}_config": format_config(configs.get(name)) for name in KERNEL_NAMES})
+        rows.append(row)
+    return rows
+
+
+def run_flash(ctx: SuiteContext) -> PartResult:
+    rows: list[Row] = []
+    for n in DRY_FLASH_LENGTHS if ctx.dry_run else FLASH_LENGTHS:
+        for causal in (False, True):
+            start = time.perf_counter()
+            case_rows = flash_case(n, causal, ctx)
+            rows.extend(case_rows)
+            line = " | ".join(f"{r['impl']} {r['fwd_bwd_tflops']:.3g} TFLOP/s fwd+bwd" if r["status"] == "ok"
+                              else f"{r['impl']} {r['status'][:60]}" for r in case_rows)
+            print(f"  flash n={n:6d} causal={causal!s:5}: {line} ({time.perf_counter() - start:.1f}s)", flush=True)
+    add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "sdpa-flash",
+               columns={"fwd_ms": "fwd_speedup_vs_sdpa", "fwd_bwd_ms": "fwd_bwd_speedup_vs_sdpa"})
+    d = DRY_FLASH_HEAD_DIM if ctx.dry_run else FLASH_HEAD_DIM
+    lengths = DRY_FLASH_LENGTHS if ctx.dry_run else FLASH_LENGTHS
+    return PartResult(rows, status_of_rows(rows, ctx), settings={"dtype": "bfloat16", "head_dim": d, "n": lengths})
+
+
+# ---- (c) long sequences: the sorted-chunk kernel and the lsh / hyper / linformer layers ---------------------------
+
+
+def long_calls(impl: str, n: int, causal: bool, ctx: SuiteContext) -> Callable[[], None]:
+    """The forward + backward closure of one (c) case; it holds the case's layer and inputs."""
+    model = DRY_LONG_MODEL if ctx.dry_run else LONG_MODEL
+    d_model, heads = model["d_model"], model["heads"]
+    torch.manual_seed(0)
+    if impl in ("sdpa", "chunked"):
+        q, k, v = (torch.randn(1, heads, n, d_model // heads, device=ctx.device, dtype=DTYPE) for _ in range(3))
+        if impl == "sdpa":
+            return fwd_and_fwd_bwd(sdpa_flash, [q, k, v], causal=causal)[1]
+
+        def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return chunked_flash_attention(q, k, v, model["chunk"], lookback=1, causal=causal)[0]
+
+        return fwd_and_fwd_bwd(chunked, [q, k, v])[1]
+    settings = Settings(lengths=(n,), d_model=d_model, heads=heads, batch=1, dtype=DTYPE)
+    layer, shared_state = build_layer(Variant(impl, impl, model["knobs"].get(impl, {})), n, settings)
+    layer = layer.to(device=ctx.device, dtype=DTYPE).train()
+    shared_state.to(device=ctx.device, dtype=DTYPE)
+    x_BTD = torch.randn(1, n, d_model, device=ctx.device, dtype=DTYPE)
+
+    def apply(x_BTD: torch.Tensor) -> torch.Tensor:
+        return layer(x_BTD, causal=causal)
+
+    return fwd_and_fwd_bwd(apply, [x_BTD])[1]
+
+
+def long_impls(causal: bool) -> list[str]:
+    """Linformer compresses the keys of the whole sequence: it has no causal form (its mechanism says so)."""
+    return ["sdpa", "chunked", *(kind for kind in LAYER_KINDS if not (causal and kind == "linformer"))]
+
+
+def run_long(ctx: SuiteContext) -> PartResult:
+    rows: list[Row] = []
+    stopped: dict[tuple[str, bool], str] = {}  # (impl, causal) -> why its larger sizes are skipped
+    for n in DRY_LONG_LENGTHS if ctx.dry_run else LONG_LENGTHS:
+        for causal in (False, True):
+            line = []
+            for impl in long_impls(causal):
+                row: Row = {"case": f"n={n} causal={causal}", "impl": impl, "n": n, "causal": causal,
+                            "dtype": str(DTYPE).removeprefix("torch.")}
+                if (impl, causal) in stopped:
+                    rows.append({**row, "status": f"skipped: {stopped[impl, causal]}"})
+                    continue
+                step = None
+                try:
+                    step = long_calls(impl, n, causal, ctx)
+                    step()  # the first call: autotuning, hash set-up; not timed
+                    row.update({"status": "ok", "fwd_bwd_ms": time_ms(step, ctx)})
+                except Exception as err:  # noqa: BLE001 - recorded in the row; the part's status names it
+                    row["status"] = row_status(err)
+                    if row["status"] == "oom":
+                        stopped[impl, causal] = f"oom at n={n}"
+                finally:
+                    del step  # the layer, its inputs and gradients go before the next (larger) case, also after an oom
+                    release_memory(ctx.device)
+                rows.append(row)
+                line.append(f"{impl} {row['fwd_bwd_ms']:.3g} ms" if row["status"] == "ok" else f"{impl} {row['status'][:40]}")
+            print(f"  long n={n:6d} causal={causal!s:5}: {' | '.join(line)}", flush=True)
+    add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "sdpa", columns={"fwd_bwd_ms": "speedup_vs_sdpa"})
+    add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "mha", columns={"fwd_bwd_ms": "speedup_vs_mha"})
+    model = DRY_LONG_MODEL if ctx.dry_run else LONG_MODEL
+    settings = {"dtype": "bfloat16", "n": DRY_LONG_LENGTHS if ctx.dry_run else LONG_LENGTHS,
+                "d_model": model["d_model"], "heads": model["heads"], "chunk": model["chunk"],
+                **{f"{kind} knobs": knobs or "defaults" for kind, knobs in model["knobs"].items()}}
+    oom = sorted({reason for reason in stopped.values()})
+    return PartResult(rows, status_of_rows(rows, ctx), note="; ".join(oom), settings=settings)

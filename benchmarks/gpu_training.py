@@ -1,0 +1,119 @@
+"""Part (d) of benchmarks.gpu_suite: one training step of an `mha` causal LM at n = 1024 under bf16 autocast and
+torch.compile, in tokens/s and model FLOP utilisation (MFU).
+
+The step is the training core's own (`orchestrator.training.train_step`: autocast forward, loss, backward,
+clipping, AdamW and its schedule), built with `Optimization.build(..., precision="bf16")`, so the autocast dtype
+in the row is the one the core chose for this device. The model is compiled in place as `run.compile` does
+(`model.compile`, inductor, which emits Triton kernels on a GPU). Three untimed steps absorb the compilation; the
+median of the timed steps (each synchronised) gives tokens/s = batch x n / step time.
+
+FLOPs of a step, as PaLM counts them (Chowdhery et al., 2022, arXiv 2204.02311, appendix B; nanoGPT's
+`estimate_mfu`): tokens x (6 N + 12 L d n), with N the parameters of the weight matrices, L layers, d the model
+width and n the sequence length. The token table counts in N, as the tied output projection; the learned position
+table does not (a lookup), nor do biases and norm scales (elementwise work, a few thousandths of N at these sizes;
+PaLM and nanoGPT count them). 6 N is the forward's and backward's 2 + 4 FLOPs per weight and token; 12 L d n is
+attention's Q K^T and P V products (2 x 2 n d per token and layer forward, three times that with the backward),
+counted over the full n x n even though causal attention needs half, as PaLM does. tests/test_gpu_suite.py checks
+the count against torch's FlopCounterMode.
+MFU = FLOPs / step time / the device's peak dense bf16 FLOP/s (PEAK_BF16_FLOPS, from NVIDIA's data sheets; a
+GPU not in the table gets no MFU). A dry run trains a one-layer toy on the CPU with the aot_eager backend
+(dynamo and AOTAutograd without inductor's code generation, which tests/test_compile_families.py exercises).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.gpu_common import PartResult, SuiteContext
+from benchmarks.harness import Row, synchronize, timed_call
+from models import LanguageModel, ModelConfig
+from orchestrator.spec import OptimConfig
+from orchestrator.training import Optimization, train_step
+from tasks import Batch
+
+GPU_SIZE = {"d_model": 1024, "layers": 8, "heads": 16, "ffn": 4096, "vocab": 32768, "batch": 8, "n": 1024}
+DRY_SIZE = {"d_model": 32, "layers": 1, "heads": 2, "ffn": 64, "vocab": 128, "batch": 2, "n": 64}
+WARMUP_STEPS = 3
+TIMED_STEPS, DRY_TIMED_STEPS = 20, 2
+PEAK_BF16_FLOPS = (
+    (r"\bH100\b.*\bHBM3\b", 989e12),  # H100 SXM5 ("NVIDIA H100 80GB HBM3"); the PCIe and NVL cards are slower
+    (r"\bH200\b(?!.*\bNVL\b)", 989e12),  # H200 SXM
+    (r"\bA100\b", 312e12),
+)
+"""Dense bf16 tensor-core peak by GPU name (regular expression on torch.cuda.get_device_name)."""
+
+
+def peak_bf16_flops(gpu_name: str | None) -> float | None:
+    """The dense bf16 peak in FLOP/s of the GPU of this name, or None (no GPU, or one not in PEAK_BF16_FLOPS)."""
+    if gpu_name is None:
+        return None
+    return next((peak for pattern, peak in PEAK_BF16_FLOPS if re.search(pattern, gpu_name)), None)
+
+
+def matmul_parameters(model: LanguageModel) -> int:
+    """N of the FLOP count: the weight matrices' parameters, but not the learned position table's (a lookup)."""
+    lookups = {id(p) for p in model.embed.positions.parameters()}
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in lookups)
+
+
+def step_flops(n_params: int, layers: int, d_model: int, n: int, tokens: int) -> float:
+    """tokens x (6 N + 12 L d n): the module docstring says where each term comes from."""
+    return tokens * (6.0 * n_params + 12.0 * layers * d_model * n)
+
+
+def next_token_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    logits_BTV = model(batch.tensors["inputs"])
+    return F.cross_entropy(logits_BTV.flatten(0, 1), batch.tensors["targets"].flatten())
+
+
+def run(ctx: SuiteContext) -> PartResult:
+    size = DRY_SIZE if ctx.dry_run else GPU_SIZE
+    backend = "aot_eager" if ctx.dry_run else "inductor"
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=size["d_model"], layers=size["layers"], ffn=size["ffn"], dropout=0.0,
+                      max_seq_len=size["n"], attention={"kind": "mha", "heads": size["heads"]})
+    model = LanguageModel(cfg, size["vocab"], causal=True).to(ctx.device).train()
+    n_params = matmul_parameters(model)
+    model.compile(backend=backend)
+    optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", max_steps=10**6)
+    opt = Optimization.build(model, optim, ctx.device, precision="bf16")
+    tokens_BT = torch.randint(0, size["vocab"], (size["batch"], size["n"] + 1), device=ctx.device)
+    batch = Batch({"inputs": tokens_BT[:, :-1], "targets": tokens_BT[:, 1:]}, n_tokens=size["batch"] * size["n"])
+    batches = itertools.repeat(batch)
+    torch._dynamo.utils.counters.clear()
+
+    def step() -> None:
+        train_step(model, batches, next_token_loss, opt, ctx.device)
+
+    start = time.perf_counter()
+    for _ in range(WARMUP_STEPS):
+        step()
+    synchronize(ctx.device)
+    warmup_s = time.perf_counter() - start
+    times = [timed_call(step, ctx.device) for _ in range(DRY_TIMED_STEPS if ctx.dry_run else TIMED_STEPS)]
+    step_s = statistics.median(times)
+    tokens = size["batch"] * size["n"]
+    flops = step_flops(n_params, size["layers"], size["d_model"], size["n"], tokens)
+    peak = peak_bf16_flops(torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None)
+    row: Row = {**size, "params_matmul": n_params, "compile_backend": backend,
+                "autocast": str(opt.autocast_dtype).removeprefix("torch.") if opt.autocast_dtype else "none (fp32)",
+                "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+                "warmup_s": warmup_s, "step_ms": 1e3 * step_s, "step_ms_min": 1e3 * min(times), "timed_steps": len(times),
+                "tokens_per_s": tokens / step_s, "flops_per_step": flops, "achieved_tflops": flops / step_s / 1e12,
+                "peak_bf16_tflops": peak / 1e12 if peak else "", "mfu": flops / step_s / peak if peak else "",
+                "status": "ok"}
+    print(f"  train step: {row['tokens_per_s']:.4g} tokens/s, {row['achieved_tflops']:.4g} TFLOP/s, "
+          f"MFU {row['mfu'] if row['mfu'] == '' else format(row['mfu'], '.3f')}, autocast {row['autocast']}, "
+          f"{row['graph_breaks']} graph breaks", flush=True)
+    note = "" if peak else "MFU blank: no peak bf16 FLOP/s known for this device"
+    if opt.autocast_dtype != torch.bfloat16:
+        note = f"{note}; the training core did not autocast to bf16 here".lstrip("; ")
+    return PartResult([row], ctx.passed, note, {"compile": backend, "n": size["n"], "layers": size["layers"],
+                                                 "d_model": size["d_model"], "batch": size["batch"]})
