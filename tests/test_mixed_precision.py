@@ -165,7 +165,7 @@ def test_a_loss_computed_in_bf16_is_caught(tmp_path):
 CURVE_STEPS = 50
 CURVE_TOLERANCE = 0.01
 """Largest |bf16 - fp32| allowed on the 50-step training loss curve, in nats (the curve falls from 6.43 to 4.41).
-bf16 keeps 8 bits of mantissa (relative rounding 2^-9), so the two runs' weights drift apart slowly; measured
+bf16 keeps 8 significant bits (unit roundoff 2^-8), so the two runs' weights drift apart slowly; measured
 on this spec: at most 0.0021 over the 50 steps, 0.0017 at the last (torch 2.13 CPU). A tolerance of about 5x
 that passes rounding and fails a real error: a softmax or loss left in bf16 moves a step's loss by ~1e-2."""
 

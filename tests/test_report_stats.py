@@ -24,11 +24,13 @@ from scipy import stats
 from orchestrator.report.build import PARENT_TAG, ReportError, build_report
 from orchestrator.report.objectives import as_list
 from orchestrator.report.pareto import Objective, non_dominated
-from orchestrator.report.stats import EXACT_BELOW, Interval, compare, holm, power_analysis
+from orchestrator.report.stats import Interval, compare, holm, holm_level, power_analysis
 
 SEEDS = 10
 NOISE = stats.zscore(np.random.default_rng(7).normal(size=SEEDS), ddof=1)  # mean 0, sample std 1 exactly
 T_03 = stats.t.isf(0.03 / 2, SEEDS - 1) / math.sqrt(SEEDS)  # a paired mean difference with p = 0.03 (sd 1)
+FEW = 5
+FEW_NOISE = stats.zscore(np.random.default_rng(11).normal(size=FEW), ddof=1)
 
 
 def _log(client: MlflowClient, experiment_id: str, kind: str, seed: int, score: float, *, parent: str | None = None,
@@ -72,9 +74,15 @@ def store(tmp_path_factory) -> Iterator[dict[str, object]]:
         for seed in range(10, 15):
             _log(client, unpaired, "lsh", seed, 72.0 + 2.0 * NOISE[seed - 10])
         few = client.create_experiment("few", artifact_location=(root / "c").as_uri())
-        for seed in range(3):
+        for seed in range(FEW):  # sha below mha on every seed by ~20x the spread of the differences; tie level
             _log(client, few, "mha", seed, ref[seed])
-            _log(client, few, "sha", seed, ref[seed] + 5.0 + NOISE[seed])
+            _log(client, few, "sha", seed, ref[seed] - 5.0 + 0.25 * FEW_NOISE[seed])
+            _log(client, few, "tie", seed, ref[seed] + FEW_NOISE[seed])
+        overlap = client.create_experiment("overlap", artifact_location=(root / "d").as_uri())
+        for seed in range(5):  # mhe ran seeds 0-2, mha 0-4 (the MQAR study's case)
+            _log(client, overlap, "mha", seed, ref[seed])
+            if seed < 3:
+                _log(client, overlap, "mhe", seed, ref[seed] - 3.0 + 0.5 * FEW_NOISE[seed])
         yield {"uri": uri, "client": client, "parent": parent, "ref": ref}
 
 
@@ -139,16 +147,54 @@ def test_unequal_seed_sets_use_welch_and_say_so(store, tmp_path):
     assert "Welch (unpaired) (seeds" in report.markdown and "Welch's unpaired t-test" in report.markdown
 
 
-def test_few_seeds_use_the_exact_sign_flip_test(store, tmp_path):
+def test_five_paired_seeds_with_a_clear_gap_are_called_worse_and_a_tie_indistinguishable(store, tmp_path):
+    """The case the sign-flip test could never decide: with 5 seeds its smallest p is 2/32 = 0.0625. The paired
+    t-test is primary; the sign-flip p is shown beside it and the row says they disagree."""
     report = build_report(store["uri"], "few", metric="val/acc", lower_reference="none", out_dir=tmp_path,
                           log_to_mlflow=False)
+    ref = store["ref"][:FEW]
+    sha, tie = ref - 5.0 + 0.25 * FEW_NOISE, ref + FEW_NOISE
     row = _row(report.table, "sha")
-    assert 3 < EXACT_BELOW and row["test"] == "exact sign-flip"
-    # All 3 differences are positive: of the 2^3 sign flips only this one and its mirror are as extreme.
-    assert row["p_value"] == pytest.approx(2 / 8)
-    assert row["verdict"] == "indistinguishable" and "smallest possible p = 0.25" in row["test_note"]
-    assert math.isinf(row["mdd"])  # no difference can reach 0.05 with 3 seeds
-    assert row["seeds_needed"] >= 6  # the exact test needs 2 / 2^n < 0.05
+    expected = stats.ttest_rel(sha, ref)
+    assert row["test"] == "paired t" and row["n_compared"] == FEW
+    assert row["p_value"] == pytest.approx(expected.pvalue) and row["p_value"] < 1e-5
+    assert row["verdict"] == "worse"
+    assert row["sign_flip_p"] == pytest.approx(2 / 2**FEW) and row["sign_flip_min_p"] == pytest.approx(2 / 2**FEW)
+    assert "sign-flip check disagrees" in row["test_note"] and "0.0625" in row["test_note"]
+    # Two comparisons: the smaller p is Holm-multiplied by 2, and the printed interval is t's at 1 - 0.05/2.
+    low, high = stats.t.interval(1 - 0.05 / 2, FEW - 1, loc=np.mean(sha - ref), scale=stats.sem(sha - ref))
+    assert [row["diff_ci_holm_low"], row["diff_ci_holm_high"]] == pytest.approx([low, high]) and high < 0
+    assert _row(report.table, "tie")["verdict"] == "indistinguishable"
+    assert "| sha | -5." in report.markdown and "| worse |" in report.markdown
+
+
+def test_overlapping_seed_sets_are_paired_on_the_seeds_both_ran(store, tmp_path):
+    report = build_report(store["uri"], "overlap", metric="val/acc", lower_reference="none", out_dir=tmp_path,
+                          log_to_mlflow=False)
+    row = _row(report.table, "mhe")
+    ref, mhe = store["ref"][:3], store["ref"][:3] - 3.0 + 0.5 * FEW_NOISE[:3]
+    expected = stats.ttest_rel(mhe, ref)
+    assert row["test"] == "paired t" and row["n_compared"] == 3
+    assert "paired on the 3 shared seeds (method ran 3, reference 5)" in row["test_note"]
+    assert row["p_value"] == pytest.approx(expected.pvalue)
+    ci = expected.confidence_interval(0.95)
+    assert [row["diff_ci_low"], row["diff_ci_high"]] == pytest.approx([ci.low, ci.high])
+    assert row["verdict"] == "worse"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_no_interval_excludes_zero_beside_indistinguishable(seed):
+    """Random studies (2-10 seeds, 1-5 methods, some shifted): the Holm-adjusted interval excludes 0 exactly when
+    the Holm p is below alpha, so a row's interval and verdict always agree."""
+    rng = np.random.default_rng(seed)
+    n, methods = int(rng.integers(2, 11)), int(rng.integers(1, 6))
+    reference = dict(enumerate(rng.normal(size=n)))
+    comparisons = [compare({s: v + rng.normal(0, 0.6) + rng.choice([0.0, 0.5, 1.5]) for s, v in reference.items()},
+                           reference, 0.95) for _ in range(methods)]
+    adjusted = holm([c.p_value for c in comparisons])
+    for comparison, p_holm in zip(comparisons, adjusted):
+        interval = comparison.interval(holm_level(0.05, comparison.p_value, p_holm))
+        assert (0.0 not in interval) == (p_holm < 0.05), (comparison, p_holm, interval)
 
 
 def test_power_matches_a_hand_computed_case():

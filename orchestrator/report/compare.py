@@ -22,6 +22,7 @@ from orchestrator.report.stats import (
     bootstrap_interval,
     compare,
     holm,
+    holm_level,
     mean_interval,
     mean_of,
 )
@@ -39,6 +40,9 @@ class RowStats:
     """None for the reference itself."""
     p_holm: float
     verdict: str
+    diff_ci: Interval
+    """The difference's interval at the Holm-adjusted level (`holm_level`): it excludes 0 exactly when the verdict
+    is better or worse, so the two never contradict each other on a row."""
     prr_ci: Interval
     peop_ci: Interval
     tokens_ci: Interval
@@ -85,22 +89,30 @@ def _verdict(comparison: Comparison | None, p_holm: float, alpha: float, mode: M
 
 
 def _ratio_interval(row: MethodRow, other: MethodRow, ratio: Callable[[float, float], float], level: float,
-                    paired: bool) -> Interval:
-    """Bootstrap interval of ratio(mean of row's scores, mean of other's) over seeds (jointly when paired)."""
+                    seeds: Sequence[object] | None) -> Interval:
+    """Bootstrap interval of ratio(mean of row's scores, mean of other's) over seeds: resampled jointly on the
+    `seeds` both ran when given (the pairs of the test), else each method's runs on their own."""
     def statistic(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
         means_x, means_y = np.mean(x, axis=axis), np.mean(y, axis=axis)
         values = [ratio(float(a), float(b)) for a, b in zip(np.ravel(means_x), np.ravel(means_y))]
         return np.reshape(np.array(values, dtype=float), np.shape(means_x))
 
-    if paired:
-        order = sorted(range(len(row.seeds)), key=lambda i: str(row.seeds[i]))
-        by_seed = dict(zip(other.seeds, other.scores))
-        x = [row.scores[i] for i in order]
-        y = [by_seed[row.seeds[i]] for i in order]
+    if seeds is not None:
+        mine, theirs = dict(zip(row.seeds, row.scores)), dict(zip(other.seeds, other.scores))
+        x, y = [mine[s] for s in seeds], [theirs[s] for s in seeds]
     else:
         x, y = list(row.scores), list(other.scores)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return bootstrap_interval([x, y], statistic, level, paired=paired)
+        return bootstrap_interval([x, y], statistic, level, paired=seeds is not None)
+
+
+def _shared_seeds(row: MethodRow, other: MethodRow) -> list[object] | None:
+    """The seeds both ran, in the order `compare` pairs them, when there are two or more (else unpaired)."""
+    mine, theirs = _by_seed(row), _by_seed(other)
+    if mine[1] or theirs[1]:
+        return None
+    shared = sorted(mine[0].keys() & theirs[0].keys(), key=str)
+    return shared if len(shared) >= 2 else None
 
 
 def analyse(summary: Summary, mode: Mode, *, alpha: float = 0.05, bootstrap: bool = False) -> Statistics:
@@ -130,19 +142,19 @@ def analyse(summary: Summary, mode: Mode, *, alpha: float = 0.05, bootstrap: boo
     for row in summary.rows:
         comparison = comparisons.get(row.label)
         p_holm = adjusted.get(row.label, math.nan)
-        paired_ref = comparison is not None and comparison.test != WELCH and comparison.test != ""
         prr_ci = Interval.none()
         if comparison is not None:
-            prr_ci = _ratio_interval(row, ref, lambda a, b: prr(a, b, mode), level, paired_ref)
+            prr_ci = _ratio_interval(row, ref, lambda a, b: prr(a, b, mode), level, _shared_seeds(row, ref))
         peop_ci = Interval.none()
         if low is not None and row.label != low.label and math.isfinite(row.peop):
-            paired_low = _by_seed(row)[0].keys() == _by_seed(low)[0].keys()
             peop_ci = _ratio_interval(row, low, lambda a, b: peop(a, b, row.params_attention, low.params_attention,
-                                                                   mode), level, paired_low)
+                                                                   mode), level, _shared_seeds(row, low))
+        diff_ci = (comparison.interval(holm_level(alpha, comparison.p_value, p_holm)) if comparison is not None
+                   else Interval.none())
         out[row.label] = RowStats(
             ci=mean_interval(row.scores, level),
             bootstrap=bootstrap_interval([row.scores], mean_of, level, paired=False) if bootstrap else None,
-            comparison=comparison, p_holm=p_holm, verdict=_verdict(comparison, p_holm, alpha, mode),
+            comparison=comparison, p_holm=p_holm, verdict=_verdict(comparison, p_holm, alpha, mode), diff_ci=diff_ci,
             prr_ci=prr_ci, peop_ci=peop_ci,
             tokens_ci=mean_interval(row.tokens, level), memory_ci=mean_interval(row.memory, level),
             on_front=fronts.point[row.label], on_front_uncertain=fronts.uncertain[row.label])

@@ -6,10 +6,12 @@ choice of test and the bookkeeping around it. The choices, in the words docs/rep
 
 - a method's score: mean over seeds with a Student-t interval (`mean_interval`), optionally a percentile
   bootstrap interval (`bootstrap_interval`);
-- a method against the reference: when both ran the same seeds (one run per seed), the paired difference
-  over seeds, its t interval, and the p-value of the paired t-test, or with fewer than `EXACT_BELOW` seeds the
-  exact sign-flip permutation test (all 2^n flips): with so few seeds the normality the t-test assumes cannot
-  be checked. Different seed sets fall back to Welch's unequal-variance t-test (`compare`);
+- a method against the reference: paired over the seeds both ran (one run per seed; a method that ran seeds
+  0-2 against a reference on 0-4 is paired on 0-2, saying so), the paired t-test and its t interval. The exact
+  sign-flip permutation test of the same differences is shown beside it as a distribution-free check, with the
+  smallest p it can reach with that many seeds (2 / 2^n: 0.0625 with 5 seeds), and a row says when the two
+  disagree at alpha. The verdict is the t-test's, so the interval printed beside it is the one that test
+  inverts. Seed sets that share fewer than two seeds fall back to Welch's unequal-variance t-test (`compare`);
 - many methods against one reference: Holm's step-down correction of the p-values (`holm`);
 - power: for the t-test the comparison used, the smallest difference detectable at 80% power with the seeds
   that were run, and the seeds it would take to detect the observed difference (`power_analysis`), both
@@ -20,18 +22,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy import optimize, stats
 
-EXACT_BELOW = 8
-"""Paired comparisons with fewer seeds than this get the exact sign-flip test's p-value (2^7 = 128 flips)."""
+EXACT_FLIPS_UP_TO = 16
+"""The sign-flip check enumerates all 2^n flips up to this many seeds (65,536), and draws 9,999 beyond."""
 POWER = 0.8
 """The power the minimum detectable difference and the seeds needed are computed for."""
 MAX_SEEDS = 10_000
 BOOTSTRAP_RESAMPLES = 9_999
-PAIRED_T, SIGN_FLIP, WELCH = "paired t", "exact sign-flip", "Welch (unpaired)"
+PAIRED_T, WELCH = "paired t", "Welch (unpaired)"
 
 
 @dataclass(frozen=True)
@@ -52,18 +54,35 @@ class Comparison:
     """A method against the reference: difference of means (method - reference, in metric units) and its test."""
 
     test: str
-    """PAIRED_T, SIGN_FLIP or WELCH; "" when there are too few runs for any test."""
+    """PAIRED_T or WELCH; "" when there are too few runs for any test."""
     n: int
-    """Matched seeds (paired), or the smaller of the two run counts (Welch)."""
+    """Seeds paired on (shared by both), or the smaller of the two run counts (Welch)."""
     diff: float
     ci: Interval
+    """The t interval of `diff` at the comparison's level (uncorrected; `interval` gives any other level)."""
     p_value: float
     mdd: float
-    """Minimum detectable difference (absolute, metric units) at `alpha` and POWER with these seeds; inf when
-    the exact test cannot reach `alpha` with so few seeds."""
+    """Minimum detectable difference (absolute, metric units) at `alpha` and POWER with these seeds."""
     seeds_needed: float
     """Seeds per method for POWER to detect |diff|; inf when diff is 0, nan when unknown."""
     note: str = ""
+    se: float = math.nan
+    """Standard error of `diff` (0 when every seed's difference is the same)."""
+    df: float = math.nan
+    """Degrees of freedom of the t distribution of the test (n - 1 paired; Welch-Satterthwaite)."""
+    check_p: float = math.nan
+    """Paired only: the sign-flip test's two-sided p of the same differences (the distribution-free check)."""
+    check_min_p: float = math.nan
+    """The smallest p the sign-flip test can give with these seeds, 2 / 2^n."""
+
+    def interval(self, level: float) -> Interval:
+        """The test's t interval of `diff` at `level` (a Holm-adjusted level for the verdict's interval)."""
+        if not (math.isfinite(self.se) and math.isfinite(self.df)):
+            return Interval.none()
+        if self.se == 0.0:
+            return Interval(self.diff, self.diff)
+        half = float(stats.t.ppf(0.5 + level / 2.0, self.df)) * self.se
+        return Interval(self.diff - half, self.diff + half)
 
 
 def mean_interval(values: Sequence[float], level: float) -> Interval:
@@ -102,39 +121,50 @@ def _mean_difference(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray
     return np.mean(x, axis=axis) - np.mean(y, axis=axis)
 
 
-def compare(method: Mapping[str, float], reference: Mapping[str, float], level: float) -> Comparison:
-    """Method against reference, each given as seed -> score. Paired over seeds when the seed sets are equal
-    (and known: a None seed is not a seed), else Welch. Too few runs give a Comparison with test "" and NaNs."""
+def sign_flip_p(differences: np.ndarray, seed: int = 0) -> float:
+    """Two-sided p of the paired sign-flip permutation test of mean(differences) = 0: exact over all 2^n flips
+    up to EXACT_FLIPS_UP_TO seeds, 9,999 random flips beyond."""
+    resamples = np.inf if len(differences) <= EXACT_FLIPS_UP_TO else 9_999
+    result = stats.permutation_test((differences,), np.mean, permutation_type="samples", n_resamples=resamples,
+                                    vectorized=True, rng=np.random.default_rng(seed))
+    return float(result.pvalue)
+
+
+def _paired(method: Mapping[str, float], reference: Mapping[str, float], seeds: list, level: float) -> Comparison:
     alpha = 1.0 - level
-    paired = set(method) == set(reference) and None not in method and len(method) >= 2
-    if paired:
-        seeds = sorted(method, key=str)
-        x = np.array([method[s] for s in seeds], dtype=float)
-        y = np.array([reference[s] for s in seeds], dtype=float)
-        if np.all(x - y == 0.0):
-            return Comparison(PAIRED_T, len(x), 0.0, Interval(0.0, 0.0), 1.0, math.nan, math.inf,
-                              note="identical scores on every seed")
-        if np.ptp(x - y) == 0.0:  # the same difference on every seed: no spread, the t statistic is infinite
-            ci, p_value = Interval(float(x[0] - y[0]), float(x[0] - y[0])), 0.0
-        else:  # two-sided; scipy's interval is for mean(x - y)
-            result = stats.ttest_rel(x, y)
-            ci, p_value = result.confidence_interval(level), float(result.pvalue)
-        test, note = PAIRED_T, ""
-        if len(x) < EXACT_BELOW:
-            exact = stats.permutation_test((x, y), _mean_difference, permutation_type="samples",
-                                           n_resamples=np.inf, vectorized=True)
-            p_value, test = float(exact.pvalue), SIGN_FLIP
-            smallest = 2.0 / 2 ** len(x)
-            if smallest >= alpha:
-                note = f"{len(x)} seeds: smallest possible p = {smallest:.3g}"
-        sd = float(np.std(x - y, ddof=1))
-        mdd, needed = power_analysis(float(np.mean(x - y)), [sd], len(x), alpha)
-        if test == SIGN_FLIP and 2.0 / 2 ** len(x) >= alpha:
-            mdd = math.inf  # no difference, however large, can reach alpha with these seeds
-        if needed < EXACT_BELOW:  # that many seeds would be judged by the exact test: it needs 2 / 2^n < alpha
-            needed = max(needed, float(math.floor(math.log2(2.0 / alpha)) + 1))
-        return Comparison(test, len(x), float(np.mean(x - y)), Interval(float(ci.low), float(ci.high)),
-                          p_value, mdd, needed, note)
+    x = np.array([method[s] for s in seeds], dtype=float)
+    y = np.array([reference[s] for s in seeds], dtype=float)
+    d, n = x - y, len(seeds)
+    smallest = 2.0 / 2**n
+    notes = []
+    if len(seeds) < max(len(method), len(reference)):
+        notes.append(f"paired on the {n} shared seeds (method ran {len(method)}, reference {len(reference)})")
+    if np.all(d == 0.0):
+        notes.append("identical scores on every seed")
+        return Comparison(PAIRED_T, n, 0.0, Interval(0.0, 0.0), 1.0, math.nan, math.inf, "; ".join(notes), 0.0,
+                          n - 1.0, 1.0, smallest)
+    diff = float(np.mean(d))
+    if np.ptp(d) == 0.0:  # the same difference on every seed: no spread, the t statistic is infinite
+        se, p_value = 0.0, 0.0
+    else:
+        se, p_value = float(stats.sem(d)), float(stats.ttest_rel(x, y).pvalue)
+    check = sign_flip_p(d)
+    if (p_value < alpha) != (check < alpha):
+        floor = f"; its smallest possible p with {n} seeds is {smallest:.3g}" if smallest >= alpha else ""
+        notes.append(f"the sign-flip check disagrees: p = {check:.3g}{floor}")
+    mdd, needed = power_analysis(diff, [float(np.std(d, ddof=1))], n, alpha)
+    comparison = Comparison(PAIRED_T, n, diff, Interval.none(), p_value, mdd, needed, "; ".join(notes), se,
+                            n - 1.0, check, smallest)
+    return replace(comparison, ci=comparison.interval(level))
+
+
+def compare(method: Mapping[str, float], reference: Mapping[str, float], level: float) -> Comparison:
+    """Method against reference, each given as seed -> score. Paired on the seeds both ran (a None seed is not a
+    seed) when they share at least two, else Welch. Too few runs give a Comparison with test "" and NaNs."""
+    alpha = 1.0 - level
+    shared = sorted((set(method) & set(reference)) - {None}, key=str)
+    if len(shared) >= 2:
+        return _paired(method, reference, shared, level)
     x = np.array(list(method.values()), dtype=float)
     y = np.array(list(reference.values()), dtype=float)
     diff = float(np.mean(x) - np.mean(y)) if len(x) and len(y) else math.nan
@@ -142,12 +172,22 @@ def compare(method: Mapping[str, float], reference: Mapping[str, float], level: 
         return Comparison("", min(len(x), len(y)), diff, Interval.none(), math.nan, math.nan, math.nan,
                           note="needs two runs of each method")
     result = stats.ttest_ind(x, y, equal_var=False)
-    ci = result.confidence_interval(level)
     sds = [float(np.std(x, ddof=1)), float(np.std(y, ddof=1))]
+    se, df = _standard_error(sds, min(len(x), len(y)), (len(x), len(y)))
     mdd, needed = power_analysis(diff, sds, min(len(x), len(y)), alpha, unequal=(len(x), len(y)))
-    return Comparison(WELCH, min(len(x), len(y)), diff, Interval(float(ci.low), float(ci.high)),
-                      float(result.pvalue) if np.isfinite(result.pvalue) else 1.0, mdd, needed,
-                      note="seed sets differ")
+    comparison = Comparison(WELCH, min(len(x), len(y)), diff, Interval.none(),
+                            float(result.pvalue) if np.isfinite(result.pvalue) else 1.0, mdd, needed,
+                            note="seed sets differ", se=se, df=df)
+    return replace(comparison, ci=comparison.interval(level))
+
+
+def holm_level(alpha: float, p_value: float, p_holm: float) -> float:
+    """The confidence level whose t interval excludes 0 exactly when Holm's adjusted p is below `alpha`: the
+    interval inverts the test at alpha x p / p_Holm (alpha / m for the smallest p, as Bonferroni). An interval
+    printed beside a Holm verdict at the plain level could exclude 0 beside "indistinguishable"."""
+    if not (math.isfinite(p_value) and math.isfinite(p_holm)) or p_value <= 0.0 or p_holm <= 0.0:
+        return 1.0 - alpha
+    return 1.0 - alpha * p_value / p_holm
 
 
 def holm(p_values: Sequence[float]) -> list[float]:

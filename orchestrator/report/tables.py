@@ -14,7 +14,7 @@ import pandas as pd
 
 from orchestrator.report.compare import RowStats, Statistics
 from orchestrator.report.metrics import MethodRow, Mode, Summary
-from orchestrator.report.stats import EXACT_BELOW, POWER, Interval
+from orchestrator.report.stats import POWER, Interval
 
 
 def rows_to_frame(rows: Sequence[MethodRow], stats: Statistics | None = None) -> pd.DataFrame:
@@ -58,8 +58,12 @@ def rows_to_frame(rows: Sequence[MethodRow], stats: Statistics | None = None) ->
         add("diff", comparison.diff if comparison else math.nan)
         add("diff_ci_low", comparison.ci.low if comparison else math.nan)
         add("diff_ci_high", comparison.ci.high if comparison else math.nan)
+        add("diff_ci_holm_low", row_stats.diff_ci.low)
+        add("diff_ci_holm_high", row_stats.diff_ci.high)
         add("p_value", comparison.p_value if comparison else math.nan)
         add("p_holm", row_stats.p_holm)
+        add("sign_flip_p", comparison.check_p if comparison else math.nan)
+        add("sign_flip_min_p", comparison.check_min_p if comparison else math.nan)
         add("verdict", row_stats.verdict)
         add("mdd", comparison.mdd if comparison else math.nan)
         add("seeds_needed", comparison.seeds_needed if comparison else math.nan)
@@ -140,12 +144,13 @@ def _detectable(mdd: float, spec: str) -> str:
 
 
 def comparison_markdown(rows: Sequence[MethodRow], stats: Statistics, reference: str, metric: str) -> str:
-    """Each method against the reference: difference of seed means with its interval, the test and its p-value,
-    Holm's adjusted p-value and the verdict, and for an indistinguishable pair what the study could detect."""
+    """Each method against the reference: difference of seed means with its Holm-adjusted interval (the one the
+    verdict's test inverts), the test and its p-value, Holm's adjusted p-value and the verdict, the sign-flip
+    check's p, and for an indistinguishable pair what the study could detect."""
     spec = f".{_score_decimals(rows) + 1}f"
     level = f"{100 * (1 - stats.alpha):g}%"
-    heads = ["Method", f"Δ {metric} vs {reference} [{level} CI]", "test", "n", "p", "p (Holm)", "verdict",
-             "detectable Δ", "seeds for Δ"]
+    heads = ["Method", f"Δ {metric} vs {reference} [{level} CI, Holm-adjusted]", "test", "n", "p", "p (Holm)",
+             "verdict", "sign-flip p", "detectable Δ", "seeds for Δ"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for row in rows:
         row_stats = stats.rows[row.label]
@@ -158,8 +163,9 @@ def comparison_markdown(rows: Sequence[MethodRow], stats: Statistics, reference:
         indistinct = row_stats.verdict != "better" and row_stats.verdict != "worse"
         test = comparison.test + (f" ({comparison.note})" if comparison.note else "") if comparison.test else \
             comparison.note or "-"
-        cells = [row.label, _interval(comparison.diff, comparison.ci, "+" + spec), test, str(comparison.n),
+        cells = [row.label, _interval(comparison.diff, row_stats.diff_ci, "+" + spec), test, str(comparison.n),
                  _fmt(comparison.p_value, ".3g"), _fmt(row_stats.p_holm, ".3g"), row_stats.verdict,
+                 _fmt(comparison.check_p, ".3g"),
                  _detectable(comparison.mdd, spec) if indistinct else "", seeds if indistinct else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -190,9 +196,12 @@ def markdown_document(
         f"{level} Student-t interval" + (" and a percentile bootstrap interval." if stats.bootstrap else "."),
         f"- PRR against **{summary.reference}**, PEoP against {lower}, both on the seed-mean score; their "
         f"{level} intervals are percentile bootstraps over seeds (paired seeds resampled together).",
-        f"- Each method against **{summary.reference}**: paired over matched seeds (paired t-test; the exact "
-        f"sign-flip test below {EXACT_BELOW} seeds), Welch's t-test where the seed sets differ. Verdicts at "
-        f"alpha = {stats.alpha:g} after Holm's correction for {stats.comparisons} comparison(s).",
+        f"- Each method against **{summary.reference}**: paired t-test over the seeds both ran (Welch's t-test "
+        f"where they share fewer than two), verdicts at alpha = {stats.alpha:g} after Holm's correction for "
+        f"{stats.comparisons} comparison(s); the difference's interval is at the Holm-adjusted level, so it "
+        "excludes 0 exactly when the verdict is better or worse. The exact sign-flip test of the same "
+        "differences is shown as a distribution-free check (its smallest possible p is 2 / 2^seeds), and a row "
+        "says when the two disagree.",
         f"- Detectable Δ and seeds for Δ: two-sided t-test at alpha = {stats.alpha:g} with {100 * POWER:g}% power, "
         "taking the observed spread of the differences as the true one.",
         f"- Pareto front over {axes}: 'yes' on the front of the means, 'within CI' dominated only within the "
