@@ -128,8 +128,8 @@ def run_case(case: dict[str, Any], ctx: SuiteContext) -> list[Row]:
     blocks = launch_blocks(case["dtype"], case["head_dim"], ctx.device) if case["kernel"] == "flash" else None
     dtype_name = str(case["dtype"]).removeprefix("torch.")
     base: Row = {"kernel": case["kernel"], "dtype": dtype_name, "head_dim": case["head_dim"], "seq": q.shape[2],
-                 "block_multiple": case["block_multiple"], "mask": case["mask"],
-                 "blocks": "interpreter 16x16" if ctx.dry_run else (f"{blocks[0]}x{blocks[1]}" if blocks else "fixed"),
+                 "block_multiple": case["block_multiple"], "mask": case["mask"], "chunk": kwargs.get("chunk", ""),
+                 "blocks": "interpreter" if ctx.dry_run else f"{blocks[0]}x{blocks[1]}" if blocks else "chunk kernel's own",
                  "tolerance": PARITY_TOLERANCE[case["dtype"]]}
     try:
         if blocks is not None:

@@ -101,9 +101,10 @@ def triton_imported_compiled() -> bool:
 def rerun_with_interpreter(argv: Sequence[str]) -> int:
     print(f"gpu_suite: triton was already imported without its interpreter in this process; running the dry run in "
           f"a fresh process with {INTERPRET}=1", flush=True)
-    env = {**os.environ, INTERPRET: "1"}
-    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_suite", *argv], env=env, cwd=ROOT,
-                          check=False).returncode
+    # This working directory (a relative --out means the same folder), with the checkout importable from it.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, INTERPRET: "1", "PYTHONPATH": path}
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_suite", *argv], env=env, check=False).returncode
 
 
 def versions() -> str:

@@ -11,7 +11,8 @@ OFFERS = {
     **dict.fromkeys(["ReportError", "RunRecord", "MethodRow", "group_runs", "summarize", "infer_mode",
                      "default_group_keys", "prr", "peop"], "metrics"),
     **dict.fromkeys(["compared_runs", "find_experiment_id", "with_status"], "runs"),
-    "analyse": "compare",
+    **dict.fromkeys(["analyse", "verdict_of"], "compare"),
+    **dict.fromkeys(["Comparison", "Interval", "holm", "holm_level", "PAIRED_T"], "stats"),
     **dict.fromkeys(["rows_to_markdown", "rows_to_frame", "comparison_markdown"], "tables"),
 }
 __all__ = sorted(OFFERS)

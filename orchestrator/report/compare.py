@@ -79,7 +79,8 @@ def _welch_reason(row: MethodRow, ref: MethodRow, why: str) -> str:
     return f"seeds {sorted(set(row.seeds), key=str)} vs {sorted(set(ref.seeds), key=str)}"
 
 
-def _verdict(comparison: Comparison | None, p_holm: float, alpha: float, mode: Mode) -> str:
+def verdict_of(comparison: Comparison | None, p_holm: float, alpha: float, mode: Mode) -> str:
+    """better / worse (by the metric's direction) when Holm's p < alpha, else indistinguishable; n/a untested."""
     if comparison is None or math.isnan(p_holm):
         return UNTESTED
     if p_holm >= alpha:
@@ -154,7 +155,7 @@ def analyse(summary: Summary, mode: Mode, *, alpha: float = 0.05, bootstrap: boo
         out[row.label] = RowStats(
             ci=mean_interval(row.scores, level),
             bootstrap=bootstrap_interval([row.scores], mean_of, level, paired=False) if bootstrap else None,
-            comparison=comparison, p_holm=p_holm, verdict=_verdict(comparison, p_holm, alpha, mode), diff_ci=diff_ci,
+            comparison=comparison, p_holm=p_holm, verdict=verdict_of(comparison, p_holm, alpha, mode), diff_ci=diff_ci,
             prr_ci=prr_ci, peop_ci=peop_ci,
             tokens_ci=mean_interval(row.tokens, level), memory_ci=mean_interval(row.memory, level),
             on_front=fronts.point[row.label], on_front_uncertain=fronts.uncertain[row.label])
