@@ -253,3 +253,25 @@ def test_several_objectives_mark_the_non_dominated_runs(store, tmp_path):
     with pytest.raises(ReportError, match="objective 'train/flops': no run logs it"):
         build_report(store["uri"], "paired", metric=["val/acc", "train/flops"], mode=["max", "min"],
                      out_dir=tmp_path / "x", log_to_mlflow=False)
+
+
+def test_a_published_paired_row_gives_back_scipys_t_test(tmp_path):
+    """benchmarks/rereport.py --from-report: a report.csv row of the old form (exact sign-flip p, the paired 95% t
+    interval) yields the paired t-test scipy computes on the per-seed scores it no longer has."""
+    import pandas as pd
+
+    from benchmarks.rereport import comparison_from_row, from_report
+
+    ref = np.array([4.44, 4.50, 4.16])
+    lsh = np.array([3.79, 3.85, 3.72])
+    ci = stats.ttest_rel(lsh, ref).confidence_interval(0.95)
+    rows = [{"method": "mha", "test": None, "n_compared": None, "diff": None, "diff_ci_low": None,
+             "diff_ci_high": None, "p_value": None, "verdict": "n/a"},
+            {"method": "lsh", "test": "exact sign-flip", "n_compared": 3, "diff": float(np.mean(lsh - ref)),
+             "diff_ci_low": ci.low, "diff_ci_high": ci.high, "p_value": 0.25, "verdict": "indistinguishable"}]
+    pd.DataFrame(rows).to_csv(tmp_path / "report.csv", index=False)
+    comparison = comparison_from_row(pd.read_csv(tmp_path / "report.csv").iloc[1])
+    assert comparison.p_value == pytest.approx(stats.ttest_rel(lsh, ref).pvalue, rel=1e-9)
+    assert comparison.check_p == 0.25 and comparison.interval(0.95).low == pytest.approx(ci.low)
+    text = from_report(tmp_path, "val/bpb")
+    assert "| lsh |" in text and "| better |" in text and "indistinguishable |" in text  # new and old verdicts
