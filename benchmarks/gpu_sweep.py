@@ -10,10 +10,8 @@ worker, compiled with inductor. Its runs and its SQLite store are in `<out>/<mac
 `runs/`, `mlflow.db` and `mlartifacts/`), replaced by each run of the suite: `mlflow ui --backend-store-uri
 sqlite:///<that folder>/mlflow.db` shows the last one.
 
-A dry run trains on the CPU (a few steps of a toy model, the aot_eager compile backend, which traces without
-inductor's code generation). Where the spec refuses bf16 or fsdp without GPUs, it falls back, one setting at a
-time, to what the spec accepts (bf16 and fsdp first, then either, then fp32 with ddp) and the summary says which
-settings ran and why; once the spec accepts both on the CPU, the dry run runs them. A GPU run never falls back.
+A dry run trains on the CPU with the same settings (bf16 autocast and FSDP2 over gloo both run there: a few steps
+of a toy model, the aot_eager compile backend, which traces without inductor's code generation).
 """
 
 from __future__ import annotations
@@ -25,13 +23,11 @@ from typing import Any
 from benchmarks.gpu_common import PartResult, SuiteContext
 from benchmarks.harness import Row
 from orchestrator.launch import run_sweep
-from orchestrator.spec import SpecError, Study, study_from_raw
+from orchestrator.spec import study_from_raw
 from orchestrator.tracking.read import TrackingReader
 
 NAME = "gpu-suite-sweep"
-WANTED = ("bf16", "fsdp")
-FALLBACKS = (("bf16", "ddp"), ("fp32", "fsdp"), ("fp32", "ddp"))
-"""What a dry run tries after WANTED, in order, while the spec refuses it on the CPU."""
+PRECISION, STRATEGY = "bf16", "fsdp"
 LEARNING_RATES = (1e-3, 3e-3)
 METRIC = "val/ppl"
 
@@ -54,19 +50,6 @@ def sweep_raw(ctx: SuiteContext, folder: Path, precision: str, strategy: str) ->
         "tune": {"scheduler": "fifo", "metric": METRIC, "mode": "min"},
         "tracking": {"uri": f"sqlite:///{folder / 'mlflow.db'}"},
     }
-
-
-def accepted_study(ctx: SuiteContext, folder: Path) -> tuple[Study, tuple[str, str], list[str]]:
-    """The study to run, the (precision, strategy) it runs with, and why the settings before it were refused."""
-    refusals: list[str] = []
-    for precision, strategy in (WANTED, *FALLBACKS) if ctx.dry_run else (WANTED,):
-        try:
-            return study_from_raw(sweep_raw(ctx, folder, precision, strategy)), (precision, strategy), refusals
-        except SpecError as err:
-            if not ctx.dry_run:
-                raise
-            refusals.append(f"{precision}+{strategy}: {' '.join(str(err).split())}")
-    raise SpecError("the spec refused every setting: " + " | ".join(refusals))
 
 
 def mlflow_rows(uri: str, parent_run_id: str | None) -> tuple[list[Row], list[str]]:
@@ -102,10 +85,11 @@ def run(ctx: SuiteContext) -> PartResult:
     # as the first one's `orchestrator resume`).
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    study, (precision, strategy), refusals = accepted_study(ctx, folder)
+    study = study_from_raw(sweep_raw(ctx, folder, PRECISION, STRATEGY))
     run_settings = study.base.run
-    print(f"  sweep: 2 trials, precision={precision} strategy={strategy} compile={run_settings.compile_backend}"
-          + (f" (refused: {'; '.join(refusals)})" if refusals else ""), flush=True)
+    precision, strategy = run_settings.precision, run_settings.strategy
+    print(f"  sweep: 2 trials, precision={precision} strategy={strategy} compile={run_settings.compile_backend}",
+          flush=True)
     outcome = run_sweep(study)
     rows, problems = mlflow_rows(study.base.tracking.uri, outcome.parent_run_id)
     if outcome.errors:
@@ -113,7 +97,5 @@ def run(ctx: SuiteContext) -> PartResult:
     settings = {"precision": precision, "strategy": strategy, "compile": f"true ({run_settings.compile_backend})",
                 "gpus_per_worker": run_settings.gpus_per_worker, "store": f"{folder.name}/mlflow.db"}
     note = f"ran precision={precision}, strategy={strategy}, compile=true ({run_settings.compile_backend})"
-    if refusals:
-        note += "; refused by the spec here: " + " | ".join(refusals)
     status = f"fail: {'; '.join(problems)}" if problems else ctx.passed
     return PartResult(rows, status, note, settings)

@@ -30,17 +30,30 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 from collections.abc import Sequence
 from pathlib import Path
-
-import math
 
 import pandas as pd
 from scipy import stats as scipy_stats
 
-from orchestrator.report import PAIRED_T, Comparison, Interval, analyse, RunRecord, default_group_keys, group_runs, holm
-from orchestrator.report import comparison_markdown, holm_level, infer_mode, rows_to_frame, rows_to_markdown
-from orchestrator.report import summarize, verdict_of
+from orchestrator.report import (
+    PAIRED_T,
+    Comparison,
+    Interval,
+    RunRecord,
+    analyse,
+    comparison_markdown,
+    default_group_keys,
+    group_runs,
+    holm,
+    holm_level,
+    infer_mode,
+    rows_to_frame,
+    rows_to_markdown,
+    summarize,
+    verdict_of,
+)
 
 ALPHA = 0.05
 

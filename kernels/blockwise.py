@@ -24,7 +24,12 @@ import math
 
 import torch
 
-from kernels.reference import autocast_off, check_attention_inputs, check_key_padding_mask, fp32_softmax
+from kernels.reference import (
+    autocast_off,
+    check_attention_inputs,
+    check_key_padding_mask,
+    fp32_softmax,
+)
 
 # Elements of one block's logits across batch and heads: 2^22 fp32 values are 16 MiB per [rows, N] buffer,
 # and the backward holds four of them (S, P, dP, dS) at once.

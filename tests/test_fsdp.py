@@ -25,7 +25,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from models import LanguageModel, ModelConfig
-from orchestrator.training.checkpoint import CheckpointError, TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.training.checkpoint import (
+    CheckpointError,
+    TrainingState,
+    read_checkpoint,
+    write_checkpoint,
+)
 from orchestrator.training.sharding import SHARDS_DIR, layers_to_shard
 
 WORLD = 2

@@ -97,13 +97,9 @@ def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     trials = sweep[1:]
     assert [float(row["optim.lr"]) for row in trials] == list(gpu_sweep.LEARNING_RATES)
     assert {row["run.compile"] for row in trials} == {"True"}
-    ran = {(row["run.precision"], row["run.strategy"]) for row in trials}
-    assert len(ran) == 1 and ran <= {gpu_sweep.WANTED, *gpu_sweep.FALLBACKS}
+    assert {(row["run.precision"], row["run.strategy"]) for row in trials} == {("bf16", "fsdp")}
     note = summary_rows((folder / gpu_suite.SUMMARY).read_text())["sweep"]["notes"]
-    precision, strategy = ran.pop()
-    assert f"ran precision={precision}, strategy={strategy}" in note
-    if (precision, strategy) != gpu_sweep.WANTED:
-        assert "refused by the spec here" in note
+    assert "ran precision=bf16, strategy=fsdp" in note
 
 
 def test_a_part_that_raises_or_fails_is_its_summary_row_and_the_suite_goes_on(tmp_path, monkeypatch):

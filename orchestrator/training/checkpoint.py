@@ -30,7 +30,12 @@ import numpy as np
 import torch
 
 from orchestrator.storage.layout import checkpoint_name
-from orchestrator.training.sharding import SHARDS_DIR, ShardIndexError, load_full_state, save_shards
+from orchestrator.training.sharding import (
+    SHARDS_DIR,
+    ShardIndexError,
+    load_full_state,
+    save_shards,
+)
 
 STATE_FILE = "state.pt"
 SPEC_FILE = "spec.yaml"

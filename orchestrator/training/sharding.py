@@ -84,7 +84,10 @@ def shard_model(model: nn.Module, device: torch.device, precision: str, world_si
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model state on rank 0, on CPU ({} on the other ranks); a collective of every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 

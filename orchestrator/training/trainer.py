@@ -32,9 +32,20 @@ from torch import nn
 from models import checkpoint_activations
 from orchestrator.spec import ExperimentSpec, RunSettings
 from orchestrator.training.checkpoint import TrainingState, capture_rng, restore_rng
-from orchestrator.training.optimizer_step import LossMeter, Optimization, is_wrapped, train_step
-from orchestrator.training.sharding import full_model_state, is_sharded, restore_sharded, shard_tensors
+from orchestrator.training.optimizer_step import (
+    LossMeter,
+    Optimization,
+    is_wrapped,
+    train_step,
+)
+from orchestrator.training.sharding import (
+    full_model_state,
+    is_sharded,
+    restore_sharded,
+    shard_tensors,
+)
 from tasks import Batch, Task, WorkerContext, build_task
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
