@@ -29,12 +29,14 @@ from orchestrator.spec import (
     name_problem,
     spec_to_yaml,
 )
-from orchestrator.spec.search_space import grid_points
+from orchestrator.spec.search_space import MAX_TRIALS, ValidationPlan, iter_grid_points
 from orchestrator.storage import parent, resolve
 from orchestrator.tracking.describe import artifact_root
 
 DEFAULT_STORAGE = "runs"
 DEFAULT_UI_PORT = 5000
+GRID_LINES_SHOWN = 50
+"""Grid points `validate` lists one per line; a larger grid (up to MAX_TRIALS) is counted, not listed."""
 
 
 def _run_name(value: str) -> str:
@@ -73,10 +75,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="what may change on resume: train longer (optim.max_steps=, runs only), retries, "
                              "placement, cadence, tracking (see orchestrator.spec.RESUME_OVERRIDES)")
     resume.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
+    resume.add_argument("--storage-endpoint", default=None, metavar="URL",
+                        help="the spec's run.storage_endpoint, for s3:// storage outside AWS (else AWS_ENDPOINT_URL_S3)")
     status = sub.add_parser("status", help="where a run or sweep stands: trials, best so far, last checkpoint, "
                                            "MLflow link (while it runs and after)")
     status.add_argument("name", type=_run_name, help="the run's or sweep's name (its folder under the storage path)")
     status.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
+    status.add_argument("--storage-endpoint", default=None, metavar="URL",
+                        help="the spec's run.storage_endpoint, for s3:// storage outside AWS (else AWS_ENDPOINT_URL_S3)")
     evaluate = sub.add_parser("evaluate", help="score a finished run (every trial of a sweep) on a split again",
                               description="score a finished run (every trial of a sweep) on all of a split, log "
                                           "<split>/* metrics to its MLflow run, outputs to <run>/evaluation/")
@@ -86,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="best (by the spec's tune.metric), latest, all (every kept checkpoint, in step "
                                "order), or a kept checkpoint's folder name such as checkpoint_000002750")
     evaluate.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
+    evaluate.add_argument("--storage-endpoint", default=None, metavar="URL",
+                        help="the spec's run.storage_endpoint, for s3:// storage outside AWS (else AWS_ENDPOINT_URL_S3)")
     sub.add_parser("report", help="PRR / PEoP tables and plots from MLflow (see `orchestrator report -h`)",
                    add_help=False)
     ui = sub.add_parser("ui", help="start the MLflow UI on the spec's tracking store")
@@ -121,13 +129,17 @@ def _describe_grid(study: Study) -> str:
     if not study.domains:
         return "no search domains: a single run (orchestrator train)"
     lines = []
-    points = grid_points(study.domains)
     sampled = [d for d in study.domains if not d.is_grid]
     total = expected_trials(study)
     lines.append(f"search: {spec.tune.search}, scheduler: {spec.tune.scheduler}, metric: {spec.metric} ({spec.mode}), "
-                 f"trials: {total}")
+                 f"trials: {total:,} (at most {MAX_TRIALS:,})")
+    lines.append("  " + ValidationPlan(study.domains, spec.tune.search).describe())
     if spec.tune.search == "grid":
+        points = iter_grid_points(study.domains)  # one at a time: a grid may hold MAX_TRIALS points
         for i, point in enumerate(points):
+            if i == GRID_LINES_SHOWN:
+                lines.append(f"  ... {sum(1 for _ in points) + 1:,} more grid points")
+                break
             values = ", ".join(f"{k}={v}" for k, v in point.items()) or "(no grid domains)"
             lines.append(f"  grid {i}: {values}")
     else:
@@ -137,6 +149,10 @@ def _describe_grid(study: Study) -> str:
     return "\n".join(lines)
 
 
+def _progress_line(line: str) -> None:
+    print(line, flush=True)  # flushed: a piped launcher's log shows that validation is moving
+
+
 def _where_to_look(tracking_uri: str, experiment: str, parent_run_id: str | None, spec_path: str | None) -> str:
     parent = f" --parent-run {parent_run_id}" if parent_run_id else ""
     spec_arg = f" {spec_path}" if spec_path else ""
@@ -144,13 +160,23 @@ def _where_to_look(tracking_uri: str, experiment: str, parent_run_id: str | None
             f"report: orchestrator report --tracking-uri {tracking_uri} --experiment {experiment}{parent}")
 
 
-def _print_run(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str) -> None:
+WAITING_EXIT = 3
+"""Exit code of a run that trained to its end while the tracking server did not take all of it: its outputs wait
+in storage and its MLflow run stays open until `orchestrator resume` sends them."""
+
+
+def _print_run(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str) -> int:
     shown = {k: v for k, v in outcome.metrics.items() if "/" in k or k == "step"}
-    print(f"run {outcome.name} finished: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                      for k, v in shown.items()))
+    values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+    if outcome.waiting:
+        print(f"run {outcome.name} trained to its end ({values}), but is not finished in MLflow: {outcome.waiting}; "
+              f"send them with `orchestrator resume {outcome.name}` once the server answers", file=sys.stderr)
+    else:
+        print(f"run {outcome.name} finished: {values}")
     print(f"checkpoint: {outcome.checkpoint}")
     print(f"MLflow run id: {outcome.mlflow_run_id}")
     print(_where_to_look(tracking_uri, experiment, None, spec_path))
+    return WAITING_EXIT if outcome.waiting else 0
 
 
 def _sweep_line(outcome: Any) -> str:
@@ -272,6 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_cli(argv[1:])
     args = _parse(argv)
     _set_verbosity(getattr(args, "verbose", False))
+    if getattr(args, "storage_endpoint", None):
+        from orchestrator.storage import use_storage
+
+        use_storage(args.storage_endpoint, None)  # read the run's own files (its stored spec names it again)
     try:
         if args.command == "ui":
             return _ui(args)
@@ -286,6 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _print_trials(outcome, outcome.metric)
                 return 1 if outcome.errors or outcome.interrupted else 0
             print(f"run {outcome.name}: {outcome.metrics.get('step')} steps, MLflow run {outcome.mlflow_run_id}")
+            if outcome.waiting:
+                print(f"orchestrator: not finished in MLflow: {outcome.waiting}; resume again once the server "
+                      "answers", file=sys.stderr)
+                return WAITING_EXIT
             return 0
         if args.command == "status":
             from orchestrator.launch import status_cli
@@ -307,7 +341,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             spec = load_spec(args.spec, args.overrides, args.scale)
             study = Study(raw={}, domains=[], base=spec)
         else:
-            study = load_study(args.spec, args.overrides, args.scale)
+            try:
+                study = load_study(args.spec, args.overrides, args.scale, progress=_progress_line)
+            except KeyboardInterrupt:  # validation takes seconds for a large grid; nothing has started yet
+                print("orchestrator: interrupted (Ctrl-C) while validating the spec; nothing was started",
+                      file=sys.stderr)
+                return 130
         spec = study.base
         check_data_files(spec)
         if args.command == "prepare":
@@ -330,8 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.command == "train":
             outcome = run_training(spec)
-            _print_run(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment)
-            return 0
+            return _print_run(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment)
         outcome = run_sweep(study)
         _print_sweep(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment, spec.metric)
         return 1 if outcome.errors or outcome.interrupted else 0

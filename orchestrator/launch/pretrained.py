@@ -31,7 +31,7 @@ from orchestrator.cluster.ray_env import stored_result
 from orchestrator.launch.evaluate import choose_checkpoint
 from orchestrator.spec import ExperimentSpec, SpecError
 from orchestrator.spec.loading import bounded_yaml
-from orchestrator.storage.layout import checkpoint_steps, is_remote, join, storage_fs, resolve as resolve_location
+from orchestrator.storage.layout import checkpoint_order, checkpoint_steps, is_remote, join, storage_fs, resolve as resolve_location
 from orchestrator.tracking.describe import CHECKPOINTS_TAG
 from orchestrator.tracking.read import TrackingReader
 from orchestrator.training.checkpoint import SPEC_FILE, STATE_FILE, TOKENIZER_FILE, read_checkpoint
@@ -92,7 +92,7 @@ def _best_checkpoint(run_folder: str, value: str) -> tuple[str, ExperimentSpec] 
     steps = checkpoint_steps(run_folder)
     if not steps:
         return None
-    newest = join(run_folder, max(steps, key=steps.get))
+    newest = join(run_folder, max(steps, key=checkpoint_order))
     spec = _read_spec(newest, value)
     try:
 

@@ -238,14 +238,15 @@ def stage_to_train(spec: ExperimentSpec, *, storage_path: str, run_name: str, ml
 
 def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracker: MlflowTracker,
                    cache_dir: str, *, label: str, advice: str | None,
-                   console: str | None = None) -> tuple[Any, str | None, dict[str, float]]:
+                   console: str | None = None) -> tuple[Any, str | None, dict[str, float], str | None]:
     """Fit, score the best checkpoint on the test split, and end the MLflow run on every exit path: FINISHED
     only when training reached optim.max_steps, KILLED on Ctrl-C, FAILED when anything raised. A failure is a
     LaunchError of one line, with `advice` (None: the caller says what to do). The run id is looked up again:
-    the worker may have created the run after an outage at launch."""
+    the worker may have created the run after an outage at launch. Returns the result, the run id, the final
+    scores, and what still waits for the tracking server (None when MLflow holds everything and the run ended)."""
     from ray.train import TrainingFailedError  # deferred: ray.train only after use_train_v2()
 
-    status, run_id, failure, delivered = "FAILED", handle.run_id, None, True
+    status, run_id, failure, delivered, waiting = "FAILED", handle.run_id, None, True, None
     config = trainer.run_config  # Ray's paths on remote storage carry no scheme: the filesystem says where
     run_folder = uri_of(config.storage_filesystem, join(config.storage_path, config.name))
     hint = f"\n{advice}" if advice else ""
@@ -282,7 +283,6 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
                 tracker.set_tags(run_id, {"test.error": message})
         delivered = deliver_outputs(tracker, run_id, run_folder)
         status = "FINISHED"
-        return result, run_id, final
     except SystemExit:  # Ctrl-C: Ray Train's SIGINT handler aborts the run, then sys.exit(0) in this thread
         status = "KILLED"
         raise LaunchError(f"{label} was interrupted (Ctrl-C){hint}") from None
@@ -300,13 +300,18 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
                   "until `orchestrator resume` opens the run and sends them")
         if run_id is not None and status == "FAILED":
             tracker.set_tags(run_id, failure_tags(failure or "the launcher stopped before the run ended"))
-        if run_id is not None and not delivered:  # never FINISHED without its test scores and model
-            print(f"[{label}] the tracking server at {spec.tracking.uri} did not take every output of the run; "
-                  f"they wait in {run_folder} and the MLflow run stays open until `orchestrator resume` sends them")
-        elif run_id is not None and not tracker.end_run(run_id, status):
-            print(f"[{label}] the tracking server at {spec.tracking.uri} did not take every metric point; they "
-                  f"wait in {tracker.spool or 'memory'} and the MLflow run stays open until "
-                  "`orchestrator resume` sends them")
+        if run_id is not None and status == "FINISHED":
+            tracker.clear_failure(run_id)  # a resumed run that failed before: its failure is history now
+        if run_id is None:
+            waiting = f"the MLflow run does not exist yet; its points and outputs wait in {run_folder}"
+        elif not delivered:  # never FINISHED without its test scores and model
+            waiting = f"the tracking server at {spec.tracking.uri} did not take every output; they wait in {run_folder}"
+        elif not tracker.end_run(run_id, status):
+            waiting = (f"the tracking server at {spec.tracking.uri} did not take every metric point; they wait in "
+                       f"{tracker.spool or 'memory'}")
+        if waiting is not None and run_id is not None:
+            print(f"[{label}] {waiting}, and the MLflow run stays open until `orchestrator resume` sends them")
+    return result, run_id, final, waiting
 
 
 # --- `orchestrator train` ------------------------------------------------------------------------------
@@ -321,6 +326,9 @@ class RunOutcome:
     """The last report of rank 0."""
     checkpoint: str | None
     mlflow_run_id: str | None
+    waiting: str | None = None
+    """What of the trained run still waits for the tracking server (its MLflow run then stays open until
+    `orchestrator resume` sends it); None when MLflow holds everything."""
 
 
 def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: int | None = None) -> RunOutcome:
@@ -364,14 +372,14 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
                                 callbacks=[reports.relay()] if reports else None)
         try:
             with reports or contextlib.nullcontext():
-                result, run_id, final = fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir,
-                                                       label=f"run {spec.name!r}", advice=None)
+                result, run_id, final, waiting = fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir,
+                                                                label=f"run {spec.name!r}", advice=None)
         except LaunchError as err:
             raise LaunchError(f"{err}\n{next_step(layout)}") from None
         layout.write_meta({**record, "mlflow_run_id": run_id, "status": "FINISHED"})
     return RunOutcome(name=spec.name, path=layout.folder, metrics={**dict(result.metrics or {}), **final},
                       checkpoint=uri_of(result.filesystem, result.checkpoint.path) if result.checkpoint else None,
-                      mlflow_run_id=run_id)
+                      mlflow_run_id=run_id, waiting=waiting)
 
 
 def _extends(meta: Mapping[str, Any], spec: ExperimentSpec) -> bool:

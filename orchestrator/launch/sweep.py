@@ -116,8 +116,8 @@ def _trial_driver(config: dict[str, Any], *, study_raw: dict[str, Any], parent_r
                           fail_at_step=fail_at_step, init_checkpoint=init_checkpoint)
     trainer = build_trainer(spec, run_name=layout.trial_run_name(trial_id), storage_path=layout.trials_folder,
                             worker=worker, callbacks=[TuneReportCallback()])
-    result, _, final = fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir, label=f"trial {trial_id}",
-                                      advice=None, console=trial_label(trial_id, config))
+    result, _, final, _ = fit_and_finish(spec, trainer, handle, tracker, layout.cache_dir, label=f"trial {trial_id}",
+                                         advice=None, console=trial_label(trial_id, config))
     mark_finished(run_path, {**dict(result.metrics or {}), **final})
 
 
@@ -227,6 +227,30 @@ def pin_paths(study: Study) -> Study:
     return replace(study, raw=raw)
 
 
+def _check_pretrained_runs(study: Study) -> None:
+    """Each trial's pretrained run (model.init_from) resolved and checked against its model, before any cluster
+    time. A study that names no init_from skips the walk: it would validate the grid again (up to MAX_TRIALS
+    specs, seconds) for nothing; one that does checks each distinct model and task once."""
+    if not _names_key(study.raw, "init_from"):
+        return
+    checked: set[str] = set()
+    for assignment in validation_points(study.domains, search=study.base.tune.search) if study.domains else [{}]:
+        spec = study.spec_for(assignment)
+        key = spec.model.model_dump_json() + spec.task.model_dump_json()
+        if key not in checked:
+            checked.add(key)
+            check_init_from(spec)
+
+
+def _names_key(node: Any, key: str) -> bool:
+    """Whether `key` appears as a mapping key anywhere in a raw spec (grid values included)."""
+    if isinstance(node, dict):
+        return key in node or any(_names_key(value, key) for value in node.values())
+    if isinstance(node, list):
+        return any(_names_key(item, key) for item in node)
+    return False
+
+
 def _trainable(study: Study, parent_run_id: str | None, commit: str, fail_at_step: int | None = None):
     from ray import tune
 
@@ -251,8 +275,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     check_storage(spec)
     check_data_files(spec)
     check_labelled_data(spec, layout.cache_dir)
-    for assignment in validation_points(study.domains) if study.domains else [{}]:
-        check_init_from(study.spec_for(assignment))  # each trial's pretrained run, before any cluster time
+    _check_pretrained_runs(study)
     with name_lock(layout):
         tracker = open_tracker(spec.tracking)
         meta = claim(spec, resume, tracker)

@@ -33,10 +33,10 @@ from orchestrator.launch.pretrained import load as load_pretrained
 from orchestrator.launch.worker_config import WORKER_CONFIG, WorkerConfig
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
 from orchestrator.storage.layout import (
-    checkpoint_name,
-    checkpoint_step,
+    checkpoint_order,
     checkpoint_steps,
     diverged,
+    fresh_checkpoint_name,
     join,
     mark_diverged,
     storage_fs,
@@ -94,6 +94,8 @@ class RayHooks:
         self.mlflow: MlflowLogger | None = None
         self.logger = MetricsLogger()
         self._uploading: list[Path] = []
+        self.taken_names: set[str] = set()
+        """Checkpoint folder names in storage when this attempt started (`_restore_point`)."""
         """Temporary folders of checkpoints Ray may still be uploading (run.checkpoint_upload=async)."""
         self.sizes: dict[str, float] = {}
         """params.attention / params.total, in every result reported to Tune (not logged as MLflow metrics: they
@@ -146,7 +148,8 @@ class RayHooks:
                                           shards=shards, step=step)
                 ckpt = ray.train.Checkpoint.from_directory(str(folder))
             # Named by step, not Ray's timestamp default, so storage listings read as a training history.
-            upload = partial(ray.train.report, report, checkpoint=ckpt, checkpoint_dir_name=checkpoint_name(step))
+            upload = partial(ray.train.report, report, checkpoint=ckpt,
+                             checkpoint_dir_name=fresh_checkpoint_name(step, self.taken_names))
             if asynchronous:
                 # Ray copies the folder to storage on its own thread and deletes it afterwards; the training
                 # thread goes on as soon as the report is queued.
@@ -195,16 +198,18 @@ class RayHooks:
         self.logger.close(status)
 
 
-def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> TrainingState | None:
+def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> tuple[TrainingState | None, set[str]]:
     """The newest readable checkpoint of this run: Ray's registered latest, or a newer complete one on disk
     that a kill kept Ray from registering; an unreadable one (truncated, corrupt) is skipped, said, and the
-    one before it is taken."""
+    one before it is taken. Also the checkpoint names already in storage, which new checkpoints must not reuse
+    (`fresh_checkpoint_name`): every rank lists them here, before any rank can write one."""
     fs, path = storage_fs(run_path)
     candidates = {name: ray.train.Checkpoint(join(path, name), filesystem=fs) for name in checkpoint_steps(run_path)}
     if registered is not None:
         candidates.setdefault(Path(registered.path).name, registered)
+    taken = set(candidates)
     skipped: list[str] = []
-    for name in sorted(candidates, key=lambda n: s if (s := checkpoint_step(n)) is not None else -1, reverse=True):
+    for name in sorted(candidates, key=checkpoint_order, reverse=True):
         try:
             with candidates[name].as_directory() as directory:
                 state = read_checkpoint(Path(directory))
@@ -213,11 +218,12 @@ def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> Tra
             continue
         if rank == 0 and skipped:
             sys.stdout.write(f"[{label}] checkpoint {', '.join(skipped)} is unreadable; resuming from the "
-                             f"previous intact checkpoint {name} instead\n")
-        return state
+                             f"previous intact checkpoint {name} instead (the unreadable folder is left as it "
+                             "is; the steps after it are checkpointed under new names)\n")
+        return state, taken
     if rank == 0 and skipped:
         sys.stdout.write(f"[{label}] no readable checkpoint ({', '.join(skipped)}); starting from step 0\n")
-    return None
+    return None, taken
 
 
 def quiet_train_reports() -> None:
@@ -264,12 +270,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                              initialize=pretrained.initializer(spec.model.freeze) if pretrained else None)
 
     run = cfg.run
-    state = _restore_point(ray.train.get_checkpoint(), cfg.run_path, cfg.label, rank)
+    state, taken_names = _restore_point(ray.train.get_checkpoint(), cfg.run_path, cfg.label, rank)
     if state is not None:
         trainer.restore(state)
         run = run.with_run_id(state.mlflow_run_id)  # the run id may have appeared only after an outage
 
     hooks = RayHooks(cfg, spec, run, rank)
+    hooks.taken_names = taken_names
     counts = unwrap(trainer.model).parameter_counts()
     hooks.log_params({"params.attention": counts["attention"], "params.total": counts["total"]})
     hooks.sizes = {"params.attention": float(counts["attention"]), "params.total": float(counts["total"])}

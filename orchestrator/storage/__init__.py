@@ -7,7 +7,7 @@ from orchestrator import lazy_face
 
 OFFERS = {
     **dict.fromkeys(["RunLayout", "resolve", "parent", "join", "is_remote", "storage_fs", "checkpoint_name",
-                     "checkpoint_step", "checkpoint_steps", "latest_checkpoint", "EVALUATION_DIR", "META_FILE"],
+                     "checkpoint_step", "checkpoint_steps", "checkpoint_order", "fresh_checkpoint_name", "latest_checkpoint", "EVALUATION_DIR", "META_FILE"],
                     "layout"),
     **dict.fromkeys(["StorageError", "is_s3", "check_s3_storage", "use_storage"], "object_store"),
 }

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +73,7 @@ REPORT_DIR = "report"
 CACHE_DIR = ".cache"
 """Tokenizers and prepared data, next to the runs of a local storage."""
 _CHECKPOINT_PREFIX = "checkpoint_"
-_CHECKPOINT_NAME = re.compile(rf"{_CHECKPOINT_PREFIX}(\d+)$")
+_CHECKPOINT_NAME = re.compile(rf"{_CHECKPOINT_PREFIX}(\d+)(?:-r(\d+))?$")
 
 
 # --- any storage location --------------------------------------------------------------------------------
@@ -206,15 +206,35 @@ def cache_dir_of(storage_path: str) -> str:
 # --- one Train run's folder ----------------------------------------------------------------------------
 
 
-def checkpoint_name(step: int) -> str:
-    """The folder name of the checkpoint after `step` optimizer steps (`checkpoint_000002750`)."""
-    return f"{_CHECKPOINT_PREFIX}{step:09d}"
+def checkpoint_name(step: int, rewrite: int = 0) -> str:
+    """The folder name of the checkpoint after `step` optimizer steps (`checkpoint_000002750`); `rewrite` > 0 for
+    a step checkpointed again after a resume fell back past it (`checkpoint_000002750-r1`, see
+    `fresh_checkpoint_name`)."""
+    return f"{_CHECKPOINT_PREFIX}{step:09d}" + (f"-r{rewrite}" if rewrite else "")
 
 
 def checkpoint_step(name: str) -> int | None:
     """The step a checkpoint folder's name says, or None when the name is not a checkpoint's."""
     found = _CHECKPOINT_NAME.match(name)
     return int(found.group(1)) if found else None
+
+
+def checkpoint_order(name: str) -> tuple[int, int]:
+    """Sort key of checkpoint folder names, oldest first: by step, then a step's rewrites after it; (-1, 0) for a
+    name that is not a checkpoint's."""
+    found = _CHECKPOINT_NAME.match(name)
+    return (int(found.group(1)), int(found.group(2) or 0)) if found else (-1, 0)
+
+
+def fresh_checkpoint_name(step: int, taken: Collection[str]) -> str:
+    """The name for a new checkpoint of `step` that no folder in `taken` has. A resume that fell back past an
+    unreadable checkpoint reaches that step again; Ray's checkpoint manager may already hold the old folder under
+    its name, and a second checkpoint of the same name would be registered twice, so that deleting the stale
+    entry removes the new folder and a later clean-up fails on the missing path. The new one gets `-r<n>`."""
+    rewrite = 0
+    while checkpoint_name(step, rewrite) in taken:
+        rewrite += 1
+    return checkpoint_name(step, rewrite)
 
 
 def checkpoint_steps(run_folder: str) -> dict[str, int]:
@@ -224,14 +244,15 @@ def checkpoint_steps(run_folder: str) -> dict[str, int]:
 
 def local_checkpoints(folder: Path) -> list[Path]:
     """The checkpoint folders under a local folder, oldest step first."""
-    return sorted(path for path in Path(folder).iterdir() if checkpoint_step(path.name) is not None) \
+    return sorted((path for path in Path(folder).iterdir() if checkpoint_step(path.name) is not None),
+                  key=lambda path: checkpoint_order(path.name)) \
         if Path(folder).is_dir() else []
 
 
 def latest_checkpoint(run_folder: str) -> str | None:
     """The newest checkpoint folder of a Train run (path or URI), or None."""
     steps = checkpoint_steps(run_folder)
-    return join(run_folder, max(steps, key=steps.get)) if steps else None
+    return join(run_folder, max(steps, key=checkpoint_order)) if steps else None
 
 
 def spool_of(run_folder: str) -> str:

@@ -34,6 +34,8 @@ CHECKPOINTS_TAG = "orchestrator.checkpoints"
 FAILURE_TAG = "orchestrator.failure"
 """Why a run ended FAILED, in one line (NaN, an exception, Ray Train giving up after run.max_failures)."""
 NOTE_TAG = "mlflow.note.content"
+FAILED_NOTE = "**Failed:**"
+"""How a failed run's description begins (`failure_tags`), so a finished resume removes only that one."""
 """MLflow's run description, shown on the run's page: a failed run's reason, a sweep parent's comparison."""
 # MLflow accepts 6000-char param values, older servers 500: keep every value within the smaller limit.
 MAX_PARAM_CHARS = 500
@@ -79,7 +81,7 @@ def failure_tags(reason: str) -> dict[str, str]:
     """The tags that say on its MLflow run why a run FAILED: the reason as a tag (searchable, a column of the
     runs page) and as the run's description."""
     reason = reason[:MAX_TAG_CHARS]
-    return {FAILURE_TAG: reason, NOTE_TAG: f"**Failed:** {reason}\n"}
+    return {FAILURE_TAG: reason, NOTE_TAG: f"{FAILED_NOTE} {reason}\n"}
 
 
 def artifact_root(uri: str) -> Path | None:

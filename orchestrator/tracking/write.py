@@ -33,7 +33,14 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from orchestrator.console.progress import verbose
-from orchestrator.tracking.describe import MAX_PARAM_CHARS, RunHandle, artifact_location
+from orchestrator.tracking.describe import (
+    FAILED_NOTE,
+    FAILURE_TAG,
+    MAX_PARAM_CHARS,
+    NOTE_TAG,
+    RunHandle,
+    artifact_location,
+)
 from orchestrator.tracking.read import configure_http, logged_steps, newest_run_with_tag
 from orchestrator.tracking.spool import Unsent
 
@@ -289,6 +296,19 @@ class MlflowTracker:
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> bool:
         """True when the server took them (or there were none)."""
         return self._log_items(run_id, "tags", tags)
+
+    def clear_failure(self, run_id: str) -> bool:
+        """Remove the tags `failure_tags` set (the reason, and the description when it is still the failure's),
+        from a run that has now FINISHED after a resume; True when none is left."""
+        def clear(client: MlflowClient) -> bool:
+            tags = client.get_run(run_id).data.tags
+            if FAILURE_TAG in tags:
+                client.delete_tag(run_id, FAILURE_TAG)
+            if tags.get(NOTE_TAG, "").startswith(FAILED_NOTE):
+                client.delete_tag(run_id, NOTE_TAG)
+            return True
+
+        return self._call("failure tag removal", clear) is not None
 
     def _log_items(self, run_id: str, kind: str, items: Mapping[str, Any], *, force: bool = False) -> bool:
         """Params or tags (`kind`) through log_batch, 100 a call; True when the server took them all (or there

@@ -1,0 +1,66 @@
+"""Faults that used to end a resumed run, through Ray Train on the session's local Ray (in-process launcher; the
+kill-by-PID cases are in tests/test_faults.py).
+
+- The newest checkpoint cut in half after Ray registered it: the resume falls back to the one before, trains
+  through the unreadable checkpoint's step again and checkpoints it under a new name, so Ray's checkpoint manager
+  never lists one folder twice (it used to delete the rewritten folder as the stale entry's and then fail the
+  run at the next clean-up: "Path not found").
+- A run that failed and was resumed to FINISHED loses its `orchestrator.failure` tag.
+
+Real-process tier: each case is two short Ray Train runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from orchestrator.launch import LaunchError, resume, run_training
+from orchestrator.spec import validate_spec
+from orchestrator.storage.layout import checkpoint_steps
+from orchestrator.tracking.describe import FAILURE_TAG, NOTE_TAG
+from orchestrator.training.checkpoint import read_checkpoint
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 12, 2
+
+
+def raw_spec(root: Path, name: str) -> dict:
+    return {
+        "name": name,
+        "task": {"kind": "clm", "seq_len": 16, "batch_size": 4, "vocab_size": 120, "eval_batches": 2,
+                 "builtin": {"train_sentences": 300, "eval_sentences": 30}},
+        "model": {"d_model": 16, "layers": 1, "ffn": 32, "max_seq_len": 16, "dropout": 0.1,
+                  "attention": {"kind": "mha", "heads": 2}},
+        "optim": {"lr": 3e-3, "max_steps": STEPS, "warmup_steps": 1, "seed": 7},
+        "run": {"checkpoint_every": EVERY, "eval_every": EVERY, "log_every": 1, "keep_checkpoints": 2,
+                "max_failures": 0, "storage_path": str(root / "runs")},
+        "tracking": {"uri": f"sqlite:///{root / 'mlflow.db'}", "retries": 2, "timeout_s": 2},
+    }
+
+
+def test_a_truncated_registered_checkpoint_is_rewritten_under_a_new_name_and_the_failure_tag_goes(ray_cluster, tmp_path):
+    spec = validate_spec(raw_spec(tmp_path, "truncated"))
+    with pytest.raises(LaunchError, match="orchestrator resume truncated"):
+        run_training(spec, fail_at_step=7)  # checkpoints 2, 4, 6 registered (each report waits for its commit)
+    folder = tmp_path / "runs" / "truncated"
+    state = folder / "checkpoint_000000006" / "state.pt"
+    assert "checkpoint_000000006" in (folder / "checkpoint_manager_snapshot.json").read_text()  # Ray holds it
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    client = MlflowClient(spec.tracking.uri)
+    [failed] = client.search_runs([client.get_experiment_by_name("truncated").experiment_id])
+    assert failed.info.status == "FAILED" and "injected failure" in failed.data.tags[FAILURE_TAG]
+
+    resumed = resume("truncated", str(tmp_path / "runs"))  # from 4: steps 5-12 again, checkpoints 6 ... 12
+    assert resumed.metrics["step"] == STEPS
+    names = checkpoint_steps(str(folder))
+    assert "checkpoint_000000012" in names and len(names) == spec.run.keep_checkpoints, names
+    for name in names:
+        assert read_checkpoint(folder / name).step == names[name]
+    finished = client.get_run(resumed.mlflow_run_id)
+    assert resumed.mlflow_run_id == failed.info.run_id and finished.info.status == "FINISHED"
+    # The failure is history: neither its tag nor its description stays on the finished run.
+    assert FAILURE_TAG not in finished.data.tags
+    assert not finished.data.tags.get(NOTE_TAG, "").startswith("**Failed:**")
