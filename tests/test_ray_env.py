@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import ray
 
@@ -135,3 +137,53 @@ def test_the_project_root_given_to_every_ray_process_is_the_checkout():
     assert all((ray_env.PROJECT_ROOT / package / "__init__.py").is_file()
                for package in ("orchestrator", "tasks", "models", "kernels"))
     assert str(ray_env.PROJECT_ROOT) in ray_env.local_ray_environment()["PYTHONPATH"].split(os.pathsep)
+
+
+# --- a local Ray listens on the loopback only -----------------------------------------------------------------------
+
+
+def _is_loopback(host: str) -> bool:
+    address = ipaddress.ip_address(host.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1, Ray's IPv6 sockets on an IPv4 loopback
+    return (mapped or address).is_loopback
+
+
+def test_a_local_rays_processes_listen_on_the_loopback_only(ray_cluster):
+    """Every listening socket of the session's local Ray (started by start_local_ray, as `train` and `sweep`
+    start theirs): GCS, raylet (node and object manager), Ray's agents, a task's and an actor's worker, and
+    this driver's own core-worker server; none on 0.0.0.0 or ::, where other machines would reach it."""
+
+    @ray_cluster.remote(num_cpus=0)
+    class Probe:
+        def pid(self) -> int:
+            return os.getpid()
+
+    @ray_cluster.remote(num_cpus=0)
+    def task_pid() -> int:
+        return os.getpid()
+
+    probe = Probe.remote()
+    workers = {ray_cluster.get(probe.pid.remote()), ray_cluster.get(task_pid.remote())}
+    # Ray's processes carry their launcher's owner variable (local_ray_environment); its agents, which rename
+    # themselves and so blank what /proc shows of their environment, are found as the raylet's children.
+    processes = {psutil.Process()}
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(ray_reaper.OWNER_ENV) == ray_env._owner:
+                processes |= {process, *process.children(recursive=True)}
+        except psutil.Error:  # gone, or another user's
+            continue
+    listening: dict[str, list[str]] = {}
+    for process in processes:
+        try:
+            name = f"{process.name()}[{process.pid}]"
+            sockets = [c.laddr for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+        listening.update({name: [f"{a.ip}:{a.port}" for a in sockets]} if sockets else {})
+    names = " ".join(listening)
+    assert all(part in names for part in ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent")), listening
+    assert any(f"[{pid}]" in names for pid in workers), listening
+    exposed = {name: addrs for name, addrs in listening.items() if not all(_is_loopback(a.rsplit(":", 1)[0]) for a in addrs)}
+    assert not exposed, f"listening beyond the loopback: {exposed}"
+    ray_cluster.kill(probe)

@@ -11,8 +11,17 @@ create, stays as the user left it). Two of them trim what a run starts on one ma
 - no preemption watcher actor: one machine is not preempted (on a cluster it stays on).
 benchmarks/RESULTS.md, "Time to first metric", lists the processes a run starts and when.
 
+A local Ray listens on the loopback only (`_loopback`): Ray binds its gRPC servers (GCS, raylet, object
+manager, every worker) and agents to the node's address, and on Linux that is the machine's network address,
+so by default other machines could reach them while a run lasts.
+
 A cluster joined through RAY_ADDRESS keeps its job's own environment (nodes set theirs up, cluster.yaml), so
 there the Train workers get what they need through Ray Train's `worker_runtime_env` (`train_worker_env`).
+Secrets never go that way (the MLflow credentials, S3 keys): Ray writes every runtime env it sets up or
+releases into the node's logs (runtime_env_agent.log, at INFO) and keeps it in the GCS, where the dashboard
+and `ray list` show it. A cluster's nodes have them in the environment `ray start` ran with (cluster.yaml
+reads ~/.ray/mlflow_credentials there), which every Ray process of the node inherits, as a local Ray's
+processes inherit the launcher's.
 """
 
 from __future__ import annotations
@@ -37,6 +46,10 @@ TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
 LOCAL_RAY = "ORCHESTRATOR_LOCAL_RAY"
 """Set to 1 in every process of a Ray the launcher started itself (through the raylet's environment)."""
 WORKER_NICENESS = "RAY_worker_niceness"
+SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch between a node address other machines reach (on Linux, by default) and the loopback (its
+default on macOS and Windows, where Ray runs one machine only): ray/_private/services.py,
+`get_node_ip_address`. At 0, a Ray process binds and advertises 127.0.0.1."""
 
 _started_here = False
 """This process started the local Ray it is connected to (its own environment no longer says so)."""
@@ -90,7 +103,27 @@ def local_ray_environment() -> dict[str, str]:
     return {TRAIN_V2: "1", "RAY_CHDIR_TO_TRIAL_DIR": "0", "PYTHONPATH": pythonpath,
             VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0",
             "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_first_driver": "0", LOCAL_RAY: "1",
-            OWNER_ENV: _owner}
+            OWNER_ENV: _owner, SINGLE_MACHINE: "0"}
+
+
+@contextmanager
+def _loopback() -> Iterator[None]:
+    """While it lasts, a Ray started here takes 127.0.0.1 as its node address, so that its GCS, raylet, object
+    manager, agents and workers listen on the loopback only (tests/test_ray_env.py lists their sockets).
+    Ray's gRPC servers bind the loopback when the node address is a loopback one and every interface
+    otherwise, whatever address is given: `ray.init(_node_ip_address="127.0.0.1")` is rewritten to the
+    machine's network address (`resolve_ip_for_localhost`) unless Ray is in its single-machine mode. That
+    mode is a constant Ray reads from SINGLE_MACHINE when `ray` is first imported, long before a launcher
+    gets here, so it is set on Ray's module for the start; the processes the start spawns read the variable
+    themselves (`local_ray_environment`)."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 @contextmanager
@@ -154,7 +187,7 @@ def start_local_ray(**init_kwargs: Any) -> None:
     use_train_v2()
     if _reaper is None:  # first: a launcher killed while Ray starts leaves nothing either
         _reaper = start_reaper(_owner)
-    with _environment(local_ray_environment()):
+    with _environment(local_ray_environment()), _loopback():
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 with _environment(own_address()):
