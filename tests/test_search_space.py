@@ -8,6 +8,7 @@ import pytest
 from orchestrator.spec.search_space import (
     MAX_VALIDATED_POINTS,
     SearchSpaceError,
+    ValidationPlan,
     find_domains,
     grid_points,
     resolve,
@@ -90,13 +91,26 @@ def test_validation_points_cover_every_grid_combination_and_range_edges():
     assert {p["optim.schedule"] for p in points} == {"cosine", "linear"}
 
 
-def test_validation_points_are_capped_but_still_cover_every_value():
+def test_every_grid_combination_is_validated_past_the_old_cap_of_256():
     raw = {"a": {f"x{i}": {"grid": list(range(4))} for i in range(5)}}  # 4**5 = 1024 combinations
+    points = list(validation_points(find_domains(raw)))
+    assert len(points) == 1024 and len({tuple(p.values()) for p in points}) == 1024
+
+
+@pytest.mark.parametrize("search", ["grid", "random"])
+def test_past_the_exhaustive_limit_grids_stay_whole_and_every_sampled_value_is_tried(search):
+    # 1024 grid combinations x 20 choices = 20,480 combinations of test points, past MAX_VALIDATED_POINTS.
+    raw = {"a": {f"x{i}": {"grid": list(range(4))} for i in range(5)}, "b": {"choice": list(range(20))}}
     domains = find_domains(raw)
-    points = list(validation_points(domains))
-    assert len(points) == MAX_VALIDATED_POINTS
+    plan = ValidationPlan(domains, search)
+    assert 1024 * 20 > MAX_VALIDATED_POINTS and not plan.exhaustive
+    points = list(plan)
+    assert len(points) == len(plan) == (1024 if search == "grid" else 20)
+    assert {p["b"] for p in points} == set(range(20))
     for domain in domains:
-        assert {p[domain.path] for p in points} == {0, 1, 2, 3}
+        assert {p[domain.path] for p in points} >= set(domain.values)
+    if search == "grid":  # the trials Tune runs, each of them
+        assert len({tuple(p[f"a.x{i}"] for i in range(5)) for p in points}) == 1024
 
 
 def test_resolve_and_set_path_do_not_mutate_the_spec():

@@ -3,8 +3,10 @@ make), validation into an `ExperimentSpec` with every bad field named, and a stu
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,14 +18,15 @@ from orchestrator.spec.merge import merge_base
 from orchestrator.spec.messages import describe_errors
 from orchestrator.spec.models import ExperimentSpec, SpecError
 from orchestrator.spec.search_space import (
+    MAX_TRIALS,
     Domain,
     SearchSpaceError,
+    ValidationPlan,
     find_domains,
-    grid_points,
+    grid_size,
     is_domain,
     resolve,
     set_path,
-    validation_points,
 )
 
 MAX_SPEC_VALUES = 100_000
@@ -236,13 +239,22 @@ def _trial_label(assignment: Mapping[str, Any]) -> str:
 
 def expected_trials(study: Study) -> int:
     """Trials the sweep runs: every grid combination num_samples times, or num_samples draws."""
-    settings = study.base.tune
-    per_sample = len(grid_points(study.domains)) if settings.search == "grid" else 1
-    return per_sample * settings.num_samples
+    return _trials(study.domains, study.base)
 
 
-def study_from_raw(raw: Mapping[str, Any]) -> Study:
-    """Validate a (possibly searched) spec: every grid combination, range edges and a few random draws."""
+def _trials(domains: Sequence[Domain], base: ExperimentSpec) -> int:
+    per_sample = grid_size(list(domains)) if base.tune.search == "grid" else 1
+    return per_sample * base.tune.num_samples
+
+
+PROGRESS_EVERY_S = 3.0
+"""Seconds between two progress lines of a long validation (a study near MAX_TRIALS takes several)."""
+
+
+def study_from_raw(raw: Mapping[str, Any], *, progress: Callable[[str], None] | None = None) -> Study:
+    """Validate a (possibly searched) spec: every grid combination, every choice value, range edges and a few
+    random draws (ValidationPlan), after refusing a study of more than MAX_TRIALS trials. `progress` gets a
+    line every PROGRESS_EVERY_S seconds of a long validation (the CLI prints them)."""
     raw = dict(raw)
     try:
         domains = find_domains(raw)
@@ -255,12 +267,39 @@ def study_from_raw(raw: Mapping[str, Any]) -> Study:
                 f"(search over task, model and optim fields)"
             )
     domains += seed_domains(raw, domains)
-    base: ExperimentSpec | None = None
-    for assignment in validation_points(domains) if domains else iter([{}]):
-        spec = validate_spec(resolve(raw, assignment), where=_trial_label(assignment))
-        base = base or spec
-    assert base is not None
+    if not domains:
+        return Study(raw=raw, domains=domains, base=validate_spec(raw))
+    # The first point (every domain's first test value, where every plan starts) gives tune.search and
+    # num_samples (tune cannot be searched), which size the study before anything else is made.
+    first = {d.path: d.test_points()[0] for d in domains}
+    base = validate_spec(resolve(raw, first), where=_trial_label(first))
+    _refuse_too_many_trials(domains, base)
+    plan = ValidationPlan(domains, search=base.tune.search)
+    started = last = time.monotonic()
+    for done, assignment in enumerate(itertools.islice(plan, 1, None), start=2):
+        validate_spec(resolve(raw, assignment), where=_trial_label(assignment))
+        if progress is not None and time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            progress(f"[{base.name}] validating: {done:,} of {len(plan):,} trial specs checked "
+                     f"({last - started:.0f} s; Ctrl-C stops)")
     return Study(raw=raw, domains=domains, base=base)
+
+
+def _refuse_too_many_trials(domains: Sequence[Domain], base: ExperimentSpec) -> None:
+    trials = _trials(domains, base)
+    if trials <= MAX_TRIALS:
+        return
+    tune = base.tune
+    if tune.search != "grid":
+        raise SpecError(f"tune.num_samples={tune.num_samples:,} asks for more than {MAX_TRIALS:,} trials; lower "
+                        "tune.num_samples (a sweep that large is several sweeps)")
+    grids = sorted((d for d in domains if d.is_grid), key=lambda d: -len(d.values))
+    fields = ", ".join(f"{d.path} ({len(d.values):,} values)" for d in grids)
+    samples = f" x tune.num_samples={tune.num_samples:,}" if tune.num_samples > 1 else ""
+    raise SpecError(f"the grid over {fields} makes {grid_size(list(domains)):,} combinations{samples} = {trials:,} "
+                    f"trials, more than the {MAX_TRIALS:,} a sweep may run; give those fields fewer values, or "
+                    "sample the space: tune.search: random (grids are then drawn like choice) with "
+                    "tune.num_samples: <trials to run>")
 
 
 SEED_PATH = "optim.seed"
@@ -282,9 +321,10 @@ def seed_domains(raw: Mapping[str, Any], domains: Sequence[Domain]) -> list[Doma
     return [Domain(SEED_PATH, "grid", tuple(seeds))]
 
 
-def load_study(path: str | Path, overrides: Sequence[str] = (), scale: str | None = None) -> Study:
+def load_study(path: str | Path, overrides: Sequence[str] = (), scale: str | None = None, *,
+               progress: Callable[[str], None] | None = None) -> Study:
     """Read a spec file, apply its `scale` and the CLI overrides, and validate every trial it describes."""
-    return study_from_raw(apply_overrides(apply_scale(read_yaml(path), scale), overrides))
+    return study_from_raw(apply_overrides(apply_scale(read_yaml(path), scale), overrides), progress=progress)
 
 
 def load_spec(path: str | Path, overrides: Sequence[str] = (), scale: str | None = None) -> ExperimentSpec:

@@ -27,9 +27,14 @@ DomainKind = Literal["grid", "choice", "uniform", "loguniform", "randint"]
 DOMAIN_KINDS: tuple[str, ...] = ("grid", "choice", "uniform", "loguniform", "randint")
 _RANGE_KINDS = ("uniform", "loguniform", "randint")
 
-# Grid validation enumerates the product of every domain's test points; past this many combinations
-# a seeded random subset is checked instead (every grid value still appears at least once).
-MAX_VALIDATED_POINTS = 256
+MAX_TRIALS = 10_000
+"""Trials one sweep may ask Tune for (grid combinations x num_samples, or num_samples draws). Tune holds every trial
+of a grid in the launcher's memory before the first one starts (10^6 took minutes and 1.7 GB, deaf to Ctrl-C),
+and validation checks every grid combination, about a millisecond each: 10,000 take seconds."""
+MAX_VALIDATED_POINTS = MAX_TRIALS
+"""Combinations of every domain's test points (grid and choice values, range ends) validated exhaustively. Past
+this, a grid search still validates every grid combination (each with some test value of every sampled domain),
+a random or optuna search every test value at least once; a few random draws are added either way."""
 RANDOM_VALIDATION_SAMPLES = 4
 
 
@@ -138,7 +143,11 @@ def find_domains(raw: Mapping[str, Any], prefix: str = "") -> list[Domain]:
 def set_path(raw: Mapping[str, Any], path: str, value: Any) -> dict[str, Any]:
     """A deep copy of `raw` with the dotted `path` set to `value` (intermediate mappings created)."""
     out = copy.deepcopy(dict(raw))
-    node = out
+    _set_in_place(out, path, value)
+    return out
+
+
+def _set_in_place(node: dict[str, Any], path: str, value: Any) -> None:
     keys = path.split(".")
     for i, key in enumerate(keys[:-1]):
         child = node.get(key)
@@ -148,45 +157,111 @@ def set_path(raw: Mapping[str, Any], path: str, value: Any) -> dict[str, Any]:
             raise SearchSpaceError(f"{'.'.join(keys[: i + 1])} is a value ({child!r}), so {path} cannot be set")
         node = child
     node[keys[-1]] = value
-    return out
 
 
 def resolve(raw: Mapping[str, Any], assignment: Mapping[str, Any]) -> dict[str, Any]:
-    """The raw spec with each domain path replaced by its assigned value."""
+    """The raw spec with each domain path replaced by its assigned value (one copy of the spec, not one per
+    path: validation resolves every grid combination)."""
     out = copy.deepcopy(dict(raw))
     for path, value in assignment.items():
-        out = set_path(out, path, value)
+        _set_in_place(out, path, value)
     return out
 
 
-def grid_points(domains: list[Domain]) -> list[dict[str, Any]]:
-    """The grid combinations Tune will run (one sample each): the product over `grid` domains only."""
+def grid_size(domains: list[Domain]) -> int:
+    """Grid combinations, counted without making them."""
+    return math.prod(len(d.values) for d in domains if d.is_grid)
+
+
+def iter_grid_points(domains: list[Domain]) -> Iterator[dict[str, Any]]:
+    """The grid combinations Tune will run (one sample each), one at a time: the product over `grid` domains."""
     grids = [d for d in domains if d.is_grid]
-    return [dict(zip((d.path for d in grids), combo)) for combo in itertools.product(*(d.values for d in grids))]
-
-
-def validation_points(domains: list[Domain], seed: int = 0) -> Iterator[dict[str, Any]]:
-    """Assignments that, once validated as full specs, cover every grid combination and the edges and
-    a few random samples of every other domain, so a bad combination fails before any trial runs."""
-    if not domains:
-        return
-    rng = random.Random(seed)
-    axes = [d.test_points() for d in domains]
-    total = math.prod(len(a) for a in axes)
-    if total <= MAX_VALIDATED_POINTS:
-        combos: Iterator[tuple[Any, ...]] = itertools.product(*axes)
-    else:
-        # Too many to check all: cover each value of each axis once, then fill with random combinations.
-        width = max(len(a) for a in axes)
-        covering = [tuple(a[i % len(a)] for a in axes) for i in range(width)]
-        extra = [tuple(rng.choice(a) for a in axes) for _ in range(MAX_VALIDATED_POINTS - width)]
-        combos = iter(covering + extra)
-    paths = [d.path for d in domains]
-    for combo in combos:
+    paths = [d.path for d in grids]
+    for combo in itertools.product(*(d.values for d in grids)):
         yield dict(zip(paths, combo))
-    if any(d.kind in _RANGE_KINDS for d in domains):
-        for _ in range(RANDOM_VALIDATION_SAMPLES):
-            yield {d.path: d.sample(rng) for d in domains}
+
+
+def grid_points(domains: list[Domain]) -> list[dict[str, Any]]:
+    """Every grid combination as a list (bounded by MAX_TRIALS once a study is validated)."""
+    return list(iter_grid_points(domains))
+
+
+@dataclass(frozen=True)
+class ValidationPlan:
+    """The assignments validation checks, counted up front (for progress lines) and made one at a time, never
+    all at once: a study's grid may hold MAX_TRIALS combinations, and what it is refused for, many more."""
+
+    domains: list[Domain]
+    search: str
+    seed: int = 0
+
+    @property
+    def exhaustive(self) -> bool:
+        """Every combination of every domain's test points is checked."""
+        return math.prod(len(d.test_points()) for d in self.domains) <= MAX_VALIDATED_POINTS
+
+    def _rows(self) -> int:
+        """Assignments before the random draws."""
+        lengths = [len(d.test_points()) for d in self.domains]
+        if self.exhaustive:
+            return math.prod(lengths)
+        if self.search == "grid":
+            return max(grid_size(self.domains), *lengths)
+        return max(lengths)
+
+    def describe(self) -> str:
+        """What validation checked, in a line for `orchestrator validate`."""
+        draws = f", and {self._draws()} random draws" if self._draws() else ""
+        if self.exhaustive:
+            what = f"all {self._rows():,} combinations of the grid and choice values and range ends"
+        elif self.search == "grid":
+            what = (f"all {grid_size(self.domains):,} grid combinations, each choice value and range end in "
+                    f"at least one of them")
+        else:
+            what = "each grid and choice value and range end at least once (their product is too large)"
+        return f"validated: {what}{draws}"
+
+    def _draws(self) -> int:
+        return RANDOM_VALIDATION_SAMPLES if any(d.kind in _RANGE_KINDS for d in self.domains) else 0
+
+    def __len__(self) -> int:
+        return self._rows() + self._draws() if self.domains else 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.domains:
+            return
+        axes = [d.test_points() for d in self.domains]
+        paths = [d.path for d in self.domains]
+        if self.exhaustive:
+            combos: Iterator[tuple[Any, ...]] = itertools.product(*axes)
+        elif self.search == "grid":
+            combos = self._grids_with_sampled_values(axes)
+        else:
+            # Grids are drawn like choices: each test value of every domain once, in covering rows.
+            combos = (tuple(a[row % len(a)] for a in axes) for row in range(self._rows()))
+        for combo in combos:
+            yield dict(zip(paths, combo))
+        rng = random.Random(self.seed)
+        for _ in range(self._draws()):
+            yield {d.path: d.sample(rng) for d in self.domains}
+
+    def _grids_with_sampled_values(self, axes: list[list[Any]]) -> Iterator[tuple[Any, ...]]:
+        """Every grid combination (the trials Tune runs) with the sampled domains' test values taken in turn, so
+        each appears at least once (the grid starts over while a sampled domain has values left)."""
+        grid_axes = [i for i, d in enumerate(self.domains) if d.is_grid]
+        # product() again at each pass, not cycle(): cycle keeps every combination it has made.
+        passes = itertools.chain.from_iterable(itertools.product(*(axes[i] for i in grid_axes))
+                                               for _ in itertools.count())
+        for row, grid_combo in zip(range(self._rows()), passes):
+            by_axis = dict(zip(grid_axes, grid_combo))
+            yield tuple(by_axis[i] if i in by_axis else axis[row % len(axis)] for i, axis in enumerate(axes))
+
+
+def validation_points(domains: list[Domain], seed: int = 0, search: str = "grid") -> Iterator[dict[str, Any]]:
+    """Assignments that, once validated as full specs, cover every grid combination, every choice value, the
+    edges and a few random samples of every range, so a bad combination fails before any trial runs
+    (see ValidationPlan for what is checked when the product of every domain's test points is too large)."""
+    return iter(ValidationPlan(list(domains), search, seed))
 
 
 def to_param_space(domains: list[Domain], search: str) -> dict[str, Any]:
