@@ -6,6 +6,8 @@ kill-by-PID cases are in tests/test_faults.py).
   never lists one folder twice (it used to delete the rewritten folder as the stale entry's and then fail the
   run at the next clean-up: "Path not found").
 - A run that failed and was resumed to FINISHED loses its `orchestrator.failure` tag.
+- A trial cut short: the sweep's summary takes the newest registered checkpoint's report when Tune's last result
+  is older (`newest_report`).
 
 Real-process tier: each case is two short Ray Train runs."""
 
@@ -17,6 +19,7 @@ import pytest
 from mlflow import MlflowClient
 
 from orchestrator.launch import LaunchError, resume, run_training
+from orchestrator.launch.sweep import newest_report
 from orchestrator.spec import validate_spec
 from orchestrator.storage.layout import checkpoint_steps
 from orchestrator.tracking.describe import FAILURE_TAG, NOTE_TAG
@@ -61,6 +64,12 @@ def test_a_truncated_registered_checkpoint_is_rewritten_under_a_new_name_and_the
         assert read_checkpoint(folder / name).step == names[name]
     finished = client.get_run(resumed.mlflow_run_id)
     assert resumed.mlflow_run_id == failed.info.run_id and finished.info.status == "FINISHED"
+    # What a sweep's summary shows for a trial Tune last heard of at step 2 (its driver stopped by Ctrl-C before
+    # it passed on the later reports): the report of the newest registered checkpoint, as in MLflow.
+    newest = newest_report({"step": 2, "val/ppl": 999.0}, str(folder))
+    history = client.get_metric_history(resumed.mlflow_run_id, "val/ppl")
+    assert newest["step"] == STEPS and newest["val/ppl"] == max(history, key=lambda m: m.step).value
+    assert newest_report({"step": STEPS + 1, "val/ppl": 1.0}, str(folder)) == {"step": STEPS + 1, "val/ppl": 1.0}
     # The failure is history: neither its tag nor its description stays on the finished run.
     assert FAILURE_TAG not in finished.data.tags
     assert not finished.data.tags.get(NOTE_TAG, "").startswith("**Failed:**")

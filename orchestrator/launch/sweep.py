@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from orchestrator.cluster.ray_env import stored_result
 from orchestrator.cluster.resources import HEAD_RESOURCE, ClusterView
 from orchestrator.console.progress import (
     SweepProgress,
@@ -328,6 +329,20 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
                 tracker.end_run(parent_run_id, status)
 
 
+def newest_report(metrics: dict[str, Any], trial_folder: str) -> dict[str, Any]:
+    """Tune's last result of a trial that was cut short (Ctrl-C, an error), or the report its newest registered
+    checkpoint carries when that one is later: Tune hears of a trial's reports through its driver, which a Ctrl-C
+    stops before it passes the last ones on, so the summary showed a value from before the trial's last
+    checkpoint while MLflow and the checkpoint held a newer one."""
+    try:
+        stored = dict(stored_result(trial_folder).metrics or {})
+    except Exception:  # noqa: BLE001 - no checkpoint registered yet (or storage away): Tune's result is all there is
+        return metrics
+    if isinstance(stored.get("step"), int) and stored["step"] > metrics.get("step", -1):
+        return {**metrics, **stored}
+    return metrics
+
+
 def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_id: str | None,
                    commit: str) -> SweepOutcome:
     """Per trial: done (its run folder's record says it finished, or ASHA stopped it: Tune's last result says
@@ -344,6 +359,8 @@ def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_i
         record = finished(layout.trial_folder(str(trial_id)))
         if record is not None:  # the trial's own record, not Tune's last result (stale after a launcher kill)
             state, metrics = "done", {**metrics, **record}
+        elif state != "done":
+            metrics = newest_report(metrics, layout.trial_folder(str(trial_id)))
         trials.append({"trial_id": trial_id, "config": {k: v for k, v in (result.config or {}).items()},
                        "state": state, "error": failure_reason(result.error) if state == "error" else None,
                        "metrics": {k: v for k, v in metrics.items() if "/" in k or k in ("step", "evaluations")}})
