@@ -76,16 +76,25 @@ def test_any_other_start_failure_is_not_retried(fake):
 
 # --- the local Ray ends with its launcher (orchestrator/cluster/reaper.py) ------------------------------------------
 
-STUBBORN = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "log = open(sys.argv[1], 'a') if len(sys.argv) > 1 else None; print('up', flush=True); time.sleep(120)")
-"""A process that ignores SIGTERM, as Ray's DashboardAgent and RuntimeEnvAgent do; with an argument, it keeps
-that file open (Ray's processes keep their log files in their session folder open)."""
+STUBBORN = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+log = open(sys.argv[1], "a") if len(sys.argv) > 1 else None
+if len(sys.argv) > 2:
+    import ray._raylet
+    ray._raylet.setproctitle(sys.argv[2])
+print("up", flush=True)
+time.sleep(120)
+"""
+"""A process that ignores SIGTERM, as Ray's DashboardAgent and RuntimeEnvAgent do; with a first argument, it
+keeps that file open (Ray's processes keep their log files in their session folder open); with a second, it
+renames itself through Ray's own setproctitle, as Ray's agents do, which blanks the environment /proc shows."""
 
 
-def _stubborn(owner: str, log: Path | None = None) -> subprocess.Popen:
+def _stubborn(owner: str, log: Path | None = None, title: str | None = None) -> subprocess.Popen:
     env = {**os.environ, ray_reaper.OWNER_ENV: owner} if owner else dict(os.environ)
-    proc = subprocess.Popen([sys.executable, "-c", STUBBORN, *([str(log)] if log else [])], env=env,
-                            stdout=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", STUBBORN, *([str(log)] if log else []), *([title] if title else [])],
+                            env=env, stdout=subprocess.PIPE, start_new_session=True)
     assert proc.stdout.readline() == b"up\n"  # its handler is installed
     return proc
 
@@ -105,14 +114,21 @@ time.sleep(1.0)
 
 
 def test_the_reaper_kills_its_owners_processes_when_the_launcher_ends_and_no_others(tmp_path):
-    """Found by the owner in its environment, or by a file open in the launcher's Ray session folder (Ray's
-    renamed processes may have lost the environment /proc shows); the launcher itself, another owner's and
-    another session's processes live."""
-    (tmp_path / "session_mine" / "logs").mkdir(parents=True)
+    """Found by the owner in its environment, or, for a process Ray renamed (its environment blanked), by a
+    file open in the launcher's Ray session folder; the launcher itself lives, and so do another owner's and
+    another session's processes, and a process of someone else's that merely works in the session folder
+    (a `tail -f` of a Ray log started there: its environment is readable and names no owner)."""
+    session = tmp_path / "session_mine"
+    (session / "logs").mkdir(parents=True)
+    (session / "logs" / "raylet.out").write_text("a Ray log\n")
     (tmp_path / "session_mine_2").mkdir()
-    by_env, by_session = _stubborn("1-aa"), _stubborn("", tmp_path / "session_mine" / "logs" / "agent.log")
-    others = [_stubborn("1-aab"), _stubborn("", tmp_path / "session_mine_2" / "agent.log")]  # prefixes are not matches
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "session_mine")],
+    by_env = _stubborn("1-aa")
+    by_session = _stubborn("", session / "logs" / "agent.log", title="ray::DashboardAgent")
+    bystander = subprocess.Popen(["tail", "-f", str(session / "logs" / "raylet.out")], cwd=session,
+                                 stdout=subprocess.DEVNULL, start_new_session=True)
+    others = [_stubborn("1-aab"), _stubborn("", tmp_path / "session_mine_2" / "agent.log"),  # prefixes are not matches
+              _stubborn("", session / "logs" / "agent2.log"), bystander]
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(session)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ray_env.PROJECT_ROOT,
                                 env={**os.environ, "PYTHONPATH": str(ray_env.PROJECT_ROOT)})
     try:
@@ -123,7 +139,7 @@ def test_the_reaper_kills_its_owners_processes_when_the_launcher_ends_and_no_oth
         launcher.stdin.flush()
         assert by_env.wait(timeout=10) == -signal.SIGKILL and by_session.wait(timeout=10) == -signal.SIGKILL
         assert launcher.wait(timeout=15) == 0
-        assert all(proc.poll() is None for proc in others)
+        assert [proc.args for proc in others if proc.poll() is not None] == []
     finally:
         for proc in (by_env, by_session, *others, launcher):
             proc.kill()

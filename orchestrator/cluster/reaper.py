@@ -8,12 +8,14 @@ one more checkpoint) until they notice that their raylet is gone.
 So `start_local_ray` starts this module as a small process of its own, reading a pipe from the launcher, and
 tells it the session folder of each Ray it starts (`/tmp/ray/session_<time>_<pid>`, one per Ray instance). The
 kernel closes that pipe when the launcher ends, for any reason; the reaper then SIGKILLs, until none is left,
-every process of those sessions: any process with a file open (or its working directory) in a session folder,
-which every Ray process has (its log files), or whose environment names the launcher as owner (`OWNER_ENV`, set
-through the raylet's environment, which every worker inherits). The environment alone is not enough: Ray's
-processes rename themselves (setproctitle, `ray::DashboardAgent`), which on Linux may overwrite the memory
-that /proc/<pid>/environ shows. A launcher that ends normally has already shut its Ray down (Ray's atexit
-hook), so the reaper then finds nothing.
+every process of that Ray, and no other: a process whose environment names the launcher as owner
+(`OWNER_ENV`, set through the raylet's environment, which every Ray process inherits), or one whose environment
+Ray blanked and that has a file open (or its working directory) in one of the session folders. Ray's agents
+rename themselves (`ray::DashboardAgent`) with Ray's setproctitle, which zeroes the memory /proc/<pid>/environ
+shows, so for them the session folder (their log files) is what is left; a process with a readable environment
+that does not name the owner is never this Ray's, whatever it has open: a `tail -f` of a Ray log, a shell whose
+working directory is the session folder, another launcher's Ray. A launcher that ends normally has already
+shut its Ray down (Ray's atexit hook), so the reaper then finds nothing.
 Ray's own reaper (ray/_private/ray_process_reaper.py) is the same idea for the process group, used only
 where the kernel's fate sharing is missing; a process group is not the right unit here: a launcher started
 from a shell shares its group with the shell's other jobs.
@@ -53,7 +55,8 @@ def _in_session(pid: str, sessions: tuple[str, ...]) -> bool:
 
 
 def owned_by(owner: str, sessions: tuple[str, ...] = (), spare: tuple[int, ...] = ()) -> list[int]:
-    """The processes of `owner`'s Ray, by session folder or by environment; never this one nor those in `spare`."""
+    """The processes of `owner`'s Ray: its owner in their environment, or an environment Ray blanked (a process
+    it renamed) and a file in one of its session folders; never this one nor those in `spare`."""
     needle = f"{OWNER_ENV}={owner}".encode()
     sessions = tuple(folder.rstrip("/") + "/" for folder in sessions)
     found = []
@@ -62,10 +65,13 @@ def owned_by(owner: str, sessions: tuple[str, ...] = (), spare: tuple[int, ...] 
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
+                environ = f.read()
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if needle in environ or _in_session(entry, sessions):
+        # Ray's setproctitle zeroes the environment from its start (variables added to the parent after it
+        # started may survive at the end); a real environment never starts with an empty entry.
+        blanked = environ.startswith(b"\0")
+        if needle in environ.split(b"\0") or (blanked and _in_session(entry, sessions)):
             found.append(int(entry))
     return found
 
