@@ -8,6 +8,7 @@ trial of a sweep included, before Ray is imported, so a typo costs seconds, not 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import subprocess
@@ -282,10 +283,20 @@ def _unexpected(err: Exception) -> int:
     import tempfile
     import traceback
 
-    with tempfile.NamedTemporaryFile("w", prefix="orchestrator-error-", suffix=".txt", delete=False) as f:
-        traceback.print_exception(err, file=f)
     first = next((line for line in str(err).splitlines() if line.strip()), "")
-    print(f"orchestrator: {type(err).__name__}: {first[:300]} (traceback in {f.name})", file=sys.stderr)
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        where = f" writing {err.filename}" if err.filename else ""
+        print(f"orchestrator: no space left on the device{where}: free some space there (or point "
+              "run.storage_path / --storage-path elsewhere) and run the command again; nothing was lost that "
+              "a checkpoint holds", file=sys.stderr)
+        return 1
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix="orchestrator-error-", suffix=".txt", delete=False) as f:
+            traceback.print_exception(err, file=f)
+        kept = f"traceback in {f.name}"
+    except OSError as why:
+        kept = f"its traceback could not be kept: {why.strerror}"
+    print(f"orchestrator: {type(err).__name__}: {first[:300]} ({kept})", file=sys.stderr)
     return 1
 
 

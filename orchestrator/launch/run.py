@@ -47,6 +47,7 @@ from orchestrator.storage.layout import (
     join,
     ray_storage,
     record_error,
+    set_aside_unreadable_snapshot,
     spool_of,
     trained_to,
     uri_of,
@@ -258,6 +259,8 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
             if reason is not None:
                 failure = f"NonFiniteLoss: {reason}"
                 raise LaunchError(f"{label} failed: {failure}{hint}")
+            if (repaired := set_aside_unreadable_snapshot(run_folder)) is not None:
+                print(f"[{label}] {repaired}")
             result = trainer.fit()
             if (reason := diverged(run_folder)) is not None:  # its retry ended at once (worker.py)
                 failure = f"NonFiniteLoss: {reason}"
@@ -265,8 +268,7 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
         except TrainingFailedError as err:  # NaN, an exception, or Ray Train past run.max_failures (a lost node)
             failure = failure_reason(err)
             where = record_error(run_folder, str(err))
-            raise LaunchError(f"{label} failed: {failure}{hint}" + (f"\n(the whole error: {where})" if where else "")) \
-                from None
+            raise LaunchError(f"{label} failed: {failure}{hint}\n(the whole error: {where})") from None
         step = (result.metrics or {}).get("step")
         if step != spec.optim.max_steps:  # Ray Train's Ctrl-C handler aborts the run and fit() returns
             status = "KILLED"

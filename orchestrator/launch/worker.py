@@ -39,6 +39,7 @@ from orchestrator.storage.layout import (
     fresh_checkpoint_name,
     join,
     mark_diverged,
+    remove_folder,
     storage_fs,
 )
 from orchestrator.storage.object_store import use_storage
@@ -148,15 +149,21 @@ class RayHooks:
                                           shards=shards, step=step)
                 ckpt = ray.train.Checkpoint.from_directory(str(folder))
             # Named by step, not Ray's timestamp default, so storage listings read as a training history.
-            upload = partial(ray.train.report, report, checkpoint=ckpt,
-                             checkpoint_dir_name=fresh_checkpoint_name(step, self.taken_names))
+            name = fresh_checkpoint_name(step, self.taken_names)
+            upload = partial(ray.train.report, report, checkpoint=ckpt, checkpoint_dir_name=name)
             if asynchronous:
                 # Ray copies the folder to storage on its own thread and deletes it afterwards; the training
                 # thread goes on as soon as the report is queued.
                 upload(checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
                        delete_local_checkpoint_after_upload=True)
             else:
-                upload()
+                try:
+                    upload()
+                except OSError:
+                    # Ray copies into the final folder file by file: a full disk or a dropped connection leaves a
+                    # part of it (a truncated state.pt), never registered. It goes, so no reader meets it.
+                    remove_folder(join(self.cfg.run_path, name))
+                    raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

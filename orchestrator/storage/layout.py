@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,8 +143,12 @@ def write_text(location: str, text: str) -> None:
         path = Path(location)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk must not leave a half-written temporary file behind
+            raise
         return
     fs, path = storage_fs(location)
     with fs.open_output_stream(path) as f:
@@ -165,6 +170,19 @@ def remove(location: str) -> None:
         fs.delete_file(path)
     except FileNotFoundError:
         pass
+
+
+def remove_folder(location: str) -> bool:
+    """Delete a folder and what it holds, if it exists; False when it could not be deleted (best effort: called
+    on the way out of a failure, which it must not hide)."""
+    fs, path = storage_fs(location)
+    try:
+        fs.delete_dir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 def subfolders(location: str) -> list[str]:
@@ -278,15 +296,52 @@ def diverged(run_folder: str) -> str | None:
     return None if text is None else text.strip() or "the loss became NaN or infinite"
 
 
-def record_error(run_folder: str, text: str) -> str | None:
-    """Keep a failed run's whole error (the console prints its one-line reason) in the run's folder; where it is,
-    or None when it could not be written (a storage that does not answer is no reason to hide the error)."""
+RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
+"""Ray Train's record of a run's registered checkpoints (ray/train/v2/_internal/constants.py), which its controller
+reads at every start of the run."""
+
+
+def set_aside_unreadable_snapshot(run_folder: str) -> str | None:
+    """Move Ray Train's checkpoint snapshot of `run_folder` aside when it is not JSON (written on a full disk, cut
+    short): Ray's controller fails to start on it, so the run could never resume. Without it, Ray starts with no
+    registered checkpoints, the worker still finds the checkpoints in storage (worker.py, `_restore_point`), and
+    Ray does not delete the ones it no longer knows. Says what was done, or None when the snapshot was fine."""
+    location = join(run_folder, RAY_SNAPSHOT_FILE)
+    try:
+        text = read_text(location)
+    except OSError:
+        return None
+    if text is None:
+        return None
+    try:
+        json.loads(text)
+        return None
+    except ValueError:
+        pass
+    aside = f"{location}.unreadable"
+    fs, path = storage_fs(location)
+    fs.move(path, storage_fs(aside)[1])
+    return (f"Ray's checkpoint record {RAY_SNAPSHOT_FILE} was unreadable ({len(text)} bytes, cut short?) and is "
+            f"kept as {aside}; the run resumes from the checkpoints in storage, and the ones before this resume stay "
+            "until you delete them")
+
+
+def record_error(run_folder: str, text: str) -> str:
+    """Keep a failed run's whole error (the console prints its one-line reason) in the run's folder, or where that
+    cannot be written (a full disk, a storage that does not answer) in the system's temporary folder; says where,
+    or why it could not be kept at all."""
     location = join(run_folder, ERROR_FILE)
     try:
         write_text(location, text)
-    except OSError:
-        return None
-    return location
+        return location
+    except OSError as err:
+        problem = f"{err.strerror or type(err).__name__} in {run_folder}"
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix="orchestrator-error-", suffix=".txt", delete=False) as f:
+            f.write(text)
+        return f"{f.name} ({problem})"
+    except OSError as err:
+        return f"nowhere: {problem}, and {err.strerror or type(err).__name__} in {tempfile.gettempdir()}"
 
 
 def mark_finished(run_folder: str, metrics: Mapping[str, Any]) -> None:
