@@ -1,6 +1,8 @@
 """The training core, Ray-free and MLflow-free: `trainer` (THE loop: evaluation, report cadence, best tracking,
 prefetching, checkpoint state), `optimizer_step` (one step: micro-batches, accumulation, autocast, clipping,
-AdamW and its schedule, token-weighted loss), `checkpoint` (what a checkpoint holds; atomic write, read),
+AdamW and its schedule, token-weighted loss), `sharding` (run.strategy=fsdp: FSDP2 per layer, sharded
+checkpoints through torch.distributed.checkpoint, read back as data), `checkpoint` (what a checkpoint holds;
+atomic write, read),
 `scoring` (a checkpoint scored on all of a split) and `export` (a model as plain files; `load_model`). The Ray
 worker (launch/worker.py) and the in-process runner (launch/local_run.py) both drive this `Trainer`."""
 
@@ -12,6 +14,7 @@ OFFERS = {
     **dict.fromkeys(["TrainingState", "read_checkpoint", "write_checkpoint"], "checkpoint"),
     **dict.fromkeys(["Evaluation", "evaluate_checkpoint"], "scoring"),
     **dict.fromkeys(["export_model", "load_model"], "export"),
+    **dict.fromkeys(["shard_model", "is_sharded"], "sharding"),
 }
 __all__ = sorted(OFFERS)
 __getattr__, __dir__ = lazy_face(__name__, OFFERS)
