@@ -57,8 +57,11 @@ def test_yaml_exponent_strings_are_numbers():
         ({"grid": []}, "non-empty list"),
         ({"choice": "abc"}, "non-empty list"),
         ({"uniform": [0, 1, 2]}, "exactly two numbers"),
+        ({"loguniform": [float("nan"), 1.0]}, "finite bounds"),
+        ({"uniform": [0.0, float("inf")]}, "finite bounds"),
     ],
-    ids=["empty-range", "loguniform-zero", "randint-float", "empty-grid", "choice-not-list", "three-bounds"],
+    ids=["empty-range", "loguniform-zero", "randint-float", "empty-grid", "choice-not-list", "three-bounds",
+         "nan-bound", "infinite-bound"],
 )
 def test_malformed_domains_name_their_path(node, message):
     with pytest.raises(SearchSpaceError, match=message) as err:

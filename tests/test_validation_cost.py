@@ -188,3 +188,28 @@ def test_ctrl_c_during_a_long_validation_stops_it_with_a_line_and_no_ray(tmp_pat
     assert time.monotonic() - signalled < 10
     assert "interrupted (Ctrl-C) while validating the spec; nothing was started" in err
     assert "NO_RAY" in out and "first trial of the sweep" not in out
+
+
+@pytest.mark.parametrize("field", ["run.storage_path", "task.prepared_path", "tracking.uri"])
+def test_a_local_path_past_the_file_systems_limits_is_refused_naming_the_field(field, tmp_path, capsys):
+    """A 300-byte folder name failed at the first mkdir with a bare ENAMETOOLONG (in a Ray worker for
+    task.prepared_path); `validate` (and train/sweep's preflight) names the field now. So does a path that leaves
+    no room under PATH_MAX for what runs add beneath it."""
+    from orchestrator.cli import main
+
+    raw = _clm_raw("paths", tmp_path)
+    long_folder = tmp_path / ("b" * 300)
+    value = {"run.storage_path": f"{long_folder}/runs", "task.prepared_path": str(long_folder),
+             "tracking.uri": f"sqlite:///{long_folder}/mlflow.db"}[field]
+    section, key = field.split(".")
+    raw[section] = {**raw[section], key: value}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(tmp_path / "spec.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"{field}: the name 'bbbb" in err and "is 300 bytes, more than the 255" in err, err
+    deep = "/".join(["c" * 200] * 20)  # every name fits, the whole does not
+    raw = _clm_raw("paths", tmp_path)
+    raw["run"]["storage_path"] = f"{tmp_path}/{deep}"
+    (tmp_path / "deep.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(tmp_path / "deep.yaml")]) == 2
+    assert "run.storage_path is 4" in capsys.readouterr().err

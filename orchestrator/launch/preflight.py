@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,13 +27,61 @@ class LaunchError(RuntimeError):
 def check_storage(spec: ExperimentSpec) -> None:
     """The spec's run.storage_endpoint / storage_region become this process's S3 settings (storage.use_storage),
     and an s3:// run.storage_path answers and takes writes, before any trial starts (SpecError naming the field
-    and the fix); local and other remote storage are checked by their first write."""
+    and the fix); local paths are checked against the file system's length limits (`check_path_lengths`), and
+    local and other remote storage otherwise by their first write."""
+    check_path_lengths(spec)
     use_storage(spec.run.storage_endpoint, spec.run.storage_region)
     if is_s3(spec.run.storage_path):
         try:
             check_s3_storage(spec.run.storage_path)
         except StorageError as err:
             raise SpecError(str(err)) from None
+
+
+PATH_HEADROOM = 512
+"""Bytes a run adds under a folder the spec names: its name (at most 100), trials/trial_<id>/checkpoint_<step>/,
+a file name, or a tracking store's artifacts/<experiment>/<run id>/..., with room to spare."""
+
+
+def check_path_lengths(spec: ExperimentSpec) -> None:
+    """Each local folder the spec names fits the file system's limits: one folder name of more than NAME_MAX bytes
+    (255 on Linux), or a path too long for what runs add under it, failed at the first mkdir with a bare
+    ENAMETOOLONG naming no field (for task.prepared_path, in a Ray worker)."""
+    for field, value in _local_paths(spec):
+        path = Path(value)
+        name_max, path_max = _limits(path)
+        for part in path.parts:
+            size = len(os.fsencode(part))
+            if size > name_max:
+                raise SpecError(f"{field}: the name {part[:40]!r}... is {size} bytes, more than the {name_max} "
+                                "a file name may have on this file system; choose a shorter one")
+        size = len(os.fsencode(str(path)))
+        if size + PATH_HEADROOM > path_max:
+            raise SpecError(f"{field} is {size} bytes long, and runs add up to {PATH_HEADROOM} under it: past the "
+                            f"{path_max} bytes a path may have on this file system; choose a shorter path")
+
+
+def _local_paths(spec: ExperimentSpec) -> list[tuple[str, str]]:
+    paths = [] if is_remote(spec.run.storage_path) else [("run.storage_path", spec.run.storage_path)]
+    prepared = getattr(spec.task, "prepared_path", None)  # corpus tasks only
+    if prepared and not is_remote(prepared):
+        paths.append(("task.prepared_path", prepared))
+    sqlite = "sqlite:///"
+    if spec.tracking.uri.startswith(sqlite) and spec.tracking.uri != sqlite + ":memory:":
+        paths.append(("tracking.uri", spec.tracking.uri[len(sqlite):]))
+    return paths
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the file system holding `path`'s nearest existing folder; Linux's usual values
+    where it cannot be asked."""
+    for folder in (path, *path.parents):
+        try:
+            if folder.is_dir():
+                return os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
+        except (OSError, ValueError):  # too long to ask about (ENAMETOOLONG), or no such limit on this system
+            continue
+    return 255, 4096
 
 
 def _data_files(spec: ExperimentSpec) -> list[tuple[str, list[Path]]]:

@@ -107,6 +107,9 @@ def _parse_domain(path: str, node: Mapping[str, Any]) -> Domain:
     if len(args) != 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
         raise SearchSpaceError(f"{path}: {{{kind}: [lo, hi]}} needs exactly two numbers, got {args!r}")
     lo, hi = args
+    if not all(math.isfinite(a) for a in args):
+        raise SearchSpaceError(f"{path}: {{{kind}: [{lo}, {hi}]}} needs finite bounds (NaN and infinity are "
+                               "refused, as in every spec number)")
     if not lo < hi:
         raise SearchSpaceError(f"{path}: {{{kind}: [{lo}, {hi}]}} needs lo < hi; swap or widen the range")
     if kind == "loguniform" and lo <= 0:
