@@ -9,9 +9,11 @@ also start from another with `base: other.yaml` and give only what differs (`rea
 Modules: `models` (the pydantic blocks and ExperimentSpec), `loading` (files, `base:` chains, scales,
 overrides, validation, studies), `merge` (how a base and a child merge), `messages` (errors that name the
 field), `search_space` (the domain syntax and Tune's param space), `names` (what a run may be called),
-`resources` (GPUs a spec asks for against what a machine has). The names below are the package's API.
+`resources` (GPUs a spec asks for against what a machine has), `gpus` (memory and bf16 peak of each GPU kind),
+`plan` (`orchestrator plan`: FLOPs, memory and GPU-hours of every trial, counted on fake tensors). The names below are the package's API.
 """
 
+from orchestrator.spec.gpus import DEFAULT_GPU, GPUS, GpuKind, gpu_kind, peak_bf16_flops
 from orchestrator.spec.loading import (
     RESUME_OVERRIDES,
     Study,
@@ -36,6 +38,13 @@ from orchestrator.spec.models import (
     spec_to_yaml,
 )
 from orchestrator.spec.names import MAX_NAME_LENGTH, NAME_PATTERN, name_problem
+from orchestrator.spec.plan import (
+    format_plan,
+    plan_spec,
+    plan_study,
+    refusals,
+    workload,
+)
 from orchestrator.spec.resources import check_gpus, local_gpu_count
 
 __all__ = [
@@ -43,4 +52,6 @@ __all__ = [
     "SpecError", "Study", "TrackingSettings", "TuneSettings", "apply_overrides", "apply_resume_overrides",
     "apply_scale", "check_gpus", "expected_trials", "load_spec", "load_study", "local_gpu_count", "merge_base",
     "name_problem", "read_yaml", "spec_to_yaml", "study_from_raw", "validate_spec",
+    "DEFAULT_GPU", "GPUS", "GpuKind", "gpu_kind", "peak_bf16_flops", "format_plan", "plan_spec", "plan_study",
+    "refusals", "workload",
 ]

@@ -1,0 +1,296 @@
+"""`orchestrator plan`: what each trial of a study costs before a GPU is spent on it.
+
+For one trial the training step (forward, loss, backward, AdamW) of its model at its batch and sequence length is
+run on fake tensors (`FakeTensorMode`: shapes and dtypes, no storage), so a 16k-token model is measured without
+allocating it:
+- FLOPs from PyTorch's own counter (`torch.utils.flop_counter.FlopCounterMode`), attention at the trial's n, k,
+  buckets and blocks included, because the attention kind's own code runs;
+- peak memory from PyTorch's tracker (`torch.distributed._tools.mem_tracker.MemTracker`, the pattern of
+  torchtitan's former scripts/estimate/estimation.py): two steps, so the second holds AdamW's state and the
+  gradients the first made, under the trial's autocast, activation checkpointing and reversible layers.
+  FSDP shards weights, gradients and optimizer state over the workers; activations stay whole per GPU.
+Step time = FLOPs of one optimizer step (grad_accum micro-batches) / (the GPU's dense bf16 peak x MFU);
+GPU-hours = step time x optim.max_steps x the GPUs a trial holds. tests/test_plan.py checks the FLOPs against a
+real CPU run and the memory against the benchmark harness's allocator-based peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orchestrator.spec.gpus import DEFAULT_GPU, FIT_FRACTION, GpuKind, gpu_kind
+from orchestrator.spec.loading import Study, expected_trials
+from orchestrator.spec.models import ExperimentSpec
+from orchestrator.spec.search_space import validation_points
+
+DEFAULT_MFU = 0.4
+"""Model FLOP utilisation assumed for step times: about what torchtitan reports for dense bf16 training of
+models of this size on H100s; `--mfu` sets another."""
+GIB = 2**30
+STATE_KINDS = ("Parameter", "Buffer", "Gradient", "Optstate")
+"""MemTracker's kinds of memory that do not grow with the batch (and that FSDP shards)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A trial's model, one micro-batch of inputs (made in the caller's mode, fake or real) and its loss."""
+
+    build: Callable[[], nn.Module]
+    inputs: Callable[[int], tuple[torch.Tensor, ...]]
+    """Inputs of a batch of this many rows; the last tensor is the target."""
+    loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+    batch: int
+    positions: int
+    """Positions of one row: batch x positions is the denominator of FLOPs per token."""
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.positions
+
+
+def _lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    *inputs, targets = batch
+    logits = model(*inputs)
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def workload(spec: ExperimentSpec) -> Workload:
+    """The model each task kind builds (tasks/*.py `build_model`) and a batch of the shape its loader makes.
+    Masked LM scores all positions here (the task scores ~15%), so its vocabulary projection is overcounted;
+    translation takes max_tokens / (2 x max_source_len) pairs of full length, the loader's worst batch."""
+    from models import LanguageModel, Seq2SeqTransformer, SequenceClassifier
+    from tasks import listops
+
+    task, cfg = spec.task, spec.model
+    kind = task.kind
+    ints = functools.partial(torch.randint, 0, 2)  # token ids below every vocabulary
+    if kind in ("mlm", "clm", "bytelm", "mqar"):
+        B, T = task.batch_size, task.seq_len
+        vocab = getattr(task, "vocab_size", 259)
+        causal = kind == "clm" or getattr(task, "causal", kind == "mqar")
+        return Workload(lambda: LanguageModel(cfg, vocab, causal=causal),
+                        lambda b: (ints((b, T)), ints((b, T))), _lm_loss, B, T)
+    if kind in ("classify", "listops"):
+        B, T = task.batch_size, task.seq_len if kind == "listops" else cfg.max_seq_len
+        vocab, classes = ((listops.VOCAB_SIZE, listops.NUM_CLASSES) if kind == "listops"
+                          else (task.vocab_size, task.num_classes))
+        return Workload(lambda: SequenceClassifier(cfg, vocab, classes, task.pooling),
+                        lambda b: (ints((b, T)), ints((b,))), _lm_loss, B, T)
+    if kind == "translation":
+        S = task.max_source_len
+        B = max(1, task.max_tokens // (2 * S))
+        return Workload(lambda: Seq2SeqTransformer(cfg, task.vocab_size),
+                        lambda b: (ints((b, S)), ints((b, S)), ints((b, S))), _lm_loss, B, S)
+    raise ValueError(f"orchestrator plan does not know task.kind={kind!r}")
+
+
+@dataclass(frozen=True)
+class StepCount:
+    """What one micro-batch's training step costs on one device, unsharded."""
+
+    flops: int
+    """Forward + backward FLOPs of one micro-batch (FlopCounterMode)."""
+    peak_bytes: int
+    """Peak bytes held over two steps (weights, gradients, AdamW state, activations, temporaries)."""
+    by_kind: dict[str, int]
+    """MemTracker's split of that peak: Parameter, Gradient, Optstate, Activation, Temp, ..."""
+    params_total: int
+    params_attention: int
+
+
+def _autocast(precision: str) -> Any:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
+
+
+def count_step(work: Workload, *, precision: str = "fp32", checkpointing: bool = False,
+               fake: bool = True) -> StepCount:
+    """FLOPs and peak memory of `work`'s training step, on fake tensors (or real CPU ones, for the tests).
+    CPU autocast stands in for CUDA's: both run matmuls in the low dtype and keep softmax and norms in fp32."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    try:
+        return _count_step(work, work.batch, precision, checkpointing,
+                           FakeTensorMode() if fake else torch.device("cpu"))
+    except DataDependentOutputException:
+        # lsh lays its buckets out by what the hashes were (a host sync: its layout's length), which shapes
+        # alone cannot answer. Such a kind is counted on real CPU tensors for one row of the batch and scaled:
+        # FLOPs and activations grow with the rows, weights, gradients and AdamW state do not.
+        one = _count_step(work, 1, precision, checkpointing, torch.device("cpu"))
+        states = sum(one.by_kind.get(k, 0) for k in STATE_KINDS)
+        return dataclasses.replace(one, flops=one.flops * work.batch,
+                                   peak_bytes=states + (one.peak_bytes - states) * work.batch)
+
+
+def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, mode: Any) -> StepCount:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models import checkpoint_activations
+
+    with mode:
+        torch.manual_seed(0)
+        model = work.build().train()
+        if checkpointing:
+            checkpoint_activations(model)
+        counts = model.parameter_counts()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        flops = FlopCounterMode(display=False)
+        with tracker:
+            for step in range(2):
+                batch = work.inputs(rows)
+                with flops if step == 0 else contextlib.nullcontext():  # FLOPs of one step
+                    with _autocast(precision):
+                        loss = work.loss(model, batch)
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                del loss, batch
+                tracker.reset_mod_stats()  # per-module stats are per iteration; the peak survives the reset
+        peak = tracker.get_tracker_snapshot("peak")
+    by_device = next(iter(peak.values()), {"Total": 0})
+    by_kind = {getattr(k, "value", k): int(v) for k, v in by_device.items()}
+    return StepCount(int(flops.get_total_flops()), by_kind.pop("Total"), by_kind,
+                     int(counts["total"]), int(counts["attention"]))
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """One trial of a study, planned on one GPU kind."""
+
+    values: dict[str, Any]
+    gpu: GpuKind
+    step: StepCount
+    tokens: int
+    """Positions of one micro-batch on one worker."""
+    memory_bytes: int
+    """Peak per GPU, after FSDP's sharding."""
+    step_s: float
+    gpu_hours: float
+    fixes: tuple[str, ...]
+    """What would make it fit; empty when it fits."""
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.step.flops / self.tokens
+
+    @property
+    def fits(self) -> bool:
+        return not self.fixes
+
+
+def per_gpu_bytes(step: StepCount, spec: ExperimentSpec) -> int:
+    """FSDP shards weights, gradients and AdamW state over the workers; activations stay whole on each GPU."""
+    if spec.run.strategy != "fsdp" or spec.run.workers == 1:
+        return step.peak_bytes
+    states = sum(step.by_kind.get(k, 0) for k in STATE_KINDS)
+    return step.peak_bytes - states + states // spec.run.workers
+
+
+def _fixes(spec: ExperimentSpec, memory: int, gpu: GpuKind) -> tuple[str, ...]:
+    if memory <= FIT_FRACTION * gpu.memory_gib * GIB:
+        return ()
+    fixes = []
+    batch = getattr(spec.task, "batch_size", None)
+    if batch and batch > 1:
+        fixes.append(f"task.batch_size={batch // 2} optim.grad_accum={spec.optim.grad_accum * 2} (same tokens per "
+                     "step, half the activations)")
+    if not spec.run.activation_checkpointing and not spec.model.reversible:
+        fixes.append("run.activation_checkpointing=true (recompute each layer in backward)")
+    if not spec.model.reversible and not spec.run.activation_checkpointing:
+        fixes.append("model.reversible=true (RevNet layers: activation memory flat in depth)")
+    if spec.run.strategy != "fsdp" or spec.run.workers == 1:
+        fixes.append("run.strategy=fsdp with run.workers>1 (weights, gradients and AdamW state sharded)")
+    fixes.append(f"--gpu with more memory than {gpu.name}'s {gpu.memory_gib:g} GB")
+    return tuple(fixes)
+
+
+def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU,
+              values: dict[str, Any] | None = None) -> TrialPlan:
+    """Plan one trial's spec on `gpu`."""
+    key = _step_key(spec)
+    if key not in _STEPS:
+        _STEPS[key] = count_step(workload(spec), precision=spec.run.precision,
+                                 checkpointing=spec.run.activation_checkpointing)
+    step = _STEPS[key]
+    tokens = workload(spec).tokens
+    memory = per_gpu_bytes(step, spec)
+    step_s = step.flops * spec.optim.grad_accum / (gpu.bf16_dense_flops * mfu)
+    gpus = spec.run.workers * max(1.0, spec.run.gpus_per_worker)
+    hours = step_s * spec.optim.max_steps * gpus / 3600
+    return TrialPlan(dict(values or {}), gpu, step, tokens, memory, step_s, hours, _fixes(spec, memory, gpu))
+
+
+def _step_key(spec: ExperimentSpec) -> str:
+    """What the step's cost depends on: trials differing only in lr or seed share one count."""
+    return json.dumps({"task": spec.task.model_dump(mode="json"), "model": spec.model.model_dump(mode="json"),
+                       "precision": spec.run.precision, "ac": spec.run.activation_checkpointing}, sort_keys=True)
+
+
+_STEPS: dict[str, StepCount] = {}
+"""Counts by `_step_key`, for the process: a plan of a large grid counts each distinct model once."""
+
+
+def plan_study(study: Study, gpu_name: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU) -> Iterator[TrialPlan]:
+    """Every trial `validate` checks (each grid combination; choice values and range ends of sampled domains)."""
+    gpu = gpu_kind(gpu_name)
+    if not study.domains:
+        yield plan_spec(study.base, gpu, mfu)
+        return
+    for point in validation_points(study.domains, search=study.base.tune.search):
+        yield plan_spec(study.spec_for(point), gpu, mfu, point)
+
+
+def study_gpu_hours(study: Study, plans: list[TrialPlan]) -> float:
+    """The study's GPU-hours: each trial planned once per sample (exact for a grid; for sampled domains, the mean
+    of the planned points times the trials the sweep runs)."""
+    if not plans:
+        return 0.0
+    return sum(p.gpu_hours for p in plans) / len(plans) * expected_trials(study)
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, dict):  # a whole block per grid value: its kind and knobs, without the braces
+        return " ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def format_plan(study: Study, plans: list[TrialPlan], mfu: float) -> str:
+    """The table `orchestrator plan` prints: one row per trial, then the study's total."""
+    gpu = plans[0].gpu
+    lines = [f"plan on {gpu.name} ({gpu.memory_gib:g} GB, {gpu.bf16_dense_flops / 1e12:g} TFLOP/s dense bf16) at "
+             f"{mfu:.0%} MFU; fits = peak <= {FIT_FRACTION:.0%} of memory",
+             f"{'trial':<48} {'params':>10} {'attn':>9} {'GFLOP/tok':>10} {'mem GB':>8} {'fits':>4} "
+             f"{'step s':>9} {'GPU-h':>9}"]
+    for i, p in enumerate(plans):
+        label = ", ".join(f"{k.split('.')[-1]}={_value(v)}" for k, v in p.values.items()) or study.base.name
+        lines.append(f"{label[:48]:<48} {p.step.params_total:>10,} {p.step.params_attention:>9,} "
+                     f"{p.flops_per_token / 1e9:>10.3f} {p.memory_bytes / GIB:>8.2f} {'yes' if p.fits else 'NO':>4} "
+                     f"{p.step_s:>9.3g} {p.gpu_hours:>9.3g}")
+    lines.append(f"study: {expected_trials(study):,} trials, {study_gpu_hours(study, plans):.3g} GPU-hours on "
+                 f"{gpu.name} at {mfu:.0%} MFU")
+    return "\n".join(lines)
+
+
+def refusals(plans: list[TrialPlan]) -> list[str]:
+    """One paragraph per trial that does not fit: its values, its peak, and the fixes."""
+    out = []
+    for p in plans:
+        if p.fits:
+            continue
+        label = ", ".join(f"{k}={v!r}" for k, v in p.values.items()) or "the spec"
+        out.append(f"{label} needs {p.memory_bytes / GIB:.1f} GB per GPU, more than {FIT_FRACTION:.0%} of "
+                   f"{p.gpu.name}'s {p.gpu.memory_gib:g} GB; fixes:\n" + "\n".join(f"  - {f}" for f in p.fixes))
+    return out
