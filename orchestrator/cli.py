@@ -1,4 +1,4 @@
-"""`orchestrator validate | prepare | train | sweep | resume | status | evaluate | report | ui`.
+"""`orchestrator validate | plan | prepare | train | sweep | resume | status | evaluate | report | ui`.
 
 Every command that takes a SPEC also takes dotted overrides after it (`model.attention.k=64`); new knobs
 belong in the spec models, not in new flags (STYLE.md section 3). Specs are validated completely, every
@@ -19,6 +19,7 @@ from typing import Any
 from orchestrator.console import set_verbose
 from orchestrator.launch import LaunchError, check_data_files, check_storage
 from orchestrator.spec import (
+    DEFAULT_GPU,
     SpecError,
     Study,
     TrackingSettings,
@@ -66,10 +67,18 @@ def _parser() -> argparse.ArgumentParser:
                               "logging step; default: one line per report and a sweep progress line")
         return cmd
 
-    with_spec("validate", "check a spec (every trial of a sweep) and print the resolved spec and trial grid")
+    def with_gpu(cmd: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        cmd.add_argument("--gpu", default=None, help="GPU kind each trial is planned for (H100, H200, A100-80GB, "
+                                                     "A100-40GB, L4, A10G; default H100)")
+        return cmd
+
+    with_gpu(with_spec("validate", "check a spec (every trial of a sweep) and print the resolved spec and trial grid"))
+    plan = with_gpu(with_spec("plan", "parameters, FLOPs per token, memory per GPU, step time and GPU-hours of "
+                                      "every trial, counted on fake tensors (no GPU, no Ray)"))
+    plan.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation assumed for step times")
     with_spec("prepare", "tokenise the spec's data once (every split) into the memory-mapped shards its runs map")
     with_verbose(with_spec("train", "train one run of a spec without search domains"))
-    with_verbose(with_spec("sweep", "run a Ray Tune sweep over the spec's search domains"))
+    with_gpu(with_verbose(with_spec("sweep", "run a Ray Tune sweep over the spec's search domains")))
     resume = with_verbose(sub.add_parser("resume", help="continue a run or sweep from its latest checkpoints"))
     resume.add_argument("name", type=_run_name, help="the spec's name (its folder under the storage path)")
     resume.add_argument("overrides", nargs="*", metavar="key.path=value",
@@ -148,6 +157,32 @@ def _describe_grid(study: Study) -> str:
     for d in sampled:
         lines.append(f"  sampled per trial: {d.path} ~ {d.kind}{list(d.values)}")
     return "\n".join(lines)
+
+
+def _plan(study: Study, gpu: str | None, mfu: float) -> int:
+    """`orchestrator plan`: the table, and exit 2 naming the fixes when some trial does not fit."""
+    from orchestrator.spec import format_plan, plan_study, refusals
+
+    plans = list(plan_study(study, gpu or DEFAULT_GPU, mfu))
+    print(format_plan(study, plans, mfu))
+    if problems := refusals(plans):
+        print("orchestrator: some trials do not fit:\n" + "\n".join(problems), file=sys.stderr)
+        return 2
+    return 0
+
+
+def _check_fit(study: Study, gpu: str | None) -> None:
+    """A trial that cannot fit its GPU fails here, not on the cluster after its queue wait (only for specs that
+    ask for GPUs: a CPU run has no fixed memory to plan against)."""
+    if study.base.run.gpus_per_worker <= 0:
+        return
+    from orchestrator.spec import plan_study, refusals
+
+    if gpu is None:
+        print(f"note: memory per trial checked against {DEFAULT_GPU} (the default; --gpu names another)",
+              file=sys.stderr)
+    if problems := refusals(list(plan_study(study, gpu or DEFAULT_GPU))):
+        raise SpecError("some trials do not fit their GPU:\n" + "\n".join(problems))
 
 
 def _progress_line(line: str) -> None:
@@ -267,7 +302,10 @@ def _set_verbosity(verbose: bool) -> None:
 
 def _runs_page(uri: str, base: str, args: argparse.Namespace) -> str | None:
     """The experiment's training-runs page (not MLflow 3's GenAI overview), when the store already has it."""
-    from orchestrator.tracking.read import TrackingReader, ui_url  # deferred: mlflow only for `ui SPEC`
+    from orchestrator.tracking.read import (  # deferred: mlflow only for `ui SPEC`
+        TrackingReader,
+        ui_url,
+    )
 
     spec = load_study(args.spec, args.overrides, args.scale).base
     try:
@@ -318,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _ui(args)
         if args.command == "resume":
             # Deferred here and below: Ray is imported only by the commands that run something.
-            from orchestrator.launch import resume, SweepOutcome
+            from orchestrator.launch import SweepOutcome, resume
 
             outcome = resume(args.name, args.storage_path, args.overrides)
             print(f"resumed {args.name}")
@@ -359,11 +397,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                       file=sys.stderr)
                 return 130
         spec = study.base
+        if args.command == "plan":
+            return _plan(study, args.gpu, args.mfu)
         check_data_files(spec)
         if args.command == "prepare":
             from orchestrator.launch import describe_argv, prepare_spec
 
             return prepare_spec(study, describe_argv(args.spec, args.overrides, args.scale))
+        if args.command in ("validate", "sweep"):
+            _check_fit(study, args.gpu)
         if args.command == "validate":
             check_storage(spec)  # train and sweep check it again, in their own preflight
             try:
@@ -376,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         _check_local_gpus(study)
         # Ray is imported only from here on.
-        from orchestrator.launch import run_training, run_sweep
+        from orchestrator.launch import run_sweep, run_training
 
         if args.command == "train":
             outcome = run_training(spec)
