@@ -15,7 +15,8 @@ import pytest
 from mlflow import MlflowClient
 
 from orchestrator.launch.deliver import deliver_outputs, store_task_files
-from orchestrator.storage.layout import DELIVERED_FILE, evaluation_record, write_json
+from orchestrator.storage.layout import DELIVERED_FILE, evaluation_record
+from orchestrator.storage.locations import write_json
 from orchestrator.tracking.write import MlflowTracker
 
 STEP = 24

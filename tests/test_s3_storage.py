@@ -25,14 +25,11 @@ from orchestrator.storage.layout import (
     checkpoint_steps,
     diverged,
     finished,
-    join,
     latest_checkpoint,
     mark_diverged,
     mark_finished,
-    read_text,
-    storage_fs,
-    write_text,
 )
+from orchestrator.storage.locations import join, read_text, storage_fs, write_text
 
 SPEC = {"name": "unit", "task": {"kind": "clm", "seq_len": 16, "batch_size": 4, "vocab_size": 120,
                                  "builtin": {"train_sentences": 50, "eval_sentences": 10}}}

@@ -37,7 +37,7 @@ from typing import Any
 
 from orchestrator.cluster.reaper import OWNER_ENV, start_reaper, tell_session
 from orchestrator.console.progress import VERBOSE_ENV, verbose
-from orchestrator.storage.layout import ray_storage
+from orchestrator.storage.locations import ray_storage
 from orchestrator.storage.object_store import storage_env
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

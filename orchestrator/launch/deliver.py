@@ -24,12 +24,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-
 from orchestrator.storage.layout import (
     DELIVERED_FILE,
     EVALUATION_DIR,
     EVALUATION_RECORD_SUFFIX,
     TASK_FILES_DIR,
+)
+from orchestrator.storage.locations import (
     files_under,
     is_remote,
     join,

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from orchestrator.cluster.ray_env import stored_result
 from orchestrator.launch.deliver import deliver_outputs
 from orchestrator.launch.preflight import LaunchError
@@ -29,14 +28,16 @@ from orchestrator.storage.layout import (
     RunLayout,
     cache_dir_of,
     evaluation_record,
-    join,
     spool_of,
-    upload,
-    write_json,
 )
+from orchestrator.storage.locations import join, upload, write_json
 from orchestrator.tracking.write import open_tracker
 from orchestrator.training.checkpoint import read_checkpoint
-from orchestrator.training.scoring import Evaluation, evaluate_checkpoint, split_task_config
+from orchestrator.training.scoring import (
+    Evaluation,
+    evaluate_checkpoint,
+    split_task_config,
+)
 
 Which = str
 """best | latest | a kept checkpoint's folder name (checkpoint_000002750); `evaluate_stored` also takes all."""

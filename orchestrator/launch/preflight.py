@@ -14,8 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.spec import ExperimentSpec, SpecError
-from orchestrator.storage.layout import cache_dir_of, is_remote
-from orchestrator.storage.object_store import StorageError, check_s3_storage, is_s3, use_storage
+from orchestrator.storage.layout import cache_dir_of
+from orchestrator.storage.locations import is_remote
+from orchestrator.storage.object_store import (
+    StorageError,
+    check_s3_storage,
+    is_s3,
+    use_storage,
+)
 
 if TYPE_CHECKING:  # mlflow is imported only by the commands that log
     from orchestrator.tracking.write import MlflowTracker

@@ -31,10 +31,17 @@ from orchestrator.cluster.ray_env import stored_result
 from orchestrator.launch.evaluate import choose_checkpoint
 from orchestrator.spec import ExperimentSpec, SpecError
 from orchestrator.spec.loading import bounded_yaml
-from orchestrator.storage.layout import checkpoint_order, checkpoint_steps, is_remote, join, storage_fs, resolve as resolve_location
+from orchestrator.storage.layout import checkpoint_order, checkpoint_steps
+from orchestrator.storage.locations import is_remote, join, storage_fs
+from orchestrator.storage.locations import resolve as resolve_location
 from orchestrator.tracking.describe import CHECKPOINTS_TAG
 from orchestrator.tracking.read import TrackingReader
-from orchestrator.training.checkpoint import SPEC_FILE, STATE_FILE, TOKENIZER_FILE, read_checkpoint
+from orchestrator.training.checkpoint import (
+    SPEC_FILE,
+    STATE_FILE,
+    TOKENIZER_FILE,
+    read_checkpoint,
+)
 
 LINEAGE_TAGS = ("init_from.run_id", "init_from.checkpoint", "init_from.step")
 """Tags of a fine-tuning run naming what it started from: the pretraining MLflow run, its checkpoint's folder name

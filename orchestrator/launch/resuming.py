@@ -8,7 +8,8 @@ from orchestrator.launch.preflight import LaunchError
 from orchestrator.launch.run import RunOutcome, run_training
 from orchestrator.launch.sweep import SweepOutcome, run_sweep
 from orchestrator.spec import apply_resume_overrides, study_from_raw, validate_spec
-from orchestrator.storage.layout import META_FILE, RunLayout, resolve
+from orchestrator.storage.layout import META_FILE, RunLayout
+from orchestrator.storage.locations import resolve
 from orchestrator.storage.object_store import endpoint, is_s3
 
 

@@ -36,7 +36,8 @@ from orchestrator.launch.preflight import (
     check_storage,
     check_tracking,
 )
-from orchestrator.launch.pretrained import CHECKPOINTS_TAG, preflight as check_init_from
+from orchestrator.launch.pretrained import CHECKPOINTS_TAG
+from orchestrator.launch.pretrained import preflight as check_init_from
 from orchestrator.launch.worker_config import WORKER_CONFIG, WorkerConfig
 from orchestrator.spec import ExperimentSpec, SpecError, check_gpus, spec_to_yaml
 from orchestrator.storage.layout import (
@@ -44,14 +45,12 @@ from orchestrator.storage.layout import (
     PRETRAIN_DIR,
     RunLayout,
     diverged,
-    join,
-    ray_storage,
     record_error,
     set_aside_unreadable_snapshot,
     spool_of,
     trained_to,
-    uri_of,
 )
+from orchestrator.storage.locations import join, ray_storage, uri_of
 from orchestrator.tracking.describe import (
     RUN_KEY_TAG,
     RunHandle,
@@ -210,7 +209,9 @@ def _pretrain(spec: ExperimentSpec, *, storage_path: str, run_name: str, mlflow_
     cache_dir = RunLayout(stage.run.storage_path, stage.name).cache_dir
     worker = WorkerConfig(spec=stage.model_dump(mode="json"), run=handle, label=f"{label} pretrain",
                           cache_dir=cache_dir, run_path=run_path, spool=spool_of(run_path))
-    from orchestrator.launch.ray_console import RunReports  # deferred: imports ray.train
+    from orchestrator.launch.ray_console import (
+        RunReports,  # deferred: imports ray.train
+    )
 
     # Its report lines like any run's: a sweep's console shows the trials' fine-tuning reports (Tune's results),
     # not this stage's, which Tune does not see.
@@ -245,7 +246,9 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
     LaunchError of one line, with `advice` (None: the caller says what to do). The run id is looked up again:
     the worker may have created the run after an outage at launch. Returns the result, the run id, the final
     scores, and what still waits for the tracking server (None when MLflow holds everything and the run ended)."""
-    from ray.train import TrainingFailedError  # deferred: ray.train only after use_train_v2()
+    from ray.train import (
+        TrainingFailedError,  # deferred: ray.train only after use_train_v2()
+    )
 
     status, run_id, failure, delivered, waiting = "FAILED", handle.run_id, None, True, None
     config = trainer.run_config  # Ray's paths on remote storage carry no scheme: the filesystem says where
@@ -365,7 +368,9 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
         worker = WorkerConfig(spec=train_spec.model_dump(mode="json"), run=handle, label=spec.name,
                               cache_dir=layout.cache_dir, run_path=run_path, spool=layout.spool,
                               fail_at_step=fail_at_step, init_checkpoint=init_checkpoint)
-        from orchestrator.launch.ray_console import RunReports  # deferred: imports ray.train, after connect()
+        from orchestrator.launch.ray_console import (
+            RunReports,  # deferred: imports ray.train, after connect()
+        )
 
         # The launcher prints one line per report (the worker prints every logging step only with --verbose).
         reports = None if verbose() else RunReports(spec.name, max_steps=train_spec.optim.max_steps,

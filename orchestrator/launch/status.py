@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from orchestrator.launch.name_lock import holder_gone
 from orchestrator.launch.preflight import LaunchError
 from orchestrator.spec import expected_trials, study_from_raw, validate_spec
-from orchestrator.storage.layout import META_FILE, RunLayout, latest_checkpoint, resolve
+from orchestrator.storage.layout import META_FILE, RunLayout, latest_checkpoint
+from orchestrator.storage.locations import resolve
 from orchestrator.tracking.describe import TRIAL_TAG
 from orchestrator.tracking.read import TrackingReader, ui_url
 

@@ -28,7 +28,12 @@ from orchestrator.console.progress import (
 )
 from orchestrator.launch.deliver import deliver_outputs
 from orchestrator.launch.name_lock import name_lock
-from orchestrator.launch.preflight import check_data_files, check_labelled_data, check_storage, check_tracking
+from orchestrator.launch.preflight import (
+    check_data_files,
+    check_labelled_data,
+    check_storage,
+    check_tracking,
+)
 from orchestrator.launch.pretrained import preflight as check_init_from
 from orchestrator.launch.run import (
     build_trainer,
@@ -44,7 +49,8 @@ from orchestrator.launch.worker_config import WorkerConfig
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
 from orchestrator.spec.loading import SEED_PATH
 from orchestrator.spec.search_space import resolve, to_param_space, validation_points
-from orchestrator.storage.layout import RunLayout, finished, is_remote, mark_finished, ray_storage
+from orchestrator.storage.layout import RunLayout, finished, mark_finished
+from orchestrator.storage.locations import is_remote, ray_storage
 from orchestrator.storage.object_store import use_storage
 from orchestrator.tracking.describe import (
     POINT_TAG,
@@ -153,7 +159,9 @@ def _tune_config(study: Study, cluster: ClusterView):
         # the step ("evaluations"): Tune's training_iteration restarts at 1 in a resumed trial.
         # stop_last_trials=False: a trial that reaches max_t ends by itself. Stopping it from Tune at its last
         # report would kill its driver while the Train run is still shutting down (cf. ray#54305).
-        from orchestrator.training.trainer import Cadence  # torch.distributed with it: only a sweep's ASHA needs it here
+        from orchestrator.training.trainer import (
+            Cadence,  # torch.distributed with it: only a sweep's ASHA needs it here
+        )
 
         scheduler = ASHAScheduler(time_attr="evaluations", max_t=Cadence.of(spec).report_count(),
                                   grace_period=settings.grace_period, reduction_factor=settings.reduction_factor,

@@ -37,16 +37,18 @@ from orchestrator.storage.layout import (
     checkpoint_steps,
     diverged,
     fresh_checkpoint_name,
-    join,
     mark_diverged,
-    remove_folder,
-    storage_fs,
 )
+from orchestrator.storage.locations import join, remove_folder, storage_fs
 from orchestrator.storage.object_store import use_storage
 from orchestrator.tracking.describe import RunHandle, device_tags
 from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger
 from orchestrator.tracking.write import MlflowTracker, start_system_metrics
-from orchestrator.training.checkpoint import TrainingState, read_checkpoint, write_checkpoint
+from orchestrator.training.checkpoint import (
+    TrainingState,
+    read_checkpoint,
+    write_checkpoint,
+)
 from orchestrator.training.sharding import shard_model
 from orchestrator.training.trainer import Cadence, NonFiniteLoss, Trainer, unwrap
 from tasks.base import WorkerContext

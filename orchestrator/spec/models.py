@@ -9,13 +9,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from models import ModelConfig
 from orchestrator.spec.merge import merge_mappings
 from orchestrator.spec.messages import describe_errors
 from orchestrator.spec.names import Name
-from orchestrator.storage.layout import resolve as resolve_location
+from orchestrator.storage.locations import resolve as resolve_location
 from tasks import check_compatible
 from tasks.config import TaskConfig
 

@@ -84,6 +84,13 @@ def failure_tags(reason: str) -> dict[str, str]:
     return {FAILURE_TAG: reason, NOTE_TAG: f"{FAILED_NOTE} {reason}\n"}
 
 
+def stale_failure_tags(tags: Mapping[str, str]) -> list[str]:
+    """The keys of `failure_tags` a run still holds (its description only while it is still the failure's): what a
+    resume that FINISHED the run removes."""
+    return [key for key in (FAILURE_TAG, NOTE_TAG)
+            if key in tags and (key == FAILURE_TAG or tags[key].startswith(FAILED_NOTE))]
+
+
 def artifact_root(uri: str) -> Path | None:
     """Where the artifacts of a local SQLite store go: `mlartifacts/` next to its database file. None for a
     server (it decides) or a file store (artifacts already live inside it). Without this, MLflow puts a SQLite

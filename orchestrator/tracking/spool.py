@@ -15,7 +15,7 @@ from collections import deque
 
 from mlflow.entities import Metric
 
-from orchestrator.storage.layout import read_text, remove, write_text
+from orchestrator.storage.locations import read_text, remove, write_text
 
 MAX_BUFFERED_METRICS = 20_000
 

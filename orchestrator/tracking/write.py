@@ -34,12 +34,10 @@ from mlflow.exceptions import MlflowException
 
 from orchestrator.console.progress import verbose
 from orchestrator.tracking.describe import (
-    FAILED_NOTE,
-    FAILURE_TAG,
     MAX_PARAM_CHARS,
-    NOTE_TAG,
     RunHandle,
     artifact_location,
+    stale_failure_tags,
 )
 from orchestrator.tracking.read import configure_http, logged_steps, newest_run_with_tag
 from orchestrator.tracking.spool import Unsent
@@ -298,16 +296,12 @@ class MlflowTracker:
         return self._log_items(run_id, "tags", tags)
 
     def clear_failure(self, run_id: str) -> bool:
-        """Remove the tags `failure_tags` set (the reason, and the description when it is still the failure's),
-        from a run that has now FINISHED after a resume; True when none is left."""
+        """Remove what `failure_tags` set (the reason; the description while it is still the failure's) from a run
+        that has now FINISHED after a resume; True when none is left."""
         def clear(client: MlflowClient) -> bool:
-            tags = client.get_run(run_id).data.tags
-            if FAILURE_TAG in tags:
-                client.delete_tag(run_id, FAILURE_TAG)
-            if tags.get(NOTE_TAG, "").startswith(FAILED_NOTE):
-                client.delete_tag(run_id, NOTE_TAG)
+            for key in stale_failure_tags(client.get_run(run_id).data.tags):
+                client.delete_tag(run_id, key)
             return True
-
         return self._call("failure tag removal", clear) is not None
 
     def _log_items(self, run_id: str, kind: str, items: Mapping[str, Any], *, force: bool = False) -> bool:
