@@ -15,15 +15,14 @@ PaLM and nanoGPT count them). 6 N is the forward's and backward's 2 + 4 FLOPs pe
 attention's Q K^T and P V products (2 x 2 n d per token and layer forward, three times that with the backward),
 counted over the full n x n even though causal attention needs half, as PaLM does. tests/test_gpu_suite.py checks
 the count against torch's FlopCounterMode.
-MFU = FLOPs / step time / the device's peak dense bf16 FLOP/s (PEAK_BF16_FLOPS, from NVIDIA's data sheets; a
-GPU not in the table gets no MFU). A dry run trains a one-layer toy on the CPU with the aot_eager backend
+MFU = FLOPs / step time / the device's peak dense bf16 FLOP/s (orchestrator.spec.gpus, the one GPU table, with
+its sources; a GPU not in the table gets no MFU). A dry run trains a one-layer toy on the CPU with the aot_eager backend
 (dynamo and AOTAutograd without inductor's code generation, which tests/test_compile_families.py exercises).
 """
 
 from __future__ import annotations
 
 import itertools
-import re
 import statistics
 import time
 
@@ -34,7 +33,7 @@ from torch import nn
 from benchmarks.gpu_common import PartResult, SuiteContext
 from benchmarks.harness import Row, synchronize, timed_call
 from models import LanguageModel, ModelConfig
-from orchestrator.spec import OptimConfig
+from orchestrator.spec import OptimConfig, peak_bf16_flops
 from orchestrator.training import Optimization, train_step
 from tasks import Batch
 
@@ -42,21 +41,6 @@ GPU_SIZE = {"d_model": 1024, "layers": 8, "heads": 16, "ffn": 4096, "vocab": 327
 DRY_SIZE = {"d_model": 32, "layers": 1, "heads": 2, "ffn": 64, "vocab": 128, "batch": 2, "n": 64}
 WARMUP_STEPS = 3
 TIMED_STEPS, DRY_TIMED_STEPS = 20, 2
-PEAK_BF16_FLOPS = (
-    (r"\bH100\b.*\bHBM3\b", 989e12),  # H100 SXM5 ("NVIDIA H100 80GB HBM3"); the PCIe and NVL cards are slower
-    (r"\bH200\b(?!.*\bNVL\b)", 989e12),  # H200 SXM
-    (r"\bA100\b", 312e12),
-)
-"""Dense bf16 tensor-core peak by GPU name (regular expression on torch.cuda.get_device_name)."""
-
-
-def peak_bf16_flops(gpu_name: str | None) -> float | None:
-    """The dense bf16 peak in FLOP/s of the GPU of this name, or None (no GPU, or one not in PEAK_BF16_FLOPS)."""
-    if gpu_name is None:
-        return None
-    return next((peak for pattern, peak in PEAK_BF16_FLOPS if re.search(pattern, gpu_name)), None)
-
-
 def matmul_parameters(model: LanguageModel) -> int:
     """N of the FLOP count: the weight matrices' parameters, but not the learned position table's (a lookup)."""
     lookups = {id(p) for p in model.embed.positions.parameters()}

@@ -3,8 +3,8 @@ the trainer's `train/mfu` and benchmarks/gpu_training.py.
 
 Sources (NVIDIA's data sheets quote bf16 "with sparsity"; the dense peak is half of it):
 - H100 SXM5 80 GB: NVIDIA H100 Tensor Core GPU data sheet, BF16 1,979 TFLOPS with sparsity -> 989.4 dense
-  (also glennklockwood.com/garden/processors/h100: BF16 matrix 989.4). The PCIe card is slower (756 dense) and
-  is matched by its own row, so an "H100 PCIe" never borrows the SXM peak.
+  (also glennklockwood.com/garden/processors/h100: BF16 matrix 989.4). The PCIe and NVL cards are slower and
+  have no row: their names do not match, so they get no MFU rather than the SXM peak.
 - H200 SXM 141 GB: NVIDIA H200 data sheet, BF16 1,979 TFLOPS with sparsity, the H100's compute with more HBM3e.
 - A100 SXM4/PCIe 80 GB and 40 GB: NVIDIA A100 data sheet, BF16 312 TFLOPS dense (624 with sparsity).
 - L4 24 GB: NVIDIA L4 data sheet, BF16 242 TFLOPS with sparsity -> 121 dense.
@@ -34,7 +34,6 @@ class GpuKind:
 
 GPUS = (
     GpuKind("H100", 80, 989.4e12, r"\bH100\b(?!.*\b(PCIe|NVL)\b)"),
-    GpuKind("H100-PCIe", 80, 756e12, r"\bH100\b.*\bPCIe\b"),
     GpuKind("H200", 141, 989.4e12, r"\bH200\b(?!.*\bNVL\b)"),
     GpuKind("A100-80GB", 80, 312e12, r"\bA100\b.*\b80GB\b"),
     GpuKind("A100-40GB", 40, 312e12, r"\bA100\b(?!.*\b80GB\b)"),

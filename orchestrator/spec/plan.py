@@ -94,6 +94,27 @@ def workload(spec: ExperimentSpec) -> Workload:
     raise ValueError(f"orchestrator plan does not know task.kind={kind!r}")
 
 
+def _cpu_sdpa_flops(query, key, value, *_args, out_shape=None, **_kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_sdpa_backward_flops(grad_out, query, key, value, *_args, out_shape=None, **_kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def cpu_sdpa_flops() -> dict[Any, Any]:
+    """FlopCounterMode has formulas for the CUDA attention kernels but none for the CPU one that SDPA picks here
+    (it counted 0 for mha's attention); the same formulas (full n x n, causal or not, as torch counts on a GPU)
+    make a plan on this host count what a GPU run would."""
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops}
+
+
 @dataclass(frozen=True)
 class StepCount:
     """What one micro-batch's training step costs on one device, unsharded."""
@@ -147,7 +168,7 @@ def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tracker = MemTracker()
         tracker.track_external(model, opt)
-        flops = FlopCounterMode(display=False)
+        flops = FlopCounterMode(display=False, custom_mapping=cpu_sdpa_flops())
         with tracker:
             for step in range(2):
                 batch = work.inputs(rows)

@@ -1,0 +1,114 @@
+"""`orchestrator plan` (orchestrator/spec/plan.py): FLOPs and memory counted on fake tensors against real CPU runs,
+the table, and the refusal of a trial that cannot fit its GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from benchmarks.gpu_training import matmul_parameters, step_flops
+from benchmarks.harness import peak_memory_bytes
+from models.attention import ATTENTION_KINDS
+from orchestrator.cli import main
+from orchestrator.spec import validate_spec, workload
+from orchestrator.spec.plan import count_step
+
+ANALYTIC_MARGIN = 0.05
+"""6 N + 12 L d n leaves out the norms, softmax and loss (elementwise, uncounted by FlopCounterMode too) and counts
+attention over the full n x n; the counter's total may differ by the bias-free remainder only."""
+MEMORY_MARGIN = 0.20
+
+
+def _spec(kind: str, d_model: int = 32, seq_len: int = 32, batch: int = 2, checkpointing: bool = False,
+          layers: int = 1):
+    attention = {"kind": kind, "heads": 4, **({"k": seq_len // 2} if kind == "linformer" else {})}
+    # linformer mixes future positions: a masked LM, as its paper trains it.
+    task_kind = "mlm" if kind == "linformer" else "clm"
+    return validate_spec({
+        "name": "plan-test",
+        "task": {"kind": task_kind, "dataset": "builtin", "vocab_size": 256, "seq_len": seq_len, "batch_size": batch},
+        "model": {"d_model": d_model, "layers": layers, "ffn": 2 * d_model, "max_seq_len": seq_len, "dropout": 0.0,
+                  "attention": attention},
+        "run": {"activation_checkpointing": checkpointing},
+    })
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+def test_fake_tensor_flops_equal_a_real_cpu_run(kind):
+    work = workload(_spec(kind))
+    fake, real = count_step(work), count_step(work, fake=False)
+    assert fake.flops == real.flops > 0
+    assert fake.params_total == real.params_total
+
+
+def test_mha_flops_match_six_n_plus_attention():
+    spec = _spec("mha", d_model=64, seq_len=64, batch=2, layers=2)
+    work = workload(spec)
+    counted = count_step(work).flops
+    analytic = step_flops(matmul_parameters(work.build()), 2, 64, 64, work.tokens)
+    assert abs(counted - analytic) / analytic < ANALYTIC_MARGIN, (counted, analytic)
+
+
+LSH_CHECKPOINTED = pytest.mark.xfail(strict=True, reason=(
+    "lsh with activation checkpointing: MemTracker's own peak on real CPU tensors is about 1.7x the allocator's "
+    "(21.2 MB against 12.6 MB at d=32), so the estimate errs high here; docs/plan.md says so"))
+MEMORY_CASES = [pytest.param(kind, size, ac, marks=[LSH_CHECKPOINTED] if kind == "lsh" and ac else [],
+                             id=f"{kind}-d{size}-{'ac' if ac else 'noac'}")
+                for kind in ("mha", "linformer", "lsh", "hyper") for size in (32, 64) for ac in (False, True)]
+
+
+@pytest.mark.parametrize("kind,size,checkpointing", MEMORY_CASES)
+def test_memory_estimate_within_20_percent_of_the_cpu_peak(kind, size, checkpointing):
+    from models import checkpoint_activations
+
+    spec = _spec(kind, d_model=size, seq_len=size, batch=2, checkpointing=checkpointing, layers=2)
+    work = workload(spec)
+    estimate = count_step(work, checkpointing=checkpointing).peak_bytes
+    torch.manual_seed(0)
+    model = work.build().train()
+    if checkpointing:
+        checkpoint_activations(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def two_steps() -> None:
+        for _ in range(2):
+            work.loss(model, work.inputs(work.batch)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    measured = held + peak_memory_bytes(two_steps, torch.device("cpu"))
+    assert abs(estimate - measured) / measured <= MEMORY_MARGIN, (estimate, measured)
+
+
+def test_plan_prints_a_row_per_trial_and_the_study_total(capsys):
+    assert main(["plan", "configs/smoke.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("kind=") == 3 and "study: 3 trials" in out and "GPU-hours on H100" in out
+
+
+def _too_big(tmp_path, gpus: float) -> str:
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "big",
+        "task": {"kind": "clm", "dataset": "builtin", "vocab_size": 1000, "seq_len": 16384, "batch_size": 64},
+        "model": {"d_model": 8192, "layers": 1, "ffn": 8192, "max_seq_len": 16384, "attention": {"kind": "mha",
+                                                                                                "heads": 64}},
+        "run": {"gpus_per_worker": gpus},
+    }))
+    return str(path)
+
+
+def test_plan_refuses_a_trial_that_cannot_fit_and_names_the_fixes(tmp_path, capsys):
+    assert main(["plan", _too_big(tmp_path, 0), "--gpu", "L4"]) == 2
+    err = capsys.readouterr().err
+    for fix in ("task.batch_size=32 optim.grad_accum=2", "run.activation_checkpointing=true",
+                "model.reversible=true", "run.strategy=fsdp"):
+        assert fix in err, err
+
+
+def test_validate_refuses_a_gpu_trial_that_cannot_fit(tmp_path, capsys):
+    assert main(["validate", _too_big(tmp_path, 1), "--gpu", "L4"]) == 2
+    err = capsys.readouterr().err
+    assert "do not fit" in err and "L4" in err and "run.activation_checkpointing=true" in err
