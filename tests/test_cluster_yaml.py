@@ -4,7 +4,9 @@ the launcher's prepare_config + validate_config), plus the project's own convent
 from __future__ import annotations
 
 import copy
+import fnmatch
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -125,3 +127,63 @@ def test_every_node_starts_ray_with_the_startup_concurrency_the_test_clusters_us
         config = load(path)
         starts = [c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c]
         assert len(starts) == 2 and all(f"{name}={value} " in c for c in starts), (path, starts)
+
+
+CONFIGS = ("cluster.yaml", "docs/cluster-onprem.yaml")
+LEFT_OUT = {".git/", ".env", "mlruns/", "mlartifacts/", "mlflow.db", "reports/", "runs/"}
+"""What never goes to the nodes: the history, local tracking stores and their artifacts, reports, run folders,
+and the secrets a checkout may keep in .env."""
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_nodes_get_the_source_and_the_secrets_they_need_only(name):
+    """rsync_exclude leaves out LEFT_OUT (and rsync_filter what .gitignore does), yet matches none of the files
+    that are mounted on purpose (Ray applies the excludes to every file mount, the token's and the login's too)."""
+    config = load(name)
+    excluded = set(config["rsync_exclude"])
+    assert LEFT_OUT <= excluded, LEFT_OUT - excluded
+    assert config["rsync_filter"] == [".gitignore"] and (REPO / ".gitignore").is_file()
+    for source in config["file_mounts"].values():
+        base = Path(source).name or source
+        assert not any(fnmatch.fnmatch(base, pattern.rstrip("/")) for pattern in excluded), (source, excluded)
+    assert {"~/.ray/auth_token", "~/.ray/mlflow_credentials"} <= set(config["file_mounts"].values())
+
+
+def test_gpu_workers_have_an_instance_profile_for_s3():
+    """Ray's AWS provider gives its default instance profile to the head only (ray autoscaler/_private/aws/
+    config.py, `_configure_iam_role`): the GPU workers, which write checkpoints to S3, name theirs."""
+    config = load("cluster.yaml")
+    workers = [t for n, t in config["available_node_types"].items() if n != config["head_node_type"]]
+    assert workers
+    for node_type in workers:
+        profile = node_type["node_config"]["IamInstanceProfile"]
+        assert re.fullmatch(r"arn:aws:iam::[^:]+:instance-profile/\S+", profile["Arn"]), profile
+    assert "IamInstanceProfile" in (REPO / "docs" / "orchestrator.md").read_text()  # the user is told to set it
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_mlflow_asks_for_a_login_that_every_node_has(name):
+    """The head's server runs MLflow's basic-auth app with its admin password from the mounted login file (MLflow
+    ships none), and every `ray start` reads that file into its environment, where every Ray process of the node,
+    Train workers included, finds MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD. The auth app needs
+    the `mlflow[auth]` extra, which every node installs with the project."""
+    config = load(name)
+    read = "set -a && . ~/.ray/mlflow_credentials && set +a || exit 1;"
+    starts = [c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c]
+    assert len(starts) == 2 and all(c.startswith(read) for c in starts), starts
+    (server,) = [c for c in config["head_start_ray_commands"] if "mlflow server" in c]
+    assert server.startswith(read) and "--app-name basic-auth" in server
+    assert 'MLFLOW_AUTH_ADMIN_PASSWORD="$MLFLOW_TRACKING_PASSWORD"' in server
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("mlflow[auth]") for d in dependencies), dependencies
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_node_command_is_shell_that_parses(name):
+    """Ray runs each command through bash on the node: a quoting slip would only show at `ray up`."""
+    config = load(name)
+    commands = [c for key in ("initialization_commands", "setup_commands", "head_start_ray_commands",
+                              "worker_start_ray_commands") for c in config.get(key, [])]
+    for command in commands:
+        checked = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+        assert checked.returncode == 0, (command, checked.stderr)
