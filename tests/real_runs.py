@@ -134,27 +134,34 @@ def wait_for(condition, timeout: float, what: str, proc: Proc | None = None):
 class MlflowServer:
     """`mlflow server` on 127.0.0.1 with a SQLite store; stop() and start() again keep the store. With
     `artifacts` (s3://bucket/prefix) and `env` (the S3 settings), artifacts go to S3 as on a cloud cluster:
-    `--artifacts-destination`, proxied by the server (clients need no S3 credentials)."""
+    `--artifacts-destination`, proxied by the server (clients need no S3 credentials). With `app`, MLflow's
+    server app of that name (`basic-auth`: credentials asked of every request but /health, its user store
+    in the server's working directory, the root)."""
 
-    def __init__(self, root: Path, artifacts: str | None = None, env: dict[str, str] | None = None):
+    def __init__(self, root: Path, artifacts: str | None = None, env: dict[str, str] | None = None,
+                 app: str | None = None):
         self.root, self.port = root, free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
-        self.artifacts, self.env = artifacts, env or {}
+        self.artifacts, self.env, self.app = artifacts, env or {}, app
 
     def start(self) -> None:
         artifacts = (["--artifacts-destination", self.artifacts] if self.artifacts else
                      ["--default-artifact-root", str(self.root / "artifacts")])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             *artifacts, "--host", "127.0.0.1",
+             *artifacts, *(["--app-name", self.app] if self.app else []), "--host", "127.0.0.1",
              "--port", str(self.port), "--workers", "1",
              # As an on-prem server names its hosts: `localhost` is then refused (403), as a hostname missing from
              # the list is (test_faults.py::test_host_outside_allowed_hosts_is_named_with_the_server_flag).
              "--allowed-hosts", f"127.0.0.1:{self.port}"],
-            cwd=self.root, env=process_env(**self.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            cwd=self.root, env=process_env(**self.env), stdout=subprocess.DEVNULL,
+            stderr=open(self.root / "server.err", "ab"), start_new_session=True)  # noqa: SIM115 - the child holds it
 
         def healthy() -> bool:
+            if self.proc.poll() is not None:  # a server that refused to start says why at once
+                pytest.fail(f"mlflow server exited ({self.proc.returncode}):\n"
+                            f"{(self.root / 'server.err').read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
                     return response.status == 200
