@@ -177,8 +177,9 @@ def check_tracking(spec: ExperimentSpec, tracker: "MlflowTracker") -> None:
     if "error code 401" in refused or "error code 403" in refused:
         raise LaunchError(
             f"tracking.uri={spec.tracking.uri!r}: the MLflow server refuses these credentials ({refused[:200]}); set "
-            "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for the launcher and, "
-            "on a cluster, in the job's runtime_env"
+            "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for the launcher; on a "
+            "cluster the nodes read them from ~/.ray/mlflow_credentials at `ray start` (cluster.yaml; never a "
+            "runtime_env, which Ray writes to its logs)"
         )
     why = f"{type(tracker.last_error).__name__}: {str(tracker.last_error)[:200]}" if tracker.last_error else "no answer"
     raise LaunchError(
