@@ -38,6 +38,10 @@ def _refused(uri: str, code: int) -> None:
 
 def test_a_basic_auth_server_refuses_strangers_and_gets_the_run_with_the_environments_credentials(tmp_path,
                                                                                                    monkeypatch):
+    # An in-process launcher of an earlier test leaves its short per-request timeout in this process's
+    # environment (tracking.configure_http); this test's own client talks to a busy server and needs a longer one.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
     password = secrets.token_hex(16)  # as the setup step of cluster.yaml makes one
     (tmp_path / "mlflow").mkdir()
     server = MlflowServer(tmp_path / "mlflow", app="basic-auth",
