@@ -134,8 +134,7 @@ class RayHooks:
         report = {"step": step, "evaluations": Cadence.of(self.spec).reports_until(step), **self.sizes, **metrics}
         # Every rank gathers (positions and RNG of all ranks); rank 0 alone gets a state to write. A sharded run's
         # ranks each write their shards too.
-        state = trainer.checkpoint_state(self.run_id) if checkpoint else None
-        shards = trainer.checkpoint_shards() if checkpoint else None
+        state, shards = trainer.checkpoint_parts(self.run_id) if checkpoint else (None, None)
         if not checkpoint:
             ray.train.report(report)
             return

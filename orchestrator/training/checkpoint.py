@@ -127,7 +127,7 @@ def write_checkpoint(parent: Path, state: TrainingState | None, spec_yaml: str, 
                      shards: dict[str, Any] | None = None, step: int | None = None) -> Path:
     """Write `state` as `parent/<checkpoint_name(step)>` atomically (temp dir + rename), with the run's tokenizer.
 
-    A sharded run calls this on every rank (a collective): each passes its `shards` (Trainer.checkpoint_shards)
+    A sharded run calls this on every rank (a collective): each passes its `shards` (Trainer.checkpoint_parts)
     and the step, rank 0 also the state; each rank's folder then holds its part, which Ray Train gathers into one
     checkpoint."""
     parent = Path(parent)

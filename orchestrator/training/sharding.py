@@ -24,6 +24,7 @@ that shards imports it, inside the functions below (benchmarks/RESULTS.md, "Star
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import sys
@@ -133,25 +134,30 @@ class ShardIndexError(ValueError):
     """A DCP index that is not one this project writes."""
 
 
+@functools.cache
+def _index_globals() -> dict[str, dict[str, Any]]:
+    """module -> name -> object: everything a DCP index of tensors may name (built once, on the first read)."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return {
+        "torch.distributed.checkpoint.metadata": {
+            n: getattr(metadata, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING")},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo": filesystem._StorageInfo},
+        "torch.serialization": {"_get_layout": torch.serialization._get_layout},
+        "torch": {"Size": torch.Size, **{n: getattr(torch, n) for n in dir(torch)
+                                          if isinstance(getattr(torch, n, None), torch.dtype)}},
+        "pathlib": {"PosixPath": Path, "WindowsPath": Path, "Path": Path},
+        "collections": {"OrderedDict": dict},
+    }
+
+
 class _IndexUnpickler(pickle.Unpickler):
     """DCP's metadata classes, torch.Size, dtypes and layouts; nothing else can be named in the index."""
 
     def find_class(self, module: str, name: str) -> Any:
-        from torch.distributed.checkpoint import filesystem, metadata
-
-        allowed: dict[str, Any] = {
-            "torch.distributed.checkpoint.metadata": {
-                n: getattr(metadata, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                                  "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                                  "StorageMeta", "_MEM_FORMAT_ENCODING")},
-            "torch.distributed.checkpoint.filesystem": {"_StorageInfo": filesystem._StorageInfo},
-            "torch.serialization": {"_get_layout": torch.serialization._get_layout},
-            "torch": {"Size": torch.Size, **{n: getattr(torch, n) for n in dir(torch)
-                                              if isinstance(getattr(torch, n, None), torch.dtype)}},
-            "pathlib": {"PosixPath": Path, "WindowsPath": Path, "Path": Path},
-            "collections": {"OrderedDict": dict},
-        }
-        found = allowed.get(module, {}).get(name)
+        found = _index_globals().get(module, {}).get(name)
         if found is None:
             raise ShardIndexError(f"the index names {module}.{name}, which a DCP index of tensors never holds")
         return found

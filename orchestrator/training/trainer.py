@@ -312,33 +312,35 @@ class Trainer:
             restore_stream(state.stream_states[self.rank])
 
     def checkpoint_state(self, mlflow_run_id: str | None) -> TrainingState | None:
-        """The resumable state on rank 0 (None elsewhere); every rank must call it (positions and RNG
-        states are gathered)."""
+        """The resumable state on rank 0 (None elsewhere) of a run that is not sharded; see `checkpoint_parts`."""
+        return self.checkpoint_parts(mlflow_run_id)[0]
+
+    def checkpoint_parts(self, mlflow_run_id: str | None) -> tuple[TrainingState | None, dict[str, Any] | None]:
+        """The resumable state on rank 0 (None elsewhere), and a sharded run's model and optimizer tensors as this
+        rank holds them (every rank writes its own, through torch.distributed.checkpoint; None when not sharded).
+        Every rank must call it: positions and RNG states are gathered, and the shards' state dict is a
+        collective, taken once for both parts."""
         positions, rngs = self.gather(self.position), self.gather(capture_rng())
         # A task's state between batches (Transformer-XL memory) belongs with its position; most tasks have none.
         stream_state = getattr(self.task, "stream_state", None)
         streams = self.gather(stream_state() if stream_state is not None else None)
-        sharded = is_sharded(self.model)
+        sharded, shards = is_sharded(self.model), None
         if sharded:
-            # The model and optimizer tensors are written by every rank as shards (checkpoint_shards); rank 0's
-            # state carries the optimizer's param groups, which name parameters by FQN.
-            model_state, optim_state = {}, {"param_groups": shard_tensors(self.model, self.opt.optimizer)[1]}
+            # Rank 0's state carries the optimizer's param groups, which name parameters by FQN.
+            shards, groups = shard_tensors(self.model, self.opt.optimizer)
+            model_state, optim_state = {}, {"param_groups": groups}
         elif self.rank == 0:
             model_state, optim_state = unwrap(self.model).state_dict(), self.opt.optimizer.state_dict()
         if self.rank != 0:
-            return None
-        return TrainingState(
+            return None, shards
+        state = TrainingState(
             step=self.step, model=model_state, optimizer=optim_state,
             scheduler=self.opt.scheduler.state_dict(), scaler=self.opt.scaler.state_dict(),
             data_positions=positions, rng=rngs, mlflow_run_id=mlflow_run_id, stream_states=streams,
             spec=self.spec.model_dump(mode="json"),
             best={"metric": self.best.metric, "value": self.best.value, "step": self.best.step}, sharded=sharded,
         )
-
-    def checkpoint_shards(self) -> dict[str, Any] | None:
-        """A sharded run's model and optimizer tensors as this rank holds them (every rank writes its own, through
-        torch.distributed.checkpoint); None for a run that is not sharded. Every rank must call it."""
-        return shard_tensors(self.model, self.opt.optimizer)[0] if is_sharded(self.model) else None
+        return state, shards
 
     # --- evaluation and the loop ---------------------------------------------------------------------
 
