@@ -122,6 +122,9 @@ class LSHMechanism(nn.Module):
         # trax/HF: the key is unit-normalised and the logit is q.k with no further scale; None = 1/sqrt(d).
         self.scale = 1.0 if cfg.logit_scale == "none" else None
         self.layer_seed = cfg.seed + _LAYER_SEED_STRIDE * layer_index
+        # Reformer's rule for shared QK, where q.k of a token with itself dominates; models/dropin.py turns it off
+        # for a trained model's separate q and k, where a token's own key is an ordinary key.
+        self.self_mask = True
         self._rotation_columns: list[torch.Tensor] = []  # a cache, not state: rebuilt from the seed on demand
 
     @classmethod
@@ -204,7 +207,7 @@ class LSHMechanism(nn.Module):
             pad_BHT = key_padding_mask_BS[:, None, :].expand(B, H, T)
         out_BXLE, lse_BXL = chunked_attention(
             layout(rounds(q_BHTE), 0.0), layout(rounds(k_BHSE), 0.0), layout(rounds(v_BHSE), 0.0),
-            self.bucket_size, lookback=1, positions=layout(positions_BHRT, 0), causal=causal, self_mask=True,
+            self.bucket_size, lookback=1, positions=layout(positions_BHRT, 0), causal=causal, self_mask=self.self_mask,
             key_padding_mask=layout(rounds(pad_BHT), True), wrap=False,
             dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
         )
