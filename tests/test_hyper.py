@@ -329,3 +329,60 @@ def test_cross_length_inputs_are_refused_naming_the_fix():
     _, k, v = qkv(5)
     with pytest.raises(ValueError, match=r"same length \(got 9 and 5\); cross-attention is built with cross=True"):
         hyper(min_seq_len=4)(q, k, v)
+
+
+def _sortlsh_oracle(hyperplanes: torch.Tensor, bits: int, q_NE, k_NE, v_NE, b: int):
+    """Algorithm 1 (sortLSH) of arXiv 2310.05869 for one (batch, head), written out densely, and softmax over
+    its mask M^H: (out [N, E], lse [N]).
+
+    - Hash (Def. 1; the authors' angular_lsh.py `hash`, lines 24-26): the sign bits of x against the
+      hyperplanes, code = sum_i 2^i bit_i. Buckets are ordered along the reflected Gray sequence
+      0, 1, 3, 2, 6, ... (our documented deviation: the inverse Gray map, so that neighbouring buckets differ
+      in one bit; the authors' `perm[code]` at line 27 is the forward map); here the position of the code in
+      that sequence is looked up in a list, not computed by prefix XOR as `gray_rank` does.
+    - Order inside a bucket: the authors' hyper_attn.py (insuhan/hyper-attn 68b91e9) sorts with
+      `torch.sort(self.lsh.hash(query), dim=2, stable=True)` (lines 102-103, keys likewise), so rows of one
+      bucket keep their position order; Algorithm 1's P_Q(i) < P_Q(j) if H(Q_i) <= H(Q_j) leaves ties open.
+      Python's sort is stable, and is the independent computation of that order here.
+    - M^H_ij = 1{floor(P_Q(i) / b) = floor(P_K(j) / b)}: the diagonal b x b blocks of the sorted order
+      (lines 114-120 view the sorted rows in blocks of b). A last block shorter than b holds fewer keys (we
+      mask the internal padding; the authors pad with zero keys).
+    """
+    gray = [s ^ (s >> 1) for s in range(1 << bits)]
+
+    def rank(x_NE):
+        codes = [sum(int(bit) << i for i, bit in enumerate(row)) for row in (x_NE @ hyperplanes > 0)]
+        return [gray.index(code) for code in codes]
+
+    N = q_NE.shape[0]
+    rank_q, rank_k = rank(q_NE), rank(k_NE)
+    order_q = sorted(range(N), key=lambda i: rank_q[i])  # stable: ties stay in position order
+    order_k = sorted(range(N), key=lambda j: rank_k[j])
+    p_q = {i: slot for slot, i in enumerate(order_q)}
+    p_k = {j: slot for slot, j in enumerate(order_k)}
+    mask = torch.tensor([[p_q[i] // b == p_k[j] // b for j in range(N)] for i in range(N)])
+    logits = (q_NE @ k_NE.T) * q_NE.shape[-1] ** -0.5
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.softmax(logits, -1) @ v_NE, torch.logsumexp(logits, -1)
+
+
+@pytest.mark.parametrize("N", [24, 22], ids=["whole-blocks", "partial-last-block"])
+def test_sortlsh_blocks_follow_algorithm_1_with_the_authors_in_bucket_order(N):
+    """The heavy part alone (sample_size=0) is softmax over Algorithm 1's mask, queries and keys sorted by
+    bucket and, inside a bucket, by position (the authors' stable sort). With 2 hash bits the buckets hold
+    about 6 rows and blocks 4, so blocks cut through buckets and the order inside a bucket decides which keys
+    a query sees: a descending or otherwise different tie-break fails."""
+    b, bits = 4, 2
+    q, k, v = (x.double() for x in qkv(N, seed=23))
+    mech = hyper(block_size=b, sample_size=0, min_seq_len=4, lsh_bits=bits).double()
+    out, lse = mech.non_causal(q, k, v, None, None)
+    assert mech(q, k, v).equal(out)  # the mechanism's own bidirectional path is this one
+    cut = 0
+    for bb in range(B):
+        for h in range(H):
+            ref, ref_lse = _sortlsh_oracle(mech.hyperplanes.double(), bits, q[bb, h], k[bb, h], v[bb, h], b)
+            torch.testing.assert_close(out[bb, h], ref, atol=1e-12, rtol=1e-10)
+            torch.testing.assert_close(lse[bb, h], ref_lse, atol=1e-12, rtol=1e-10)
+            ranks = sorted(mech.bucket_rank(k[bb:bb + 1, h:h + 1], None).flatten().tolist())
+            cut += sum(ranks[s - 1] == ranks[s] for s in range(b, N, b))  # a block boundary inside a bucket
+    assert cut >= 4  # the in-bucket order is really exercised
