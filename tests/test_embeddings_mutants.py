@@ -36,8 +36,9 @@ def assert_std(weight: torch.Tensor, expected: float, rel: float = 0.06) -> None
 
 def define_cfg(**knobs):
     block = {"kind": "define", "input_dim": 16, "width": 64, "depth": 3, "g_max": 4, **knobs}
-    return ModelConfig(d_model=D, layers=1, ffn=2 * D, max_seq_len=32, attention={"kind": "mha", "heads": 2},
-                       embedding=block)
+    return ModelConfig(
+        d_model=D, layers=1, ffn=2 * D, max_seq_len=32, attention={"kind": "mha", "heads": 2}, embedding=block
+    )
 
 
 def test_standard_table_has_std_d_model_to_the_minus_half():
@@ -144,7 +145,7 @@ def test_sinusoidal_table_is_vaswanis_formula():
 def test_learned_positions_init_std_and_build_positions():
     torch.manual_seed(0)
     assert_std(LearnedPositions(200, 64).table, 0.02)
-    base = dict(d_model=D, layers=1, ffn=2 * D, max_seq_len=24, attention={"kind": "mha", "heads": 2})
+    base = {"d_model": D, "layers": 1, "ffn": 2 * D, "max_seq_len": 24, "attention": {"kind": "mha", "heads": 2}}
     learned = build_positions(ModelConfig(**base))
     assert isinstance(learned, LearnedPositions) and learned.table.shape == (24, D)
     sinusoidal = build_positions(ModelConfig(**base, positional="sinusoidal"))
