@@ -40,6 +40,7 @@ from orchestrator.report.objectives import (
     trial_objectives,
     write_objectives,
 )
+from orchestrator.report.patching import PatchingReport, is_patching, patching_markdown, patching_report
 from orchestrator.report.plots import (
     find_knob_sweeps,
     knob_plot_name,
@@ -91,6 +92,8 @@ class Report:
     """fANOVA importance of each knob that varied among the runs (report_importance); empty without knobs."""
     objectives: TrialObjectives | None = None
     """With several objectives: every run's values and whether it is non-dominated (report_objectives)."""
+    patching: PatchingReport | None = None
+    """A patching experiment's (task.kind pretrained_lm) rows by configuration and l against l = 0 (report_patching)."""
 
 
 def build_report(
@@ -138,19 +141,16 @@ def build_report(
 
     names, modes = _choose_objectives(records, metric, mode)
     metric, mode = names[0], modes[0]
+    if is_patching(records):
+        return _patching(tracking_uri, experiment, experiment_id, all_runs, records, metric, mode, parent_run_id,
+                         Path(out_dir), log_to_mlflow, alpha, bootstrap, _status_warnings(left_out, records, metric),
+                         group_by is not None or reference != "mha" or len(names) > 1)
     keys = _group_keys(records, group_by)
     groups = _groups_with_metric(records, keys, metric)
     summary = summarize(groups, metric, mode, reference, lower_reference)
     stats = analyse(summary, mode, alpha=alpha, bootstrap=bootstrap)
-    warnings = list(summary.warnings)
-    if left_out:
-        warnings.append(f"{sum(left_out.values())} run(s) left out by status ({counts(left_out)}: failed, stopped "
-                        "early by ASHA, interrupted or still running); `--status all` compares them at their last value")
+    warnings = list(summary.warnings) + _status_warnings(left_out, records, metric)
     skipped = sum(metric not in record.metrics for record in records)
-    if skipped:
-        warnings.append(
-            f"{skipped} run(s) without {metric!r} skipped (crashed or stopped before evaluation?)"
-        )
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -177,11 +177,7 @@ def build_report(
     (out_dir / "report.md").write_text(markdown)
     files.insert(0, out_dir / "report.md")
 
-    mlflow_run_id = None
-    if log_to_mlflow:
-        mlflow_run_id = parent_run_id or _single_parent(all_runs) or \
-            new_run(tracking_uri, experiment_id, run_name="report", tags={REPORT_TAG: "true"})
-        log_files(tracking_uri, mlflow_run_id, files, artifact_path=ARTIFACT_DIR)
+    mlflow_run_id = _log(tracking_uri, experiment_id, all_runs, parent_run_id, files) if log_to_mlflow else None
     return Report(
         experiment=experiment,
         metric=metric,
@@ -199,6 +195,44 @@ def build_report(
         importance=importance_scores,
         objectives=objectives,
     )
+
+
+def _status_warnings(left_out: Mapping[str, int], records: Sequence[RunRecord], metric: str) -> list[str]:
+    warnings = []
+    if left_out:
+        warnings.append(f"{sum(left_out.values())} run(s) left out by status ({counts(left_out)}: failed, stopped "
+                        "early by ASHA, interrupted or still running); `--status all` compares them at their last value")
+    if skipped := sum(metric not in record.metrics for record in records):
+        warnings.append(f"{skipped} run(s) without {metric!r} skipped (crashed or stopped before evaluation?)")
+    return warnings
+
+
+def _log(tracking_uri: str, experiment_id: str, all_runs: Sequence[Run], parent_run_id: str | None,
+         files: Sequence[Path]) -> str:
+    """Log the report's files under `report/` of the sweep's parent, else of a new report run; its id."""
+    run_id = parent_run_id or _single_parent(all_runs) or \
+        new_run(tracking_uri, experiment_id, run_name="report", tags={REPORT_TAG: "true"})
+    log_files(tracking_uri, run_id, files, artifact_path=ARTIFACT_DIR)
+    return run_id
+
+
+def _patching(tracking_uri: str, experiment: str, experiment_id: str, all_runs: Sequence[Run],
+              records: Sequence[RunRecord], metric: str, mode: Mode, parent_run_id: str | None, out_dir: Path,
+              log_to_mlflow: bool, alpha: float, bootstrap: bool, warnings: list[str], ignored: bool) -> Report:
+    """The report of a patching experiment (report_patching): rows by mechanism configuration and l against l = 0."""
+    if ignored:
+        warnings.append("--reference, --group-by and further objectives do not apply to a patching experiment "
+                        "(task.kind pretrained_lm): rows are (configuration, l), the reference the unpatched model")
+    scope = f"children of parent run {parent_run_id}" if parent_run_id else "all runs of the experiment"
+    built = patching_report(records, metric, mode, out_dir, alpha=alpha, bootstrap=bootstrap, warnings=warnings,
+                            experiment=experiment, scope=scope)
+    (out_dir / "report.md").write_text(built.markdown)
+    files = [out_dir / "report.md", *built.files]
+    return Report(experiment=experiment, metric=metric, mode=mode, reference=built.summary.reference,
+                  lower_reference=None, rows=built.summary.rows, table=built.table, markdown=built.markdown,
+                  out_dir=out_dir, files=files, warnings=warnings, stats=built.stats, importance=built.importance,
+                  mlflow_run_id=_log(tracking_uri, experiment_id, all_runs, parent_run_id, files) if log_to_mlflow
+                  else None, patching=built)
 
 
 def _spec_setting(records: Sequence[RunRecord], key: str) -> str | None:
@@ -378,7 +412,10 @@ def report_cli(argv: Sequence[str] | None = None) -> int:
     except ReportError as err:
         print(f"orchestrator report: error: {err}", file=sys.stderr)
         return 2
-    print(rows_to_markdown(report.rows, report.metric, report.mode, report.stats))
+    if report.patching is not None:
+        print(patching_markdown(report.patching.rows, report.patching.stats, report.metric, report.mode))
+    else:
+        print(rows_to_markdown(report.rows, report.metric, report.mode, report.stats))
     if report.stats is not None:
         print(comparison_markdown(report.rows, report.stats, report.reference, report.metric))
     for warning in report.warnings:

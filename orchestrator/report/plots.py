@@ -1,4 +1,5 @@
-"""PNG plots of a report: score vs attention parameters, validation curves, knob sweeps.
+"""PNG plots of a report: score vs attention parameters, validation curves, knob sweeps, and the patching
+experiment's score and speed-up against the number of patched layers.
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot), so plotting needs no display,
 touches no global backend state and is safe inside Ray workers or a headless CI box.
@@ -16,9 +17,11 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 from orchestrator.report.compare import Statistics
 from orchestrator.report.metrics import MethodRow, Mode, pareto_front
+from orchestrator.report.stats import Interval
 
 _DPI = 120
 _FRONT, _DOMINATED = "tab:red", "tab:gray"
@@ -242,3 +245,53 @@ def knob_plot_name(sweep: KnobSweep) -> str:
     """File name for a sweep plot, safe on every filesystem and in artifact paths."""
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{sweep.kind}_{sweep.knob}")
     return f"knob_{safe}.png"
+
+
+@dataclass(frozen=True)
+class PatchPoint:
+    """One point of the patching plot: l patched layers, the score's seed mean and interval, the seed-mean
+    speed-ups (NaN where not logged)."""
+
+    layers: float
+    score: float
+    ci: Interval
+    speedup: float
+    attention_speedup: float
+
+
+def patching_figure(lines: Mapping[str, Sequence[PatchPoint]], metric: str, mode: Mode) -> Figure:
+    """HyperAttention's Figure 3 (Han et al., 2023): the score against the number of patched layers l with its
+    interval bars (left) and the speed-up over the unpatched model against l (right; solid: the attention layers'
+    time, the paper's measure; dashed: the whole forward), one colour per mechanism configuration. Every line
+    starts at the unpatched model (l = 0), which `lines` repeats at the start of each."""
+    fig = Figure(figsize=(11.0, 4.5), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    score_ax, speed_ax = fig.subplots(1, 2)
+    colours = [f"C{i % 10}" for i in range(len(lines))]
+    for colour, (label, points) in zip(colours, lines.items()):
+        xs = [point.layers for point in points]
+        errors = [[0.0 if math.isnan(p.ci.low) else p.score - p.ci.low for p in points],
+                  [0.0 if math.isnan(p.ci.high) else p.ci.high - p.score for p in points]]
+        score_ax.errorbar(xs, [p.score for p in points], yerr=errors, marker="o", capsize=3, color=colour,
+                          label=label)
+        speed_ax.plot(xs, [p.attention_speedup for p in points], marker="o", color=colour,
+                      label=f"{label}: attention")
+        speed_ax.plot(xs, [p.speedup for p in points], marker=".", linestyle="--", color=colour,
+                      label=f"{label}: forward")
+    speed_ax.axhline(1.0, color="black", linewidth=1, linestyle=":")
+    score_ax.set_ylabel(_metric_axis_label(metric, mode))
+    speed_ax.set_ylabel("speed-up over the unpatched model (x)")
+    titles = (f"{metric} vs patched layers", "speed-up vs patched layers (solid: attention, dashed: forward)")
+    for ax, title in zip((score_ax, speed_ax), titles):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("patched layers l (0 = unpatched)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if lines:
+            ax.legend(loc="best", fontsize=7)
+    return fig
+
+
+def plot_patching(lines: Mapping[str, Sequence[PatchPoint]], metric: str, mode: Mode, path: Path) -> Path:
+    """`patching_figure` written to `path`."""
+    return _save(patching_figure(lines, metric, mode), path)
