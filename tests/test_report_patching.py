@@ -49,7 +49,7 @@ def _speedup(layers: int, seed: int, attention: bool) -> float:
 
 
 def _log(client: MlflowClient, experiment_id: str, block: int, layers: int, seed: int, *, parent: str | None = None,
-         ppl: float | None = None, extra: dict[str, str] | None = None) -> str:
+         ppl: float | None = None, unpatched: float | None = UNPATCHED, extra: dict[str, str] | None = None) -> str:
     """One trial as the pretrained_lm task logs it: the flattened spec as params, val/ and test/ metrics."""
     run = client.create_run(experiment_id, tags={PARENT_TAG: parent} if parent else {})
     params = {"task.kind": "pretrained_lm", "task.pretrained": "models/tiny", "task.seq_len": "1024",
@@ -68,6 +68,8 @@ def _log(client: MlflowClient, experiment_id: str, block: int, layers: int, seed
                     Metric(f"{split}/attention_speedup", _speedup(layers, seed, True), now, 0),
                     Metric(f"{split}/forward_s", 2.0 / _speedup(layers, seed, False), now, 0),
                     Metric(f"{split}/forward_s_unpatched", 2.0, now, 0)]
+        if unpatched is not None:  # task.time_unpatched: false logs none
+            metrics.append(Metric(f"{split}/ppl_unpatched", unpatched + shift, now, 0))
     client.log_batch(run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in params.items()])
     client.set_terminated(run.info.run_id)
     return run.info.run_id
@@ -94,7 +96,15 @@ def store() -> Iterator[dict[str, object]]:
                 _log(client, one, 64, layers, seed)
         unreferenced = client.create_experiment("no-l0", artifact_location=(root / "c").as_uri())
         for seed in range(2):
-            _log(client, unreferenced, 64, 2, seed)
+            _log(client, unreferenced, 64, 2, seed, unpatched=None)
+        in_process = client.create_experiment("in-process", artifact_location=(root / "e").as_uri())
+        for layers in (1, 2):  # no l = 0 run: the unpatched perplexity each run measured is the reference
+            for seed in range(SEEDS):
+                _log(client, in_process, 64, layers, seed)
+        drifted = client.create_experiment("drifted", artifact_location=(root / "f").as_uri())
+        for seed in range(2):
+            _log(client, drifted, 64, 0, seed)
+            _log(client, drifted, 64, 2, seed, unpatched=UNPATCHED + (0.5 if seed else 0.0))
         mixed = client.create_experiment("two-lengths", artifact_location=(root / "d").as_uri())
         for seq_len in ("1024", "2048"):
             for layers in (0, 1):
@@ -200,8 +210,26 @@ def test_a_single_unpatched_seed_is_a_constant_reference_and_the_test_one_sample
     assert "l = 0 ran one seed (0): its score is a constant reference" in report.markdown
 
 
+def test_without_l0_the_unpatched_score_each_run_measured_is_the_reference(store, tmp_path):
+    report = build_report(store["uri"], "in-process", out_dir=tmp_path, log_to_mlflow=False)
+    reference = report.table[report.table["layers"] == 0].iloc[0]
+    assert reference["score_mean"] == UNPATCHED and reference["n_runs"] == 2 * SEEDS
+    assert reference["speedup_mean"] == 1.0
+    for layers in (1, 2):
+        x = np.array([_ppl(64, layers, seed) for seed in range(SEEDS)])
+        row = report.table[report.table["layers"] == layers].iloc[0]
+        assert row["test"] == "paired t" and row["p_value"] == pytest.approx(stats.ttest_1samp(x, UNPATCHED).pvalue)
+    assert "no l = 0 run, so the reference is `val/ppl_unpatched`" in report.markdown
+    assert not any("away from l = 0" in warning for warning in report.warnings)
+
+
+def test_an_unpatched_score_that_drifts_from_l0_is_warned_about(store, tmp_path):
+    report = build_report(store["uri"], "drifted", out_dir=tmp_path, log_to_mlflow=False)
+    assert any("1 patched run(s) measured an unpatched val/ppl" in warning for warning in report.warnings)
+
+
 def test_without_l0_or_with_two_settings_the_report_refuses(store, tmp_path):
-    with pytest.raises(ReportError, match="no unpatched run"):
+    with pytest.raises(ReportError, match="no unpatched run .* and no run logged val/ppl_unpatched"):
         build_report(store["uri"], "no-l0", out_dir=tmp_path, log_to_mlflow=False)
     with pytest.raises(ReportError, match=r"task.seq_len: 1024, 2048"):
         build_report(store["uri"], "two-lengths", out_dir=tmp_path, log_to_mlflow=False)

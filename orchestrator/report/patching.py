@@ -186,6 +186,18 @@ def _reference_runs(unpatched: Sequence[RunRecord], seeds: set[str], metric: str
                            "are merged)")
 
 
+def _check_in_process(reference: Sequence[RunRecord], in_process: Sequence[RunRecord], metric: str,
+                      warnings: list[str]) -> None:
+    """The unpatched score a patched run measured in its own process should be l = 0's: else the runs did not
+    score the same model on the same documents (or the unpatched path is not the model's own)."""
+    by_seed = {seed_of(run): run.metrics[metric] for run in reference}
+    off = [run.run_id.removesuffix(":unpatched") for run in in_process if (value := by_seed.get(seed_of(run))) is not None
+           and abs(run.metrics[metric] - value) > 1e-4 * abs(value)]
+    if off:
+        warnings.append(f"{len(off)} patched run(s) measured an unpatched {metric} (`{metric}_unpatched`) more than "
+                        f"1e-4 away from l = 0's (e.g. {off[0]}): were they scored on the same model and documents?")
+
+
 def _speed(runs: Sequence[RunRecord], name: str, level: float) -> tuple[float, Interval]:
     values = [run.metrics[name] for run in runs if name in run.metrics]
     return (float(np.mean(values)) if values else math.nan), mean_interval(values, level)
@@ -204,15 +216,25 @@ def patching_report(records: Sequence[RunRecord], metric: str, mode: Mode, out_d
                         f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''})")
     unpatched = [run for run, layers in counted if layers == 0]
     patched = [run for run, layers in counted if layers]
-    if not unpatched:
-        raise ReportError(f"no unpatched run (l = 0) with {metric}: PRR and the tests are against the unpatched model; "
-                          f"add 0 to the sweep of {LAYERS_KEY}")
     if not patched:
         raise ReportError(f"no patched run (l > 0) with {metric}: sweep {LAYERS_KEY} over 0 and some l > 0")
+    in_process = [RunRecord(f"{run.run_id}:unpatched", run.params, {metric: run.metrics[f"{metric}_unpatched"],
+                                                                    f"{split}/speedup": 1.0,
+                                                                    f"{split}/attention_speedup": 1.0})
+                  for run in patched if f"{metric}_unpatched" in run.metrics]
+    if not unpatched and not in_process:
+        raise ReportError(f"no unpatched run (l = 0) with {metric}, and no run logged {metric}_unpatched: PRR and the "
+                          f"tests are against the unpatched model; add 0 to the sweep of {LAYERS_KEY}")
     layers_of = {run.run_id: layers for run, layers in counted}
-    ref_runs, note = _reference_runs(unpatched, {s for run in patched if (s := seed_of(run)) is not None}, metric,
-                                     warnings)
-    groups, members = [MethodGroup(REFERENCE, None, {"l": "0"}, ref_runs)], {REFERENCE: ("", 0.0, unpatched)}
+    ref_runs, note = _reference_runs(unpatched or in_process, {s for run in patched if (s := seed_of(run)) is not None},
+                                     metric, warnings)
+    if not unpatched:
+        note = (f"no l = 0 run, so the reference is `{metric}_unpatched`, the unpatched model each patched run scored "
+                f"in its own process (speed-up 1 by definition); {note}")
+    else:
+        _check_in_process(ref_runs, in_process, metric, warnings)
+    groups = [MethodGroup(REFERENCE, None, {"l": "0"}, ref_runs)]
+    members = {REFERENCE: ("", 0.0, unpatched or in_process)}
     for line, (kind, knobs, runs) in _lines(patched).items():
         for layers in sorted({layers_of[run.run_id] for run in runs}):
             at = tuple(run for run in runs if layers_of[run.run_id] == layers)
