@@ -251,3 +251,10 @@ def test_the_command_prints_the_patching_table(store, tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "| Mechanism | l | Runs |" in printed and "| unpatched (l=0) | 0 | 6 |" in printed
+
+
+def test_the_files_are_logged_under_report_of_the_sweeps_parent(store, tmp_path):
+    report = build_report(store["uri"], "patch", parent_run_id=store["parent"], out_dir=tmp_path)
+    assert report.mlflow_run_id == store["parent"]
+    logged = {item.path for item in MlflowClient(tracking_uri=store["uri"]).list_artifacts(store["parent"], "report")}
+    assert {"report/report.md", "report/report.csv", "report/patching.png"} <= logged
