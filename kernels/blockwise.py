@@ -21,6 +21,9 @@ No dropout: calls with dropout go to the reference.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -34,6 +37,20 @@ from kernels.reference import (
 # Elements of one block's logits across batch and heads: 2^22 fp32 values are 16 MiB per [rows, N] buffer,
 # and the backward holds four of them (S, P, dP, dS) at once.
 BLOCK_ELEMENTS = 1 << 22
+_MAX_BLOCKS: ContextVar[int | None] = ContextVar("blockwise_max_blocks", default=None)
+
+
+@contextmanager
+def at_most_blocks(blocks: int) -> Iterator[None]:
+    """Inside, a call takes at most `blocks` blocks of query rows, each as large as that needs. For `orchestrator
+    plan`, which runs attention on fake tensors, where an op costs the same at any size: a 16k sequence in blocks
+    of BLOCK_ELEMENTS is 512 blocks per call, and HyperAttention's 16k plan took tens of minutes. The FLOPs are
+    the same; the peak holds one larger block of logits."""
+    token = _MAX_BLOCKS.set(blocks)
+    try:
+        yield
+    finally:
+        _MAX_BLOCKS.reset(token)
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -140,4 +157,6 @@ def exact_attention_blockwise(
     check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     rows = block_rows(q.shape[0], q.shape[1], k.shape[2], block_elements)
+    if (max_blocks := _MAX_BLOCKS.get()) is not None:
+        rows = max(rows, math.ceil(q.shape[2] / max_blocks))
     return BlockwiseAttentionFunction.apply(q, k, v, causal, key_padding_mask, scale, rows)

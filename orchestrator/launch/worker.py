@@ -32,6 +32,7 @@ from orchestrator.launch.deliver import store_task_files
 from orchestrator.launch.pretrained import load as load_pretrained
 from orchestrator.launch.worker_config import WORKER_CONFIG, WorkerConfig
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
+from orchestrator.spec.plan import flops_per_token
 from orchestrator.storage.layout import (
     checkpoint_order,
     checkpoint_steps,
@@ -288,6 +289,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     counts = unwrap(trainer.model).parameter_counts()
     hooks.log_params({"params.attention": counts["attention"], "params.total": counts["total"]})
     hooks.sizes = {"params.attention": float(counts["attention"]), "params.total": float(counts["total"])}
+    if rank == 0:
+        # The one rank that logs. On fake tensors, after Trainer.create (whose AdamW already imported torch._dynamo,
+        # which the counter needs): 0.4 s of CPU for a test-sized model (benchmarks/plan_cost.py).
+        trainer.flops_per_token = flops_per_token(spec)
+        if trainer.flops_per_token is not None:
+            hooks.log_params({"flops_per_token": trainer.flops_per_token})
     if pretrained is not None:
         hooks.set_tags(pretrained.lineage_tags())
     hooks.set_tags(device_tags(ctx.device, world_size))

@@ -61,3 +61,15 @@ def peak_bf16_flops(device_name: str | None) -> float | None:
     if device_name is None:
         return None
     return next((g.bf16_dense_flops for g in GPUS if re.search(g.pattern, device_name)), None)
+
+
+def model_flops_utilization(tokens_per_s: float, flops_per_token: float, device_name: str | None,
+                            gpus: int = 1) -> float | None:
+    """MFU: the FLOP/s the model's count says the run does (tokens/s x training FLOPs per token, both over all
+    `gpus`) over the dense bf16 peak of `gpus` devices named `device_name`; None where that peak is unknown (a CPU,
+    a GPU not in GPUS). Against the bf16 peak in every precision, as torchtitan's MFU (components/metrics.py):
+    an fp32 or TF32 run's MFU is its share of what the GPU does in bf16."""
+    peak = peak_bf16_flops(device_name)
+    if peak is None:
+        return None
+    return tokens_per_s * flops_per_token / (peak * gpus)

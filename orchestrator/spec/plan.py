@@ -37,6 +37,12 @@ DEFAULT_MFU = 0.4
 """Model FLOP utilisation assumed for step times: about what torchtitan reports for dense bf16 training of
 models of this size on H100s; `--mfu` sets another."""
 GIB = 2**30
+ATTENTION_BLOCKS = 8
+"""Row blocks of one exact-attention call in a count (kernels.blockwise.at_most_blocks). A GPU run's fused kernel
+keeps no block of logits; this keeps one of 1/8 of the rows: at n = 16384, 8 heads and batch 1, 1 GiB per fp32
+buffer (4 GiB with the backward's four) if a call spans the whole sequence."""
+PLANNED_TASKS = ("mlm", "clm", "bytelm", "mqar", "classify", "listops", "translation")
+"""Task kinds `workload` builds; a run of another kind logs no FLOPs per token."""
 STATE_KINDS = ("Parameter", "Buffer", "Gradient", "Optstate")
 """MemTracker's kinds of memory that do not grow with the batch (and that FSDP shards)."""
 
@@ -153,10 +159,40 @@ def count_step(work: Workload, *, precision: str = "fp32", checkpointing: bool =
                                    peak_bytes=states + (one.peak_bytes - states) * work.batch)
 
 
-def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, mode: Any) -> StepCount:
-    from torch.distributed._tools.mem_tracker import MemTracker
+def _flop_counter() -> Any:
     from torch.utils.flop_counter import FlopCounterMode
 
+    return FlopCounterMode(display=False, custom_mapping=cpu_sdpa_flops())
+
+
+def _forward_backward(work: Workload, model: nn.Module, rows: int, precision: str) -> None:
+    from kernels.blockwise import at_most_blocks
+
+    batch = work.inputs(rows)
+    # Exact attention's CPU path (the one fake tensors take) in a few large row blocks: each block is a dozen ops,
+    # each op costs the same on fake tensors at any size, and the FLOPs are the same (kernels/blockwise.py).
+    with at_most_blocks(ATTENTION_BLOCKS):
+        with _autocast(precision):
+            loss = work.loss(model, batch)
+        loss.backward()
+
+
+def _peak_tracker() -> Any:
+    """MemTracker keeping the peak of the whole step only. Its per-module peaks, which a plan does not read,
+    walk every module the tracker has seen on every op: most of a plan's time at 100 modules."""
+    from torch.distributed._tools import mem_tracker
+
+    class PeakTracker(mem_tracker.MemTracker):
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[mem_tracker._TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[mem_tracker._TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return PeakTracker()
+
+
+def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, mode: Any) -> StepCount:
     from models import checkpoint_activations
 
     with mode:
@@ -166,25 +202,65 @@ def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, 
             checkpoint_activations(model)
         counts = model.parameter_counts()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        tracker = MemTracker()
+        # The tracked step must hold AdamW's state, as every step after the first does. Without checkpointing,
+        # a step on zero gradients makes it and one step is both counted and tracked. With checkpointing,
+        # FlopCounterMode's module hooks keep recomputed tensors alive (inside the tracked step the peak was 1.2x
+        # to 1.7x the allocator's), so a first step is counted and makes the state, and a second is tracked.
+        flops = _flop_counter()
+        if checkpointing:
+            with flops:
+                _forward_backward(work, model, rows, precision)
+        else:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tracker = _peak_tracker()
         tracker.track_external(model, opt)
-        flops = FlopCounterMode(display=False, custom_mapping=cpu_sdpa_flops())
-        with tracker:
-            for step in range(2):
-                batch = work.inputs(rows)
-                with flops if step == 0 else contextlib.nullcontext():  # FLOPs of one step
-                    with _autocast(precision):
-                        loss = work.loss(model, batch)
-                    loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                del loss, batch
-                tracker.reset_mod_stats()  # per-module stats are per iteration; the peak survives the reset
+        with tracker, contextlib.nullcontext() if checkpointing else flops:
+            _forward_backward(work, model, rows, precision)
+            opt.step()  # elementwise: no FLOPs to the counter
+            opt.zero_grad(set_to_none=True)
         peak = tracker.get_tracker_snapshot("peak")
     by_device = next(iter(peak.values()), {"Total": 0})
     by_kind = {getattr(k, "value", k): int(v) for k, v in by_device.items()}
     return StepCount(int(flops.get_total_flops()), by_kind.pop("Total"), by_kind,
                      int(counts["total"]), int(counts["attention"]))
+
+
+def count_flops(work: Workload, *, precision: str = "fp32", fake: bool = True) -> int:
+    """Forward + backward FLOPs of one micro-batch, without a step's memory tracking and optimizer: what a run logs
+    (`flops_per_token`). The same counter and step as `count_step`'s, so the two agree without checkpointing."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        FakeTensorMode,
+    )
+
+    try:
+        return _count_flops(work, work.batch, precision, FakeTensorMode() if fake else torch.device("cpu"))
+    except DataDependentOutputException:  # lsh: one real row, scaled (count_step says why)
+        return _count_flops(work, 1, precision, torch.device("cpu")) * work.batch
+
+
+def _count_flops(work: Workload, rows: int, precision: str, mode: Any) -> int:
+    # A run counts after seeding its own weights: the count's seed must not move the run's random streams.
+    with torch.random.fork_rng(devices=[]), mode:
+        torch.manual_seed(0)
+        model = work.build().train()
+        with _flop_counter() as flops:
+            _forward_backward(work, model, rows, precision)
+    return int(flops.get_total_flops())
+
+
+def flops_per_token(spec: ExperimentSpec) -> float | None:
+    """Training FLOPs (forward + backward) per position of `spec`'s micro-batch, the model FLOPs of `train/mfu`;
+    None for a task kind `workload` does not build. Counted without activation checkpointing even when the run
+    uses it: MFU does not credit the recomputed forward (PaLM, Chowdhery et al., 2022, appendix B), while `plan`'s
+    step times and table include it."""
+    if spec.task.kind not in PLANNED_TASKS:
+        return None
+    work = workload(spec)
+    return count_flops(work, precision=spec.run.precision) / work.tokens
 
 
 @dataclass(frozen=True)

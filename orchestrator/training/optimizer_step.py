@@ -78,6 +78,8 @@ class LossMeter:
     def __init__(self) -> None:
         self._weighted: torch.Tensor | None = None
         self.tokens = 0
+        self.micro_batches = 0
+        """Micro-batches of this window: what `train/mfu` counts positions by (the tokens above are targets)."""
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, n_tokens: int) -> None:
@@ -85,6 +87,7 @@ class LossMeter:
         term = loss.detach().double() * n_tokens
         self._weighted = term if self._weighted is None else self._weighted + term
         self.tokens += n_tokens
+        self.micro_batches += 1
 
     def restart_clock(self) -> None:
         """Evaluation and checkpointing are not training throughput: the window's clock starts again."""
@@ -96,7 +99,7 @@ class LossMeter:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         loss = self._weighted.item() / max(self.tokens, 1) if self._weighted is not None else math.nan
         out = {"train/loss": loss, "train/tokens_per_s": self.tokens * world_size / elapsed}
-        self._weighted, self.tokens = None, 0
+        self._weighted, self.tokens, self.micro_batches = None, 0, 0
         self.restart_clock()
         return out
 

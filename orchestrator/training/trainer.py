@@ -31,6 +31,8 @@ from torch import nn
 
 from models import checkpoint_activations
 from orchestrator.spec import ExperimentSpec, RunSettings
+from orchestrator.spec.gpus import model_flops_utilization
+from orchestrator.spec.plan import workload
 from orchestrator.training.checkpoint import TrainingState, capture_rng, restore_rng
 from orchestrator.training.optimizer_step import (
     LossMeter,
@@ -251,9 +253,16 @@ class Trainer:
     eval_replica: nn.Module | None = None
     """Sharded runs, rank 0: an unsharded copy of the model that evaluation loads the gathered weights into
     (Task.evaluate runs on rank 0 alone, and a sharded forward is a collective of every rank)."""
+    flops_per_token: float | None = None
+    """Training FLOPs per position of a micro-batch (orchestrator.spec.plan.flops_per_token), set by whoever logs
+    it (the Ray worker's rank 0); with it and a device in the GPU table, `train/mfu` is logged."""
+    device_name: str | None = None
+    """torch.cuda.get_device_name of a CUDA device (None on CPU): the GPU table's row of `train/mfu`'s peak."""
 
     def __post_init__(self) -> None:
         self.opt = Optimization.build(self.model, self.spec.optim, self.device, self.spec.run.precision)
+        if self.device_name is None and self.device.type == "cuda":
+            self.device_name = torch.cuda.get_device_name(self.device)
         self.cadence = Cadence.of(self.spec)
         self.best = Best(self.spec.metric, self.spec.mode)
 
@@ -369,12 +378,27 @@ class Trainer:
             yield batch
 
     def _window_metrics(self, meter: LossMeter, lr: float, skipped_before: int) -> dict[str, float]:
+        micro_batches, tokens = meter.micro_batches, meter.tokens
         metrics = {**meter.read(self.world_size), "lr": lr, "memory/peak_gb": peak_memory_gb(self.device)}
+        mfu = self._mfu(metrics["train/tokens_per_s"], micro_batches, tokens)
+        if mfu is not None:
+            metrics["train/mfu"] = mfu
         if self.opt.scaler.is_enabled():
             # fp16: steps of this window whose gradients overflowed (skipped, the scale lowered), and the scale.
             metrics["train/skipped_steps"] = float(self.opt.skipped_steps - skipped_before)
             metrics["train/loss_scale"] = self.opt.scaler.get_scale()
         return metrics
+
+    def _mfu(self, tokens_per_s: float, micro_batches: int, tokens: int) -> float | None:
+        """MFU of a window of `micro_batches` holding `tokens` target tokens, at `tokens_per_s` (train/tokens_per_s).
+        FLOPs per token count every position of a micro-batch (`plan`'s workload), train/tokens_per_s the target
+        tokens (a masked LM's masked ones, a classifier's examples), so the rate is scaled to positions first (for
+        a causal LM the two are the same). A translation batch in the workload is the loader's worst, full-length
+        one, so a translation run's MFU errs high."""
+        if self.flops_per_token is None or self.device_name is None or tokens == 0:
+            return None
+        positions_per_s = tokens_per_s * micro_batches * workload(self.spec).tokens / tokens
+        return model_flops_utilization(positions_per_s, self.flops_per_token, self.device_name, self.world_size)
 
     def fit(self, hooks: TrainerHooks) -> None:
         """Train from `self.step` to optim.max_steps."""
