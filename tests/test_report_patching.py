@@ -35,6 +35,7 @@ UNPATCHED = 20.0
 RISE = {64: {1: (0.0, 1.0), 2: (2.0, 0.1), 3: (5.0, 0.1)},
         128: {1: (0.5, 0.1), 2: (1.0, 0.1), 3: (2.0, 0.1)}}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+IN_PROCESS_DRIFT = (0.0, 0.03, -0.02)
 
 
 def _ppl(block: int, layers: int, seed: int) -> float:
@@ -98,9 +99,9 @@ def store() -> Iterator[dict[str, object]]:
         for seed in range(2):
             _log(client, unreferenced, 64, 2, seed, unpatched=None)
         in_process = client.create_experiment("in-process", artifact_location=(root / "e").as_uri())
-        for layers in (1, 2):  # no l = 0 run: the unpatched perplexity each run measured is the reference
-            for seed in range(SEEDS):
-                _log(client, in_process, 64, layers, seed)
+        for layers in (1, 2):  # no l = 0 run: the unpatched perplexity each run measured is the reference, here a
+            for seed in range(SEEDS):  # little different per seed (as bf16 kernels on a GPU may give)
+                _log(client, in_process, 64, layers, seed, unpatched=UNPATCHED + IN_PROCESS_DRIFT[seed])
         drifted = client.create_experiment("drifted", artifact_location=(root / "f").as_uri())
         for seed in range(2):
             _log(client, drifted, 64, 0, seed)
@@ -213,13 +214,15 @@ def test_a_single_unpatched_seed_is_a_constant_reference_and_the_test_one_sample
 def test_without_l0_the_unpatched_score_each_run_measured_is_the_reference(store, tmp_path):
     report = build_report(store["uri"], "in-process", out_dir=tmp_path, log_to_mlflow=False)
     reference = report.table[report.table["layers"] == 0].iloc[0]
-    assert reference["score_mean"] == UNPATCHED and reference["n_runs"] == 2 * SEEDS
+    ref = UNPATCHED + np.array(IN_PROCESS_DRIFT)
+    assert reference["score_mean"] == pytest.approx(np.mean(ref)) and reference["n_runs"] == 2 * SEEDS
     assert reference["speedup_mean"] == 1.0
     for layers in (1, 2):
         x = np.array([_ppl(64, layers, seed) for seed in range(SEEDS)])
         row = report.table[report.table["layers"] == layers].iloc[0]
-        assert row["test"] == "paired t" and row["p_value"] == pytest.approx(stats.ttest_1samp(x, UNPATCHED).pvalue)
+        assert row["test"] == "paired t" and row["p_value"] == pytest.approx(stats.ttest_rel(x, ref).pvalue)
     assert "no l = 0 run, so the reference is `val/ppl_unpatched`" in report.markdown
+    assert "each row is paired with it on the seeds both ran" in report.markdown
     assert not any("away from l = 0" in warning for warning in report.warnings)
 
 
