@@ -21,6 +21,7 @@ from orchestrator.launch.resuming import resume
 from orchestrator.launch.run import run_training
 from orchestrator.launch.sweep import run_sweep
 from orchestrator.spec import SpecError, study_from_raw, validate_spec
+from orchestrator.spec.plan import plan_study
 from orchestrator.tracking.describe import PARENT_TAG, TRIAL_TAG
 from orchestrator.tracking.write import TrackingWarning
 from orchestrator.training.checkpoint import read_checkpoint
@@ -67,8 +68,10 @@ def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
     raw = tiny_spec("sweep2", workspace,
                     model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "mhe", "heads": 2, "mode": "mul"}]}},
                     tune={"scheduler": "fifo"}, tracking={"system_metrics": True, "system_metrics_interval_s": 0.5})
-    outcome = run_sweep(study_from_raw(raw))
+    study = study_from_raw(raw)
+    outcome = run_sweep(study)
     assert outcome.errors == 0 and len(outcome.trials) == 2
+    planned = {plan.values["model.attention"]["kind"]: plan.flops_per_token for plan in plan_study(study)}
 
     client = MlflowClient(workspace["uri"])
     experiment = client.get_experiment_by_name("sweep2")
@@ -86,6 +89,9 @@ def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
         assert int(child.data.params["params.attention"]) > 0
         assert int(child.data.params["params.total"]) > int(child.data.params["params.attention"])
         assert child.data.params["tune.metric"] == "val/ppl"
+        # the worker's count is plan's (issue 48); a CPU has no peak in the GPU table, so no MFU
+        assert float(child.data.params["flops_per_token"]) == planned[child.data.params["model.attention.kind"]] > 0
+        assert "train/mfu" not in child.data.metrics
         assert {"train/loss", "val/loss", "val/ppl", "lr", "train/tokens_per_s", "test/ppl"} <= set(child.data.metrics)
         assert sorted(loss_curve(client, child.info.run_id)) == [1, 2, 3, 4]
         # What made the run, as MLflow users look for it; nothing that names this machine's folders.
