@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pydantic import TypeAdapter, ValidationError
 
+from models.attention import ATTENTION_REGISTRY, make_registry
+from models.attention.exact import (
+    ExactMechanism,
+    ExactMechanismConfig,
+    exact_attention_bias,
+)
+from models.attention.hyper import HyperMechanismConfig
 from models.attention.lse import exact_attention
-from tests.attention_cases import D_MODEL, make_attention
+from models.attention.projections import MHAConfig, _ProjectionKindConfig
+from models.attention.relative import RELATIVE_BIASES, RelativeBiases, RelativeMechanism
+from tests.attention_cases import D_MODEL, attention_cfg, make_attention
 
 
 def test_attend_over_cached_keys_is_unmasked_cross_attention_with_the_padding():
@@ -51,13 +61,6 @@ def test_a_registry_made_afresh_derives_every_config_and_union():
     projection kind's config is a copy of the row's class (same name, module and docstring) whose `mechanism`
     field takes the crossable mechanisms, keeping the row's default and description; other kinds keep the
     row's class; the union tells kinds apart by `kind` and lists the valid ones."""
-    from pydantic import TypeAdapter, ValidationError
-
-    from models.attention import ATTENTION_REGISTRY, make_registry
-    from models.attention.exact import ExactMechanismConfig
-    from models.attention.hyper import HyperMechanismConfig
-    from models.attention.projections import MHAConfig, _ProjectionKindConfig
-
     registry = make_registry(ATTENTION_REGISTRY)
     for row in ATTENTION_REGISTRY:
         derived = registry.configs[row.name]
@@ -96,3 +99,111 @@ def test_a_registry_made_afresh_derives_every_config_and_union():
     assert alone.attention_config is alone.configs["mha"] and issubclass(alone.configs["mha"], MHAConfig)
     assert alone.mechanism_config is ExactMechanismConfig  # one crossable mechanism: the class, not a union
     assert alone.configs["mha"](heads=2, d_model=8).mechanism == ExactMechanismConfig()
+
+
+def _loops(q, k, v, allowed):
+    """Softmax attention written out per query over the allowed keys (float64); none allowed: the uniform
+    average of every value, which is what the dtype's most negative logit on every key gives."""
+    B, H, T, E = q.shape
+    out = torch.zeros(B, H, T, E, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for i in range(T):
+                keys = [j for j in range(k.shape[2]) if allowed(b, i, j)]
+                if not keys:
+                    out[b, h, i] = v[b, h].mean(0)
+                    continue
+                w = torch.softmax(torch.stack([q[b, h, i] @ k[b, h, j] for j in keys]) * E**-0.5, 0)
+                out[b, h, i] = sum(w_j * v[b, h, j] for w_j, j in zip(w, keys))
+    return out
+
+
+@pytest.mark.parametrize("T, S", [(4, 4), (3, 5), (5, 3)], ids=["square", "fewer-queries", "more-queries"])
+def test_exact_mechanism_masks_top_left_and_pads(T, S):
+    """Causal alignment is top-left (query i sees keys j <= i) for any T, S; padded keys are hidden; a query
+    whose keys are all hidden averages every value uniformly instead of producing NaN."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, n, 4, generator=gen, dtype=torch.float64) for n in (T, S, S))
+    pad = torch.zeros(2, S, dtype=torch.bool)
+    pad[1, 0] = True
+    pad[1, -1] = True
+    mech = ExactMechanism().eval()
+    cases = [(False, None), (True, None), (False, pad), (True, pad)]
+    for causal, mask in cases:
+        out = mech(q, k, v, key_padding_mask_BS=mask, causal=causal)
+
+        def allowed(b, i, j, causal=causal, mask=mask):
+            return (not causal or j <= i) and (mask is None or not mask[b, j])
+
+        torch.testing.assert_close(out, _loops(q, k, v, allowed), atol=1e-12, rtol=1e-10)
+    assert exact_attention_bias(None, False, T, S, torch.float64, q.device) is None
+    bias = exact_attention_bias(pad, True, T, S, torch.float32, q.device)
+    assert bias.shape == (2, 1, T, S) and bias.dtype == torch.float32
+    assert bias.max() == 0 and bias.min() == torch.finfo(torch.float32).min
+    causal_only = exact_attention_bias(None, True, T, S, torch.float16, q.device)
+    assert causal_only.shape == (1, 1, T, S) and causal_only.dtype == torch.float16
+    assert torch.equal(causal_only[0, 0] == 0, torch.ones(T, S, dtype=torch.bool).tril())
+
+
+def test_exact_mechanism_drops_out_in_training_only_at_the_blocks_rate():
+    """Dropout comes from the attention block (`from_config`), acts in training (mean output unchanged over
+    draws, single draws differ) and never in evaluation."""
+    mech = ExactMechanism.from_config(ExactMechanismConfig(), attention_cfg("mha", dropout=0.5), 0, None)
+    assert mech.dropout == 0.5 and mech.attention_parameters() == 0
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    ref = _loops(q, k, v, lambda b, i, j: True)
+    for causal in (False, True):
+        torch.testing.assert_close(
+            mech.eval()(q, k, v, causal=causal), _loops(q, k, v, lambda b, i, j, c=causal: not c or j <= i)
+        )
+    torch.manual_seed(0)
+    rows = 20000  # independent dropout draws side by side
+    drawn = mech.train()(*(x.expand(rows, 1, 3, 4) for x in (q, k, v)))
+    assert not torch.allclose(drawn[0], ref[0])
+    torch.testing.assert_close(drawn.mean(0), ref[0], atol=0.05, rtol=0)
+    kept = (drawn[:, 0, 0] == 0).double().mean()  # P(an output row's every weight dropped) is 0.5^3 here
+    assert abs(kept.item() - 0.5**3) < 0.02
+
+
+def test_relative_biases_are_built_once_per_model_at_the_references_scale():
+    """The first layer creates the model's u, v ([heads, head_dim], Normal(0, 0.02) as mem_transformer.py's
+    init_weight); later layers share them; W_R is each layer's own and is what a layer counts."""
+    torch.manual_seed(0)
+    biases = RelativeBiases(8, 256)
+    for p in (biases.u_HE, biases.v_HE):
+        assert p.shape == (8, 256)
+        assert abs(p.std().item() - 0.02) < 0.002 and abs(p.mean().item()) < 0.002
+    assert not torch.equal(biases.u_HE, biases.v_HE)
+    cfg = attention_cfg("mha", d_model=24, heads=3, dropout=0.25)
+    shared = torch.nn.ModuleDict()
+    first = RelativeMechanism.build(cfg, 3, shared)
+    second = RelativeMechanism.build(cfg, 3, shared)
+    assert list(shared) == [RELATIVE_BIASES] and first._biases is second._biases is shared[RELATIVE_BIASES]
+    assert shared[RELATIVE_BIASES].u_HE.shape == (3, cfg.head_dim)
+    assert (first.d_model, first.heads, first.head_dim, first.dropout) == (24, 3, cfg.head_dim, 0.25)
+    assert first.w_r.weight.shape == (3 * cfg.head_dim, 24) and first.w_r.bias is None
+    assert first.attention_parameters() == 24 * 3 * cfg.head_dim
+    assert first.w_r is not second.w_r
+
+
+def test_relative_mechanism_refuses_non_causal_and_drops_out_in_training_only():
+    torch.manual_seed(0)
+    mech = RelativeMechanism(8, 2, 4, RelativeBiases(2, 4), dropout=0.5).double()
+    mech._biases.double()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(
+        ValueError,
+        match=r"model.positional: relative is implemented for causal self-attention "
+        r"only \(task.kind: clm\); use learned or sinusoidal positions otherwise",
+    ):
+        mech(q, k, v)
+    ref = mech.eval()(q, k, v, causal=True)
+    assert torch.equal(mech(q, k, v, causal=True), ref)
+    torch.manual_seed(0)
+    rows = 20000
+    drawn = mech.train()(*(x.expand(rows, 2, 3, 4) for x in (q, k, v)), causal=True)
+    assert not torch.allclose(drawn[0], ref[0])
+    torch.testing.assert_close(drawn.mean(0), ref[0], atol=0.05, rtol=0)
+    assert abs((drawn[:, :, 0] == 0).all(-1).double().mean().item() - 0.5) < 0.02  # row 0 sees one key
