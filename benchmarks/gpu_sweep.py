@@ -1,8 +1,9 @@
 """Part (e) of benchmarks.gpu_suite: a 2-trial `orchestrator sweep` on the suite's GPU with `run.precision: bf16`,
 `run.strategy: fsdp` and `run.compile: true`, through the project's own launch path (`study_from_raw` and
 `run_sweep`, as the CLI calls them: Tune, one Ray Train run per trial, MLflow parent and child runs), then
-checked from its MLflow store: the parent and both children FINISHED, each child with its validation metric and
-the precision, strategy and compile settings it logged.
+checked from its MLflow store: the parent and both children FINISHED, each child with its validation metric, the
+precision, strategy and compile settings it logged, its `flops_per_token` param and, on a GPU of the table
+(orchestrator/spec/gpus.py), `train/mfu` beside `train/tokens_per_s` (a dry run on the CPU must log no MFU).
 
 The spec is the smallest masked-LM sweep (built-in corpus, a grid of two learning rates). On a GPU the two trials
 share it (`run.gpus_per_worker: 0.5`, one worker each, so both run at once), each FSDP-wrapped over its one
@@ -20,10 +21,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks.gpu_common import PartResult, SuiteContext
 from benchmarks.harness import Row
 from orchestrator.launch import run_sweep
-from orchestrator.spec import study_from_raw
+from orchestrator.spec import peak_bf16_flops, study_from_raw
 from orchestrator.tracking.read import TrackingReader
 
 NAME = "gpu-suite-sweep"
@@ -52,8 +55,9 @@ def sweep_raw(ctx: SuiteContext, folder: Path, precision: str, strategy: str) ->
     }
 
 
-def mlflow_rows(uri: str, parent_run_id: str | None) -> tuple[list[Row], list[str]]:
-    """One row per run of the sweep as MLflow holds it, and what is wrong with them."""
+def mlflow_rows(uri: str, parent_run_id: str | None, gpu: bool = False) -> tuple[list[Row], list[str]]:
+    """One row per run of the sweep as MLflow holds it, and what is wrong with them; `gpu`: the trials ran on a GPU
+    of the table, so each must have logged train/mfu (on a CPU, none may)."""
     reader = TrackingReader(uri)
     experiment_id = reader.experiment_id(NAME)
     if experiment_id is None or parent_run_id is None:
@@ -70,12 +74,20 @@ def mlflow_rows(uri: str, parent_run_id: str | None) -> tuple[list[Row], list[st
                     **{key: params.get(key, "") for key in ("optim.lr", "run.precision", "run.strategy", "run.compile",
                                                             "run.compile_backend")},
                     "device": child.data.tags.get("device.name", ""),
-                    **{key: metrics.get(key, "") for key in ("train/loss", METRIC, "test/ppl")}}
+                    "flops_per_token": params.get("flops_per_token", ""),
+                    **{key: metrics.get(key, "") for key in ("train/loss", "train/tokens_per_s", "train/mfu", METRIC,
+                                                             "test/ppl")}}
         rows.append(row)
         if child.info.status != "FINISHED":
             problems.append(f"trial run {child.info.run_id} {child.info.status}")
         if METRIC not in metrics:
             problems.append(f"trial run {child.info.run_id} has no {METRIC}")
+        if "flops_per_token" not in params:
+            problems.append(f"trial run {child.info.run_id} logged no flops_per_token")
+        if gpu and "train/mfu" not in metrics:
+            problems.append(f"trial run {child.info.run_id} logged no train/mfu on {row['device']}")
+        if not gpu and "train/mfu" in metrics:
+            problems.append(f"trial run {child.info.run_id} logged train/mfu on a CPU, against a guessed peak")
     return rows, problems
 
 
@@ -91,7 +103,8 @@ def run(ctx: SuiteContext) -> PartResult:
     print(f"  sweep: 2 trials, precision={precision} strategy={strategy} compile={run_settings.compile_backend}",
           flush=True)
     outcome = run_sweep(study)
-    rows, problems = mlflow_rows(study.base.tracking.uri, outcome.parent_run_id)
+    gpu = not ctx.dry_run and peak_bf16_flops(torch.cuda.get_device_name(ctx.device)) is not None
+    rows, problems = mlflow_rows(study.base.tracking.uri, outcome.parent_run_id, gpu)
     if outcome.errors:
         problems.insert(0, "; ".join(f"trial {t['trial_id']}: {t['error']}" for t in outcome.trials if t["error"]))
     settings = {"precision": precision, "strategy": strategy, "compile": f"true ({run_settings.compile_backend})",

@@ -15,9 +15,11 @@ PaLM and nanoGPT count them). 6 N is the forward's and backward's 2 + 4 FLOPs pe
 attention's Q K^T and P V products (2 x 2 n d per token and layer forward, three times that with the backward),
 counted over the full n x n even though causal attention needs half, as PaLM does. tests/test_gpu_suite.py checks
 the count against torch's FlopCounterMode.
-MFU = FLOPs / step time / the device's peak dense bf16 FLOP/s (orchestrator.spec.gpus, the one GPU table, with
-its sources; a GPU not in the table gets no MFU). A dry run trains a one-layer toy on the CPU with the aot_eager backend
-(dynamo and AOTAutograd without inductor's code generation, which tests/test_compile_families.py exercises).
+MFU = FLOPs / step time / the device's peak dense bf16 FLOP/s, by the function the trainer's `train/mfu` uses
+(orchestrator.spec.gpus.model_flops_utilization, on the one GPU table, with its sources; a GPU not in the table gets
+no MFU). A dry run trains a one-layer toy on the CPU with the aot_eager backend (dynamo and AOTAutograd without
+inductor's code generation, which tests/test_compile_families.py exercises); its MFU column stays blank (a CPU has
+no peak), and it checks the MFU function against an H100's peak instead (`mfu_check`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from benchmarks.gpu_common import PartResult, SuiteContext
 from benchmarks.harness import Row, synchronize, timed_call
 from models import LanguageModel, ModelConfig
 from orchestrator.spec import OptimConfig, peak_bf16_flops
+from orchestrator.spec.gpus import model_flops_utilization
 from orchestrator.training import Optimization, train_step
 from tasks import Batch
 
@@ -41,6 +44,8 @@ GPU_SIZE = {"d_model": 1024, "layers": 8, "heads": 16, "ffn": 4096, "vocab": 327
 DRY_SIZE = {"d_model": 32, "layers": 1, "heads": 2, "ffn": 64, "vocab": 128, "batch": 2, "n": 64}
 WARMUP_STEPS = 3
 TIMED_STEPS, DRY_TIMED_STEPS = 20, 2
+DRY_RUN_DEVICE = "NVIDIA H100 80GB HBM3"
+"""The device name a dry run checks the MFU function with (torch.cuda.get_device_name of an H100 SXM)."""
 def matmul_parameters(model: LanguageModel) -> int:
     """N of the FLOP count: the weight matrices' parameters, but not the learned position table's (a lookup)."""
     lookups = {id(p) for p in model.embed.positions.parameters()}
@@ -85,19 +90,30 @@ def run(ctx: SuiteContext) -> PartResult:
     step_s = statistics.median(times)
     tokens = size["batch"] * size["n"]
     flops = step_flops(n_params, size["layers"], size["d_model"], size["n"], tokens)
-    peak = peak_bf16_flops(torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None)
+    device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
+    peak = peak_bf16_flops(device_name)
+    mfu = model_flops_utilization(tokens / step_s, flops / tokens, device_name)
     row: Row = {**size, "params_matmul": n_params, "compile_backend": backend,
                 "autocast": str(opt.autocast_dtype).removeprefix("torch.") if opt.autocast_dtype else "none (fp32)",
                 "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
                 "warmup_s": warmup_s, "step_ms": 1e3 * step_s, "step_ms_min": 1e3 * min(times), "timed_steps": len(times),
                 "tokens_per_s": tokens / step_s, "flops_per_step": flops, "achieved_tflops": flops / step_s / 1e12,
-                "peak_bf16_tflops": peak / 1e12 if peak else "", "mfu": flops / step_s / peak if peak else "",
+                "peak_bf16_tflops": peak / 1e12 if peak else "", "mfu": "" if mfu is None else mfu,
                 "status": "ok"}
+    note = "" if peak else "MFU blank: no peak bf16 FLOP/s known for this device"
+    if ctx.dry_run:
+        # The trainer's MFU path without a GPU: the same function, with an H100's name, against the achieved FLOP/s
+        # over the H100 row's peak.
+        check = model_flops_utilization(tokens / step_s, flops / tokens, DRY_RUN_DEVICE)
+        expected = flops / step_s / peak_bf16_flops(DRY_RUN_DEVICE)
+        row["mfu_check"] = check if check is not None else ""
+        if check is None or abs(check - expected) > 1e-9 * expected:
+            row["status"] = f"fail: MFU of {DRY_RUN_DEVICE} gave {check}, expected {expected:.6g}"
     print(f"  train step: {row['tokens_per_s']:.4g} tokens/s, {row['achieved_tflops']:.4g} TFLOP/s, "
           f"MFU {row['mfu'] if row['mfu'] == '' else format(row['mfu'], '.3f')}, autocast {row['autocast']}, "
           f"{row['graph_breaks']} graph breaks", flush=True)
-    note = "" if peak else "MFU blank: no peak bf16 FLOP/s known for this device"
     if opt.autocast_dtype != torch.bfloat16:
         note = f"{note}; the training core did not autocast to bf16 here".lstrip("; ")
-    return PartResult([row], ctx.passed, note, {"compile": backend, "n": size["n"], "layers": size["layers"],
-                                                 "d_model": size["d_model"], "batch": size["batch"]})
+    status = row["status"] if row["status"] != "ok" else ctx.passed
+    return PartResult([row], status, note, {"compile": backend, "n": size["n"], "layers": size["layers"],
+                                            "d_model": size["d_model"], "batch": size["batch"]})

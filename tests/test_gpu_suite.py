@@ -26,8 +26,10 @@ COLUMNS = {
                       "bwd_dq_config", "fwd_speedup_vs_sdpa", "fwd_bwd_speedup_vs_sdpa"},
     "long_attention": {"impl", "n", "causal", "dtype", "status", "fwd_bwd_ms", "speedup_vs_sdpa", "speedup_vs_mha"},
     "train_step": {"n", "batch", "params_matmul", "compile_backend", "autocast", "graph_breaks", "step_ms",
-                   "tokens_per_s", "flops_per_step", "achieved_tflops", "peak_bf16_tflops", "mfu", "status"},
-    "sweep": {"run", "run_id", "status", "optim.lr", "run.precision", "run.strategy", "run.compile", "val/ppl"},
+                   "tokens_per_s", "flops_per_step", "achieved_tflops", "peak_bf16_tflops", "mfu", "mfu_check",
+                   "status"},
+    "sweep": {"run", "run_id", "status", "optim.lr", "run.precision", "run.strategy", "run.compile", "val/ppl",
+              "flops_per_token", "train/mfu"},
 }
 
 
@@ -90,6 +92,8 @@ def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     (train,) = tables["train_step"]
     assert int(train["n"]) == gpu_training.DRY_SIZE["n"] and float(train["tokens_per_s"]) > 0
     assert train["mfu"] == ""  # no peak FLOP/s for a CPU: blank, not a made-up figure
+    # the trainer's MFU function, checked with an H100's name: achieved FLOP/s over the H100's peak
+    assert float(train["mfu_check"]) == pytest.approx(float(train["achieved_tflops"]) / 989.4, rel=1e-6)
 
     sweep = tables["sweep"]
     assert [row["run"] for row in sweep] == ["parent", "trial", "trial"]
@@ -98,6 +102,7 @@ def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     assert [float(row["optim.lr"]) for row in trials] == list(gpu_sweep.LEARNING_RATES)
     assert {row["run.compile"] for row in trials} == {"True"}
     assert {(row["run.precision"], row["run.strategy"]) for row in trials} == {("bf16", "fsdp")}
+    assert all(float(row["flops_per_token"]) > 0 and row["train/mfu"] == "" for row in trials)  # a CPU: no MFU
     note = summary_rows((folder / gpu_suite.SUMMARY).read_text())["sweep"]["notes"]
     assert "ran precision=bf16, strategy=fsdp" in note
 
