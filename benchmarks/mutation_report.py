@@ -7,7 +7,8 @@
 Reads `mutmut results --all true` (one `module.function__mutmut_N: status` line per mutant), counts the
 statuses per source file and writes `<out>/<machine>/mutation.csv` plus a Markdown table on stdout.
 Kill rate = (killed + timeout) / (killed + timeout + survived + no tests): a mutant that no selected test
-executes counts as a survivor. Mutants not yet checked are reported and left out of the rate.
+executes counts as a survivor. Mutants not yet checked are reported and left out of the rate; a file none of
+whose mutants was checked (a run limited to other files, `mutmut run "models.embeddings*"`) gets no row.
 
 One class of survivors is equivalent on a CPU-only machine and is counted separately: a mutant whose only
 change is a `device=` argument or a `.to(<...>.device)` (dropped, or set to None) places a tensor on the CPU,
@@ -87,6 +88,8 @@ def rows(per_file: dict[str, Counter]) -> list[Row]:
     for path in sorted(per_file):
         counts = per_file[path]
         counted = sum(counts[s] for s in COUNTED)
+        if not counted:  # no mutant of the file checked in this run (`mutmut run` given other files' names)
+            continue
         out.append({
             "file": path, "mutants": sum(n for s, n in counts.items() if s != "survived, device only"),
             **{s.replace(" ", "_"): counts[s] for s in COUNTED},
@@ -119,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.results_file:
         text = Path(args.results_file).read_text()
     else:
-        done = subprocess.run(["mutmut", "results", "--all", "true"], capture_output=True, text=True)
+        done = subprocess.run(["mutmut", "results", "--all", "true"], check=False, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"`mutmut results` failed (run `mutmut run` first):\n{done.stderr}")
         text = done.stdout
