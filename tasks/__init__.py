@@ -25,11 +25,13 @@ from tasks.config import (
     ListOpsTaskConfig,
     MLMTaskConfig,
     MQARTaskConfig,
+    PretrainedLMTaskConfig,
     TaskConfig,
     TranslationTaskConfig,
 )
 from tasks.lm import CausalLMTask, MaskedLMTask
 from tasks.long_range import ByteLMTask, ListOpsTask, MQARTask, check_long_range
+from tasks.pretrained_lm import PretrainedLMTask
 from tasks.translation import TranslationTask
 
 
@@ -55,6 +57,12 @@ def _attention_supports_causal(config_cls: type[ModelConfig], attention: Any) ->
 
 def check_compatible(task_cfg: TaskConfig, model_cfg: ModelConfig) -> None:
     """Raise ValueError naming the spec fields when the task cannot run on this model."""
+    if isinstance(task_cfg, PretrainedLMTaskConfig):
+        if model_cfg != type(model_cfg)():
+            raise ValueError("task.kind: pretrained_lm takes its model from task.pretrained and patches it with "
+                             "task.patch; remove the model: block (its fields would be ignored), and sweep "
+                             "task.patch.* instead of model.*")
+        return
     if isinstance(task_cfg, (MLMTaskConfig, CausalLMTaskConfig)):
         if task_cfg.seq_len > model_cfg.max_seq_len:
             raise ValueError(f"task.seq_len={task_cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; "
@@ -94,7 +102,7 @@ def check_compatible(task_cfg: TaskConfig, model_cfg: ModelConfig) -> None:
 
 _TASKS = {MLMTaskConfig: MaskedLMTask, CausalLMTaskConfig: CausalLMTask, ClassifyTaskConfig: ClassificationTask,
           TranslationTaskConfig: TranslationTask, ListOpsTaskConfig: ListOpsTask, MQARTaskConfig: MQARTask,
-          ByteLMTaskConfig: ByteLMTask}
+          ByteLMTaskConfig: ByteLMTask, PretrainedLMTaskConfig: PretrainedLMTask}
 """Each task block's class -> the task it builds."""
 
 
@@ -112,6 +120,7 @@ __all__ = [
     "ListOpsTaskConfig",
     "MLMTaskConfig",
     "MQARTaskConfig",
+    "PretrainedLMTaskConfig",
     "Task",
     "TaskConfig",
     "TranslationTaskConfig",

@@ -273,12 +273,17 @@ def fit_and_finish(spec: ExperimentSpec, trainer: Any, handle: RunHandle, tracke
             where = record_error(run_folder, str(err))
             raise LaunchError(f"{label} failed: {failure}{hint}\n(the whole error: {where})") from None
         step = (result.metrics or {}).get("step")
+        scoring_only = spec.optim.max_steps == 0
+        if scoring_only and step is None and result.error is None:
+            step = 0  # a run that trains nothing reports no checkpoint, and Ray's Result carries a checkpoint's metrics
         if step != spec.optim.max_steps:  # Ray Train's Ctrl-C handler aborts the run and fit() returns
             status = "KILLED"
             raise LaunchError(f"{label} was stopped at step {step} of {spec.optim.max_steps}{hint}")
         run_id = run_id or tracker.ensure_run(handle)
         try:
-            final = final_evaluation(spec, result, run_folder, cache_dir=cache_dir, console=console)
+            # A scoring-only run's one evaluation is its result (task.eval_split picks the split); no checkpoint.
+            final = {} if scoring_only else final_evaluation(spec, result, run_folder, cache_dir=cache_dir,
+                                                             console=console)
         except Exception as err:  # noqa: BLE001 - training is done and checkpointed: say how to score it later
             final = {}
             message = f"{type(err).__name__}: {str(err)[:500]}"

@@ -67,8 +67,9 @@ class OptimConfig(_Section):
     def _check(self) -> OptimConfig:
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be > 0 (got {self.lr})")
-        if self.max_steps < 1 or self.grad_accum < 1:
-            raise ValueError("optim.max_steps and optim.grad_accum must be >= 1")
+        if self.max_steps < 0 or self.grad_accum < 1:
+            raise ValueError("optim.max_steps must be >= 1 (0 only for task.kind: pretrained_lm, which may score "
+                             "without training) and optim.grad_accum >= 1")
         if not 0 <= self.warmup_steps <= self.max_steps:
             raise ValueError(
                 f"optim.warmup_steps={self.warmup_steps} must be in [0, optim.max_steps={self.max_steps}]; "
@@ -352,6 +353,9 @@ class ExperimentSpec(_Section):
                              "or set model.freeze: none")
         if self.pretrain is not None:
             self._check_pretrain()
+        if self.optim.max_steps == 0 and self.task.kind != "pretrained_lm":
+            raise ValueError(f"optim.max_steps=0 trains nothing, which only task.kind: pretrained_lm (scoring a "
+                             f"pretrained model) can do; task.kind={self.task.kind} needs optim.max_steps >= 1")
         check_compatible(self.task, self.model)
         metrics = tuple(self.task.metrics)
         objectives = self.tune.metric if isinstance(self.tune.metric, list) else [self.tune.metric]

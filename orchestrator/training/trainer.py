@@ -112,7 +112,10 @@ class Cadence:
         return self.reports_until(self.max_steps)
 
     def reports_until(self, step: int) -> int:
-        """Reports at steps 1..step: a resumed run's count continues where the uninterrupted run's would be."""
+        """Reports at steps 1..step: a resumed run's count continues where the uninterrupted run's would be. A run
+        that trains nothing (max_steps 0) reports once, its evaluation at step 0."""
+        if self.max_steps == 0:
+            return 1
         return sum(1 for s in range(1, step + 1) if self.reports(s))
 
 
@@ -413,6 +416,13 @@ class Trainer:
 
     def _fit(self, hooks: TrainerHooks, batches: Iterator[Batch]) -> None:
         meter, skipped_before = LossMeter(), self.opt.skipped_steps
+        if self.spec.optim.max_steps == 0:
+            # Scoring without training (task.kind: pretrained_lm): one evaluation, reported at step 0, and no
+            # checkpoint, since the weights are the pretrained model's own.
+            val_metrics = self.evaluate()
+            self.best.update(val_metrics, 0)
+            hooks.report(self, 0, {**val_metrics, **self.best.as_metrics()}, False)
+            return
         self.model.train()
         while self.step < self.spec.optim.max_steps:
             lr = train_step(self.model, batches, self.task.loss, self.opt, self.device, meter)

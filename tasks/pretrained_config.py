@@ -1,0 +1,74 @@
+"""The `task:` block of task.kind: pretrained_lm (tasks/pretrained_lm.py), beside tasks/config.py's other kinds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from models.dropin import PatchConfig
+from tasks.config import DataFiles, _Config
+
+
+class PretrainedLMTaskConfig(_Config):
+    """A pretrained causal LM, some of its layers' attention replaced by a weight-free efficient mechanism, scored
+    on long documents (HyperAttention's patching experiment, Han et al. 2023, Sec. 4.1; tasks/pretrained_lm.py).
+    With optim.max_steps: 0 it trains nothing; with steps it fine-tunes the patched model on task.files.train."""
+
+    kind: Literal["pretrained_lm"] = "pretrained_lm"
+    pretrained: str
+    """The model: a Hugging Face hub id ("microsoft/phi-1_5", downloaded where the network allows), a local
+    Hugging Face folder (config.json + weights), or an export folder of one of this project's causal LM runs
+    (`orchestrator export`: model.json + model.safetensors)."""
+    patch: PatchConfig = Field(default_factory=PatchConfig)
+    """Which layers get which mechanism (models/dropin.py); layers: 0 scores the unpatched model."""
+    files: DataFiles
+    """Local text files {train, validation, test}: the evaluation split is cut into documents; train is read only
+    for fine-tuning (optim.max_steps > 0)."""
+    seq_len: int = 4096
+    """Tokens per document (the paper's n): the split's token stream is cut into consecutive windows of seq_len."""
+    documents: int | None = None
+    """Score the first N documents of the split; None scores every whole window (the remainder is dropped)."""
+    batch_size: int = 1
+    """Documents per forward pass (the paper: 1); also the fine-tuning batch."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """The weights' dtype as loaded (the paper: bf16 on GPUs)."""
+    time_unpatched: bool = True
+    """Also run the unpatched model over the same documents in the same process, for the speed-up."""
+    eval_split: Literal["validation", "test"] = "validation"
+    """Split that `evaluate` scores."""
+    eval_batches: int | None = None
+    """Score only the first N batches of documents (fast checks); None scores task.documents."""
+    trust_remote_code: bool = False
+    """Never on by default: a hub model's own Python would run on every worker (models needing it are refused)."""
+
+    metrics: ClassVar[tuple[str, ...]] = (
+        "val/loss", "val/ppl", "val/ppl_unpatched", "val/patched_layers", "val/forward_s", "val/forward_s_unpatched",
+        "val/speedup", "val/attention_s", "val/attention_s_unpatched", "val/attention_speedup")
+    default_metric: ClassVar[str] = "val/ppl"
+    default_mode: ClassVar[Literal["min", "max"]] = "min"
+
+    @model_validator(mode="after")
+    def _check_pretrained(self) -> "PretrainedLMTaskConfig":
+        if not self.pretrained.strip():
+            raise ValueError("task.pretrained is empty; give a hub id, a local Hugging Face folder or an export "
+                             "folder of this project")
+        if self.pretrained.startswith(("/", "./", "../", "~")) and not Path(self.pretrained).expanduser().is_dir():
+            raise ValueError(f"task.pretrained={self.pretrained} is not a folder; give a local Hugging Face folder "
+                             "(config.json and weights) or an export folder of this project (model.json)")
+        for name in ("seq_len", "batch_size"):
+            if getattr(self, name) < (2 if name == "seq_len" else 1):
+                raise ValueError(f"task.{name}={getattr(self, name)} is too small")
+        if self.documents is not None and self.documents < 1:
+            raise ValueError(f"task.documents={self.documents} must be >= 1, or leave it unset (every document)")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"task.eval_batches={self.eval_batches} must be >= 1, or leave it unset")
+        if getattr(self.files, self.eval_split) is None:
+            raise ValueError(f"task.eval_split={self.eval_split!r} but task.files.{self.eval_split} is not given; "
+                             f"add task.files.{self.eval_split} or change task.eval_split")
+        return self
+
+    @property
+    def source_label(self) -> str:
+        return f"pretrained:{self.pretrained}"

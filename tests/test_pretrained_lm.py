@@ -1,0 +1,175 @@
+"""task.kind: pretrained_lm (tasks/pretrained_lm.py): a pretrained causal LM, patched, scored on long documents.
+
+Models are made here: a tiny random-weight Hugging Face Llama saved with a word-level tokenizer (no download),
+and a tiny byte-level export of the project's own causal LM. The scores are checked against a perplexity
+computed by hand from the model's logits.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from models import LanguageModel, ModelConfig
+from orchestrator.spec import ExperimentSpec
+from orchestrator.training.export import export_model
+from tasks import WorkerContext, build_task
+from tasks.config import PretrainedLMTaskConfig
+
+WORDS = "the cat sat on a mat while dogs ran far away from home and birds sang in tall green trees".split()
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("text")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(200)]
+    (folder / "train.txt").write_text("\n".join(lines[:150]))
+    (folder / "valid.txt").write_text("\n".join(lines[150:]))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory, text_files):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("llama")
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=fast.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+def task_config(pretrained, files, **overrides) -> PretrainedLMTaskConfig:
+    block = {"kind": "pretrained_lm", "pretrained": str(pretrained), "seq_len": SEQ, "documents": 5,
+             "files": {"train": str(files / "train.txt"), "validation": str(files / "valid.txt")}, **overrides}
+    return PretrainedLMTaskConfig.model_validate(block)
+
+
+def build(cfg, seed=0):
+    return build_task(cfg, ModelConfig(), WorkerContext(seed=seed))
+
+
+HYPER = {"kind": "hyper", "block_size": 4, "sample_size": 4, "min_seq_len": 8, "lsh_bits": 2}
+
+
+def by_hand(model, docs: np.ndarray) -> float:
+    """e^(mean NLL of every next-token prediction of every document), from the model's own logits."""
+    model.eval()
+    with torch.no_grad():
+        tokens = torch.from_numpy(docs)
+        logits = model(tokens)
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
+    return math.exp(float(nll) / (docs.shape[0] * (docs.shape[1] - 1)))
+
+
+def test_unpatched_perplexity_equals_the_models_own_by_hand(llama_folder, text_files):
+    task = build(task_config(llama_folder, text_files))
+    model = task.build_model()
+    metrics = task.evaluate(model)
+    docs = task.documents(task.eval_stream, 5)
+    assert docs.shape == (5, SEQ)
+    # consecutive, non-overlapping windows of the split's token stream
+    assert np.array_equal(docs.reshape(-1), task.eval_stream[: 5 * SEQ])
+    assert metrics["val/ppl"] == pytest.approx(by_hand(model, docs), rel=1e-6)
+    assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-9)
+    assert metrics["val/patched_layers"] == 0 and metrics["val/documents"] == 5
+    assert metrics["val/ppl_unpatched"] == pytest.approx(metrics["val/ppl"], rel=1e-9)
+    assert metrics["val/forward_s"] > 0 and metrics["val/attention_s"] > 0
+    assert metrics["val/attention_s"] < metrics["val/forward_s"]
+    assert metrics["val/speedup"] == pytest.approx(metrics["val/forward_s_unpatched"] / metrics["val/forward_s"])
+
+
+def test_patched_last_layers_change_the_score_and_the_unpatched_pass_restores_it(llama_folder, text_files):
+    unpatched = build(task_config(llama_folder, text_files))
+    reference = unpatched.evaluate(unpatched.build_model())["val/ppl"]
+    task = build(task_config(llama_folder, text_files, patch={"layers": 2, "attention": HYPER}))
+    model = task.build_model()
+    assert task.patched_layers == [1, 2]
+    metrics = task.evaluate(model)
+    assert metrics["val/patched_layers"] == 2
+    assert metrics["val/ppl"] != pytest.approx(reference, rel=1e-6)
+    assert metrics["val/ppl_unpatched"] == pytest.approx(reference, rel=1e-6)
+    # the patched model's perplexity is the patched model's logits' own, and evaluation repeats
+    assert metrics["val/ppl"] == pytest.approx(by_hand(model, task.documents(task.eval_stream, 5)), rel=1e-6)
+    assert task.evaluate(model)["val/ppl"] == metrics["val/ppl"]
+
+
+def test_the_run_seed_draws_the_hashes_afresh(llama_folder, text_files):
+    scores = []
+    for seed in (0, 1):
+        task = build(task_config(llama_folder, text_files, patch={"layers": "all", "attention": HYPER}), seed=seed)
+        scores.append(task.evaluate(task.build_model())["val/ppl"])
+    assert scores[0] != scores[1]
+
+
+def test_fine_tuning_batches_resume_and_their_loss_is_the_mean_nll(llama_folder, text_files):
+    task = build(task_config(llama_folder, text_files, batch_size=2))
+    model = task.build_model()
+    stream = task.train_batches()
+    first = [next(stream) for _ in range(3)]
+    resumed = task.train_batches(first[0][1])
+    assert torch.equal(next(resumed)[0].tensors["tokens"], first[1][0].tensors["tokens"])
+    batch = first[0][0]
+    assert batch.n_tokens == 2 * (SEQ - 1)
+    loss = task.loss(model, batch)
+    tokens = batch.tensors["tokens"]
+    expected = F.cross_entropy(model(tokens)[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    torch.testing.assert_close(loss, expected)
+
+
+def test_a_byte_level_export_of_the_projects_own_lm_is_scored_and_patched(tmp_path, text_files):
+    cfg = ModelConfig(d_model=32, layers=2, ffn=64, max_seq_len=64, dropout=0.0, attention={"kind": "mha", "heads": 2})
+    torch.manual_seed(0)
+    export_model(LanguageModel(cfg, 256, causal=True), task_kind="bytelm", model_cfg=cfg, vocab_size=256,
+                 out_dir=tmp_path / "export")
+    task = build(task_config(tmp_path / "export", text_files, patch={"layers": "last:1", "attention": HYPER}))
+    model = task.build_model()
+    assert task.patched_layers == [1]
+    assert np.array_equal(task.eval_stream[:10], np.frombuffer((text_files / "valid.txt").read_bytes()[:10], np.uint8))
+    metrics = task.evaluate(model)
+    assert metrics["val/ppl"] == pytest.approx(by_hand(model, task.documents(task.eval_stream, 5)), rel=1e-6)
+    assert metrics["val/ppl_unpatched"] != pytest.approx(metrics["val/ppl"], rel=1e-6)
+
+
+# ---- refusals before any cluster time
+
+
+def spec(task, **top):
+    return {"name": "patched", "task": task, "optim": {"max_steps": 0}, **top}
+
+
+def test_spec_level_refusals(llama_folder, text_files, tmp_path):
+    block = task_config(llama_folder, text_files).model_dump()
+    ExperimentSpec.model_validate(spec(block))
+    with pytest.raises(ValueError, match="remove the model: block"):
+        ExperimentSpec.model_validate(spec(block, model={"d_model": 64}))
+    with pytest.raises(ValueError, match="only task.kind: pretrained_lm"):
+        ExperimentSpec.model_validate(spec({"kind": "clm"}))
+    with pytest.raises(ValueError, match="is not a folder"):
+        task_config(tmp_path / "missing", text_files)
+    with pytest.raises(ValueError, match="cannot be dropped into a trained model"):
+        task_config(llama_folder, text_files, patch={"layers": 1, "attention": {"kind": "linformer"}})
+
+
+def test_worker_level_refusals(llama_folder, text_files):
+    with pytest.raises(ValueError, match="fewer than one document"):
+        build(task_config(llama_folder, text_files, seq_len=100_000))
+    task = build(task_config(llama_folder, text_files, patch={"layers": "last:5", "attention": HYPER}))
+    with pytest.raises(ValueError, match="asks for 5 layers but the model has 3"):
+        task.build_model()
