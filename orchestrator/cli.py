@@ -176,6 +176,10 @@ def _check_fit(study: Study, gpu: str | None) -> None:
     ask for GPUs: a CPU run has no fixed memory to plan against)."""
     if study.base.run.gpus_per_worker <= 0:
         return
+    from orchestrator.spec.plan import PLANNED_TASKS
+
+    if study.base.task.kind not in PLANNED_TASKS:  # a pretrained model's size is known once a worker loads it
+        return
     from orchestrator.spec import plan_study, refusals
 
     if gpu is None:
