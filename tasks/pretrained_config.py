@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from models.dropin import PatchConfig
 from tasks.config import DataFiles, _Config
@@ -49,14 +49,26 @@ class PretrainedLMTaskConfig(_Config):
     default_metric: ClassVar[str] = "val/ppl"
     default_mode: ClassVar[Literal["min", "max"]] = "min"
 
+    @field_validator("pretrained")
+    @classmethod
+    def _local_or_hub(cls, value: str) -> str:
+        """An existing folder becomes absolute (workers may run elsewhere); a value shaped like a path (leading
+        /, . or ~, or more than one /) must be a folder; anything else is a hub id ("gpt2", "org/name")."""
+        path = Path(value).expanduser()
+        if path.is_dir():
+            return str(path.resolve())
+        if value.startswith(("/", ".", "~")) or value.count("/") > 1:
+            raise ValueError(f"task.pretrained={value} is not a folder (relative paths are resolved against the "
+                             "directory the command runs in); give a local Hugging Face folder (config.json and "
+                             "weights), an export folder of this project (model.json), or a hub id such as "
+                             "microsoft/phi-1_5")
+        return value
+
     @model_validator(mode="after")
     def _check_pretrained(self) -> "PretrainedLMTaskConfig":
         if not self.pretrained.strip():
             raise ValueError("task.pretrained is empty; give a hub id, a local Hugging Face folder or an export "
                              "folder of this project")
-        if self.pretrained.startswith(("/", "./", "../", "~")) and not Path(self.pretrained).expanduser().is_dir():
-            raise ValueError(f"task.pretrained={self.pretrained} is not a folder; give a local Hugging Face folder "
-                             "(config.json and weights) or an export folder of this project (model.json)")
         for name in ("seq_len", "batch_size"):
             if getattr(self, name) < (2 if name == "seq_len" else 1):
                 raise ValueError(f"task.{name}={getattr(self, name)} is too small")

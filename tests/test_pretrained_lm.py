@@ -173,3 +173,45 @@ def test_worker_level_refusals(llama_folder, text_files):
     task = build(task_config(llama_folder, text_files, patch={"layers": "last:5", "attention": HYPER}))
     with pytest.raises(ValueError, match="asks for 5 layers but the model has 3"):
         task.build_model()
+
+
+# ---- end to end: a sweep over l through Ray Tune, Ray Train and MLflow, then the report
+
+
+@pytest.mark.slow
+def test_a_sweep_over_patched_layers_runs_and_reports_prr_against_l0(ray_cluster, llama_folder, text_files,
+                                                                       tmp_path):
+    from mlflow import MlflowClient
+
+    from orchestrator.launch.sweep import run_sweep
+    from orchestrator.report.build import build_report
+    from orchestrator.spec import study_from_raw
+    from orchestrator.tracking.describe import PARENT_TAG
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    block = task_config(llama_folder, text_files, documents=3).model_dump()
+    block["patch"] = {"layers": {"grid": [0, "all"]}, "attention": HYPER}
+    raw = {"name": "patched-sweep", "task": block, "optim": {"max_steps": 0},
+           "run": {"storage_path": str(tmp_path / "runs"), "cpus_per_worker": 1},
+           "tune": {"seeds": [0, 1], "scheduler": "fifo"}, "tracking": {"uri": uri}}
+    outcome = run_sweep(study_from_raw(raw))
+    assert outcome.errors == 0 and len(outcome.trials) == 4
+
+    client = MlflowClient(uri)
+    runs = [r for r in client.search_runs([client.get_experiment_by_name("patched-sweep").experiment_id])
+            if r.data.tags.get(PARENT_TAG) == outcome.parent_run_id]
+    by_layers = {}
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        by_layers.setdefault(run.data.metrics["val/patched_layers"], []).append(run.data.metrics)
+    assert sorted(by_layers) == [0.0, 3.0] and all(len(v) == 2 for v in by_layers.values())
+    # the unpatched model's score does not depend on the seed, and every patched run measured it too
+    unpatched = {m["val/ppl"] for m in by_layers[0.0]} | {m["val/ppl_unpatched"] for m in by_layers[3.0]}
+    assert max(unpatched) - min(unpatched) < 1e-6 * max(unpatched)
+    assert len({m["val/ppl"] for m in by_layers[3.0]}) == 2  # two hashing seeds, two scores
+
+    report = build_report(uri, "patched-sweep", out_dir=tmp_path / "report")
+    assert report.patching is not None
+    assert (tmp_path / "report" / "patching.png").is_file()
+    table = (tmp_path / "report" / "report.md").read_text()
+    assert "PRR" in table and "unpatched (l=0)" in table
