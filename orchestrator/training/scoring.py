@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from orchestrator.spec import ExperimentSpec
 from orchestrator.training.checkpoint import TOKENIZER_FILE, read_checkpoint
-from orchestrator.training.export import export_model
+from orchestrator.training.export import ARCHITECTURES, export_model
 from tasks import TaskConfig, WorkerContext, build_task
 from tasks.data import lm_texts
 
@@ -97,7 +97,8 @@ def evaluate_checkpoint(directory: Path, split: str, *, cache_dir: Path, out_dir
         if produced is not None and Path(produced).exists():
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             files[name] = Path(shutil.copy(produced, Path(out_dir) / f"{split}.{suffix}"))
-    if export:
+    # A fine-tuned pretrained_lm model is a patched Hugging Face model: it has no export architecture of its own.
+    if export and task_cfg.kind in ARCHITECTURES:
         files["model"] = export_model(model.cpu(), task_kind=task_cfg.kind, model_cfg=spec.model,
                                       vocab_size=task.vocab_size, out_dir=Path(out_dir) / "model",
                                       tokenizer=task.artifacts().get("tokenizer"),
