@@ -162,7 +162,14 @@ def _describe_grid(study: Study) -> str:
 def _plan(study: Study, gpu: str | None, mfu: float) -> int:
     """`orchestrator plan`: the table, and exit 2 naming the fixes when some trial does not fit."""
     from orchestrator.spec import format_plan, plan_study, refusals
+    from orchestrator.spec.plan import PLANNED_TASKS
 
+    if study.base.task.kind not in PLANNED_TASKS:
+        print(f"orchestrator: plan counts the project's own models; task.kind={study.base.task.kind} loads its "
+              "model on the worker (task.pretrained), so its trials are not planned: its size is the pretrained "
+              "model's, and the costs of a patched model are measured by the run itself (val/forward_s, "
+              "val/peak_gb on GPUs)", file=sys.stderr)
+        return 2
     plans = list(plan_study(study, gpu or DEFAULT_GPU, mfu))
     print(format_plan(study, plans, mfu))
     if problems := refusals(plans):
