@@ -62,6 +62,11 @@ def test_a_registry_made_afresh_derives_every_config_and_union():
     field takes the crossable mechanisms, keeping the row's default and description; other kinds keep the
     row's class; the union tells kinds apart by `kind` and lists the valid ones."""
     registry = make_registry(ATTENTION_REGISTRY)
+    assert registry.rows == ATTENTION_REGISTRY and registry.kinds == tuple(row.name for row in ATTENTION_REGISTRY)
+    assert registry.mechanisms == tuple(dict.fromkeys(row.mechanism for row in ATTENTION_REGISTRY))
+    block = registry.configs["mhe"](heads=2, d_model=8, mechanism={"kind": "hyper", "block_size": 4})
+    built = registry.build_attention(block, 0, torch.nn.ModuleDict())
+    assert built.kind == "mhe" and type(built.mechanism).config_cls is HyperMechanismConfig
     for row in ATTENTION_REGISTRY:
         derived = registry.configs[row.name]
         if not issubclass(row.config_cls, _ProjectionKindConfig):
