@@ -165,10 +165,8 @@ def _plan(study: Study, gpu: str | None, mfu: float) -> int:
     from orchestrator.spec.plan import PLANNED_TASKS
 
     if study.base.task.kind not in PLANNED_TASKS:
-        print(f"orchestrator: plan counts the project's own models; task.kind={study.base.task.kind} loads its "
-              "model on the worker (task.pretrained), so its trials are not planned: its size is the pretrained "
-              "model's, and the costs of a patched model are measured by the run itself (val/forward_s, "
-              "val/peak_gb on GPUs)", file=sys.stderr)
+        print(f"orchestrator: plan counts the project's own models; task.kind={study.base.task.kind} loads a "
+              "pretrained one on the worker, whose costs the run measures (val/forward_s, val/peak_gb)", file=sys.stderr)
         return 2
     plans = list(plan_study(study, gpu or DEFAULT_GPU, mfu))
     print(format_plan(study, plans, mfu))
@@ -181,11 +179,9 @@ def _plan(study: Study, gpu: str | None, mfu: float) -> int:
 def _check_fit(study: Study, gpu: str | None) -> None:
     """A trial that cannot fit its GPU fails here, not on the cluster after its queue wait (only for specs that
     ask for GPUs: a CPU run has no fixed memory to plan against)."""
-    if study.base.run.gpus_per_worker <= 0:
-        return
-    from orchestrator.spec.plan import PLANNED_TASKS
+    from orchestrator.spec.plan import PLANNED_TASKS  # not pretrained_lm: its size is known once a worker loads it
 
-    if study.base.task.kind not in PLANNED_TASKS:  # a pretrained model's size is known once a worker loads it
+    if study.base.run.gpus_per_worker <= 0 or study.base.task.kind not in PLANNED_TASKS:
         return
     from orchestrator.spec import plan_study, refusals
 
