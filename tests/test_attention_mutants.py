@@ -142,6 +142,8 @@ def test_exact_mechanism_masks_top_left_and_pads(T, S):
 
         torch.testing.assert_close(out, _loops(q, k, v, allowed), atol=1e-12, rtol=1e-10)
     assert exact_attention_bias(None, False, T, S, torch.float64, q.device) is None
+    padded_only = exact_attention_bias(pad, False, T, S, torch.float64, q.device)  # documented: [B, 1, T, S]
+    assert padded_only.shape == (2, 1, T, S) and torch.equal(padded_only[:, 0] == 0, ~pad[:, None].expand(2, T, S))
     bias = exact_attention_bias(pad, True, T, S, torch.float32, q.device)
     assert bias.shape == (2, 1, T, S) and bias.dtype == torch.float32
     assert bias.max() == 0 and bias.min() == torch.finfo(torch.float32).min
