@@ -108,3 +108,25 @@ def test_validate_refuses_a_gpu_trial_that_cannot_fit(tmp_path, capsys):
     assert main(["validate", _too_big(tmp_path, 1), "--gpu", "L4"]) == 2
     err = capsys.readouterr().err
     assert "do not fit" in err and "L4" in err and "run.activation_checkpointing=true" in err
+
+
+@pytest.mark.parametrize("precision,itemsize", [("fp32", 4), ("bf16", 2)])
+def test_fsdp_memory_holds_the_root_and_two_gathered_layers(precision, itemsize):
+    """Sharded over 4 workers: a quarter of weights, gradients and AdamW state, whole activations, plus what FSDP2
+    gathers at once: the root group (embeddings, output layer, norms) and two layers (the current and the
+    prefetched next), in the mixed-precision policy's dtype."""
+    from models.transformer import TransformerLayer
+    from orchestrator.spec.gpus import gpu_kind
+    from orchestrator.spec.plan import STATE_KINDS, plan_spec
+
+    raw = _spec("mha", layers=3).model_dump(mode="json")
+    single = plan_spec(validate_spec({**raw, "run": {**raw["run"], "precision": precision}}), gpu_kind("H100"))
+    sharded = validate_spec({**raw, "run": {**raw["run"], "precision": precision, "strategy": "fsdp", "workers": 4}})
+    plan = plan_spec(sharded, gpu_kind("H100"))
+    model = workload(sharded).build()
+    (layer, *_) = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    per_layer = sum(p.numel() for p in layer.parameters())
+    root = sum(p.numel() for p in model.parameters()) - 3 * per_layer
+    states = sum(single.step.by_kind.get(k, 0) for k in STATE_KINDS)
+    assert plan.step == single.step and root > 0
+    assert plan.memory_bytes == (single.memory_bytes - states + states // 4 + (root + 2 * per_layer) * itemsize)

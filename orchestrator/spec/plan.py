@@ -133,6 +133,12 @@ class StepCount:
     """MemTracker's split of that peak: Parameter, Gradient, Optstate, Activation, Temp, ..."""
     params_total: int
     params_attention: int
+    layer_params: int = 0
+    """Parameters of the largest transformer layer FSDP shards as its own group (orchestrator.training.sharding
+    .layers_to_shard); 0 when none is."""
+    root_params: int = 0
+    """Parameters in FSDP's root group: everything outside those layers (embeddings, output layer, norms, and the
+    layers of a reversible or memory stack)."""
 
 
 def _autocast(precision: str) -> Any:
@@ -194,6 +200,7 @@ def _peak_tracker() -> Any:
 
 def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, mode: Any) -> StepCount:
     from models import checkpoint_activations
+    from orchestrator.training.sharding import layers_to_shard
 
     with mode:
         torch.manual_seed(0)
@@ -201,6 +208,7 @@ def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, 
         if checkpointing:
             checkpoint_activations(model)
         counts = model.parameter_counts()
+        layers = [sum(p.numel() for p in layer.parameters()) for layer in layers_to_shard(model)]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         # The tracked step must hold AdamW's state, as every step after the first does. Without checkpointing,
         # a step on zero gradients makes it and one step is both counted and tracked. With checkpointing,
@@ -224,8 +232,9 @@ def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, 
         peak = tracker.get_tracker_snapshot("peak")
     by_device = next(iter(peak.values()), {"Total": 0})
     by_kind = {getattr(k, "value", k): int(v) for k, v in by_device.items()}
-    return StepCount(int(flops.get_total_flops()), by_kind.pop("Total"), by_kind,
-                     int(counts["total"]), int(counts["attention"]))
+    unique = sum(p.numel() for p in model.parameters())
+    return StepCount(int(flops.get_total_flops()), by_kind.pop("Total"), by_kind, int(counts["total"]),
+                     int(counts["attention"]), max(layers, default=0), unique - sum(layers))
 
 
 def count_flops(work: Workload, *, precision: str = "fp32", fake: bool = True) -> int:
@@ -288,12 +297,23 @@ class TrialPlan:
         return not self.fixes
 
 
+def fsdp_gathered_bytes(step: StepCount, precision: str) -> int:
+    """What FSDP2 holds unsharded at once (orchestrator/training/sharding.py: a group per layer, the rest in the
+    root's): the root group's parameters, which stay gathered from the forward to the backward, and two layers',
+    the one computing and the next, prefetched; in the mixed-precision policy's dtype (bf16 under run.precision
+    bf16, else fp32). A layer's unsharded gradient before its reduce-scatter is transient and not counted."""
+    itemsize = 2 if precision == "bf16" else 4
+    return (step.root_params + 2 * step.layer_params) * itemsize
+
+
 def per_gpu_bytes(step: StepCount, spec: ExperimentSpec) -> int:
-    """FSDP shards weights, gradients and AdamW state over the workers; activations stay whole on each GPU."""
+    """FSDP shards weights, gradients and AdamW state over the workers and gathers the weights back a layer at a
+    time (`fsdp_gathered_bytes`); activations stay whole on each GPU."""
     if spec.run.strategy != "fsdp" or spec.run.workers == 1:
         return step.peak_bytes
     states = sum(step.by_kind.get(k, 0) for k in STATE_KINDS)
-    return step.peak_bytes - states + states // spec.run.workers
+    return (step.peak_bytes - states + states // spec.run.workers
+            + fsdp_gathered_bytes(step, spec.run.precision))
 
 
 def _fixes(spec: ExperimentSpec, memory: int, gpu: GpuKind) -> tuple[str, ...]:
