@@ -16,7 +16,12 @@ from models.attention.exact import (
 from models.attention.hyper import HyperMechanismConfig
 from models.attention.lse import exact_attention
 from models.attention.projections import MHAConfig, _ProjectionKindConfig
-from models.attention.relative import RELATIVE_BIASES, RelativeBiases, RelativeMechanism
+from models.attention.relative import (
+    RELATIVE_BIASES,
+    RelativeBiases,
+    RelativeMechanism,
+    relative_sinusoids,
+)
 from tests.attention_cases import D_MODEL, attention_cfg, make_attention
 
 
@@ -214,3 +219,15 @@ def test_relative_mechanism_refuses_non_causal_and_drops_out_in_training_only():
     assert not torch.allclose(drawn[0], ref[0])
     torch.testing.assert_close(drawn.mean(0), ref[0], atol=0.05, rtol=0)
     assert abs((drawn[:, :, 0] == 0).all(-1).double().mean().item() - 0.5) < 0.02  # row 0 sees one key
+
+
+def test_relative_sinusoids_keep_the_distances_precision():
+    """Frequencies are computed in the distances' dtype: in float64, R at distance 1000 matches the formula
+    sin/cos(d * 10000^(-2k/D)) to 1e-12 (float32 frequencies would be off by ~1e-4 there)."""
+    D = 64
+    distances = torch.tensor([0.0, 1.0, 999.0, 1000.0], dtype=torch.float64)
+    r = relative_sinusoids(distances, D)
+    assert r.dtype == torch.float64 and r.shape == (4, D)
+    freqs = torch.tensor([10000 ** (-2 * k / D) for k in range(D // 2)], dtype=torch.float64)
+    angles = distances[:, None] * freqs[None]
+    torch.testing.assert_close(r, torch.cat([angles.sin(), angles.cos()], -1), atol=1e-12, rtol=0)
