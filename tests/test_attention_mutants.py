@@ -16,12 +16,14 @@ from models.attention.exact import (
 from models.attention.hyper import HyperMechanismConfig
 from models.attention.lse import exact_attention
 from models.attention.projections import MHAConfig, _ProjectionKindConfig
+from models.attention.registry import ATTENTION, RELATIVE_KINDS
 from models.attention.relative import (
     RELATIVE_BIASES,
     RelativeBiases,
     RelativeMechanism,
     relative_sinusoids,
 )
+from models.reversible import reversible_stack
 from tests.attention_cases import D_MODEL, attention_cfg, make_attention
 
 
@@ -176,6 +178,9 @@ def test_exact_mechanism_drops_out_in_training_only_at_the_blocks_rate():
     torch.testing.assert_close(drawn.mean(0), ref[0], atol=0.05, rtol=0)
     kept = (drawn[:, 0, 0] == 0).double().mean()  # P(an output row's every weight dropped) is 0.5^3 here
     assert abs(kept.item() - 0.5**3) < 0.02
+    # The causal path without padding (SDPA's is_causal): query 0 sees key 0 only, dropped half the time.
+    causal = mech(*(x.expand(rows, 1, 3, 4) for x in (q, k, v)), causal=True)
+    assert abs((causal[:, 0, 0] == 0).all(-1).double().mean().item() - 0.5) < 0.02
 
 
 def test_relative_biases_are_built_once_per_model_at_the_references_scale():
@@ -231,3 +236,20 @@ def test_relative_sinusoids_keep_the_distances_precision():
     freqs = torch.tensor([10000 ** (-2 * k / D) for k in range(D // 2)], dtype=torch.float64)
     angles = distances[:, None] * freqs[None]
     torch.testing.assert_close(r, torch.cat([angles.sin(), angles.cos()], -1), atol=1e-12, rtol=0)
+
+
+def test_relative_positions_with_an_approximate_kind_are_refused_naming_the_choices():
+    reason = ATTENTION.relative_unsupported_reason(attention_cfg("hyper"))
+    assert reason == (
+        f"model.positional: relative is supported with attention kinds {list(RELATIVE_KINDS)}; got hyper: the "
+        "relative terms extend exact softmax logits, which hyper approximates. Use one of those kinds, or learned "
+        "/ sinusoidal positions"
+    )
+    assert ATTENTION.relative_unsupported_reason(attention_cfg("mha")) is None
+
+
+def test_an_empty_reversible_stack_returns_its_inputs():
+    """No blocks: nothing to recompute, so no autograd function is recorded; the streams come back as given."""
+    x1, x2 = torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 3, 4, requires_grad=True)
+    y1, y2 = reversible_stack([], x1, x2, [])
+    assert y1 is x1 and y2 is x2
