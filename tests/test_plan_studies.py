@@ -50,7 +50,7 @@ def test_plan_counts_a_trial_of_a_study_of_each_task_kind(name):
 def _documented_gpu_hours() -> dict[str, float]:
     """docs/studies.md's cost column: `| `<spec>.yaml` | ... | <hours> GPU-hours on H100 ... |` per study."""
     text = (ROOT / "docs" / "studies.md").read_text()
-    rows = re.findall(r"^\| `([\w]+)\.yaml` \|.*?\| ([\d.]+) GPU-hours", text, flags=re.MULTILINE)
+    rows = re.findall(r"^\| `([\w]+)\.yaml` \|.*?\| ([\d.]+(?:e-?\d+)?) GPU-hours", text, flags=re.MULTILINE)
     return {name: float(hours) for name, hours in rows}
 
 
