@@ -3,6 +3,8 @@ computations, written against mutants that the other method tests let live (docs
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from pydantic import TypeAdapter, ValidationError
@@ -253,3 +255,27 @@ def test_an_empty_reversible_stack_returns_its_inputs():
     x1, x2 = torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 3, 4, requires_grad=True)
     y1, y2 = reversible_stack([], x1, x2, [])
     assert y1 is x1 and y2 is x2
+
+
+def test_construction_refusals_say_what_to_fix():
+    """The refusals of the attention module and the registry's builder, word for word where they name the fix."""
+    with pytest.raises(
+        ValueError,
+        match=r"attends with 1 head\(s\) but its mechanism holds per-head projections for "
+        r"4 \(linformer sharing=none\); use sharing=headwise, which is the same thing "
+        r"for one head$",
+    ):
+        make_attention("sha", mechanism={"kind": "linformer", "k": 4, "sharing": "none"})
+    attn = make_attention("mha")
+    with pytest.raises(
+        ValueError,
+        match=r"key_padding_mask has shape \(2, 7\) but keys are \(2, 8\) \(batch, seq\); "
+        r"it must be bool with True at padded key positions$",
+    ):
+        attn(torch.randn(2, 8, D_MODEL), key_padding_mask_BS=torch.zeros(2, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"^model.attention.d_model is unset: build attention through ModelConfig$"):
+        ATTENTION.build_attention(MHAConfig(heads=2), 0, torch.nn.ModuleDict())
+    with pytest.raises(ValueError, match=r"^cross-attention has no relative positions$"):
+        ATTENTION.build_attention(attention_cfg("mha"), 0, torch.nn.ModuleDict(), cross=True, relative=True)
+    with pytest.raises(ValueError, match=r"model.attention.kind=None is not known"):
+        ATTENTION.build_attention(SimpleNamespace(d_model=D_MODEL), 0, torch.nn.ModuleDict())
