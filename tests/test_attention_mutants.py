@@ -9,6 +9,7 @@ import pytest
 import torch
 from pydantic import TypeAdapter, ValidationError
 
+from models import ModelConfig
 from models.attention import ATTENTION_REGISTRY, make_registry
 from models.attention.exact import (
     ExactMechanism,
@@ -16,6 +17,7 @@ from models.attention.exact import (
     exact_attention_bias,
 )
 from models.attention.hyper import HyperMechanismConfig
+from models.attention.linformer import LinformerMechanismConfig
 from models.attention.lse import exact_attention
 from models.attention.projections import MHAConfig, _ProjectionKindConfig
 from models.attention.registry import ATTENTION, RELATIVE_KINDS
@@ -279,3 +281,16 @@ def test_construction_refusals_say_what_to_fix():
         ATTENTION.build_attention(attention_cfg("mha"), 0, torch.nn.ModuleDict(), cross=True, relative=True)
     with pytest.raises(ValueError, match=r"model.attention.kind=None is not known"):
         ATTENTION.build_attention(SimpleNamespace(d_model=D_MODEL), 0, torch.nn.ModuleDict())
+
+
+def test_a_mechanism_given_as_a_config_object_takes_the_models_fields():
+    """A `mechanism:` given as a config object (not a dict) is dumped and filled like a dict: an unset Linformer
+    max_seq_len becomes the model's."""
+    block = {"kind": "mha", "heads": 2, "mechanism": LinformerMechanismConfig.model_construct(k=4, max_seq_len=None)}
+    cfg = ModelConfig(d_model=16, layers=1, ffn=32, max_seq_len=48, attention=block)
+    assert type(cfg.attention.mechanism) is LinformerMechanismConfig and cfg.attention.mechanism.max_seq_len == 48
+
+
+def test_a_relative_layer_keeps_its_kind():
+    built = ATTENTION.build_attention(attention_cfg("gqa", groups=2), 0, torch.nn.ModuleDict(), relative=True)
+    assert built.kind == "gqa" and type(built.mechanism) is RelativeMechanism
