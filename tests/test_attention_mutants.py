@@ -166,6 +166,9 @@ def test_exact_mechanism_masks_top_left_and_pads(T, S):
 def test_exact_mechanism_drops_out_in_training_only_at_the_blocks_rate():
     """Dropout comes from the attention block (`from_config`), acts in training (mean output unchanged over
     draws, single draws differ) and never in evaluation."""
+    plain = ExactMechanism().train()  # no dropout unless the block asks for it
+    x = torch.randn(1, 1, 3, 4, dtype=torch.float64)
+    torch.testing.assert_close(plain(x, x, x), plain.eval()(x, x, x), atol=0, rtol=0)
     mech = ExactMechanism.from_config(ExactMechanismConfig(), attention_cfg("mha", dropout=0.5), 0, None)
     assert mech.dropout == 0.5 and mech.attention_parameters() == 0
     gen = torch.Generator().manual_seed(4)

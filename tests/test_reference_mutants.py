@@ -108,8 +108,9 @@ def test_autocast_does_not_lower_the_softmax_precision():
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["exact", "chunked"])
 def test_dropout_keeps_the_lse_and_is_unbiased(chunked):
-    """Dropout on the probabilities (p = 0.5, survivors scaled by 2): the lse stays the undropped normaliser
-    and the mean output over draws is the undropped one."""
+    """Dropout on the probabilities at the given rate (p = 0.3, survivors scaled by 1 / 0.7): the lse stays the
+    undropped normaliser, the mean output over draws is the undropped one, and a query's 4 weights are all
+    dropped (output zero) with probability p^4."""
     q, k, v = (rand(1, 1, 4, D, seed=s) for s in (13, 14, 15))
     rows = 20000  # independent draws side by side: the batch rows are copies of one input
     run = (
@@ -119,10 +120,12 @@ def test_dropout_keeps_the_lse_and_is_unbiased(chunked):
     )
     ref_out, ref_lse = run(0.0, (q, k, v))
     torch.manual_seed(0)
-    out, lse = run(0.5, tuple(x.expand(rows, 1, 4, D) for x in (q, k, v)))
+    out, lse = run(0.3, tuple(x.expand(rows, 1, 4, D) for x in (q, k, v)))
     torch.testing.assert_close(lse, ref_lse.expand(rows, 1, 4), atol=1e-12, rtol=1e-12)
     assert not torch.allclose(out[0], ref_out[0])
     torch.testing.assert_close(out.mean(0), ref_out[0], atol=0.03, rtol=0)
+    all_dropped = (out == 0).all(-1).double().mean().item()  # every query sees 4 keys here
+    assert abs(all_dropped - 0.3**4) < 0.004
 
 
 @pytest.mark.parametrize(
