@@ -31,7 +31,7 @@ from pathlib import Path
 import orchestrator.launch.worker  # noqa: F401 - what a Train worker has imported
 from orchestrator.spec import validate_spec
 from orchestrator.spec.plan import flops_per_token
-from orchestrator.training.trainer import Trainer
+from orchestrator.training import Trainer
 from tasks import WorkerContext
 
 def spec(kind, **knobs):

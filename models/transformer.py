@@ -327,3 +327,21 @@ class Seq2SeqTransformer(_CountsMixin, nn.Module):
             x_N1D = layer.decode_step(x_N1D, kv, cache.memory_padding_mask_NS)
         cache.length += 1
         return self.head(self.decoder.ln_final(x_N1D))[:, 0]
+
+
+def layers_to_shard(model: nn.Module) -> list[nn.Module]:
+    """The transformer layers that can be FSDP groups of their own (orchestrator/training/sharding.py; plan counts
+    their gathered weights): those outside reversible and memory stacks whose parameters no other part of the
+    model uses. Here because it is a fact of the model's structure, which training and planning both ask."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    layers = []
+    for stack in (m for m in model.modules() if isinstance(m, TransformerStack)):
+        if stack.reversible or stack.mem_len:  # these call the layers' parts, or forward_with_memory, not the layer
+            continue
+        for layer in stack.modules():
+            if isinstance(layer, TransformerLayer) and all(owners[id(p)] == 1 for p in layer.parameters()):
+                layers.append(layer)
+    return layers

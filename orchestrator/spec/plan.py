@@ -200,7 +200,7 @@ def _peak_tracker() -> Any:
 
 def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, mode: Any) -> StepCount:
     from models import checkpoint_activations
-    from orchestrator.training.sharding import layers_to_shard
+    from models.transformer import layers_to_shard
 
     with mode:
         torch.manual_seed(0)

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.transformer import layers_to_shard
+
 SHARDS_DIR = "sharded"
 """The DCP folder inside a checkpoint directory."""
 MODEL_PREFIX, OPTIM_PREFIX = "model/", "optim/"
@@ -45,25 +47,6 @@ def is_sharded(model: nn.Module) -> bool:
     something imported it)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
-
-
-def layers_to_shard(model: nn.Module) -> list[nn.Module]:
-    """The transformer layers that get their own FSDP group: those outside reversible stacks whose parameters
-    no other part of the model uses."""
-    from models.transformer import TransformerLayer, TransformerStack
-
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            owners[id(param)] = owners.get(id(param), 0) + 1
-    layers = []
-    for stack in (m for m in model.modules() if isinstance(m, TransformerStack)):
-        if stack.reversible or stack.mem_len:  # these call the layers' parts, or forward_with_memory, not the layer
-            continue
-        for layer in stack.modules():
-            if isinstance(layer, TransformerLayer) and all(owners[id(p)] == 1 for p in layer.parameters()):
-                layers.append(layer)
-    return layers
 
 
 def shard_model(model: nn.Module, device: torch.device, precision: str, world_size: int) -> nn.Module:
