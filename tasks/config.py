@@ -58,6 +58,15 @@ class DataFiles(_Config):
         return None if value is None else str(Path(value).expanduser().resolve())
 
 
+
+def check_eval_split(files: DataFiles, eval_split: str, eval_batches: int | None) -> None:
+    """The evaluation settings of a task that reads local files: the split's file given, a positive cap."""
+    if eval_batches is not None and eval_batches < 1:
+        raise ValueError(f"task.eval_batches={eval_batches} must be >= 1, or leave it unset")
+    if getattr(files, eval_split) is None:
+        raise ValueError(f"task.eval_split={eval_split!r} but task.files.{eval_split} is not given; "
+                         f"add task.files.{eval_split} or change task.eval_split")
+
 class _TaskConfig(_Config):
     dataset: str = "builtin"
     """"builtin" for the generated offline corpus, or a Hugging Face hub name such as "wikitext"."""
@@ -413,11 +422,7 @@ class ByteLMTaskConfig(_Config):
             raise ValueError(f"task.seq_len={self.seq_len} must be >= 2")
         if self.batch_size < 1:
             raise ValueError(f"task.batch_size={self.batch_size} must be >= 1")
-        if self.eval_batches is not None and self.eval_batches < 1:
-            raise ValueError(f"task.eval_batches={self.eval_batches} must be >= 1, or leave it unset")
-        if getattr(self.files, self.eval_split) is None:
-            raise ValueError(f"task.eval_split={self.eval_split!r} but task.files.{self.eval_split} is not given; "
-                             f"add task.files.{self.eval_split} or change task.eval_split")
+        check_eval_split(self.files, self.eval_split, self.eval_batches)
         return self
 
     @property

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from models.dropin import PatchConfig
-from tasks.config import DataFiles, _Config
+from tasks.config import DataFiles, _Config, check_eval_split
 
 
 class PretrainedLMTaskConfig(_Config):
@@ -74,11 +74,7 @@ class PretrainedLMTaskConfig(_Config):
                 raise ValueError(f"task.{name}={getattr(self, name)} is too small")
         if self.documents is not None and self.documents < 1:
             raise ValueError(f"task.documents={self.documents} must be >= 1, or leave it unset (every document)")
-        if self.eval_batches is not None and self.eval_batches < 1:
-            raise ValueError(f"task.eval_batches={self.eval_batches} must be >= 1, or leave it unset")
-        if getattr(self.files, self.eval_split) is None:
-            raise ValueError(f"task.eval_split={self.eval_split!r} but task.files.{self.eval_split} is not given; "
-                             f"add task.files.{self.eval_split} or change task.eval_split")
+        check_eval_split(self.files, self.eval_split, self.eval_batches)
         return self
 
     @property
