@@ -54,8 +54,13 @@ def _documented_gpu_hours() -> dict[str, float]:
     return {name: float(hours) for name, hours in rows}
 
 
+# hyper.yaml's plan (11 trials at n = 16384) takes about 4 min of CPU, half of all the others together: left out
+# of the real-process tier to keep CI's time; `python -m benchmarks.plan_cost --part studies` checks it by hand.
+PLANNED_BY_HAND = {"hyper"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(_documented_gpu_hours()))
+@pytest.mark.parametrize("name", sorted(set(_documented_gpu_hours()) - PLANNED_BY_HAND))
 def test_docs_quote_the_plan_of_every_study_in_their_table(name):
     """Each study docs/studies.md's table prices (the paper studies; configs/studies also holds the patching
     studies of docs/patching.md, whose pretrained models plan does not build) costs what plan computes."""
