@@ -83,12 +83,9 @@ class PatchConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PatchConfig:
-        if isinstance(self.attention, HyperMechanismConfig) and self.attention.causal_routing != "past_only":
+        if getattr(self.attention, "causal_routing", "past_only") != "past_only":
             raise ValueError("task.patch.attention.causal_routing must be past_only: a causal LM scored with "
-                             "causal_routing=paper reads the future (models/attention/hyper.py)")
-        if isinstance(self.attention, LSHMechanismConfig) and self.attention.causal_routing != "past_only":
-            raise ValueError("task.patch.attention.causal_routing must be past_only: a causal LM scored with "
-                             "causal_routing=paper reads the future (models/attention/lsh.py)")
+                             f"causal_routing=paper reads the future (models/attention/{self.attention.kind}.py)")
         return self
 
 

@@ -21,6 +21,7 @@ are exactly the model's. What the adapter owns, and the tests pin (tests/test_hf
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -40,8 +41,10 @@ _UNSUPPORTED_KWARGS = {
 }
 
 
+@functools.cache
 def _transformers():
-    """The parts of transformers the adapter uses (imported on first use: the project's own models need none)."""
+    """The parts of transformers the adapter uses, imported once on first use (the project's own models need none;
+    the attention function runs on every layer's forward, so it does not repeat the imports)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import (
         repeat_kv,
