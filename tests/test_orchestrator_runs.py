@@ -203,7 +203,8 @@ def test_two_worker_ddp_run_trains_with_tracking_server_down(ray_cluster, worksp
     rows = [json.loads(line) for line in (Path(outcome.path) / "mlflow-spool.jsonl").read_text().splitlines()]
     assert {r["run_id"] for r in rows} == {None}
     assert sorted(r["step"] for r in rows if r.get("key") == "train/loss") == [1, 2, 3, 4]  # rank 0's, once each
-    assert {k for r in rows if r.get("kind") == "params" for k in r["items"]} == {"params.attention", "params.total"}
+    assert {k for r in rows if r.get("kind") == "params" for k in r["items"]} == {"params.attention", "params.total",
+                                                                                      "flops_per_token"}
     closed = resume("ddp-no-server", workspace["storage"], [f"tracking.uri={workspace['uri']}"])
     run = MlflowClient(workspace["uri"]).get_run(closed.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["test/loss"] == outcome.metrics["test/loss"]
