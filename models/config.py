@@ -201,6 +201,9 @@ class ModelConfig(BaseModel):
         for name in ("d_model", "layers", "ffn", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.decoder_layers is not None and self.decoder_layers < 1:
+            raise ValueError(f"model.decoder_layers must be >= 1 (got {self.decoder_layers}); leave it unset for "
+                             "as many as model.layers")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1) (got {self.dropout})")
         define = self.embedding if isinstance(self.embedding, DeFINEConfig) else None

@@ -9,6 +9,10 @@ allocating it:
   torchtitan's former scripts/estimate/estimation.py): two steps, so the second holds AdamW's state and the
   gradients the first made, under the trial's autocast, activation checkpointing and reversible layers.
   FSDP shards weights, gradients and optimizer state over the workers; activations stay whole per GPU.
+A model's layers are identical, so every count is affine in depth: a trial deeper than a few layers is counted at
+depth 1 and at depth 2 (per stack, for translation's encoder and decoder) and extrapolated (`depth_probes`), which
+keeps a 6-layer, 16k-token trial's count to the cost of three layers. tests/test_plan.py checks the extrapolation
+against a count of the whole model.
 Step time = FLOPs of one optimizer step (grad_accum micro-batches) / (the GPU's dense bf16 peak x MFU);
 GPU-hours = step time x optim.max_steps x the GPUs a trial holds. tests/test_plan.py checks the FLOPs against a
 real CPU run and the memory against the benchmark harness's allocator-based peak.
@@ -165,19 +169,36 @@ def count_step(work: Workload, *, precision: str = "fp32", checkpointing: bool =
                                    peak_bytes=states + (one.peak_bytes - states) * work.batch)
 
 
+class _GlobalOnly:
+    """A stand-in for FlopCounterMode's module tracker that attributes every op to the total only. The tracker's
+    backward hooks fail inside a backward that calls `torch.autograd.grad` (reversible layers recompute their
+    blocks that way: models/reversible.py), and a plan reads the total alone."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
 def _flop_counter() -> Any:
     from torch.utils.flop_counter import FlopCounterMode
 
-    return FlopCounterMode(display=False, custom_mapping=cpu_sdpa_flops())
+    counter = FlopCounterMode(display=False, custom_mapping=cpu_sdpa_flops())
+    counter.mod_tracker = _GlobalOnly()
+    return counter
 
 
-def _forward_backward(work: Workload, model: nn.Module, rows: int, precision: str) -> None:
+def _forward_backward(work: Workload, model: nn.Module, rows: int, precision: str,
+                      blocks: int = ATTENTION_BLOCKS) -> None:
     from kernels.blockwise import at_most_blocks
 
     batch = work.inputs(rows)
     # Exact attention's CPU path (the one fake tensors take) in a few large row blocks: each block is a dozen ops,
     # each op costs the same on fake tensors at any size, and the FLOPs are the same (kernels/blockwise.py).
-    with at_most_blocks(ATTENTION_BLOCKS):
+    with at_most_blocks(blocks):
         with _autocast(precision):
             loss = work.loss(model, batch)
         loss.backward()
@@ -257,8 +278,73 @@ def _count_flops(work: Workload, rows: int, precision: str, mode: Any) -> int:
         torch.manual_seed(0)
         model = work.build().train()
         with _flop_counter() as flops:
-            _forward_backward(work, model, rows, precision)
+            _forward_backward(work, model, rows, precision, blocks=1)  # the FLOPs do not depend on the blocks
     return int(flops.get_total_flops())
+
+
+@dataclass(frozen=True)
+class DepthProbes:
+    """Shallow copies of a spec whose counts give the full model's by an affine combination: the spec with `start`
+    layers in every stack, then once per stack with one layer more. A count c that is affine in each stack's depth
+    L_i (identical layers, run one after another) is c(L) = c(s) + sum_i (L_i - s) (c(s + e_i) - c(s))."""
+
+    specs: tuple[ExperimentSpec, ...]
+    weights: tuple[int, ...]
+    """The combination's weights, one per spec: 1 - sum_i (L_i - s) for the base, L_i - s for stack i's probe."""
+
+
+def _stack_depths(spec: ExperimentSpec) -> dict[str, int]:
+    """The model config's depth fields that the task's model builds stacks from."""
+    model = spec.model
+    if spec.task.kind == "translation":
+        decoder = model.layers if model.decoder_layers is None else model.decoder_layers
+        return {"layers": model.layers, "decoder_layers": decoder}
+    return {"layers": model.layers}
+
+
+def depth_probes(spec: ExperimentSpec, start: int) -> DepthProbes | None:
+    """The probes from `start` layers per stack, or None where they would run as many layers as the model (or the
+    layers differ: a Linformer k listed per layer). FLOPs add up layer by layer, so start 0 (no layers, then one)
+    counts them exactly. A memory peak is a maximum over the step, and the largest transient of one layer (LSH's
+    sort and gather, a recomputed block) adds to the activations of the layers before it once, not per layer: the
+    probes of the memory count start at 1, so each holds that transient (tests/test_plan.py)."""
+    depths = _stack_depths(spec)
+    if isinstance(getattr(spec.model.attention, "k", None), list):
+        return None
+    if len(depths) > 1:
+        # Without decoder layers nothing cross-attends to the encoder, whose layers then get no backward: the
+        # stacks' costs add up only once each has a layer.
+        start = max(start, 1)
+    base = dict.fromkeys(depths, start)
+    layouts = [base] + [{**base, name: start + 1} for name in depths]
+    if sum(sum(layout.values()) for layout in layouts) >= sum(depths.values()):
+        return None
+    specs = tuple(spec.model_copy(update={"model": spec.model.model_copy(update=layout)}) for layout in layouts)
+    extra = [depths[name] - start for name in depths]
+    return DepthProbes(specs, (1 - sum(extra), *extra))
+
+
+def _combine(counts: list[Any], weights: tuple[int, ...]) -> Any:
+    """sum_j w_j counts_j for ints, and field by field (dicts key by key) for StepCounts."""
+    if not dataclasses.is_dataclass(counts[0]):
+        return sum(w * c for w, c in zip(weights, counts, strict=True))
+    fields = {}
+    for f in dataclasses.fields(counts[0]):
+        values = [getattr(c, f.name) for c in counts]
+        if isinstance(values[0], dict):
+            keys = sorted(set().union(*values))
+            fields[f.name] = {k: _combine([v.get(k, 0) for v in values], weights) for k in keys}
+        else:
+            fields[f.name] = _combine(values, weights)
+    return type(counts[0])(**fields)
+
+
+def count_by_depth(spec: ExperimentSpec, count: Callable[[Workload], Any], start: int = 1) -> Any:
+    """`count(workload(spec))`, through `depth_probes(spec, start)` where they are cheaper."""
+    probes = depth_probes(spec, start)
+    if probes is None:
+        return count(workload(spec))
+    return _combine([count(workload(s)) for s in probes.specs], probes.weights)
 
 
 def flops_per_token(spec: ExperimentSpec) -> float | None:
@@ -268,8 +354,8 @@ def flops_per_token(spec: ExperimentSpec) -> float | None:
     step times and table include it."""
     if spec.task.kind not in PLANNED_TASKS:
         return None
-    work = workload(spec)
-    return count_flops(work, precision=spec.run.precision) / work.tokens
+    count = functools.partial(count_flops, precision=spec.run.precision)
+    return count_by_depth(spec, count, start=0) / workload(spec).tokens
 
 
 @dataclass(frozen=True)
@@ -339,8 +425,8 @@ def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU,
     """Plan one trial's spec on `gpu`."""
     key = _step_key(spec)
     if key not in _STEPS:
-        _STEPS[key] = count_step(workload(spec), precision=spec.run.precision,
-                                 checkpointing=spec.run.activation_checkpointing)
+        _STEPS[key] = count_by_depth(spec, functools.partial(count_step, precision=spec.run.precision,
+                                                             checkpointing=spec.run.activation_checkpointing))
     step = _STEPS[key]
     tokens = workload(spec).tokens
     memory = per_gpu_bytes(step, spec)
