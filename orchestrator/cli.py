@@ -168,7 +168,7 @@ def _plan(study: Study, gpu: str | None, mfu: float) -> int:
         print(f"orchestrator: plan counts the project's own models; task.kind={study.base.task.kind} loads a "
               "pretrained one on the worker, whose costs the run measures (val/forward_s, val/peak_gb)", file=sys.stderr)
         return 2
-    plans = list(plan_study(study, gpu or DEFAULT_GPU, mfu))
+    plans = list(plan_study(study, gpu or DEFAULT_GPU, mfu, progress=_stderr_line))
     print(format_plan(study, plans, mfu))
     if problems := refusals(plans):
         print("orchestrator: some trials do not fit:\n" + "\n".join(problems), file=sys.stderr)
@@ -188,8 +188,12 @@ def _check_fit(study: Study, gpu: str | None) -> None:
     if gpu is None:
         print(f"note: memory per trial checked against {DEFAULT_GPU} (the default; --gpu names another)",
               file=sys.stderr)
-    if problems := refusals(list(plan_study(study, gpu or DEFAULT_GPU))):
+    if problems := refusals(list(plan_study(study, gpu or DEFAULT_GPU, progress=_stderr_line))):
         raise SpecError("some trials do not fit their GPU:\n" + "\n".join(problems))
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # beside a table on stdout, which stays the command's output
 
 
 def _progress_line(line: str) -> None:

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -446,14 +447,21 @@ _STEPS: dict[str, StepCount] = {}
 """Counts by `_step_key`, for the process: a plan of a large grid counts each distinct model once."""
 
 
-def plan_study(study: Study, gpu_name: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU) -> Iterator[TrialPlan]:
-    """Every trial `validate` checks (each grid combination; choice values and range ends of sampled domains)."""
+def plan_study(study: Study, gpu_name: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU,
+               progress: Callable[[str], None] | None = None) -> Iterator[TrialPlan]:
+    """Every trial `validate` checks (each grid combination; choice values and range ends of sampled domains).
+    `progress` gets a line per trial counted (a large model's count takes seconds)."""
     gpu = gpu_kind(gpu_name)
-    if not study.domains:
-        yield plan_spec(study.base, gpu, mfu)
-        return
-    for point in validation_points(study.domains, search=study.base.tune.search):
-        yield plan_spec(study.spec_for(point), gpu, mfu, point)
+    points = list(validation_points(study.domains, search=study.base.tune.search)) if study.domains else [{}]
+    for i, point in enumerate(points, 1):
+        spec = study.spec_for(point) if point else study.base
+        start = time.perf_counter()
+        counted = _step_key(spec) not in _STEPS
+        plan = plan_spec(spec, gpu, mfu, point)
+        if progress is not None and counted:
+            progress(f"plan: trial {i}/{len(points)} counted in {time.perf_counter() - start:.1f} s "
+                     f"({_label(point, spec.name)})")
+        yield plan
 
 
 def study_gpu_hours(study: Study, plans: list[TrialPlan]) -> float:
@@ -470,6 +478,10 @@ def _value(value: Any) -> str:
     return str(value)
 
 
+def _label(values: dict[str, Any], name: str) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={_value(v)}" for k, v in values.items()) or name
+
+
 def format_plan(study: Study, plans: list[TrialPlan], mfu: float) -> str:
     """The table `orchestrator plan` prints: one row per trial, then the study's total."""
     gpu = plans[0].gpu
@@ -478,7 +490,7 @@ def format_plan(study: Study, plans: list[TrialPlan], mfu: float) -> str:
              f"{'trial':<48} {'params':>10} {'attn':>9} {'GFLOP/tok':>10} {'mem GB':>8} {'fits':>4} "
              f"{'step s':>9} {'GPU-h':>9}"]
     for i, p in enumerate(plans):
-        label = ", ".join(f"{k.split('.')[-1]}={_value(v)}" for k, v in p.values.items()) or study.base.name
+        label = _label(p.values, study.base.name)
         lines.append(f"{label[:48]:<48} {p.step.params_total:>10,} {p.step.params_attention:>9,} "
                      f"{p.flops_per_token / 1e9:>10.3f} {p.memory_bytes / GIB:>8.2f} {'yes' if p.fits else 'NO':>4} "
                      f"{p.step_s:>9.3g} {p.gpu_hours:>9.3g}")
