@@ -13,7 +13,13 @@ from pydantic import ValidationError
 from models import ModelConfig
 from models.attention import build_attention
 from models.attention.lse import SELF_LOGIT
-from models.attention.lsh import LSHMechanism, LSHMechanismConfig, default_n_buckets
+from models.attention.lsh import (
+    LSHMechanism,
+    LSHMechanismConfig,
+    bounded_layout,
+    default_n_buckets,
+    layout_length_bound,
+)
 from models.attention.projections import MultiHeadProjection, SharedQKProjection
 
 B, H, E = 2, 2, 8
@@ -266,3 +272,46 @@ def test_cross_length_inputs_are_refused_with_both_lengths():
     k, v5 = shared_qk_inputs(5)
     with pytest.raises(ValueError, match=r"lsh attention is self-attention: .*same length \(got 9 and 5\)"):
         lsh(bucket_size=4)(q, F.normalize(k, dim=-1), v5)
+
+
+@pytest.mark.parametrize("n_buckets,padded", [(None, False), (6, True)])
+def test_bounded_layout_changes_no_output_or_gradient(n_buckets, padded):
+    """`bounded_layout` (what `orchestrator plan` counts under) only lengthens the past-only layout with masked rows:
+    outputs and gradients equal the data-sized layout's, float64, without padding or with a fixed n_buckets."""
+    T = 29
+    q, v = shared_qk_inputs(T, seed=5, scale=2.0)
+    q, v = q.double().requires_grad_(), v.double().requires_grad_()
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    if padded:
+        mask[1, 20:] = True
+    mech = lsh(bucket_size=4, n_hashes=2, n_buckets=n_buckets).double()
+
+    def run():
+        out = mech(q, F.normalize(q, dim=-1), v, key_padding_mask_BS=mask, causal=True)
+        return (out, *torch.autograd.grad(out.pow(2).sum(), (q, v)))
+
+    sized = run()
+    with bounded_layout():
+        bounded = run()
+    for a, b in zip(sized, bounded, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+def test_layout_length_bound_holds_and_is_reached():
+    """The past-only layout of T tokens in n_ids buckets is at most `layout_length_bound` long, for keys hashed
+    at random and for any placement; one token in every bucket but one, which takes the rest, reaches it."""
+    mech = lsh(bucket_size=4, n_hashes=1, causal_routing="past_only")
+    T, n_ids = 40, 12
+
+    def length(bucket_T: torch.Tensor) -> int:
+        bucket = bucket_T.view(1, 1, 1, T)
+        order = torch.argsort(bucket * T + torch.arange(T), dim=-1)
+        return mech.bucket_aligned_slots(bucket, order)[1]
+
+    bound = layout_length_bound(T, n_ids, 4)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        assert length(torch.randint(0, n_ids, (T,), generator=gen)) <= bound
+    worst = torch.cat([torch.arange(n_ids - 1), torch.full((T - n_ids + 1,), n_ids - 1)])
+    assert length(worst[torch.randperm(T, generator=gen)]) == bound == (12 + (40 - 12) // 4) * 4
+    assert layout_length_bound(5, 12, 4) == 20  # more buckets than tokens: one chunk per token

@@ -74,7 +74,17 @@ def test_memory_estimate_within_20_percent_of_the_cpu_peak(kind, size, checkpoin
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    measured = held + peak_memory_bytes(two_steps, torch.device("cpu"))
+    if kind == "lsh":
+        # Planned at its longest layout (models/attention/lsh.py bounded_layout), so the estimate is compared with
+        # that layout's measured peak, and must not fall below the peak of the layout these hashes make.
+        from models.attention.lsh import bounded_layout
+
+        sized = held + peak_memory_bytes(two_steps, torch.device("cpu"))
+        assert estimate >= sized, (estimate, sized)
+        with bounded_layout():
+            measured = held + peak_memory_bytes(two_steps, torch.device("cpu"))
+    else:
+        measured = held + peak_memory_bytes(two_steps, torch.device("cpu"))
     assert abs(estimate - measured) / measured <= MEMORY_MARGIN, (estimate, measured)
 
 

@@ -35,6 +35,9 @@ Other differences from the reference implementations, all deliberate (see docs/l
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Literal
 
 import torch
@@ -45,6 +48,31 @@ from models.attention.base import _AttentionConfig, _MechanismConfig, _Mechanism
 from models.attention.lse import chunked_attention, merge_lse_many
 
 _LAYER_SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for realistic depths
+_BOUNDED_LAYOUT: ContextVar[bool] = ContextVar("lsh_bounded_layout", default=False)
+
+
+@contextmanager
+def bounded_layout() -> Iterator[None]:
+    """Inside, the sizes that depend on where the hashes fell take their upper bounds instead of being read back
+    from the device: the bucket count of the longest possible row, and a `past_only` layout long enough for any
+    distribution of tokens over buckets (`layout_length_bound`). The extra rows of the layout are masked padding,
+    so the outputs are the same, except for a padded row under the default n_buckets, which is hashed into the
+    buckets of a full row. The cost is that of the worst case. For `orchestrator plan`, which runs models on fake
+    tensors, whose values cannot be read."""
+    token = _BOUNDED_LAYOUT.set(True)
+    try:
+        yield
+    finally:
+        _BOUNDED_LAYOUT.reset(token)
+
+
+def layout_length_bound(seq_len: int, n_ids: int, bucket_size: int) -> int:
+    """The longest `past_only` layout of `seq_len` tokens in at most `n_ids` buckets: each of m non-empty buckets
+    takes ceil(c_b / C) chunks = floor((c_b - 1) / C) + 1, and sum_b floor((c_b - 1) / C) <= floor((T - m) / C),
+    so the chunks are at most m + floor((T - m) / C), largest at m = min(n_ids, T) (one token in every bucket but
+    one). Random keys fill about 2 T / C buckets with C / 2 tokens each: a layout near 2 T against this 3 T."""
+    m = min(n_ids, seq_len)
+    return (m + (seq_len - m) // bucket_size) * bucket_size
 
 PAPER_ROUTING_LEAK = (
     "lsh with causal_routing=paper under a causal mask leaks the future: the chunks of the sorted sequence "
@@ -153,13 +181,15 @@ class LSHMechanism(nn.Module):
         Without a fixed n_buckets each row gets 2 * (its real length) / bucket_size buckets.
         """
         B, H, T = k_BHTE.shape[:3]
-        if self.n_buckets is not None:
-            half_B = torch.full((B,), self.n_buckets // 2, device=k_BHTE.device)
+        if self.n_buckets is not None or key_padding_mask_BT is None or _BOUNDED_LAYOUT.get():
+            # One count for every row, with no host sync (bounded: as if every row were T tokens long).
+            n_half = self.n_half_bound(T)
+            half_B = torch.full((B,), n_half, device=k_BHTE.device)
         else:
-            real_B = torch.full((B,), T) if key_padding_mask_BT is None else (~key_padding_mask_BT).sum(-1).cpu()
+            real_B = (~key_padding_mask_BT).sum(-1).cpu()
             half_B = torch.tensor([default_n_buckets(max(int(n), 1), self.bucket_size) // 2 for n in real_B])
             half_B = half_B.to(k_BHTE.device)
-        n_half = int(half_B.max())
+            n_half = int(half_B.max())
         rot_HREN = self.rotations(H, n_half, k_BHTE.device).to(k_BHTE.dtype)
         xr_BHRTN = torch.einsum("bhte,hren->bhrtn", k_BHTE, rot_HREN)
         unused_B1111N = (torch.arange(n_half, device=k_BHTE.device) >= half_B[:, None])[:, None, None, None, :]
@@ -220,7 +250,9 @@ class LSHMechanism(nn.Module):
         """Row of each token [B, H, R, T] in the (bucket, position) order with every bucket's run starting a new
         chunk, and the layout's length L (the longest over rows, heads and rounds; one host sync)."""
         C, T = self.bucket_size, bucket_BHRT.shape[-1]
-        n_ids = int(bucket_BHRT.max()) + 1
+        bounded = _BOUNDED_LAYOUT.get()
+        # Ids run below 2 * n_half, padding's is 2 * n_half (`buckets`); n_half from the rotation's columns.
+        n_ids = 2 * self.n_half_bound(T) + 1 if bounded else int(bucket_BHRT.max()) + 1
         count_BHRN = torch.zeros(*bucket_BHRT.shape[:3], n_ids, dtype=torch.long, device=bucket_BHRT.device)
         count_BHRN.scatter_add_(3, bucket_BHRT, torch.ones_like(bucket_BHRT))
         chunks_BHRN = -(-count_BHRN // C)
@@ -230,7 +262,14 @@ class LSHMechanism(nn.Module):
         rank_BHRT = torch.arange(T, device=bucket_BHRT.device) - torch.gather(first_sorted_BHRN, 3, sorted_bucket_BHRT)
         slot_sorted_BHRT = torch.gather(first_row_BHRN, 3, sorted_bucket_BHRT) + rank_BHRT
         slot_BHRT = torch.empty_like(slot_sorted_BHRT).scatter_(3, order_BHRT, slot_sorted_BHRT)
+        if bounded:
+            return slot_BHRT, layout_length_bound(T, n_ids, C)
         return slot_BHRT, int(chunks_BHRN.sum(-1).max()) * C
+
+    def n_half_bound(self, seq_len: int) -> int:
+        """Half the bucket count of the longest row of `seq_len` tokens (`buckets` gives no row more)."""
+        n = self.n_buckets if self.n_buckets is not None else default_n_buckets(seq_len, self.bucket_size)
+        return n // 2
 
     def attention_parameters(self) -> int:
         return 0

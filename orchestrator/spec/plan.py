@@ -195,11 +195,13 @@ def _flop_counter() -> Any:
 def _forward_backward(work: Workload, model: nn.Module, rows: int, precision: str,
                       blocks: int = ATTENTION_BLOCKS) -> None:
     from kernels.blockwise import at_most_blocks
+    from models.attention.lsh import bounded_layout
 
     batch = work.inputs(rows)
     # Exact attention's CPU path (the one fake tensors take) in a few large row blocks: each block is a dozen ops,
     # each op costs the same on fake tensors at any size, and the FLOPs are the same (kernels/blockwise.py).
-    with at_most_blocks(blocks):
+    # LSH's layout at its longest, whatever the hashes: fake tensors have no values to size it by.
+    with at_most_blocks(blocks), bounded_layout():
         with _autocast(precision):
             loss = work.loss(model, batch)
         loss.backward()
