@@ -54,8 +54,8 @@ def _documented_gpu_hours() -> dict[str, float]:
     return {name: float(hours) for name, hours in rows}
 
 
-# hyper.yaml's plan (11 trials at n = 16384) takes about 4 min of CPU, half of all the others together: left out
-# of the real-process tier to keep CI's time; `python -m benchmarks.plan_cost --part studies` checks it by hand.
+# hyper.yaml's plan (11 trials at n = 16384) takes about 100 s of CPU, the most of any study (the others 30-60 s):
+# left out of the real-process tier to keep CI's time; `python -m benchmarks.plan_cost --part studies` checks it.
 PLANNED_BY_HAND = {"hyper"}
 
 
