@@ -193,7 +193,9 @@ def test_exact_mechanism_drops_out_in_training_only_at_the_blocks_rate():
 META = torch.device("meta")
 """Tensors with a shape and dtype but no data: mixing one with a CPU tensor raises, so running a function on
 meta inputs shows that every tensor it creates follows the inputs' device (a dropped `device=` would put it on
-the CPU, where on this CPU-only machine it is otherwise indistinguishable)."""
+the CPU, where on this CPU-only machine it is otherwise indistinguishable). The first meta operation of a
+process imports torch's meta registrations (with sympy): a few seconds once, which the fast tier's torch.compile
+tests pay anyway."""
 
 
 @pytest.mark.parametrize("T, S", [(3, 3), (3, 5)])
