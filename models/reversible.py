@@ -98,8 +98,8 @@ class _ReversibleFunction(torch.autograd.Function):
     def backward(ctx, dy1_BTD, dy2_BTD):  # type: ignore[override]
         y1_BTD, y2_BTD = ctx.saved_tensors
         params = ctx.params
-        dy1_BTD = torch.zeros_like(y1_BTD) if dy1_BTD is None else dy1_BTD
-        dy2_BTD = torch.zeros_like(y2_BTD) if dy2_BTD is None else dy2_BTD
+        # dy1, dy2 are never None: autograd passes zeros for an output the loss does not use
+        # (ctx.set_materialize_grads is on by default).
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         for block, (f_state, g_state) in zip(reversed(ctx.blocks), reversed(ctx.rng)):
             # G: y2 = x2 + G(y1)  ->  x2 = y2 - G(y1); dL/dy1 gains dL/dy2 * dG/dy1.

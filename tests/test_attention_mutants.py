@@ -190,6 +190,46 @@ def test_exact_mechanism_drops_out_in_training_only_at_the_blocks_rate():
     assert abs((causal[:, 0, 0] == 0).all(-1).double().mean().item() - 0.5) < 0.02
 
 
+META = torch.device("meta")
+"""Tensors with a shape and dtype but no data: mixing one with a CPU tensor raises, so running a function on
+meta inputs shows that every tensor it creates follows the inputs' device (a dropped `device=` would put it on
+the CPU, where on this CPU-only machine it is otherwise indistinguishable). The first meta operation of a
+process imports torch's meta registrations (with sympy): a few seconds once, which the fast tier's torch.compile
+tests pay anyway."""
+
+
+@pytest.mark.parametrize("T, S", [(3, 3), (3, 5)])
+def test_exact_attention_builds_its_masks_on_the_inputs_device(T, S):
+    """Every mask of the exact mechanism (causal, padding, both, neither) is made on the device of q."""
+    q = torch.empty(2, 2, T, 4, device=META)
+    k, v = torch.empty(2, 2, S, 4, device=META), torch.empty(2, 2, S, 4, device=META)
+    pad = torch.zeros(2, S, dtype=torch.bool, device=META)
+    mech = ExactMechanism()
+    for causal in (False, True):
+        for mask in (None, pad):
+            out = mech(q, k, v, key_padding_mask_BS=mask, causal=causal)
+            assert out.device == META and out.shape == (2, 2, T, 4)
+            bias = exact_attention_bias(mask, causal, T, S, torch.float16, META)
+            if mask is not None or causal:
+                assert bias.device == META and bias.dtype == torch.float16
+                assert bias.shape == (2 if mask is not None else 1, 1, T, S)
+
+
+def test_relative_attention_builds_its_terms_on_the_inputs_device():
+    """R, the distances, the causal and padding masks and the position logits of Transformer-XL's mechanism
+    are made on the device of q (here meta, with the layer's parameters moved there too)."""
+    mech = RelativeMechanism(8, 2, 4, RelativeBiases(2, 4)).to(META)
+    mech._biases.to(META)
+    T, S = 3, 5
+    q = torch.empty(2, 2, T, 4, device=META)
+    k, v = torch.empty(2, 2, S, 4, device=META), torch.empty(2, 2, S, 4, device=META)
+    assert relative_sinusoids(torch.arange(S, dtype=torch.float32, device=META), 8).device == META
+    assert mech.position_logits(q, S).device == META
+    for mask in (None, torch.zeros(2, S, dtype=torch.bool, device=META)):
+        out = mech(q, k, v, key_padding_mask_BS=mask, causal=True)
+        assert out.device == META and out.shape == (2, 2, T, 4)
+
+
 def test_relative_biases_are_built_once_per_model_at_the_references_scale():
     """The first layer creates the model's u, v ([heads, head_dim], Normal(0, 0.02) as mem_transformer.py's
     init_weight); later layers share them; W_R is each layer's own and is what a layer counts."""

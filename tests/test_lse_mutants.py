@@ -1,0 +1,82 @@
+"""Merging attention parts through their log-sum-exp (models/attention/lse.py): values against the formula
+written out in float64, written against mutants that the other method tests let live
+(docs/mutation_testing.md). Two parts over disjoint keys merge to exact attention over their union
+(tests/test_hyper.py); here the many-part merge of Reformer's rounds, its lse, and the dtypes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models.attention.lse import merge_lse, merge_lse_many
+
+NEG_INF = float("-inf")
+
+
+def _merged_by_hand(out_RME: torch.Tensor, lse_RM: torch.Tensor):
+    """lse = log sum_r e^lse_r, out = sum_r e^(lse_r - lse) out_r, per row m, in Python floats; a row whose
+    parts all have lse = -inf (no keys) gives zeros and -inf."""
+    R, M, E = out_RME.shape
+    out, lse = torch.zeros(M, E, dtype=torch.float64), torch.full((M,), NEG_INF, dtype=torch.float64)
+    for m in range(M):
+        finite = [r for r in range(R) if lse_RM[r, m] > NEG_INF]
+        if not finite:
+            continue
+        top = max(float(lse_RM[r, m]) for r in finite)  # log sum e^l = top + log sum e^(l - top), no overflow
+        lse[m] = top + math.log(sum(math.exp(lse_RM[r, m] - top) for r in finite))
+        out[m] = sum(math.exp(lse_RM[r, m] - lse[m]) * out_RME[r, m] for r in finite)
+    return out, lse
+
+
+def test_merging_rounds_gives_their_log_sum_exp_and_the_weighted_outputs():
+    """merge_lse_many over the rounds axis of [B, R, M] (as Reformer's rounds are merged): rows where every
+    round has keys, where exactly one has (its lse is the merged lse, exactly), where none has (zeros, -inf),
+    and a round with a large lse that would overflow exp without the shift."""
+    gen = torch.Generator().manual_seed(11)
+    B, R, M, E = 2, 3, 5, 4
+    out = torch.randn(B, R, M, E, generator=gen, dtype=torch.float64)
+    lse = torch.randn(B, R, M, generator=gen, dtype=torch.float64)
+    lse[0, 1:, 1] = NEG_INF  # row 1 of batch 0: only round 0 has keys
+    lse[1, :2, 2] = NEG_INF  # row 2 of batch 1: only round 2 has keys
+    lse[0, :, 3] = NEG_INF  # row 3 of batch 0: no round has keys
+    lse[1, 0, 4] = 800.0  # e^800 overflows float64
+    got_out, got_lse = merge_lse_many(out, lse, dim=1)
+    assert got_out.shape == (B, M, E) and got_lse.shape == (B, M)
+    for b in range(B):
+        ref_out, ref_lse = _merged_by_hand(out[b], lse[b])
+        torch.testing.assert_close(got_out[b], ref_out, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(got_lse[b], ref_lse, atol=1e-12, rtol=1e-12)
+    assert got_lse[0, 1] == lse[0, 0, 1] and got_lse[1, 2] == lse[1, 2, 2]
+    assert torch.equal(got_out[0, 3], torch.zeros(E, dtype=torch.float64)) and got_lse[0, 3] == NEG_INF
+    torch.testing.assert_close(got_out[1, 4], out[1, 0, 4], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_outputs_merge_back_to_their_dtype_with_a_float32_lse(dtype):
+    """Parts as the kernels return them for half inputs: out in the inputs' dtype, lse in float32. The merged
+    out comes back in the inputs' dtype (not the float32 it is accumulated in) and the lse stays float32."""
+    gen = torch.Generator().manual_seed(12)
+    out = torch.randn(3, 2, 4, generator=gen).to(dtype)
+    lse = torch.randn(3, 2, generator=gen)
+    many_out, many_lse = merge_lse_many(out, lse, dim=0)
+    two_out, two_lse = merge_lse(out[0], lse[0], out[1], lse[1])
+    assert many_out.dtype == two_out.dtype == dtype and many_lse.dtype == two_lse.dtype == torch.float32
+    ref_out, ref_lse = _merged_by_hand(out.double(), lse.double())
+    torch.testing.assert_close(many_out.double(), ref_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(many_lse.double(), ref_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_many_small_half_precision_parts_are_accumulated_in_float32():
+    """1000 fp16 parts (fp16 lse too) of the same output 1e-4: each weighted term out_r / 1000 is about 1e-7,
+    a subnormal in fp16 (which rounds it to 1.19e-7), so summing fp16 terms would give 1.19e-4. Accumulated
+    in float32 as `_acc` promises, the merge returns the parts' value to fp16 precision."""
+    R = 1000
+    out = torch.full((R, 1, 4), 1e-4, dtype=torch.float16)
+    lse = torch.zeros(R, 1, dtype=torch.float16)
+    merged, merged_lse = merge_lse_many(out, lse, dim=0)
+    assert merged.dtype == torch.float16
+    torch.testing.assert_close(merged.double(), out[0].double(), atol=0, rtol=2e-3)
+    torch.testing.assert_close(merged_lse.double(), torch.tensor([math.log(R)], dtype=torch.float64),
+                               atol=1e-2, rtol=0)
