@@ -69,3 +69,22 @@ def test_odd_causal_pieces_without_a_padding_mask_equal_exact_causal_attention(r
     ref, ref_lse = exact_attention(q, k, v, causal=True)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("routing", ["past_only", "paper"])
+def test_padding_at_the_start_or_middle_is_honoured_by_the_causal_recursion(routing):
+    """Key padding anywhere (left padding, as batched generation uses, or a hole in the middle) is masked at every
+    level of Algorithm 4: the off-diagonal block must take the first half's padding. With blocks covering every
+    piece the recursion is exact, so each real query equals exact causal attention with the same mask."""
+    g = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randn(B, H, 44, E, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.zeros(B, 44, dtype=torch.bool)
+    mask[0, 3:9] = True  # a hole inside the first half (and the first quarter)
+    mask[1, :5] = True  # left padding
+    cfg = HyperMechanismConfig(block_size=32, sample_size=8, min_seq_len=8, lsh_bits=2, causal_routing=routing)
+    mech = HyperMechanism(cfg, E, layer_index=0).double().train()
+    out, lse = mech.causal(q, k, v, mask)
+    ref, ref_lse = exact_attention(q, k, v, causal=True, key_padding_mask=mask)
+    real = ~mask
+    torch.testing.assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
