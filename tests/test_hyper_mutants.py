@@ -88,3 +88,22 @@ def test_padding_at_the_start_or_middle_is_honoured_by_the_causal_recursion(rout
     real = ~mask
     torch.testing.assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("routing", ["past_only", "paper"])
+def test_an_off_diagonal_block_with_few_real_keys_is_exact(routing):
+    """The exact threshold counts real keys (`longest_real_row`), at every level: 44 -> two halves of 22 =
+    min_seq_len (exact), and an off-diagonal block whose first half holds 6 and 2 real keys (left padding), fewer
+    than min_seq_len, is exact too, so the whole output is exact causal attention with the mask. Counting padded
+    keys as real would approximate that block (blocks of 4, 4 samples)."""
+    g = torch.Generator().manual_seed(29)
+    q, k, v = (torch.randn(B, H, 44, E, generator=g, dtype=torch.float64) * s for s in (2.0, 2.0, 1.0))
+    mask = torch.zeros(B, 44, dtype=torch.bool)
+    mask[0, :16], mask[1, :20] = True, True
+    cfg = HyperMechanismConfig(block_size=4, sample_size=4, min_seq_len=22, lsh_bits=2, causal_routing=routing)
+    mech = HyperMechanism(cfg, E, layer_index=0).double().eval()
+    out, lse = mech.causal(q, k, v, mask)
+    ref, ref_lse = exact_attention(q, k, v, causal=True, key_padding_mask=mask)
+    real = ~mask
+    torch.testing.assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
