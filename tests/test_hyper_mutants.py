@@ -1,0 +1,109 @@
+"""HyperAttention (Han et al., 2024, arXiv 2310.05869) behaviour that surviving mutants showed untested.
+
+The device-only mutants (a `device=` dropped, `.to(device)` made `.to(None)`) change nothing on a CPU-only machine;
+tests/other_device.py simulates a second device on the CPU so that a tensor made on the wrong one raises, as on a
+GPU. The `meta` device cannot do it here: the routing needs values (`longest_real_row`'s host sync, searchsorted
+into the sorted key buckets).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from models.attention.hyper import HyperMechanism, HyperMechanismConfig
+from models.attention.lse import exact_attention
+from tests.other_device import OTHER, OtherDevice, on_other, to_other
+
+B, H, E, T = 2, 2, 8, 22
+
+
+def _inputs(padded: bool):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, E, generator=g) * s for s in (2.0, 2.0, 1.0))
+    pad = None
+    if padded:
+        pad = torch.zeros(B, T, dtype=torch.bool)
+        pad[1, 17:] = True
+    return q, k, v, pad
+
+
+# the causal recursion with each routing (an odd piece, 22 -> 11, pads a row), the non-causal sortLSH; samples in
+# evaluation (a CPU generator, moved to the device) and in training (drawn there); with and without padding
+@pytest.mark.parametrize("causal, routing, training, padded", [
+    (False, "past_only", False, True), (False, "past_only", True, False), (True, "past_only", False, False),
+    (True, "past_only", True, True), (True, "paper", False, True), (True, "paper", True, False),
+])
+def test_every_tensor_is_made_on_the_inputs_device(causal, routing, training, padded):
+    """Hash codes, sort keys, the sorted layout, the sampled columns and every mask are made on the input's
+    device: run on a simulated second device, nothing mixes with a plain CPU tensor, the output stays there and
+    equals the plain CPU run (the same global RNG state in training)."""
+    cfg = HyperMechanismConfig(block_size=4, sample_size=4, min_seq_len=8, lsh_bits=2, causal_routing=routing)
+    mech = HyperMechanism(cfg, E, layer_index=0).train(training)
+    q, k, v, pad = _inputs(padded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the paper routing's leak warning
+        torch.manual_seed(1)
+        expected = mech(q, k, v, key_padding_mask_BS=pad, causal=causal)
+        torch.manual_seed(1)
+        with OtherDevice():
+            to_other(mech)
+            out = mech(*(to_other(x.clone()) for x in (q, k, v)), causal=causal,
+                       key_padding_mask_BS=None if pad is None else to_other(pad.clone()))
+            assert on_other(out) and out.device == OTHER
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("routing", ["past_only", "paper"])
+def test_odd_causal_pieces_without_a_padding_mask_equal_exact_causal_attention(routing):
+    """Algorithm 4 on 44 -> 22 -> 11 (odd) -> 6 with no padding mask: the odd piece gets one padded row, masked
+    (a mask is made for it), seen only by itself and dropped. With blocks covering every piece (and every sample
+    inside its block, hence dropped) the recursion is exact causal attention, output and lse, in float64."""
+    g = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(B, H, 44, E, generator=g, dtype=torch.float64) for _ in range(3))
+    cfg = HyperMechanismConfig(block_size=32, sample_size=8, min_seq_len=8, lsh_bits=2, causal_routing=routing)
+    mech = HyperMechanism(cfg, E, layer_index=0).double().train()
+    out, lse = mech.causal(q, k, v, None)
+    ref, ref_lse = exact_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("routing", ["past_only", "paper"])
+def test_padding_at_the_start_or_middle_is_honoured_by_the_causal_recursion(routing):
+    """Key padding anywhere (left padding, as batched generation uses, or a hole in the middle) is masked at every
+    level of Algorithm 4: the off-diagonal block must take the first half's padding. With blocks covering every
+    piece the recursion is exact, so each real query equals exact causal attention with the same mask."""
+    g = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randn(B, H, 44, E, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.zeros(B, 44, dtype=torch.bool)
+    mask[0, 3:9] = True  # a hole inside the first half (and the first quarter)
+    mask[1, :5] = True  # left padding
+    cfg = HyperMechanismConfig(block_size=32, sample_size=8, min_seq_len=8, lsh_bits=2, causal_routing=routing)
+    mech = HyperMechanism(cfg, E, layer_index=0).double().train()
+    out, lse = mech.causal(q, k, v, mask)
+    ref, ref_lse = exact_attention(q, k, v, causal=True, key_padding_mask=mask)
+    real = ~mask
+    torch.testing.assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("routing", ["past_only", "paper"])
+def test_an_off_diagonal_block_with_few_real_keys_is_exact(routing):
+    """The exact threshold counts real keys (`longest_real_row`), at every level: 44 -> two halves of 22 =
+    min_seq_len (exact), and an off-diagonal block whose first half holds 6 and 2 real keys (left padding), fewer
+    than min_seq_len, is exact too, so the whole output is exact causal attention with the mask. Counting padded
+    keys as real would approximate that block (blocks of 4, 4 samples)."""
+    g = torch.Generator().manual_seed(29)
+    q, k, v = (torch.randn(B, H, 44, E, generator=g, dtype=torch.float64) * s for s in (2.0, 2.0, 1.0))
+    mask = torch.zeros(B, 44, dtype=torch.bool)
+    mask[0, :16], mask[1, :20] = True, True
+    cfg = HyperMechanismConfig(block_size=4, sample_size=4, min_seq_len=22, lsh_bits=2, causal_routing=routing)
+    mech = HyperMechanism(cfg, E, layer_index=0).double().eval()
+    out, lse = mech.causal(q, k, v, mask)
+    ref, ref_lse = exact_attention(q, k, v, causal=True, key_padding_mask=mask)
+    real = ~mask
+    torch.testing.assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
