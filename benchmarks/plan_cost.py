@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 import orchestrator.launch.worker  # noqa: F401 - what a Train worker has imported
 from orchestrator.spec import validate_spec
-from orchestrator.spec.plan import flops_per_token
+from orchestrator.spec.counting import flops_per_token
 from orchestrator.training import Trainer
 from tasks import WorkerContext
 

@@ -280,7 +280,7 @@ class Seq2SeqTransformer(_CountsMixin, nn.Module):
         self.shared_state = nn.ModuleDict()
         self.embed = EmbeddingInput(cfg, vocab_size)
         self.encoder = TransformerStack(cfg, cfg.layers, self.shared_state, causal=False, cross=False)
-        # `is None`, not `or`: a plan's depth probes (orchestrator/spec/plan.py) build a decoder of 0 layers.
+        # `is None`, not `or`: a plan's depth probes (orchestrator/spec/counting.py) build a decoder of 0 layers.
         decoder_layers = cfg.layers if cfg.decoder_layers is None else cfg.decoder_layers
         self.decoder = TransformerStack(cfg, decoder_layers, self.shared_state, causal=True, cross=True)
         _init_weights(self.encoder)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import re
 import subprocess
@@ -25,12 +26,16 @@ from orchestrator.spec import (
     TrackingSettings,
     check_gpus,
     expected_trials,
+    format_plan,
     load_spec,
     load_study,
     local_gpu_count,
     name_problem,
+    plan_study,
+    refusals,
     spec_to_yaml,
 )
+from orchestrator.spec.counting import PLANNED_TASKS
 from orchestrator.spec.search_space import MAX_TRIALS, ValidationPlan, iter_grid_points
 from orchestrator.storage import parent, resolve
 from orchestrator.tracking.describe import artifact_root
@@ -161,14 +166,11 @@ def _describe_grid(study: Study) -> str:
 
 def _plan(study: Study, gpu: str | None, mfu: float) -> int:
     """`orchestrator plan`: the table, and exit 2 naming the fixes when some trial does not fit."""
-    from orchestrator.spec import format_plan, plan_study, refusals
-    from orchestrator.spec.plan import PLANNED_TASKS
-
     if study.base.task.kind not in PLANNED_TASKS:
         print(f"orchestrator: plan counts the project's own models; task.kind={study.base.task.kind} loads a "
               "pretrained one on the worker, whose costs the run measures (val/forward_s, val/peak_gb)", file=sys.stderr)
         return 2
-    plans = list(plan_study(study, gpu or DEFAULT_GPU, mfu, progress=_stderr_line))
+    plans = list(plan_study(study, gpu or DEFAULT_GPU, mfu, progress=_to_stderr))
     print(format_plan(study, plans, mfu))
     if problems := refusals(plans):
         print("orchestrator: some trials do not fit:\n" + "\n".join(problems), file=sys.stderr)
@@ -179,21 +181,15 @@ def _plan(study: Study, gpu: str | None, mfu: float) -> int:
 def _check_fit(study: Study, gpu: str | None) -> None:
     """A trial that cannot fit its GPU fails here, not on the cluster after its queue wait (only for specs that
     ask for GPUs: a CPU run has no fixed memory to plan against)."""
-    from orchestrator.spec.plan import PLANNED_TASKS  # not pretrained_lm: its size is known once a worker loads it
-
     if study.base.run.gpus_per_worker <= 0 or study.base.task.kind not in PLANNED_TASKS:
-        return
-    from orchestrator.spec import plan_study, refusals
-
+        return  # not pretrained_lm either: its size is known once a worker loads it
     if gpu is None:
-        print(f"note: memory per trial checked against {DEFAULT_GPU} (the default; --gpu names another)",
-              file=sys.stderr)
-    if problems := refusals(list(plan_study(study, gpu or DEFAULT_GPU, progress=_stderr_line))):
+        _to_stderr(f"note: memory per trial checked against {DEFAULT_GPU} (the default; --gpu names another)")
+    if problems := refusals(list(plan_study(study, gpu or DEFAULT_GPU, progress=_to_stderr))):
         raise SpecError("some trials do not fit their GPU:\n" + "\n".join(problems))
 
 
-def _stderr_line(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)  # beside a table on stdout, which stays the command's output
+_to_stderr = functools.partial(print, file=sys.stderr, flush=True)  # progress beside a table on stdout
 
 
 def _progress_line(line: str) -> None:

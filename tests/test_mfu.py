@@ -8,8 +8,9 @@ import pytest
 
 from orchestrator.launch.local_run import LocalHooks
 from orchestrator.spec import gpu_kind, validate_spec
+from orchestrator.spec.counting import flops_per_token, workload
 from orchestrator.spec.gpus import model_flops_utilization
-from orchestrator.spec.plan import flops_per_token, plan_spec, workload
+from orchestrator.spec.plan import plan_spec
 from orchestrator.training.trainer import Trainer
 from tasks import WorkerContext
 

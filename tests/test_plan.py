@@ -1,4 +1,4 @@
-"""`orchestrator plan` (orchestrator/spec/plan.py): FLOPs and memory counted on fake tensors against real CPU runs,
+"""`orchestrator plan` (orchestrator/spec/plan.py, counting.py): FLOPs and memory counted on fake tensors against real CPU runs,
 the table, and the refusal of a trial that cannot fit its GPU."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from benchmarks.harness import peak_memory_bytes
 from models.attention import ATTENTION_KINDS
 from orchestrator.cli import main
 from orchestrator.spec import validate_spec, workload
-from orchestrator.spec.plan import count_step
+from orchestrator.spec.counting import count_step
 
 ANALYTIC_MARGIN = 0.05
 """6 N + 12 L d n leaves out the norms, softmax and loss (elementwise, uncounted by FlopCounterMode too) and counts
@@ -103,10 +103,10 @@ model at depth 4 or 5 for every kind (mha 0.97, linformer 0.94)."""
 
 @pytest.mark.parametrize("kind,checkpointing", DEPTH_CASES)
 def test_depth_probes_count_what_the_whole_model_counts(kind, checkpointing):
-    """A 4-layer model counted through its depth probes (orchestrator.spec.plan.depth_probes) against the whole
+    """A 4-layer model counted through its depth probes (orchestrator.spec.counting.depth_probes) against the whole
     model: FLOPs from 0 and 1 layers and from 1 and 2 layers exactly, parameters exactly, the memory peak exactly
     without checkpointing (LSH's per-layer hashes vary its temporaries a little) and within 10% with it."""
-    from orchestrator.spec.plan import count_by_depth, count_flops
+    from orchestrator.spec.counting import count_by_depth, count_flops
 
     spec = _spec(kind, layers=4, checkpointing=checkpointing)
     whole = count_step(workload(spec), checkpointing=checkpointing)
@@ -122,7 +122,7 @@ def test_depth_probes_count_what_the_whole_model_counts(kind, checkpointing):
 def test_depth_probes_of_a_translation_model_take_each_stack_on_its_own():
     """Encoder and decoder layers differ (cross-attention): 5 encoder and 6 decoder layers from probes (1, 1),
     (2, 1), (1, 2), exactly."""
-    from orchestrator.spec.plan import count_by_depth, count_flops, depth_probes
+    from orchestrator.spec.counting import count_by_depth, count_flops, depth_probes
 
     spec = validate_spec({"name": "plan-test", "task": {"kind": "translation", "dataset": "builtin", "vocab_size": 256,
                                                          "max_source_len": 16, "max_tokens": 64},
@@ -137,7 +137,7 @@ def test_depth_probes_of_a_translation_model_take_each_stack_on_its_own():
 
 
 def test_depth_probes_are_skipped_where_they_save_nothing_or_layers_differ():
-    from orchestrator.spec.plan import depth_probes
+    from orchestrator.spec.counting import depth_probes
 
     assert depth_probes(_spec("mha", layers=3), 1) is None  # 1 + 2 layers: the whole model is as cheap
     assert depth_probes(_spec("mha", layers=2), 0) is not None  # 0 + 1 layers
@@ -151,7 +151,7 @@ def test_reversible_models_are_counted(kind):
     """RevNet blocks recompute their inputs with torch.autograd.grad inside the backward, where the counter's module
     tracker cannot follow (a reversible run's worker failed when it counted its FLOPs): fake and real counts agree,
     and flops_per_token divides that count by the batch's positions."""
-    from orchestrator.spec.plan import flops_per_token
+    from orchestrator.spec.counting import flops_per_token
 
     raw = _spec(kind, layers=4).model_dump(mode="json")
     raw["model"]["reversible"] = True
@@ -200,8 +200,9 @@ def test_fsdp_memory_holds_the_root_and_two_gathered_layers(precision, itemsize)
     gathers at once: the root group (embeddings, output layer, norms) and two layers (the current and the
     prefetched next), in the mixed-precision policy's dtype."""
     from models.transformer import TransformerLayer
+    from orchestrator.spec.counting import STATE_KINDS
     from orchestrator.spec.gpus import gpu_kind
-    from orchestrator.spec.plan import STATE_KINDS, plan_spec
+    from orchestrator.spec.plan import plan_spec
 
     raw = _spec("mha", layers=3).model_dump(mode="json")
     single = plan_spec(validate_spec({**raw, "run": {**raw["run"], "precision": precision}}), gpu_kind("H100"))

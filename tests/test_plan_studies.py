@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.spec import gpu_kind, load_study
+from orchestrator.spec.counting import PLANNED_TASKS
 from orchestrator.spec.loading import expected_trials, read_yaml
-from orchestrator.spec.plan import PLANNED_TASKS, plan_spec, plan_study, study_gpu_hours
+from orchestrator.spec.plan import plan_spec, plan_study, study_gpu_hours
 from orchestrator.spec.search_space import validation_points
 
 ROOT = Path(__file__).resolve().parents[1]

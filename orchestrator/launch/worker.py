@@ -32,7 +32,7 @@ from orchestrator.launch.deliver import store_task_files
 from orchestrator.launch.pretrained import load as load_pretrained
 from orchestrator.launch.worker_config import WORKER_CONFIG, WorkerConfig
 from orchestrator.spec import ExperimentSpec, spec_to_yaml
-from orchestrator.spec.plan import flops_per_token
+from orchestrator.spec.counting import flops_per_token
 from orchestrator.storage.layout import (
     checkpoint_order,
     checkpoint_steps,

@@ -10,9 +10,11 @@ Modules: `models` (the pydantic blocks and ExperimentSpec), `loading` (files, `b
 overrides, validation, studies), `merge` (how a base and a child merge), `messages` (errors that name the
 field), `search_space` (the domain syntax and Tune's param space), `names` (what a run may be called),
 `resources` (GPUs a spec asks for against what a machine has), `gpus` (memory and bf16 peak of each GPU kind),
-`plan` (`orchestrator plan`: FLOPs, memory and GPU-hours of every trial, counted on fake tensors). The names below are the package's API.
+`counting` (FLOPs and peak memory of a trial's training step, on fake tensors), `plan` (`orchestrator plan`:
+every trial's fit, step time and GPU-hours on a GPU kind). The names below are the package's API.
 """
 
+from orchestrator.spec.counting import workload
 from orchestrator.spec.gpus import DEFAULT_GPU, GPUS, GpuKind, gpu_kind, peak_bf16_flops
 from orchestrator.spec.loading import (
     RESUME_OVERRIDES,
@@ -43,7 +45,6 @@ from orchestrator.spec.plan import (
     plan_spec,
     plan_study,
     refusals,
-    workload,
 )
 from orchestrator.spec.resources import check_gpus, local_gpu_count
 

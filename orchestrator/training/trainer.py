@@ -31,8 +31,8 @@ from torch import nn
 
 from models import checkpoint_activations
 from orchestrator.spec import ExperimentSpec, RunSettings
+from orchestrator.spec.counting import workload
 from orchestrator.spec.gpus import model_flops_utilization
-from orchestrator.spec.plan import workload
 from orchestrator.training.checkpoint import TrainingState, capture_rng, restore_rng
 from orchestrator.training.optimizer_step import (
     LossMeter,
@@ -257,7 +257,7 @@ class Trainer:
     """Sharded runs, rank 0: an unsharded copy of the model that evaluation loads the gathered weights into
     (Task.evaluate runs on rank 0 alone, and a sharded forward is a collective of every rank)."""
     flops_per_token: float | None = None
-    """Training FLOPs per position of a micro-batch (orchestrator.spec.plan.flops_per_token), set by whoever logs
+    """Training FLOPs per position of a micro-batch (orchestrator.spec.counting.flops_per_token), set by whoever logs
     it (the Ray worker's rank 0); with it and a device in the GPU table, `train/mfu` is logged."""
     device_name: str | None = None
     """torch.cuda.get_device_name of a CUDA device (None on CPU): the GPU table's row of `train/mfu`'s peak."""
