@@ -1,5 +1,5 @@
-"""`orchestrator plan` (orchestrator/spec/plan.py, counting.py): FLOPs and memory counted on fake tensors against real CPU runs,
-the table, and the refusal of a trial that cannot fit its GPU."""
+"""`orchestrator plan` (orchestrator/spec/plan.py, counting.py): FLOPs and memory counted on fake tensors against
+real CPU runs, depth probes against whole models, the table, and the refusal of a trial that cannot fit its GPU."""
 
 from __future__ import annotations
 
@@ -215,3 +215,33 @@ def test_fsdp_memory_holds_the_root_and_two_gathered_layers(precision, itemsize)
     states = sum(single.step.by_kind.get(k, 0) for k in STATE_KINDS)
     assert plan.step == single.step and root > 0
     assert plan.memory_bytes == (single.memory_bytes - states + states // 4 + (root + 2 * per_layer) * itemsize)
+
+
+class _ReadsItsValues(torch.nn.Module):
+    """A linear layer applied as many times as a value read back from the input says (a host sync)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def parameter_counts(self) -> dict[str, int]:
+        return {"total": sum(p.numel() for p in self.parameters()), "attention": 0}
+
+    def forward(self, x):
+        for _ in range(int(x[0, 0].abs().ceil().clamp(1, 3))):
+            x = self.linear(x)
+        return x
+
+
+def test_a_model_that_reads_its_values_is_counted_on_one_real_row_and_scaled():
+    """Fake tensors cannot answer a size read from the values: count_step falls back to one real row of the batch
+    and scales its FLOPs by the rows; the weights and AdamW state are not scaled."""
+    from orchestrator.spec.counting import Workload, count_flops
+
+    work = Workload(_ReadsItsValues, lambda rows: (torch.full((rows, 8), 2.5),), lambda m, b: m(b[0]).sum(), 4, 1)
+    step = count_step(work)
+    # Per row, three applications of an 8 x 8 matmul (2 x 64 FLOPs each): three forward, three weight gradients,
+    # and two input gradients (the input itself needs none).
+    one_row = 2 * 8 * 8 * (3 + 3 + 2)
+    assert step.flops == count_flops(work) == 4 * one_row
+    assert step.by_kind["Parameter"] == (8 * 8 + 8) * 4

@@ -148,9 +148,9 @@ def count_step(work: Workload, *, precision: str = "fp32", checkpointing: bool =
         return _count_step(work, work.batch, precision, checkpointing,
                            FakeTensorMode() if fake else torch.device("cpu"))
     except DataDependentOutputException:
-        # lsh lays its buckets out by what the hashes were (a host sync: its layout's length), which shapes
-        # alone cannot answer. Such a kind is counted on real CPU tensors for one row of the batch and scaled:
-        # FLOPs and activations grow with the rows, weights, gradients and AdamW state do not.
+        # A size read back from the values (a host sync) cannot be answered by shapes alone: such a model is
+        # counted on real CPU tensors for one row of the batch and scaled: FLOPs and activations grow with the
+        # rows, weights, gradients and AdamW state do not. (lsh sized its layout so until its bounded layout.)
         one = _count_step(work, 1, precision, checkpointing, torch.device("cpu"))
         states = sum(one.by_kind.get(k, 0) for k in STATE_KINDS)
         return dataclasses.replace(one, flops=one.flops * work.batch,
@@ -258,7 +258,7 @@ def count_flops(work: Workload, *, precision: str = "fp32", fake: bool = True) -
 
     try:
         return _count_flops(work, work.batch, precision, FakeTensorMode() if fake else torch.device("cpu"))
-    except DataDependentOutputException:  # lsh: one real row, scaled (count_step says why)
+    except DataDependentOutputException:  # one real row, scaled (count_step says why)
         return _count_flops(work, 1, precision, torch.device("cpu")) * work.batch
 
 
