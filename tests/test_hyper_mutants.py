@@ -107,3 +107,87 @@ def test_an_off_diagonal_block_with_few_real_keys_is_exact(routing):
     real = ~mask
     torch.testing.assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+
+
+def _gray_ranks(x, hyperplanes, bits, padding=None):
+    """Bucket ranks from the sign bits (angular LSH), ordered along the reflected Gray sequence looked up in the
+    sequence itself; padded rows rank after every real bucket."""
+    code = ((x @ hyperplanes.to(x.dtype) > 0).long() << torch.arange(bits)).sum(-1)
+    position = {i ^ (i >> 1): i for i in range(1 << bits)}
+    rank = code.clone().apply_(lambda c: position[c])
+    if padding is not None:
+        rank = rank.masked_fill(padding[:, None, :], 1 << bits)
+    return rank
+
+
+def _u(B_, H_, m, n_real_max):
+    """Fixed 'uniform' draws: the first and last real key of a row of n_real_max keys, and points in between."""
+    base = torch.tensor([0.0, 1 - 0.5 / n_real_max, 0.5, 0.27, 0.73, 0.11, 0.9, 0.41, 0.66])[:m]
+    return torch.stack([torch.stack([base.roll(b_ + 3 * h_) for h_ in range(H_)]) for b_ in range(B_)])
+
+
+def _oracle_row(q_i, keys, samples, k, v, n_real, m):
+    """One query of the practical HyperAttention (Algorithms 2-3): exact logits of its block's keys, plus the sampled
+    keys outside the block, each weighted by n / m (added to the logit in log space); (out, lse) in float64."""
+    scale = q_i.shape[-1] ** -0.5
+    logits = [float(q_i @ k[j]) * scale for j in keys]
+    logits += [float(q_i @ k[j]) * scale + torch.log(torch.tensor(n_real / m, dtype=torch.float64)).item()
+               for j in samples]
+    idx = list(keys) + list(samples)
+    lg = torch.tensor(logits, dtype=torch.float64)
+    w = torch.softmax(lg, 0)
+    return (w[:, None] * v[idx]).sum(0), torch.logsumexp(lg, 0)
+
+
+@pytest.mark.parametrize("path", ["sorted-queries", "placed-queries"])
+@pytest.mark.parametrize("N, m", [(22, 7), (24, 7), (24, 1)], ids=["partial-last-block", "whole-blocks", "one-sample"])
+def test_sampled_part_follows_algorithm_2_with_given_draws(path, N, m, monkeypatch):
+    """The light part with the draws fixed (`_uniform` replaced): sample s of a row with n real keys is the key at
+    sorted position floor(u_s * n) (real keys sort first), dropped when it lies in the query's own key block (or is
+    padding), kept ones weighted by n / m; merged with the block's exact keys, every real query equals a dense
+    oracle written from the paper, in float64: bucket order and blocks as Algorithm 1 (ties by position, as the
+    authors' stable sort), and for the placed queries the key block at the middle of their bucket's run. Row 1 has
+    key padding (at the end for the sorted queries, whose padded queries move to the end; at the start and in the
+    middle for the placed ones), so n differs between rows and from the padded length; one case draws a single
+    sample (m = 1)."""
+    b, bits = 4, 2
+    g = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(B, H, N, E, generator=g, dtype=torch.float64) * s for s in (1.5, 1.5, 1.0))
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    if path == "sorted-queries":
+        pad[1, N - 7:] = True
+    else:
+        pad[1, :3], pad[1, 9:11] = True, True
+    cfg = HyperMechanismConfig(block_size=b, sample_size=m, min_seq_len=4, lsh_bits=bits)
+    mech = HyperMechanism(cfg, E, layer_index=0).double().eval()
+    u = _u(B, H, m, N)
+    monkeypatch.setattr(mech, "_uniform", lambda B_, H_, m_, device, level: u[:B_, :H_, :m_].to(device))
+    if path == "sorted-queries":
+        out, lse = mech.non_causal(q, k, v, pad, pad)
+        qx = q
+    else:
+        qx = q[:, :, :N - 5]  # fewer queries than keys, as in no off-diagonal block, but any count works
+        out, lse = mech.placed(qx, k, v, pad, 0)
+    rank_k = _gray_ranks(k, mech.hyperplanes, bits, pad)
+    rank_q = _gray_ranks(qx, mech.hyperplanes, bits, pad if path == "sorted-queries" else None)
+    for bi in range(B):
+        n_real = int((~pad[bi]).sum())
+        for h in range(H):
+            order_k = sorted(range(N), key=lambda j: (int(rank_k[bi, h, j]), j))
+            order_q = sorted(range(qx.shape[2]), key=lambda i: (int(rank_q[bi, h, i]), i))
+            draws = [int(x * n_real) for x in u[bi, h].tolist()]
+            for i in range(qx.shape[2]):
+                if path == "sorted-queries":
+                    if pad[bi, i]:
+                        continue
+                    block = order_q.index(i) // b
+                else:
+                    r = int(rank_q[bi, h, i])
+                    ranks = [int(rank_k[bi, h, j]) for j in order_k]
+                    lo, hi = sum(x < r for x in ranks), sum(x <= r for x in ranks)
+                    block = min((lo + hi) // 2, n_real - 1) // b
+                keys = [j for j in order_k[block * b:(block + 1) * b] if not pad[bi, j]]
+                samples = [order_k[s] for s in draws if s // b != block]
+                ref, ref_lse = _oracle_row(qx[bi, h, i], keys, samples, k[bi, h], v[bi, h], n_real, m)
+                torch.testing.assert_close(out[bi, h, i], ref, atol=1e-12, rtol=1e-10)
+                torch.testing.assert_close(lse[bi, h, i], ref_lse, atol=1e-12, rtol=1e-10)
