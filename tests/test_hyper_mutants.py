@@ -158,21 +158,29 @@ def test_sampled_part_follows_algorithm_2_with_given_draws(path, N, m, monkeypat
         pad[1, N - 7:] = True
     else:
         pad[1, :3], pad[1, 9:11] = True, True
+        q = q[:, :, :N - 5]  # a query count other than the key count (any works)
+    _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch)
+
+
+def _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch):
+    """Run the sorted (non_causal) or placed routing with fixed draws and compare every real query with the
+    oracle of `test_sampled_part_follows_algorithm_2_with_given_draws`."""
+    B_, H_, N = k.shape[:3]
     cfg = HyperMechanismConfig(block_size=b, sample_size=m, min_seq_len=4, lsh_bits=bits)
     mech = HyperMechanism(cfg, E, layer_index=0).double().eval()
-    u = _u(B, H, m, N)
-    monkeypatch.setattr(mech, "_uniform", lambda B_, H_, m_, device, level: u[:B_, :H_, :m_].to(device))
+    u = _u(B_, H_, m, N)
+    monkeypatch.setattr(mech, "_uniform", lambda *shape_device_level: u.to(shape_device_level[3]))
     if path == "sorted-queries":
         out, lse = mech.non_causal(q, k, v, pad, pad)
         qx = q
     else:
-        qx = q[:, :, :N - 5]  # fewer queries than keys, as in no off-diagonal block, but any count works
+        qx = q
         out, lse = mech.placed(qx, k, v, pad, 0)
     rank_k = _gray_ranks(k, mech.hyperplanes, bits, pad)
     rank_q = _gray_ranks(qx, mech.hyperplanes, bits, pad if path == "sorted-queries" else None)
-    for bi in range(B):
+    for bi in range(B_):
         n_real = int((~pad[bi]).sum())
-        for h in range(H):
+        for h in range(H_):
             order_k = sorted(range(N), key=lambda j: (int(rank_k[bi, h, j]), j))
             order_q = sorted(range(qx.shape[2]), key=lambda i: (int(rank_q[bi, h, i]), i))
             draws = [int(x * n_real) for x in u[bi, h].tolist()]
@@ -191,3 +199,24 @@ def test_sampled_part_follows_algorithm_2_with_given_draws(path, N, m, monkeypat
                 ref, ref_lse = _oracle_row(qx[bi, h, i], keys, samples, k[bi, h], v[bi, h], n_real, m)
                 torch.testing.assert_close(out[bi, h, i], ref, atol=1e-12, rtol=1e-10)
                 torch.testing.assert_close(lse[bi, h, i], ref_lse, atol=1e-12, rtol=1e-10)
+
+
+def test_a_query_whose_bucket_follows_every_key_goes_to_the_last_block_of_real_keys(monkeypatch):
+    """Placed routing: a query whose bucket ranks after every real key's (its bucket holds no key) searches to the
+    end of the real keys, and takes the block of the LAST real key, never a block of padding or one past the end.
+    Built so it bites: the keys avoid the last Gray bucket and the queries sit in it, the real key counts (16 of
+    16, and 12 of 16 after left padding) are multiples of b, and one head (H = 1)."""
+    b, m, bits = 4, 3, 2
+    # the hyperplanes of layer 0, seed 0: those of the mechanism the check builds
+    mech = HyperMechanism(HyperMechanismConfig(block_size=b, sample_size=m, lsh_bits=bits), E, layer_index=0)
+    g = torch.Generator().manual_seed(37)
+    x = torch.randn(4000, E, generator=g, dtype=torch.float64)
+    rank = _gray_ranks(x[None, None], mech.hyperplanes, bits)[0, 0]
+    last = (1 << bits) - 1
+    keys, queries = x[rank < last][:2 * 16], x[rank == last][:2 * 10]
+    k = keys.view(2, 1, 16, E)
+    v = torch.randn(2, 1, 16, E, generator=g, dtype=torch.float64)
+    q = queries.view(2, 1, 10, E)
+    pad = torch.zeros(2, 16, dtype=torch.bool)
+    pad[1, :4] = True
+    _check_against_the_oracle("placed-queries", q, k, v, pad, b, m, bits, monkeypatch)
