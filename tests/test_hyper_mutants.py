@@ -204,8 +204,9 @@ def _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch):
 def test_a_query_whose_bucket_follows_every_key_goes_to_the_last_block_of_real_keys(monkeypatch):
     """Placed routing: a query whose bucket ranks after every real key's (its bucket holds no key) searches to the
     end of the real keys, and takes the block of the LAST real key, never a block of padding or one past the end.
-    Built so it bites: the keys avoid the last Gray bucket and the queries sit in it, the real key counts (16 of
-    16, and 12 of 16 after left padding) are multiples of b, and one head (H = 1)."""
+    Built so it bites: the keys avoid the last Gray bucket and the queries sit in it, the real key counts are
+    multiples of b (16 of 16, 12 after left padding) or one more (13: the last real key opens a block of its own),
+    and one head (H = 1)."""
     b, m, bits = 4, 3, 2
     # the hyperplanes of layer 0, seed 0: those of the mechanism the check builds
     mech = HyperMechanism(HyperMechanismConfig(block_size=b, sample_size=m, lsh_bits=bits), E, layer_index=0)
@@ -213,10 +214,10 @@ def test_a_query_whose_bucket_follows_every_key_goes_to_the_last_block_of_real_k
     x = torch.randn(4000, E, generator=g, dtype=torch.float64)
     rank = _gray_ranks(x[None, None], mech.hyperplanes, bits)[0, 0]
     last = (1 << bits) - 1
-    keys, queries = x[rank < last][:2 * 16], x[rank == last][:2 * 10]
-    k = keys.view(2, 1, 16, E)
-    v = torch.randn(2, 1, 16, E, generator=g, dtype=torch.float64)
-    q = queries.view(2, 1, 10, E)
-    pad = torch.zeros(2, 16, dtype=torch.bool)
-    pad[1, :4] = True
+    keys, queries = x[rank < last][:3 * 16], x[rank == last][:3 * 10]
+    k = keys.view(3, 1, 16, E)
+    v = torch.randn(3, 1, 16, E, generator=g, dtype=torch.float64)
+    q = queries.view(3, 1, 10, E)
+    pad = torch.zeros(3, 16, dtype=torch.bool)
+    pad[1, :4], pad[2, :3] = True, True
     _check_against_the_oracle("placed-queries", q, k, v, pad, b, m, bits, monkeypatch)
