@@ -162,13 +162,13 @@ def test_sampled_part_follows_algorithm_2_with_given_draws(path, N, m, monkeypat
     _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch)
 
 
-def _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch):
+def _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch, u=None):
     """Run the sorted (non_causal) or placed routing with fixed draws and compare every real query with the
     oracle of `test_sampled_part_follows_algorithm_2_with_given_draws`."""
     B_, H_, N = k.shape[:3]
     cfg = HyperMechanismConfig(block_size=b, sample_size=m, min_seq_len=4, lsh_bits=bits)
     mech = HyperMechanism(cfg, E, layer_index=0).double().eval()
-    u = _u(B_, H_, m, N)
+    u = _u(B_, H_, m, N) if u is None else u
     monkeypatch.setattr(mech, "_uniform", lambda *shape_device_level: u.to(shape_device_level[3]))
     if path == "sorted-queries":
         out, lse = mech.non_causal(q, k, v, pad, pad)
@@ -183,7 +183,8 @@ def _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch):
         for h in range(H_):
             order_k = sorted(range(N), key=lambda j: (int(rank_k[bi, h, j]), j))
             order_q = sorted(range(qx.shape[2]), key=lambda i: (int(rank_q[bi, h, i]), i))
-            draws = [int(x * n_real) for x in u[bi, h].tolist()]
+            n_slots = -(-N // b) * b
+            draws = [min(int(x * n_real), n_slots - 1) for x in u[bi, h].tolist()]
             for i in range(qx.shape[2]):
                 if path == "sorted-queries":
                     if pad[bi, i]:
@@ -195,7 +196,7 @@ def _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch):
                     lo, hi = sum(x < r for x in ranks), sum(x <= r for x in ranks)
                     block = min((lo + hi) // 2, n_real - 1) // b
                 keys = [j for j in order_k[block * b:(block + 1) * b] if not pad[bi, j]]
-                samples = [order_k[s] for s in draws if s // b != block]
+                samples = [order_k[s] for s in draws if s // b != block and s < n_real]  # padding sorts last
                 ref, ref_lse = _oracle_row(qx[bi, h, i], keys, samples, k[bi, h], v[bi, h], n_real, m)
                 torch.testing.assert_close(out[bi, h, i], ref, atol=1e-12, rtol=1e-10)
                 torch.testing.assert_close(lse[bi, h, i], ref_lse, atol=1e-12, rtol=1e-10)
@@ -221,3 +222,17 @@ def test_a_query_whose_bucket_follows_every_key_goes_to_the_last_block_of_real_k
     pad = torch.zeros(3, 16, dtype=torch.bool)
     pad[1, :4], pad[2, :3] = True, True
     _check_against_the_oracle("placed-queries", q, k, v, pad, b, m, bits, monkeypatch)
+
+
+@pytest.mark.parametrize("path", ["sorted-queries", "placed-queries"])
+def test_a_draw_that_rounds_up_to_n_takes_the_last_key(path, monkeypatch):
+    """floor(u * n) is below n for every float32 u < 1 only while n is exact in float32; beyond 2^24 keys u * n
+    can round up to n or past it. Such a draw (u = 1 here) must still index the sorted keys: the last slot when
+    every slot is a real key (24 of 24, b = 4), a padded key (then dropped) otherwise."""
+    b, m, N = 4, 3, 24
+    g = torch.Generator().manual_seed(41)
+    q, k, v = (torch.randn(B, H, N, E, generator=g, dtype=torch.float64) for _ in range(3))
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[1, N - 5:] = True
+    u = torch.tensor([1.0, 0.0, 0.5]).expand(B, H, m)
+    _check_against_the_oracle(path, q, k, v, pad, b, m, 2, monkeypatch, u=u)
