@@ -162,22 +162,24 @@ def test_sampled_part_follows_algorithm_2_with_given_draws(path, N, m, monkeypat
     _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch)
 
 
-def _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch, u=None):
+def _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch, u=None, qpad=None):
     """Run the sorted (non_causal) or placed routing with fixed draws and compare every real query with the
-    oracle of `test_sampled_part_follows_algorithm_2_with_given_draws`."""
+    oracle of `test_sampled_part_follows_algorithm_2_with_given_draws`. The sorted queries' padding `qpad` is
+    the keys' unless given (the paper routing's off-diagonal block pads its queries and keys separately)."""
     B_, H_, N = k.shape[:3]
+    qpad = pad if qpad is None else qpad
     cfg = HyperMechanismConfig(block_size=b, sample_size=m, min_seq_len=4, lsh_bits=bits)
     mech = HyperMechanism(cfg, E, layer_index=0).double().eval()
     u = _u(B_, H_, m, N) if u is None else u
     monkeypatch.setattr(mech, "_uniform", lambda *shape_device_level: u.to(shape_device_level[3]))
     if path == "sorted-queries":
-        out, lse = mech.non_causal(q, k, v, pad, pad)
+        out, lse = mech.non_causal(q, k, v, pad, qpad)
         qx = q
     else:
         qx = q
         out, lse = mech.placed(qx, k, v, pad, 0)
     rank_k = _gray_ranks(k, mech.hyperplanes, bits, pad)
-    rank_q = _gray_ranks(qx, mech.hyperplanes, bits, pad if path == "sorted-queries" else None)
+    rank_q = _gray_ranks(qx, mech.hyperplanes, bits, qpad if path == "sorted-queries" else None)
     for bi in range(B_):
         n_real = int((~pad[bi]).sum())
         for h in range(H_):
@@ -187,7 +189,7 @@ def _check_against_the_oracle(path, q, k, v, pad, b, m, bits, monkeypatch, u=Non
             draws = [min(int(x * n_real), n_slots - 1) for x in u[bi, h].tolist()]
             for i in range(qx.shape[2]):
                 if path == "sorted-queries":
-                    if pad[bi, i]:
+                    if qpad[bi, i]:
                         continue
                     block = order_q.index(i) // b
                 else:
@@ -236,3 +238,17 @@ def test_a_draw_that_rounds_up_to_n_takes_the_last_key(path, monkeypatch):
     pad[1, N - 5:] = True
     u = torch.tensor([1.0, 0.0, 0.5]).expand(B, H, m)
     _check_against_the_oracle(path, q, k, v, pad, b, m, 2, monkeypatch, u=u)
+
+
+def test_a_row_with_one_real_key_weights_its_samples_by_one_over_m(monkeypatch):
+    """The paper routing's off-diagonal block pads keys (first half) and queries (second half) separately: a row
+    whose first half holds one real key still has queries in every block. Queries outside block 0 see that key only
+    through the m samples (all of them draw it), each weighted n / m = 1 / m, so the row sum is exactly exp of its
+    logit (lse = logit); another row of the batch is long, so the block is not exact."""
+    b, m, N = 4, 3, 24
+    g = torch.Generator().manual_seed(43)
+    q, k, v = (torch.randn(B, H, N, E, generator=g, dtype=torch.float64) for _ in range(3))
+    pad = torch.ones(B, N, dtype=torch.bool)
+    pad[0], pad[1, 5] = False, False
+    _check_against_the_oracle("sorted-queries", q, k, v, pad, b, m, 2, monkeypatch,
+                              qpad=torch.zeros(B, N, dtype=torch.bool))
