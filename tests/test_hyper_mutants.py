@@ -252,3 +252,35 @@ def test_a_row_with_one_real_key_weights_its_samples_by_one_over_m(monkeypatch):
     pad[0], pad[1, 5] = False, False
     _check_against_the_oracle("sorted-queries", q, k, v, pad, b, m, 2, monkeypatch,
                               qpad=torch.zeros(B, N, dtype=torch.bool))
+
+
+def test_a_zero_projection_is_a_zero_bit_as_in_the_authors_hash():
+    """SimHash bit r is 1 when the projection on hyperplane r is strictly positive (insuhan/hyper-attn,
+    angular_lsh.py: `mask = mat @ proj_dir > 0`): an all-zero row (a zero key, or padding filled with zeros) has
+    code 0, bucket rank 0; a row on the negative side of every hyperplane too."""
+    mech = HyperMechanism(HyperMechanismConfig(lsh_bits=3), E, layer_index=0)
+    x = torch.zeros(1, 1, 2, E)
+    x[0, 0, 1] = -torch.linalg.pinv(mech.hyperplanes.T) @ torch.ones(3)  # projection -1 on every hyperplane
+    assert mech.bucket_rank(x, None).tolist() == [[[0, 0]]]
+
+
+def test_inputs_of_another_dtype_than_the_module_are_hashed_in_their_dtype():
+    """Under mixed precision the activations' dtype differs from the module's (float32 hyperplanes, autocast
+    bfloat16 inputs; float64 here): the hyperplanes follow the inputs, so the result is that of the same module cast
+    to the inputs' dtype, bit for bit."""
+    g = torch.Generator().manual_seed(47)
+    q, k, v = (torch.randn(B, H, 24, E, generator=g, dtype=torch.float64) for _ in range(3))
+    cfg = HyperMechanismConfig(block_size=4, sample_size=3, min_seq_len=4, lsh_bits=2)
+    mech = HyperMechanism(cfg, E, layer_index=0).eval()
+    out = mech(q, k, v)
+    torch.testing.assert_close(out, mech.double()(q, k, v), rtol=0, atol=0)
+
+
+def test_evaluation_draws_differ_across_heads_and_repeat_across_rows():
+    """Evaluation samples come from a per-(layer, level) generator: shared by the rows of a batch (so a row's
+    result does not depend on the batch) but independent per head, as the paper samples per attention matrix."""
+    mech = HyperMechanism(HyperMechanismConfig(sample_size=16), E, layer_index=0).eval()
+    u = mech._uniform(3, 4, 16, torch.device("cpu"), 0)
+    assert u.shape == (3, 4, 16)
+    assert torch.equal(u[0], u[1]) and torch.equal(u[0], u[2])
+    assert all(not torch.equal(u[0, i], u[0, j]) for i in range(4) for j in range(i))
