@@ -284,3 +284,24 @@ def test_evaluation_draws_differ_across_heads_and_repeat_across_rows():
     assert u.shape == (3, 4, 16)
     assert torch.equal(u[0], u[1]) and torch.equal(u[0], u[2])
     assert all(not torch.equal(u[0, i], u[0, j]) for i in range(4) for j in range(i))
+
+
+def test_the_dropout_refusal_says_why_and_what_to_set():
+    with pytest.raises(ValueError, match=r"^model\.attention\.dropout=0\.1 is not supported by the hyper mechanism "
+                       r"\(its parts are merged through their log-sum-exp\); set model\.attention\.dropout to 0$"):
+        HyperMechanism(HyperMechanismConfig(), E, layer_index=0, dropout=0.1)
+
+
+def test_hyperplanes_are_a_fixed_function_of_seed_and_layer_and_not_saved():
+    """The hash hyperplanes come from the seed and the layer index alone (not the global RNG, which training
+    advances), differ across layers and seeds, and are not part of the state dict (rebuilt, never trained)."""
+    calls = iter(range(100))
+
+    def planes(seed, layer):
+        torch.manual_seed(next(calls))  # a global RNG state that differs from call to call
+        return HyperMechanism(HyperMechanismConfig(seed=seed), E, layer_index=layer).hyperplanes
+
+    assert torch.equal(planes(0, 0), planes(0, 0)) and torch.equal(planes(3, 2), planes(3, 2))
+    assert not torch.equal(planes(0, 0), planes(0, 1)) and not torch.equal(planes(0, 0), planes(1, 0))
+    mech = HyperMechanism(HyperMechanismConfig(), E, layer_index=0)
+    assert "hyperplanes" in dict(mech.named_buffers()) and "hyperplanes" not in mech.state_dict()
