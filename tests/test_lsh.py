@@ -315,3 +315,16 @@ def test_layout_length_bound_holds_and_is_reached():
     worst = torch.cat([torch.arange(n_ids - 1), torch.full((T - n_ids + 1,), n_ids - 1)])
     assert length(worst[torch.randperm(T, generator=gen)]) == bound == (12 + (40 - 12) // 4) * 4
     assert layout_length_bound(5, 12, 4) == 20  # more buckets than tokens: one chunk per token
+
+
+def test_under_bounded_layout_the_layout_takes_the_bound_of_every_bucket_id():
+    """Inside `bounded_layout` the layout's length is `layout_length_bound` over the 2 * n_half bucket ids plus the
+    padding's, whatever the hashes, without reading them back (what lets a plan run LSH on fake tensors)."""
+    T, C = 40, 4
+    mech = lsh(bucket_size=C, n_hashes=1, causal_routing="past_only")
+    n_ids = default_n_buckets(T, C) + 1  # 20 buckets and the padding's id
+    bucket = torch.zeros(1, 1, 1, T, dtype=torch.long)  # every token in bucket 0: a data-sized layout of T
+    order = torch.argsort(bucket * T + torch.arange(T), dim=-1)
+    assert mech.bucket_aligned_slots(bucket, order)[1] == T
+    with bounded_layout():
+        assert mech.bucket_aligned_slots(bucket, order)[1] == layout_length_bound(T, n_ids, C) == (21 + 19 // 4) * 4
