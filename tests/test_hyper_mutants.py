@@ -56,6 +56,16 @@ def test_every_tensor_is_made_on_the_inputs_device(causal, routing, training, pa
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+def _assert_causal_recursion_is_exact(mech, q, k, v, mask=None):
+    """`mech.causal` (Algorithm 4) against exact causal attention with the same mask, output and lse, at every real
+    query, in float64."""
+    out, lse = mech.causal(q, k, v, mask)
+    ref, ref_lse = exact_attention(q, k, v, causal=True, key_padding_mask=mask)
+    real = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool) if mask is None else ~mask
+    torch.testing.assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+
+
 @pytest.mark.parametrize("routing", ["past_only", "paper"])
 def test_odd_causal_pieces_without_a_padding_mask_equal_exact_causal_attention(routing):
     """Algorithm 4 on 44 -> 22 -> 11 (odd) -> 6 with no padding mask: the odd piece gets one padded row, masked
@@ -65,10 +75,7 @@ def test_odd_causal_pieces_without_a_padding_mask_equal_exact_causal_attention(r
     q, k, v = (torch.randn(B, H, 44, E, generator=g, dtype=torch.float64) for _ in range(3))
     cfg = HyperMechanismConfig(block_size=32, sample_size=8, min_seq_len=8, lsh_bits=2, causal_routing=routing)
     mech = HyperMechanism(cfg, E, layer_index=0).double().train()
-    out, lse = mech.causal(q, k, v, None)
-    ref, ref_lse = exact_attention(q, k, v, causal=True)
-    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-10)
+    _assert_causal_recursion_is_exact(mech, q, k, v)
 
 
 @pytest.mark.parametrize("routing", ["past_only", "paper"])
@@ -83,11 +90,7 @@ def test_padding_at_the_start_or_middle_is_honoured_by_the_causal_recursion(rout
     mask[1, :5] = True  # left padding
     cfg = HyperMechanismConfig(block_size=32, sample_size=8, min_seq_len=8, lsh_bits=2, causal_routing=routing)
     mech = HyperMechanism(cfg, E, layer_index=0).double().train()
-    out, lse = mech.causal(q, k, v, mask)
-    ref, ref_lse = exact_attention(q, k, v, causal=True, key_padding_mask=mask)
-    real = ~mask
-    torch.testing.assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+    _assert_causal_recursion_is_exact(mech, q, k, v, mask)
 
 
 @pytest.mark.parametrize("routing", ["past_only", "paper"])
@@ -102,11 +105,7 @@ def test_an_off_diagonal_block_with_few_real_keys_is_exact(routing):
     mask[0, :16], mask[1, :20] = True, True
     cfg = HyperMechanismConfig(block_size=4, sample_size=4, min_seq_len=22, lsh_bits=2, causal_routing=routing)
     mech = HyperMechanism(cfg, E, layer_index=0).double().eval()
-    out, lse = mech.causal(q, k, v, mask)
-    ref, ref_lse = exact_attention(q, k, v, causal=True, key_padding_mask=mask)
-    real = ~mask
-    torch.testing.assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real], atol=1e-12, rtol=1e-10)
+    _assert_causal_recursion_is_exact(mech, q, k, v, mask)
 
 
 def _gray_ranks(x, hyperplanes, bits, padding=None):
