@@ -88,10 +88,6 @@ def test_memory_estimate_within_20_percent_of_the_cpu_peak(kind, size, checkpoin
     assert abs(estimate - measured) / measured <= MEMORY_MARGIN, (estimate, measured)
 
 
-def _deeper(spec, **depths):
-    return spec.model_copy(update={"model": spec.model.model_copy(update=depths)})
-
-
 DEPTH_CASES = [pytest.param(kind, ac, id=f"{kind}-{'ac' if ac else 'noac'}")
                for kind, ac in (("mha", False), ("mha", True), ("mhe", False), ("linformer", True), ("lsh", False),
                                 ("hyper", False))]

@@ -156,7 +156,7 @@ def format_plan(study: Study, plans: list[TrialPlan], mfu: float) -> str:
              f"{mfu:.0%} MFU; fits = peak <= {FIT_FRACTION:.0%} of memory",
              f"{'trial':<48} {'params':>10} {'attn':>9} {'GFLOP/tok':>10} {'mem GB':>8} {'fits':>4} "
              f"{'step s':>9} {'GPU-h':>9}"]
-    for i, p in enumerate(plans):
+    for p in plans:
         label = _label(p.values, study.base.name)
         lines.append(f"{label[:48]:<48} {p.step.params_total:>10,} {p.step.params_attention:>9,} "
                      f"{p.flops_per_token / 1e9:>10.3f} {p.memory_bytes / GIB:>8.2f} {'yes' if p.fits else 'NO':>4} "
