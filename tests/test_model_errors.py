@@ -26,6 +26,13 @@ def test_heads_must_divide_d_model():
         _cfg(kind="mha", heads=5)
 
 
+@pytest.mark.parametrize("layers", [0, -1])
+def test_decoder_layers_below_one_are_refused_naming_the_field(layers):
+    with pytest.raises(ValidationError, match=rf"model.decoder_layers must be >= 1 \(got {layers}\); leave it unset"):
+        ModelConfig(d_model=32, layers=2, decoder_layers=layers, ffn=64, max_seq_len=16, attention={"kind": "mha"})
+    assert ModelConfig(d_model=32, layers=2, decoder_layers=1, ffn=64, max_seq_len=16).decoder_layers == 1
+
+
 def test_gqa_groups_must_divide_heads():
     with pytest.raises(ValidationError, match=r"model.attention.groups=3"):
         _cfg(kind="gqa", heads=4, groups=3)
