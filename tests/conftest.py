@@ -13,6 +13,8 @@ request it (spec, search space, cluster YAML) run without Ray."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import torch
 RUN_SLOW = "RUN_SLOW"
 """The switch of the real-process tier: set to 1 (or true/yes) to run the tests marked `slow`."""
 _DESELECTED = pytest.StashKey[int]()
+_GUARD = pytest.StashKey[object]()
 """How many tests marked `slow` this session left out, for the summary line."""
 
 
@@ -27,9 +30,38 @@ def _run_slow() -> bool:
     return os.environ.get(RUN_SLOW, "").strip().lower() in ("1", "true", "yes")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test starts a process: mark this session's environment and start its guard, so that nothing
+    the session starts outlives it, however pytest ends (tests/process_guard.py); and let a SIGTERM end pytest
+    as Ctrl-C does, with every fixture's teardown (the guard covers a SIGKILL, which runs none)."""
+    from tests import process_guard
+
+    tag = process_guard.new_tag()
+    os.environ[process_guard.SESSION_ENV] = tag
+    config.stash[_GUARD] = process_guard.start_guard(tag)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"pytest got signal {signum}")
+
+
+SHARED_PROCESSES = ("ray_cluster", "server", "s3_server")
+"""Session fixtures that start a process: under pytest-xdist each worker that runs a test asking for one starts
+its own, so the tests that ask for one are kept on one worker (`xdist_group`)."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own modifyitems hook)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without RUN_SLOW=1 the real-process tier is deselected (not skipped: it is not this command's work), and
-    the summary says how to run it."""
+    """Under pytest-xdist (`-n`, pyproject's addopts), tests that share a started process or a module's fixture
+    run on one worker (`--dist loadgroup`); the rest spread over the workers one by one. Without RUN_SLOW=1 the
+    real-process tier is deselected (not skipped: it is not this command's work), and the summary says how to
+    run it."""
+    for item in items:
+        group = _worker_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if _run_slow():
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
@@ -38,6 +70,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=slow)
         config.stash[_DESELECTED] = len(slow)
 
+
+
+def _worker_group(item: pytest.Item) -> str | None:
+    """The xdist group of a test: a real-process test's module (its tests share servers and clusters, and some
+    of them fixed ports); a test of the session's local Ray, `mlflow server` or SeaweedFS, that process; a test
+    of a module-scoped fixture, its module (the fixture is built once); otherwise none."""
+    if item.get_closest_marker("xdist_group"):
+        return None
+    module = item.nodeid.split("::", 1)[0]
+    if item.get_closest_marker("slow"):
+        return module
+    fixtures = getattr(item, "_fixtureinfo", None)
+    definitions = fixtures.name2fixturedefs if fixtures is not None else {}
+    for name in SHARED_PROCESSES:
+        if name in definitions:
+            return name
+    if any(d.scope == "module" for defs in definitions.values() for d in defs):
+        return module
+    return None
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

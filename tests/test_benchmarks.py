@@ -167,7 +167,7 @@ def test_ray_overhead_plain_run_windows(tmp_path):
     assert torch.get_num_threads() == threads  # the run's thread count is not left behind
     assert [step for step, _ in result.windows] == [2, 4, 6]
     assert all(math.isfinite(v) and v > 0 for _, v in result.windows)
-    assert 0 < result.first_window_s < 60
+    assert math.isfinite(result.first_window_s) and result.first_window_s > 0  # a time: no bound a machine could miss
     assert ray_overhead.steady(result.windows, scale.max_steps) > 0
     assert not (tmp_path / "runs").exists()  # no Ray storage and no checkpoints: the core alone
 

@@ -1,6 +1,6 @@
-"""The GPU suite (benchmarks/gpu_suite.py) without a GPU: its dry run in the fast tier, so that the one command
-meant for a lent GPU cannot rot before one comes (every part at toy sizes on the CPU, the Triton kernels under the
-interpreter, the sweep on the session's local Ray); and the suite's own logic: a part that raises or fails is a
+"""The GPU suite (benchmarks/gpu_suite.py) without a GPU: its dry run, so that the one command meant for a lent
+GPU cannot rot before one comes (every part at toy sizes on the CPU, the Triton kernels under the interpreter in
+the fast tier; the sweep part on the session's local Ray in the real-process tier); and the suite's own logic: a part that raises or fails is a
 row of the summary, the FLOP count of the training step, the peak table, the dry run's choice of parity cases."""
 
 from __future__ import annotations
@@ -41,32 +41,44 @@ def summary_rows(text: str) -> dict[str, dict[str, str]]:
     return {row["part"]: row for row in rows}
 
 
-@pytest.fixture(scope="module")
-def dry_run(ray_cluster, tmp_path_factory):
-    """One dry run of the whole suite into a temporary folder (in this process: the sweep joins the session's Ray)."""
-    out = tmp_path_factory.mktemp("gpu-suite")
+FAST_PARTS = tuple(part for part in gpu_suite.PARTS if part != "sweep")
+"""The parts the fast tier's dry run takes: all but the sweep, whose dry run trains two Ray Tune trials of two
+FSDP workers each (most of the dry run's time) and is the real-process tier's
+(`test_dry_run_of_the_sweep_part_trains_bf16_fsdp_compiled_trials`); the fast tier's end-to-end sweep is
+tests/test_orchestrator_runs.py's."""
+
+
+def _dry_run(out, parts) -> tuple[int, object]:
+    """One dry run of `parts` into `out` (in this process: the sweep joins the session's Ray)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(gpu_suite.INTERPRET, "1")  # what main() sets; restored for the tests after this one
-        code = gpu_suite.main(["--dry-run", "--out", str(out)])
+        code = gpu_suite.main(["--dry-run", "--out", str(out), "--parts", *parts])
     folders = [path for path in out.iterdir() if path.is_dir()]
     assert len(folders) == 1, folders  # <out>/<machine label>/
     return code, folders[0]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """One dry run of every part but the sweep into a temporary folder, shared by this module's tests."""
+    return _dry_run(tmp_path_factory.mktemp("gpu-suite"), FAST_PARTS)
 
 
 def test_dry_run_summary_lists_every_part_as_dry_run(dry_run):
     code, folder = dry_run
     summary = summary_rows((folder / gpu_suite.SUMMARY).read_text())
     assert list(summary) == list(gpu_suite.PARTS)
-    assert {part: row["status"] for part, row in summary.items()} == dict.fromkeys(gpu_suite.PARTS, DRY_RUN)
+    assert {part: row["status"] for part, row in summary.items()} == {
+        **dict.fromkeys(gpu_suite.PARTS, DRY_RUN), "sweep": "not run"}
     assert code == 0
-    for part, row in summary.items():
-        assert row["file"] == f"gpu_{part}.csv"
-        assert int(row["rows"]) == len(read_csv(folder / row["file"])), part
+    for part in FAST_PARTS:
+        assert summary[part]["file"] == f"gpu_{part}.csv"
+        assert int(summary[part]["rows"]) == len(read_csv(folder / summary[part]["file"])), part
 
 
 def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     _, folder = dry_run
-    tables = {part: read_csv(folder / f"gpu_{part}.csv") for part in gpu_suite.PARTS}
+    tables = {part: read_csv(folder / f"gpu_{part}.csv") for part in FAST_PARTS}
     for part, rows in tables.items():
         assert COLUMNS[part] <= set(rows[0]), (part, COLUMNS[part] - set(rows[0]))
 
@@ -96,7 +108,18 @@ def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     # both columns are written with 6 significant digits, so their ratio is exact to about 1e-5
     assert float(train["mfu_check"]) == pytest.approx(float(train["achieved_tflops"]) / 989.4, rel=2e-5)
 
-    sweep = tables["sweep"]
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_sweep_part_trains_bf16_fsdp_compiled_trials(ray_cluster, tmp_path):
+    """The sweep part's dry run: a parent and two FINISHED trials of bf16, FSDP2 over gloo and a compiled model,
+    their learning rates, FLOPs per token and no MFU (a CPU), every row counted in the summary."""
+    code, folder = _dry_run(tmp_path, ["sweep"])
+    assert code == 0
+    summary = summary_rows((folder / gpu_suite.SUMMARY).read_text())
+    assert summary["sweep"]["status"] == DRY_RUN
+    sweep = read_csv(folder / "gpu_sweep.csv")
+    assert COLUMNS["sweep"] <= set(sweep[0]) and int(summary["sweep"]["rows"]) == len(sweep)
     assert [row["run"] for row in sweep] == ["parent", "trial", "trial"]
     assert {row["status"] for row in sweep} == {"FINISHED"}
     trials = sweep[1:]
@@ -104,8 +127,7 @@ def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     assert {row["run.compile"] for row in trials} == {"True"}
     assert {(row["run.precision"], row["run.strategy"]) for row in trials} == {("bf16", "fsdp")}
     assert all(float(row["flops_per_token"]) > 0 and row["train/mfu"] == "" for row in trials)  # a CPU: no MFU
-    note = summary_rows((folder / gpu_suite.SUMMARY).read_text())["sweep"]["notes"]
-    assert "ran precision=bf16, strategy=fsdp" in note
+    assert "ran precision=bf16, strategy=fsdp" in summary["sweep"]["notes"]
 
 
 def test_a_part_that_raises_or_fails_is_its_summary_row_and_the_suite_goes_on(tmp_path, monkeypatch):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -163,22 +162,20 @@ def test_study_loads_from_file(tmp_path):
 
 
 def test_cli_fails_fast_without_starting_ray(tmp_path):
-    """`python -m orchestrator sweep` on a bad spec exits 2 with the field named, quickly, and Ray never starts
-    (not even imported) in that process."""
+    """`python -m orchestrator sweep` on a bad spec exits 2 with the field named, and Ray never starts (not even
+    imported) in that process, nor does a run folder appear: what makes it fast is that nothing but the spec was
+    touched, which these say without timing it."""
     bad = write(tmp_path, base_raw(model={"attention": {"kind": "linformer", "heads": 2, "k": {"grid": [8, 64]}}}))
     probe = (
         "import sys; from orchestrator.cli import main; rc = main(sys.argv[1:]); "
         "print('RAY_IMPORTED', 'ray' in sys.modules); sys.exit(rc)"
     )
-    start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", probe, "sweep", str(bad)], check=False, cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-    elapsed = time.monotonic() - start
     assert done.returncode == 2, done.stderr
     assert "trial {model.attention.k=64}" in done.stderr and "max_seq_len" in done.stderr
     assert "RAY_IMPORTED False" in done.stdout
     assert not (tmp_path / "runs").exists()
-    assert elapsed < 60  # imports only: no cluster start, no training
 
     help_run = subprocess.run([sys.executable, "-m", "orchestrator", "--help"], check=False, cwd=REPO, capture_output=True,
                               text=True, timeout=120)

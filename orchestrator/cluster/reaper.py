@@ -54,10 +54,12 @@ def _in_session(pid: str, sessions: tuple[str, ...]) -> bool:
     return False
 
 
-def owned_by(owner: str, sessions: tuple[str, ...] = (), spare: tuple[int, ...] = ()) -> list[int]:
-    """The processes of `owner`'s Ray: its owner in their environment, or an environment Ray blanked (a process
-    it renamed) and a file in one of its session folders; never this one nor those in `spare`."""
-    needle = f"{OWNER_ENV}={owner}".encode()
+def owned_by(owner: str, sessions: tuple[str, ...] = (), spare: tuple[int, ...] = (),
+             variable: str = OWNER_ENV) -> list[int]:
+    """The processes of `owner`'s Ray: its owner in their environment (as `variable`), or an environment Ray
+    blanked (a process it renamed) and a file in one of its session folders; never this one nor those in
+    `spare`."""
+    needle = f"{variable}={owner}".encode()
     sessions = tuple(folder.rstrip("/") + "/" for folder in sessions)
     found = []
     for entry in os.listdir("/proc"):
@@ -76,12 +78,14 @@ def owned_by(owner: str, sessions: tuple[str, ...] = (), spare: tuple[int, ...] 
     return found
 
 
-def reap(owner: str, sessions: tuple[str, ...] = (), spare: tuple[int, ...] = (), settle_s: float = SETTLE_S) -> int:
+def reap(owner: str, sessions: tuple[str, ...] = (), spare: tuple[int, ...] = (), settle_s: float = SETTLE_S,
+         variable: str = OWNER_ENV) -> int:
     """SIGKILL every process of `owner`'s Ray (but those in `spare`) until a scan finds none twice in a row (or
-    `settle_s` passed); how many were killed."""
+    `settle_s` passed); how many were killed. `variable` names the environment variable that carries the owner
+    (the test suite's guard, tests/process_guard.py, marks its own processes with another)."""
     killed, quiet_scans, deadline = 0, 0, time.monotonic() + settle_s
     while quiet_scans < 2 and time.monotonic() < deadline:
-        pids = owned_by(owner, sessions, spare)
+        pids = owned_by(owner, sessions, spare, variable)
         quiet_scans = 0 if pids else quiet_scans + 1
         for pid in pids:
             try:
