@@ -38,7 +38,7 @@ from orchestrator.spec import (
 from orchestrator.spec.counting import PLANNED_TASKS
 from orchestrator.spec.search_space import MAX_TRIALS, ValidationPlan, iter_grid_points
 from orchestrator.storage import parent, resolve
-from orchestrator.tracking.describe import artifact_root
+from orchestrator.tracking.describe import MLFLOW_SERVER_ENV, artifact_root
 
 DEFAULT_STORAGE = "runs"
 DEFAULT_UI_PORT = 5000
@@ -282,7 +282,7 @@ def _ui(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
            "--port", str(args.port), "--workers", "1", *_artifact_flags(uri)]
     try:
-        return subprocess.call(cmd)
+        return subprocess.call(cmd, env={**os.environ, **MLFLOW_SERVER_ENV})
     except KeyboardInterrupt:
         return 0
 

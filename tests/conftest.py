@@ -47,14 +47,16 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"pytest got signal {signum}")
 
 
-SHARED_PROCESSES = ("ray_cluster", "server", "s3_server")
-"""Session fixtures that start a process: under pytest-xdist each worker that runs a test asking for one starts
-its own, so the tests that ask for one are kept on one worker (`xdist_group`)."""
+SHARED_RAY = "ray_cluster"
+"""The session fixture of the test process's own local Ray: under pytest-xdist each worker that runs a test asking
+for it would start one, so those tests are kept on one worker (`xdist_group`). The session's `mlflow server` and
+SeaweedFS are not: one of each per worker costs seconds, and keeping their tests apart from the rest would cost
+the real-process tier its second worker."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own modifyitems hook)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n`, pyproject's addopts), tests that share a started process or a module's fixture
+    """Under pytest-xdist (`-n`, pyproject's addopts), tests that share the session's Ray or a module's fixture
     run on one worker (`--dist loadgroup`); the rest spread over the workers one by one. Without RUN_SLOW=1 the
     real-process tier is deselected (not skipped: it is not this command's work), and the summary says how to
     run it."""
@@ -73,21 +75,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _worker_group(item: pytest.Item) -> str | None:
-    """The xdist group of a test: a real-process test's module (its tests share servers and clusters, and some
-    of them fixed ports); a test of the session's local Ray, `mlflow server` or SeaweedFS, that process; a test
-    of a module-scoped fixture, its module (the fixture is built once); otherwise none."""
+    """The xdist group of a test: a test of the session's local Ray, that Ray; a test of a module-scoped fixture
+    (a module's servers, cluster or trained sweep), its module, so the fixture is built once; otherwise none, and
+    the test goes to whichever worker is free."""
     if item.get_closest_marker("xdist_group"):
         return None
-    module = item.nodeid.split("::", 1)[0]
-    if item.get_closest_marker("slow"):
-        return module
     fixtures = getattr(item, "_fixtureinfo", None)
     definitions = fixtures.name2fixturedefs if fixtures is not None else {}
-    for name in SHARED_PROCESSES:
-        if name in definitions:
-            return name
+    if SHARED_RAY in definitions:
+        return SHARED_RAY
     if any(d.scope == "module" for defs in definitions.values() for d in defs):
-        return module
+        return item.nodeid.split("::", 1)[0]
     return None
 
 

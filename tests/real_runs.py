@@ -20,6 +20,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from orchestrator.tracking.describe import MLFLOW_SERVER_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT_EVERY = 4
 MAX_STEPS = 24
@@ -155,7 +157,7 @@ class MlflowServer:
              # As an on-prem server names its hosts: `localhost` is then refused (403), as a hostname missing from
              # the list is (test_faults.py::test_host_outside_allowed_hosts_is_named_with_the_server_flag).
              "--allowed-hosts", f"127.0.0.1:{self.port}"],
-            cwd=self.root, env=process_env(**self.env), stdout=subprocess.DEVNULL,
+            cwd=self.root, env=process_env(**{**MLFLOW_SERVER_ENV, **self.env}), stdout=subprocess.DEVNULL,
             stderr=open(self.root / "server.err", "ab"), start_new_session=True)  # noqa: SIM115 - the child holds it
 
         def healthy() -> bool:

@@ -177,3 +177,9 @@ def git_commit(root: Path | None = None) -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+"""The environment of an `mlflow server` or `mlflow ui` this project starts: without MLflow's job runner, which
+starts seven huey consumer processes (each importing MLflow: tens of CPU-seconds at every start on 2 cores) for
+GenAI jobs (evaluation, prompt optimisation) that no run here submits."""
