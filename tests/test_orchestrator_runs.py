@@ -1,6 +1,6 @@
-"""End-to-end runs on the session's local Ray: a sweep's MLflow layout (the fast tier's one end-to-end run),
-resume after a failure, a 2-worker DDP run and a dead tracking server (the real-process tier). Tiny MLM
-models on the built-in corpus; one trial at a time."""
+"""End-to-end runs on the session's local Ray (the slow tier): a sweep's MLflow layout, resume after a failure, a
+2-worker DDP run and a dead tracking server; and, in the fast tier, what the launcher and the tracker do around
+them without Ray. Tiny MLM models on the built-in corpus; one trial at a time."""
 
 from __future__ import annotations
 
@@ -62,9 +62,10 @@ def loss_curve(client: MlflowClient, run_id: str) -> dict[int, float]:
     return {m.step: m.value for m in history}
 
 
+@pytest.mark.slow
 def test_sweep_logs_parent_and_child_runs(ray_cluster, workspace):
-    """The fast tier's one end-to-end run (not marked slow): a 2-trial sweep on the session's local Ray, through
-    Tune, Ray Train and MLflow, with the layout every report and resume relies on."""
+    """A 2-trial sweep on the session's local Ray, through Tune, Ray Train and MLflow, with the layout every
+    report and resume relies on (the slow tier: a minute of Ray actors starting on 2 cores)."""
     raw = tiny_spec("sweep2", workspace,
                     model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "mhe", "heads": 2, "mode": "mul"}]}},
                     tune={"scheduler": "fifo"}, tracking={"system_metrics": True, "system_metrics_interval_s": 0.5})
@@ -543,10 +544,11 @@ def test_artifacts_of_a_sqlite_store_live_next_to_it_whatever_the_working_direct
     assert list(elsewhere.iterdir()) == []  # no ./mlruns, nothing else
 
     commands = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd: commands.append(cmd) or 0)
+    monkeypatch.setattr(subprocess, "call", lambda cmd, env: commands.append((cmd, env)) or 0)
     assert main(["ui", str(Path(__file__).parents[1] / "configs" / "smoke.yaml"), f"tracking.uri={uri}"]) == 0
-    [cmd] = commands
+    [(cmd, env)] = commands
     assert cmd[cmd.index("--artifacts-destination") + 1] == str(store / "mlartifacts")
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"  # no job runner: seven idle processes less
 
 
 @pytest.mark.slow

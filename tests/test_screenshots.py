@@ -30,7 +30,7 @@ def test_the_store_and_the_runs_link_are_read_from_what_orchestrator_ui_prints(t
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     experiment_id = MlflowClient(tracking_uri=uri).create_experiment("smoke")
     started = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd: started.append(cmd) or 0)  # not MLflow's server itself
+    monkeypatch.setattr(subprocess, "call", lambda cmd, env: started.append(cmd) or 0)  # not MLflow's server itself
     assert main(["ui", str(ROOT / screenshots.SPEC), f"tracking.uri={uri}", "--port", "5123"]) == 0
     assert started and "--port" in started[0]
     log = tmp_path / "ui.log"
