@@ -1,14 +1,17 @@
-"""Shared fixtures and the two test tiers.
+"""Shared fixtures and the two test tiers (docs/testing.md: what each holds, its time, its slowest cases).
 
-- The fast tier (`python -m pytest -q`, the README's command): every unit, method and kernel test and one small
-  end-to-end run on a local Ray.
-- The real-process tier (tests marked `slow`): Ray clusters of several nodes, the fake autoscaler, killed
-  launchers, real `mlflow server` processes, `ray job submit` and the browser. Collected always, run only with
-  `RUN_SLOW=1` (the convention of Hugging Face transformers' `@slow`); `RUN_SLOW=1 python -m pytest -q -m slow`
-  runs this tier alone, as `.ci/run` does after the fast tier.
+- The fast tier (`python -m pytest -q`, the README's command): every unit, method, kernel and spec test, in at
+  most three minutes on 2 cores.
+- The slow tier (tests marked `slow`): what starts real processes (Ray sweeps on the session's local Ray, Ray
+  clusters of several nodes, the fake autoscaler, killed launchers, real `mlflow server` processes, `ray job
+  submit`, the browser) and the CPU-heavy cases (inductor compiles). Collected always, run only with `RUN_SLOW=1`
+  (the convention of Hugging Face transformers' `@slow`); `RUN_SLOW=1 python -m pytest -q -m slow` runs this
+  tier alone, as `.ci/run` does after the fast tier.
 
-`ray_cluster` starts ONE local Ray for the whole session, and only when a test asks for it: tests that never
-request it (spec, search space, cluster YAML) run without Ray."""
+Both tiers run on one pytest-xdist worker per core (pyproject's addopts); `_worker_group` keeps together what
+must share a worker. `ray_cluster` starts ONE local Ray per worker that asks for it, and only when a test asks
+for it: tests that never request it (spec, search space, cluster YAML) run without Ray. Whatever a session
+starts ends with it, however pytest ends (tests/process_guard.py)."""
 
 from __future__ import annotations
 
