@@ -16,7 +16,8 @@ are exactly the model's. What the adapter owns, and the tests pin (tests/test_hf
 - scaling: the model's `scaling` (GPT-2's per-layer 1/(l+1), a custom query scale) is folded into q as
   q * scaling * sqrt(d), because every mechanism applies 1/sqrt(d);
 - masks: `module.is_causal` gives causality; a 4-D boolean mask is read back into per-key padding and must be
-  exactly causal-plus-padding (a sliding window, packed sequences or a prefix mask are refused, not ignored).
+  exactly causal-plus-padding (packed sequences or a prefix mask are refused, not ignored; a sliding window
+  is run where it has no effect, over at most its own length of keys, and refused where it would have one).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ DROPIN_ATTENTION = "orchestrator_dropin"
 
 _UNSUPPORTED_KWARGS = {
     "softcap": "logit soft-capping (Gemma 2)",
-    "sliding_window": "a sliding attention window (Mistral, Gemma)",
     "s_aux": "attention sinks (gpt-oss)",
 }
+"""Refused whenever a layer passes them. A sliding window (Mistral, Gemma) is refused only where it has an effect
+(`_check_window`)."""
 
 
 @functools.cache
@@ -106,6 +108,7 @@ def dropin_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         if kwargs.get(name) is not None:
             raise ValueError(f"layer {module.layer_idx} uses {what}, which the drop-in mechanisms do not "
                              "implement; leave this layer unpatched (task.patch.layers)")
+    _check_window(module, kwargs.get("sliding_window"), key.shape[2])
     if dropout:
         raise ValueError(f"layer {module.layer_idx} has attention dropout {dropout} in training; the drop-in "
                          "mechanisms merge their parts through log-sum-exps and take no dropout: set the model's "
@@ -122,6 +125,17 @@ def dropin_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     padding_BS = key_padding_from_mask(attention_mask, causal, T, S)
     out_BHTE = mechanism(query, key, value, key_padding_mask_BS=padding_BS, causal=causal)
     return out_BHTE.transpose(1, 2).contiguous(), None
+
+
+def _check_window(module: nn.Module, window: int | None, S: int) -> None:
+    """A sliding window of `window` keys lets query i see keys i - window < j <= i (transformers'
+    `sliding_window_overlay`); over S <= window keys that is every earlier key, plain causal attention, so the
+    layer runs its mechanism. A shorter window changes what a query sees, which no mechanism here implements."""
+    if window is not None and window < S:
+        raise ValueError(f"layer {module.layer_idx} uses a sliding attention window of {window} keys, shorter than "
+                         f"the {S} keys it attends over here, and the drop-in mechanisms do not implement windows: "
+                         f"score sequences of at most {window} tokens, or leave this layer unpatched "
+                         "(task.patch.layers)")
 
 
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
@@ -145,23 +159,40 @@ def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
 
 def patch_hf_model(model: nn.Module, patch: PatchConfig, seed_offset: int = 0) -> list[int]:
     """Give the layers `patch.layers` selects `patch.attention`'s mechanism, switch the model to the adapter and
-    return the patched layer indices; the weights are untouched and the other layers stay exact (SDPA)."""
+    return the patched layer indices; the weights are untouched and the other layers stay exact (SDPA).
+
+    All or nothing: the selector is checked and every mechanism built before the model changes, and a model that
+    refuses the adapter gets its previous mechanisms and attention implementation back, so a refused (re-)patch
+    leaves the model running as it did before the call."""
     register_dropin_attention()
     modules = attention_modules(model)
-    for module in modules.values():
-        if hasattr(module, "dropin_mechanism"):
-            del module.dropin_mechanism
     chosen = selected_layers(patch.layers, len(modules))
+    device = next(model.parameters()).device
+    built = {}
     for index in chosen:
         module = modules[index]
         head_dim = getattr(module, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
         mechanism = build_dropin_mechanism(patch.attention, head_dim, index, seed_offset)
         # A new module starts in training mode: it follows the model's (hyper samples afresh in training).
-        module.dropin_mechanism = mechanism.to(next(model.parameters()).device).train(model.training)
-    model.set_attn_implementation(DROPIN_ATTENTION)
-    if model.config._attn_implementation != DROPIN_ATTENTION:
-        raise ValueError(f"{type(model).__name__} did not accept attn_implementation={DROPIN_ATTENTION!r}: it does "
-                         "not route attention through transformers' AttentionInterface, so it cannot be patched")
+        built[index] = mechanism.to(device).train(model.training)
+    previous = {index: module._modules.pop("dropin_mechanism", None) for index, module in modules.items()}
+    previous_implementation = model.config._attn_implementation
+    for index, mechanism in built.items():
+        modules[index].dropin_mechanism = mechanism
+    try:
+        model.set_attn_implementation(DROPIN_ATTENTION)
+        if model.config._attn_implementation != DROPIN_ATTENTION:
+            raise ValueError(f"{type(model).__name__} did not accept attn_implementation={DROPIN_ATTENTION!r}: it "
+                             "does not route attention through transformers' AttentionInterface, so it cannot be "
+                             "patched")
+    except BaseException:
+        for index, module in modules.items():
+            module._modules.pop("dropin_mechanism", None)
+            if previous[index] is not None:
+                module.dropin_mechanism = previous[index]
+        if model.config._attn_implementation != previous_implementation:
+            model.set_attn_implementation(previous_implementation)
+        raise
     return chosen
 
 

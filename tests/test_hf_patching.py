@@ -178,6 +178,63 @@ def test_repatching_replaces_the_previous_selection():
     assert held == {0: type(None), 1: type(None), 2: HyperMechanism}
 
 
+@pytest.mark.parametrize("selector", ["last:4", "0,3"])
+def test_a_refused_repatch_leaves_the_model_as_it_was(selector):
+    """The selector is checked before anything in the model changes: after the refusal the model runs the
+    mechanisms of the previous patch (same logits, bit for bit) and still names the adapter."""
+    model = llama()
+    ids = tokens()
+    patch_hf_model(model, PatchConfig(layers="all", attention=LSH_ACTIVE))
+    before = logits(model, ids)
+    held = {i: getattr(m, "dropin_mechanism", None) for i, m in attention_modules(model).items()}
+    with pytest.raises(ValueError, match="layer"):
+        patch_hf_model(model, PatchConfig(layers=selector, attention=HYPER_ACTIVE))
+    assert {i: getattr(m, "dropin_mechanism", None) for i, m in attention_modules(model).items()} == held
+    assert model.config._attn_implementation == DROPIN_ATTENTION
+    assert torch.equal(logits(model, ids), before)
+
+
+def test_a_model_that_refuses_the_adapter_is_left_unpatched(monkeypatch):
+    """A model whose set_attn_implementation does not take the adapter keeps its own attention and no
+    mechanism: it runs exactly as before the call."""
+    model = llama()
+    ids = tokens()
+    before = logits(model, ids)
+    monkeypatch.setattr(model, "set_attn_implementation", lambda name: None)
+    with pytest.raises(ValueError, match="did not accept"):
+        patch_hf_model(model, PatchConfig(layers="all", attention=LSH_ACTIVE))
+    assert not any(hasattr(m, "dropin_mechanism") for m in attention_modules(model).values())
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(logits(model, ids), before)
+
+
+def mistral(window: int) -> torch.nn.Module:
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=window, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("window", [4096, T])
+def test_a_sliding_window_at_least_the_input_is_patched(window):
+    """Over at most `window` keys a sliding window is plain causal attention (MistralConfig's default 4096 at a
+    short input; a window of exactly T): the layers are patched, and in the exact regime the logits are the
+    model's."""
+    model = mistral(window)
+    ids = tokens()
+    reference = logits(model, ids)
+    patch_hf_model(model, PatchConfig(layers="all", attention={"kind": "hyper", "min_seq_len": 64}))
+    torch.testing.assert_close(logits(model, ids), reference, atol=2e-5, rtol=1e-4)
+
+
+def test_a_sliding_window_shorter_than_the_input_is_refused_with_both_lengths():
+    model = mistral(T - 1)
+    patch_hf_model(model, PatchConfig(layers="all", attention={"kind": "hyper", "min_seq_len": 64}))
+    with pytest.raises(ValueError, match=f"sliding attention window of {T - 1} keys, shorter than the {T} keys"):
+        logits(model, tokens())
+
+
 def test_lsh_drop_in_attends_to_its_own_key_with_the_models_scale():
     mechanism = build_dropin_mechanism(PatchConfig(attention=LSH_ACTIVE).attention, 16, 0)
     assert isinstance(mechanism, LSHMechanism) and mechanism.self_mask is False and mechanism.scale is None
