@@ -3,8 +3,9 @@
 Tiny random-weight Hugging Face models are built from configs (no download): Llama with grouped-query heads
 (4 query heads over 2 key/value heads) and GPT-2 with its per-layer 1/(l+1) logit scale, so a wrong head layout,
 a missed grouped-query repeat or a dropped model scale changes the logits. The adapter is proven where the
-mechanisms are exact (HyperAttention with min_seq_len above n, or with one block of every key and no samples
-through its whole causal recursion; LSH with one chunk): there the patched model's logits equal the model's.
+mechanisms are exact (the `exact` control; HyperAttention with min_seq_len above n, or with one block of every key
+and no samples through its whole causal recursion; LSH with one chunk under paper routing, put in by hand since a
+patch cannot choose it): there the patched model's logits equal the model's.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def put_mechanism(model, config, layers="all"):
 
 
 @pytest.mark.parametrize("attention", [
+    {"kind": "exact"},  # the control: the model's own attention through the adapter
     {"kind": "hyper", "min_seq_len": 64},  # shorter than min_seq_len: the mechanism's exact path
     # the full causal recursion and past-only placement, with one block holding every key and no samples
     {"kind": "hyper", "min_seq_len": 8, "block_size": 64, "sample_size": 0, "lsh_bits": 3},
@@ -98,12 +100,24 @@ def test_hyper_in_its_exact_regime_leaves_the_logits_unchanged(model, attention)
 
 
 def test_lsh_with_one_chunk_leaves_the_logits_unchanged(model):
+    """The adapter with LSH where LSH is exact: paper routing with one chunk, which PatchConfig refuses (it is
+    put in by hand), so this proves the adapter's layout, not a regime a patch can reach."""
     ids = tokens()
     reference = logits(model, ids)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the paper-routing warning: one chunk holds the whole sequence
         put_mechanism(model, LSHMechanismConfig(bucket_size=64, n_hashes=2, causal_routing="paper"))
         torch.testing.assert_close(logits(model, ids), reference, atol=2e-5, rtol=1e-4)
+
+
+def test_lsh_has_no_exact_regime_under_the_routing_a_patch_can_use(model):
+    """PatchConfig takes past-only routing only (paper routing reads the future), under which a query sees no
+    earlier key hashed to another bucket, even with one chunk of every key: the docs do not list LSH as exact, and
+    this is why (the adapter itself is exact under paper routing with one chunk, the test above)."""
+    ids = tokens()
+    reference = logits(model, ids)
+    patch_hf_model(model, PatchConfig(layers="all", attention={"kind": "lsh", "bucket_size": 64, "n_hashes": 2}))
+    assert (logits(model, ids) - reference).abs().max() > 1e-2
 
 
 def test_padding_reaches_the_mechanism_through_the_registered_mask_function():
