@@ -110,6 +110,23 @@ def _one_torch_thread():
     torch.set_num_threads(previous)
 
 
+MLFLOW_HTTP_SETTINGS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_http_settings_restored():
+    """A launcher run in this process sets MLflow's per-request timeout and retries in os.environ
+    (orchestrator/tracking/read.py, `configure_http`: 2 s in the tiny specs); without this, the next test on the
+    same worker read a loaded server through a 2 s timeout and failed. Each test leaves them as it found them."""
+    saved = {name: os.environ.get(name) for name in MLFLOW_HTTP_SETTINGS}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A 2-CPU, 0-GPU local Ray cluster (explicit counts keep tests machine-independent)."""
