@@ -62,36 +62,48 @@ def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def _rank_main(rank: int, root: str, precision: str, variant: str) -> None:
-    """One rank: shard, one backward on its slice of the batch, gradients gathered in full; one AdamW step; a
-    sharded checkpoint into its own folder."""
-    from orchestrator.training.sharding import is_sharded, shard_model, shard_tensors
+RUNS = {"fp32": ("fp32", "mha"), "linformer-layerwise": ("fp32", "linformer-layerwise"),
+        "reversible": ("fp32", "reversible"), "bf16": ("bf16", "mha")}
+"""The two-rank runs the tests compare with one process: (precision, variant) by the run's folder name."""
 
+
+def _rank_main(rank: int, root: str) -> None:
+    """One rank of every run in RUNS, one after another over one process group: starting a pair of processes
+    (spawn, then torch and FSDP imported in each) costs seconds, a run of this tiny model a fraction of one, and
+    every run shards a model of its own, so what one run computes and writes does not depend on the others."""
     dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD)
     try:
-        model = shard_model(tiny_model(**VARIANTS[variant]), torch.device("cpu"), precision, WORLD)
-        assert is_sharded(model)
-        mine = batch()[rank * PER_RANK:(rank + 1) * PER_RANK]
-        loss_of(model, mine).backward()
-        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        optimizer.step()
-        flat, groups = shard_tensors(model, optimizer)
-        full = {name: p.full_tensor() for name, p in model.named_parameters()}
-        state = None
-        if rank == 0:
-            state = TrainingState(step=1, model={}, optimizer={"param_groups": groups}, scheduler={}, scaler={},
-                                  data_positions=[None] * WORLD, rng=[], mlflow_run_id=None, sharded=True)
-        write_checkpoint(Path(root) / f"rank{rank}", state, "name: x\n", shards=flat, step=1)
-        if rank == 0:
-            torch.save({"grads": grads, "params": full}, Path(root) / "gathered.pt")
+        for name, (precision, variant) in RUNS.items():
+            try:
+                _one_run(rank, Path(root) / name, precision, variant)
+            except Exception as err:
+                err.add_note(f"in the two-rank run {name!r} (precision={precision}, variant={variant})")
+                raise
     finally:
         dist.destroy_process_group()
 
 
-def run_two_ranks(root: Path, precision: str = "fp32", variant: str = "mha") -> dict:
-    mp.spawn(_rank_main, args=(str(root), precision, variant), nprocs=WORLD, join=True)
-    return torch.load(root / "gathered.pt")
+def _one_run(rank: int, root: Path, precision: str, variant: str) -> None:
+    """Shard, one backward on this rank's slice of the batch, gradients gathered in full; one AdamW step; a
+    sharded checkpoint into the rank's own folder."""
+    from orchestrator.training.sharding import is_sharded, shard_model, shard_tensors
+
+    model = shard_model(tiny_model(**VARIANTS[variant]), torch.device("cpu"), precision, WORLD)
+    assert is_sharded(model)
+    mine = batch()[rank * PER_RANK:(rank + 1) * PER_RANK]
+    loss_of(model, mine).backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer.step()
+    flat, groups = shard_tensors(model, optimizer)
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    state = None
+    if rank == 0:
+        state = TrainingState(step=1, model={}, optimizer={"param_groups": groups}, scheduler={}, scaler={},
+                              data_positions=[None] * WORLD, rng=[], mlflow_run_id=None, sharded=True)
+    write_checkpoint(root / f"rank{rank}", state, "name: x\n", shards=flat, step=1)
+    if rank == 0:
+        torch.save({"grads": grads, "params": full}, root / "gathered.pt")
 
 
 def gathered_checkpoint(root: Path) -> Path:
@@ -104,9 +116,17 @@ def gathered_checkpoint(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fp32_ranks(tmp_path_factory) -> tuple[Path, dict]:
+def two_ranks(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Every run of RUNS, by name: (its folder, what rank 0 gathered). One pair of processes for the module."""
     root = tmp_path_factory.mktemp("fsdp")
-    return root, run_two_ranks(root)
+    mp.spawn(_rank_main, args=(str(root),), nprocs=WORLD, join=True)
+    return {name: (root / name, torch.load(root / name / "gathered.pt")) for name in RUNS}
+
+
+@pytest.fixture
+def fp32_ranks(two_ranks) -> tuple[Path, dict]:
+    """The fp32 run of the plain model (the checkpoint tests each merge its ranks' folders again)."""
+    return two_ranks["fp32"]
 
 
 def test_sharded_gradients_equal_one_process_on_the_whole_batch(fp32_ranks):
@@ -127,8 +147,8 @@ def test_every_layer_gets_its_own_group_unless_it_recomputes():
 
 
 @pytest.mark.parametrize("variant", ["linformer-layerwise", "reversible"])
-def test_shared_and_recomputing_models_shard_with_the_same_gradients(variant, tmp_path):
-    got = run_two_ranks(tmp_path, variant=variant)
+def test_shared_and_recomputing_models_shard_with_the_same_gradients(variant, two_ranks):
+    _, got = two_ranks[variant]
     reference = tiny_model(**VARIANTS[variant])
     loss_of(reference, batch()).backward()
     for name, param in reference.named_parameters():
@@ -186,15 +206,19 @@ def test_an_index_listing_a_pickled_item_is_refused(fp32_ranks, tmp_path):
         read_checkpoint(merged)
 
 
-def test_bf16_policy_computes_in_bf16_and_keeps_fp32_gradients(tmp_path):
+def test_bf16_policy_computes_in_bf16_and_keeps_fp32_gradients(two_ranks):
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the gradients (of the fp32 sharded parameters)
-    are fp32 and within bf16 rounding of the fp32 run's, but not equal to them."""
-    got = run_two_ranks(tmp_path, precision="bf16")
+    are fp32 and within bf16 rounding of the fp32 run's, but not equal to them. Nor to the two-rank fp32 run's:
+    one process's gradients differ from any two-rank run's in their last bits (the order of the sums), the
+    two-rank fp32 run's only through what bf16 changes, so a policy left out (fp32 compute) is caught too."""
+    _, got = two_ranks["bf16"]
+    _, fp32 = two_ranks["fp32"]
     reference = tiny_model()
     loss_of(reference, batch()).backward()
-    differs = False
+    differs = from_fp32 = False
     for name, param in reference.named_parameters():
         assert got["grads"][name].dtype == torch.float32
         torch.testing.assert_close(got["grads"][name], param.grad, rtol=5e-2, atol=5e-3, msg=name)
         differs |= not torch.equal(got["grads"][name], param.grad)
-    assert differs
+        from_fp32 |= not torch.equal(got["grads"][name], fp32["grads"][name])
+    assert differs and from_fp32

@@ -14,7 +14,8 @@ from benchmarks.harness import peak_memory_bytes
 from models.attention import ATTENTION_KINDS
 from orchestrator.cli import main
 from orchestrator.spec import validate_spec, workload
-from orchestrator.spec.counting import count_step
+from orchestrator.spec.counting import StepCount, Workload, count_step
+from orchestrator.spec.models import ExperimentSpec
 
 ANALYTIC_MARGIN = 0.05
 """6 N + 12 L d n leaves out the norms, softmax and loss (elementwise, uncounted by FlopCounterMode too) and counts
@@ -36,33 +37,72 @@ def _spec(kind: str, d_model: int = 32, seq_len: int = 32, batch: int = 2, check
     })
 
 
+class _FakeCounts:
+    """`count_step` on fake tensors, once per (spec, checkpointing) in this module. The fake-vs-real, memory and
+    depth tests count the same small models: the depth probes of `_spec(kind, layers=4)` are `_spec(kind, layers=1)`
+    and `_spec(kind, layers=2)`, which the fake-vs-real test and the d_model = 32 memory cases count too. A fake count
+    is a function of the spec alone (seeded, no values read), and the spec's JSON is everything `workload` builds
+    from. Counts on real CPU tensors, the other side of each comparison, are never shared."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, bool], StepCount] = {}
+        self._made: dict[int, tuple[Workload, ExperimentSpec]] = {}
+
+    def step(self, spec: ExperimentSpec, checkpointing: bool = False) -> StepCount:
+        key = (spec.model_dump_json(), checkpointing)
+        if key not in self._counts:
+            self._counts[key] = count_step(workload(spec), checkpointing=checkpointing)
+        return self._counts[key]
+
+    def workload(self, spec: ExperimentSpec) -> Workload:
+        """`workload(spec)`, remembering the spec it was built from: count_by_depth builds its probes' workloads
+        itself, and `spec_of` finds their specs, so their counts are shared too."""
+        work = workload(spec)
+        self._made[id(work)] = (work, spec)  # the workload is kept, so its id is not reused
+        return work
+
+    def spec_of(self, work: Workload) -> ExperimentSpec:
+        return self._made[id(work)][1]
+
+
+@pytest.fixture(scope="module")
+def fake_counts():
+    return _FakeCounts()
+
+
 @pytest.mark.parametrize("kind", ATTENTION_KINDS)
-def test_fake_tensor_flops_equal_a_real_cpu_run(kind):
-    work = workload(_spec(kind))
-    fake, real = count_step(work), count_step(work, fake=False)
+def test_fake_tensor_flops_equal_a_real_cpu_run(kind, fake_counts):
+    spec = _spec(kind)
+    fake, real = fake_counts.step(spec), count_step(workload(spec), fake=False)
     assert fake.flops == real.flops > 0
     assert fake.params_total == real.params_total
 
 
-def test_mha_flops_match_six_n_plus_attention():
-    spec = _spec("mha", d_model=64, seq_len=64, batch=2, layers=2)
+def test_mha_flops_match_six_n_plus_attention(fake_counts):
+    # d_model = seq_len = 32, the memory and depth tests' size, whose count they share (attention is 10% of it).
+    spec = _spec("mha", d_model=32, seq_len=32, batch=2, layers=2)
     work = workload(spec)
-    counted = count_step(work).flops
-    analytic = step_flops(matmul_parameters(work.build()), 2, 64, 64, work.tokens)
+    counted = fake_counts.step(spec).flops
+    analytic = step_flops(matmul_parameters(work.build()), 2, 32, 32, work.tokens)
     assert abs(counted - analytic) / analytic < ANALYTIC_MARGIN, (counted, analytic)
 
 
-MEMORY_CASES = [pytest.param(kind, size, ac, id=f"{kind}-d{size}-{'ac' if ac else 'noac'}")
+# In the slow tier: d_model = seq_len = 64, the same path at a larger size (weights 4x, attention logits 4x, logits
+# 2x), and hyper, which below its min_seq_len (4096 by default) is exact attention: mha's ops and peak plus a buffer
+# of hyperplanes. The fast tier keeps mha, linformer and lsh with and without checkpointing at 32, the depth probes'
+# size, so their counts are shared with the depth test (_FakeCounts).
+MEMORY_CASES = [pytest.param(kind, size, ac, id=f"{kind}-d{size}-{'ac' if ac else 'noac'}",
+                             marks=pytest.mark.slow if size == 64 or kind == "hyper" else ())
                 for kind in ("mha", "linformer", "lsh", "hyper") for size in (32, 64) for ac in (False, True)]
 
 
 @pytest.mark.parametrize("kind,size,checkpointing", MEMORY_CASES)
-def test_memory_estimate_within_20_percent_of_the_cpu_peak(kind, size, checkpointing):
+def test_memory_estimate_within_20_percent_of_the_cpu_peak(kind, size, checkpointing, fake_counts):
     from models import checkpoint_activations
 
     spec = _spec(kind, d_model=size, seq_len=size, batch=2, checkpointing=checkpointing, layers=2)
     work = workload(spec)
-    estimate = count_step(work, checkpointing=checkpointing).peak_bytes
+    estimate = fake_counts.step(spec, checkpointing).peak_bytes
     torch.manual_seed(0)
     model = work.build().train()
     if checkpointing:
@@ -90,7 +130,10 @@ def test_memory_estimate_within_20_percent_of_the_cpu_peak(kind, size, checkpoin
     assert abs(estimate - measured) / measured <= MEMORY_MARGIN, (estimate, measured)
 
 
-DEPTH_CASES = [pytest.param(kind, ac, id=f"{kind}-{'ac' if ac else 'noac'}")
+# hyper is in the slow tier: below its min_seq_len (4096 by default) it is exact attention, so at these lengths its
+# layers run mha's ops (plus a buffer of hyperplanes) and the mha case proves what it would.
+DEPTH_CASES = [pytest.param(kind, ac, id=f"{kind}-{'ac' if ac else 'noac'}",
+                            marks=pytest.mark.slow if kind == "hyper" else ())
                for kind, ac in (("mha", False), ("mha", True), ("mhe", False), ("linformer", True), ("lsh", False),
                                 ("hyper", False))]
 DEPTH_AC_MARGIN = 0.10
@@ -100,17 +143,24 @@ model at depth 4 or 5 for every kind (mha 0.97, linformer 0.94)."""
 
 
 @pytest.mark.parametrize("kind,checkpointing", DEPTH_CASES)
-def test_depth_probes_count_what_the_whole_model_counts(kind, checkpointing):
+def test_depth_probes_count_what_the_whole_model_counts(kind, checkpointing, fake_counts, monkeypatch):
     """A 4-layer model counted through its depth probes (orchestrator.spec.counting.depth_probes) against the whole
     model: FLOPs from 0 and 1 layers and from 1 and 2 layers exactly, parameters exactly, the memory peak exactly
     without checkpointing (LSH's per-layer hashes vary its temporaries a little) and within 10% with it."""
+    from orchestrator.spec import counting
     from orchestrator.spec.counting import count_by_depth, count_flops
 
     spec = _spec(kind, layers=4, checkpointing=checkpointing)
-    whole = count_step(workload(spec), checkpointing=checkpointing)
-    probed = count_by_depth(spec, lambda work: count_step(work, checkpointing=checkpointing))
+    whole = fake_counts.step(spec, checkpointing)
+    with monkeypatch.context() as patched:
+        # The probes' workloads, as count_by_depth builds them, are counted through the module's shared counts.
+        patched.setattr(counting, "workload", fake_counts.workload)
+        probed = count_by_depth(spec, lambda work: fake_counts.step(fake_counts.spec_of(work), checkpointing))
     assert probed.flops == whole.flops
-    assert count_by_depth(spec, count_flops, start=0) == count_flops(workload(spec))  # no recomputation: MFU's
+    # No recomputation: MFU's FLOPs. Without checkpointing they are the whole step's count above (count_flops runs
+    # count_step's counter and step); with it the step recomputes the forward, so the whole model is counted again.
+    unrecomputed = count_flops(workload(spec)) if checkpointing else whole.flops
+    assert count_by_depth(spec, count_flops, start=0) == unrecomputed
     assert (probed.params_total, probed.params_attention) == (whole.params_total, whole.params_attention)
     assert (probed.layer_params, probed.root_params) == (whole.layer_params, whole.root_params)
     margin = DEPTH_AC_MARGIN if checkpointing else (0.01 if kind == "lsh" else 0.0)
@@ -118,17 +168,18 @@ def test_depth_probes_count_what_the_whole_model_counts(kind, checkpointing):
 
 
 def test_depth_probes_of_a_translation_model_take_each_stack_on_its_own():
-    """Encoder and decoder layers differ (cross-attention): 5 encoder and 6 decoder layers from probes (1, 1),
-    (2, 1), (1, 2), exactly."""
+    """Encoder and decoder layers differ (cross-attention): 6 encoder and 3 decoder layers from probes (1, 1),
+    (2, 1), (1, 2), exactly. Nine layers are the fewest the probes' eight save anything on; the stacks' depths
+    differ, so their probes' weights do (a probe given the other stack's weight fails)."""
     from orchestrator.spec.counting import count_by_depth, count_flops, depth_probes
 
     spec = validate_spec({"name": "plan-test", "task": {"kind": "translation", "dataset": "builtin", "vocab_size": 256,
                                                          "max_source_len": 16, "max_tokens": 64},
-                          "model": {"d_model": 32, "layers": 5, "decoder_layers": 6, "ffn": 64, "max_seq_len": 16,
+                          "model": {"d_model": 32, "layers": 6, "decoder_layers": 3, "ffn": 64, "max_seq_len": 16,
                                     "dropout": 0.0, "attention": {"kind": "mha", "heads": 4}}})
     probes = depth_probes(spec, 1)
     assert [(s.model.layers, s.model.decoder_layers) for s in probes.specs] == [(1, 1), (2, 1), (1, 2)]
-    assert probes.weights == (-8, 4, 5)
+    assert probes.weights == (-6, 5, 2)
     whole = count_step(workload(spec))
     assert count_by_depth(spec, count_step) == whole
     assert count_by_depth(spec, count_flops, start=0) == whole.flops
@@ -151,7 +202,9 @@ def test_reversible_models_are_counted(kind):
     and flops_per_token divides that count by the batch's positions."""
     from orchestrator.spec.counting import flops_per_token
 
-    raw = _spec(kind, layers=4).model_dump(mode="json")
+    # Two layers: the backward rebuilds the second block's inputs and then the first's, and flops_per_token still
+    # extrapolates from depth probes (0 and 1 layers, weights -1 and 2).
+    raw = _spec(kind, layers=2).model_dump(mode="json")
     raw["model"]["reversible"] = True
     spec = validate_spec(raw)
     work = workload(spec)
@@ -234,7 +287,7 @@ class _ReadsItsValues(torch.nn.Module):
 def test_a_model_that_reads_its_values_is_counted_on_one_real_row_and_scaled():
     """Fake tensors cannot answer a size read from the values: count_step falls back to one real row of the batch
     and scales its FLOPs by the rows; the weights and AdamW state are not scaled."""
-    from orchestrator.spec.counting import Workload, count_flops
+    from orchestrator.spec.counting import count_flops
 
     work = Workload(_ReadsItsValues, lambda rows: (torch.full((rows, 8), 2.5),), lambda m, b: m(b[0]).sum(), 4, 1)
     step = count_step(work)

@@ -178,24 +178,26 @@ def test_nan_loss_stops_the_run_before_it_is_checkpointed(tmp_path):
 def test_a_worker_starts_without_importing_fsdp_and_still_recognises_a_sharded_model(tmp_path):
     """Importing FSDP costs about half a second of every Train worker's start, so the worker's modules import it
     only when run.strategy=fsdp shards the model (orchestrator/training/sharding.py); a sharded model must still
-    be seen as one (its gradient sync, checkpoints and evaluation are collectives), and DDP's as a wrapper."""
+    be seen as one (its gradient sync, checkpoints and evaluation are collectives), and DDP's as a wrapper.
+
+    One fresh interpreter does both: it lists the FSDP modules right after importing what a worker imports (before
+    anything shards), then shards a model over a one-rank process group of its own (this process's tests must not
+    inherit a default group). A second interpreter would only import torch again."""
     import subprocess
     import sys
 
     probe = ("import sys, torch, ray.train.torch; import orchestrator.launch.worker; "
-             "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.checkpoint') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert done.stdout.strip() == "[]", done.stdout
-    # A one-rank process group in a child process (this one's tests must not inherit a default group).
-    shard = ("import torch, torch.distributed as dist; from orchestrator.training.sharding import is_sharded, shard_model; "
+             "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.checkpoint') if m in sys.modules)); "
+             "import torch.distributed as dist; from orchestrator.training.sharding import is_sharded, shard_model; "
              "from orchestrator.training.optimizer_step import is_wrapped; "
              f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1); "
              "m = torch.nn.Sequential(torch.nn.Linear(2, 2)); plain = is_sharded(m); "
              "shard_model(m, torch.device('cpu'), 'fp32', 1); print(plain, is_sharded(m), is_wrapped(m))")
-    done = subprocess.run([sys.executable, "-c", shard], capture_output=True, text=True, check=True,
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parents[1])
-    assert done.stdout.split() == ["False", "True", "False"], done.stdout + done.stderr
+    imported, sharded = done.stdout.strip().splitlines()
+    assert imported == "[]", done.stdout
+    assert sharded.split() == ["False", "True", "False"], done.stdout + done.stderr
 
     from orchestrator.training.optimizer_step import is_wrapped
     from orchestrator.training.trainer import unwrap
