@@ -28,15 +28,16 @@ triton's own helpers that the kernels call (`tl.sigmoid`, the reductions of trit
 decorated when triton is imported; an interpreted kernel calling a compiled helper fails ("Cannot call
 @triton.jit'd outside of the scope of a kernel"). Nothing that `python -m benchmarks.gpu_suite` imports before
 the parts' modules imports triton (kernels/k_*.py are imported on a kernel's first call), so `main` sets the
-variable and then imports them (`part_table`). Where this process already imported triton compiled (a caller that
-imported torch._dynamo or torch.utils.flop_counter, which import it, or ran the kernels on a GPU), setting it
-would be too late: the dry run then runs itself again in a fresh Python process with the variable set. A GPU run
-refuses TRITON_INTERPRET=1.
+variable and then runs the parts (`part_table`: each part's module is imported when the part runs). Where this
+process already imported triton compiled (a caller that imported torch._dynamo or torch.utils.flop_counter, which
+import it, or ran the kernels on a GPU), setting it would be too late: the dry run then runs itself again in a
+fresh Python process with the variable set. A GPU run refuses TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import subprocess
@@ -58,20 +59,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def part_table() -> dict[str, tuple[str, Callable]]:
-    """Part name -> (what it measures, its function). Imported here, not at the top: see the module docstring."""
-    from benchmarks import gpu_parity, gpu_speed, gpu_sweep, gpu_training
-
+    """Part name -> (what it measures, its function). Each part's module is imported when the part runs, not here
+    or at the top: see the module docstring for triton; and the sweep's module imports Ray, MLflow and the
+    launcher (seconds of start-up) that a run of the other parts never uses."""
     return {
         "kernel_parity": (("Triton flash and sorted-chunk kernels vs the PyTorch reference: out, lse, gradients "
-                           "(with and through lse alone); fp32 / bf16 / fp16, head dims 64 / 128"), gpu_parity.run),
+                           "(with and through lse alone); fp32 / bf16 / fp16, head dims 64 / 128"),
+                          _part("gpu_parity", "run")),
         "flash_vs_sdpa": ("fused flash kernel vs SDPA flash backend, TFLOP/s, bf16, n = 1k-16k, causal and not",
-                          gpu_speed.run_flash),
+                          _part("gpu_speed", "run_flash")),
         "long_attention": (("sorted-chunk kernel and lsh / hyper / linformer layers vs SDPA, fwd+bwd, bf16, "
-                            "n = 4k-128k"), gpu_speed.run_long),
+                            "n = 4k-128k"), _part("gpu_speed", "run_long")),
         "train_step": ("mha LM training step, n = 1024, bf16 autocast, torch.compile: tokens/s and MFU",
-                       gpu_training.run),
-        "sweep": ("2-trial orchestrator sweep, bf16 + fsdp + compile, MLflow runs checked", gpu_sweep.run),
+                       _part("gpu_training", "run")),
+        "sweep": ("2-trial orchestrator sweep, bf16 + fsdp + compile, MLflow runs checked", _part("gpu_sweep", "run")),
     }
+
+
+def _part(module: str, function: str) -> Callable:
+    """benchmarks.<module>.<function>, imported at its first call (an import error is the part's error row)."""
+
+    def run(ctx):
+        return getattr(importlib.import_module(f"benchmarks.{module}"), function)(ctx)
+
+    run.__qualname__ = f"{module}.{function}"
+    return run
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -178,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         if triton_imported_compiled():
             return rerun_with_interpreter(argv)
-        os.environ[INTERPRET] = "1"  # before part_table imports the parts: see the module docstring
+        os.environ[INTERPRET] = "1"  # before the parts' modules are imported: see the module docstring
         device = torch.device("cpu")
     else:
         if os.environ.get(INTERPRET) == "1":

@@ -4,6 +4,7 @@ storage layout, one way into MLflow, and read-only commands that do not import R
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -111,22 +112,43 @@ def test_the_top_level_packages_depend_one_way():
     assert not wrong, "\n".join(sorted(set(wrong)))
 
 
+FACED_ROOMS = [room for room in ROOMS if room not in ("spec", "tracking")]
 FACE_CHECK = textwrap.dedent("""
-    import importlib, sys
-    room = importlib.import_module("orchestrator.{room}")
-    inside = sorted(m for m in sys.modules if m.startswith("orchestrator.{room}."))
-    assert not inside, inside  # a face loads nothing until a name is used
-    for name in room.__all__:
-        getattr(room, name)
-    print("ok", len(room.__all__))
+    import importlib, json, sys
+    rooms = {rooms!r}
+    faces = {{room: importlib.import_module(f"orchestrator.{{room}}") for room in rooms}}
+    found = {{room: {{"inside": sorted(m for m in sys.modules if m.startswith(f"orchestrator.{{room}}."))}}
+              for room in rooms}}  # a face loads nothing until a name is used
+    for room, face in faces.items():
+        try:
+            for name in face.__all__:
+                getattr(face, name)
+            found[room]["resolved"] = len(face.__all__)
+        except Exception as err:
+            found[room]["error"] = f"{{type(err).__name__}}: {{err}}"
+    print("FACES", json.dumps(found))
 """)
 
 
-@pytest.mark.parametrize("room", [room for room in ROOMS if room not in ("spec", "tracking")])
-def test_a_face_offers_names_that_resolve_and_loads_nothing_until_asked(room):
-    done = subprocess.run([sys.executable, "-c", FACE_CHECK.format(room=room)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
+@pytest.fixture(scope="module")
+def faces() -> dict[str, dict]:
+    """What one fresh interpreter finds of every face: the room's modules loaded once every face is imported (none
+    may be, so a face that loads its own modules, or another room's, is caught), then whether each offered name
+    resolves. One interpreter for all, not one per room (each imports torch, and launch's names Ray and MLflow:
+    seconds apiece): every face is imported before any name is asked, so the first check is the per-room one or
+    stricter; a name that resolved only in some import order would need an import cycle, which
+    test_orchestrator_has_no_import_cycle refuses."""
+    done = subprocess.run([sys.executable, "-c", FACE_CHECK.format(rooms=FACED_ROOMS)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "FACES " in done.stdout, done.stdout + done.stderr
+    return json.loads(done.stdout.split("FACES ", 1)[1])
+
+
+@pytest.mark.parametrize("room", FACED_ROOMS)
+def test_a_face_offers_names_that_resolve_and_loads_nothing_until_asked(room, faces):
+    found = faces[room]
+    assert not found["inside"], f"importing the faces loaded modules of orchestrator.{room}: {found['inside']}"
+    assert "error" not in found and "resolved" in found, found
 
 
 def test_a_face_refuses_a_name_that_a_module_would_shadow():
@@ -198,37 +220,65 @@ def test_run_layout_names_the_folders_of_a_sweep(tmp_path):
 
 
 _READ_ONLY = textwrap.dedent("""
-    import sys
+    import contextlib, io, json, sys, traceback
     from orchestrator.cli import main
-    code = main({argv!r})
-    assert code == {code}, code
-    loaded = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))
-    assert not loaded, loaded[:5]
-    print("no ray")
+    found = {{}}
+    for label, argv in {commands!r}:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as exit:
+                code = exit.code
+            except Exception:
+                code = "raised " + traceback.format_exc()
+        loaded = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))
+        found[label] = {{"code": code, "ray": loaded[:5], "out": out.getvalue(), "err": err.getvalue()}}
+    print("COMMANDS", json.dumps(found))
 """)
+READ_ONLY = {"status": (["status", "nothing-here", "--storage-path", "{tmp}/runs"], 1),
+             "report": (["report", "--tracking-uri", "sqlite:///{tmp}/absent.db", "--experiment", "x"], 2),
+             "stored-status": (["status", "unit", "--storage-path", "{tmp}/stored"], 0)}
+"""The read-only commands run, in this order, by one fresh interpreter: argv and the exit code expected."""
 
 
-@pytest.mark.parametrize("argv, code", [
-    (["status", "nothing-here", "--storage-path", "{tmp}/runs"], 1),
-    (["report", "--tracking-uri", "sqlite:///{tmp}/absent.db", "--experiment", "x"], 2),
-], ids=["status", "report"])
-def test_read_only_commands_do_not_import_ray(tmp_path, argv, code):
-    argv = [arg.format(tmp=tmp_path) for arg in argv]
-    done = subprocess.run([sys.executable, "-c", _READ_ONLY.format(argv=argv, code=code)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "no ray" in done.stdout, done.stdout + done.stderr
-
-
-def test_status_of_a_stored_run_does_not_import_ray(tmp_path):
-    """The whole status path (storage, then MLflow), on a run the launcher had recorded."""
-    storage = tmp_path / "runs"
+@pytest.fixture(scope="module")
+def read_only_runs(tmp_path_factory) -> dict[str, dict]:
+    """Each command of READ_ONLY, one after another in one fresh interpreter: its exit code, output and the Ray
+    modules loaded once it returned. One interpreter is as strict as one each: Ray, once imported, stays in
+    sys.modules, so a command that imports it is seen after it (and after every later one); what one command
+    imported before another cannot hide Ray, since that import would have brought Ray in with the first.
+    The stored run: what the launcher had recorded (storage, then MLflow), for the whole status path."""
+    tmp = tmp_path_factory.mktemp("read-only")
+    storage = tmp / "stored"
     RunLayout(str(storage), "unit").write_meta({"kind": "run", "spec": {
-        "name": "unit", "task": {"kind": "clm"}, "tracking": {"uri": f"sqlite:///{tmp_path}/m.db"}}})
+        "name": "unit", "task": {"kind": "clm"}, "tracking": {"uri": f"sqlite:///{tmp}/m.db"}}})
     (storage / "unit" / checkpoint_name(2)).mkdir()
-    script = _READ_ONLY.format(argv=["status", "unit", "--storage-path", str(storage)], code=0)
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "no ray" in done.stdout, done.stdout + done.stderr
-    assert f"last checkpoint: {storage}/unit/{checkpoint_name(2)}" in done.stdout
+    commands = [(label, [arg.format(tmp=tmp) for arg in argv]) for label, (argv, _) in READ_ONLY.items()]
+    done = subprocess.run([sys.executable, "-c", _READ_ONLY.format(commands=commands)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "COMMANDS " in done.stdout, done.stdout + done.stderr
+    return {"storage": storage, **json.loads(done.stdout.split("COMMANDS ", 1)[1])}
+
+
+def _ran_without_ray(found: dict, label: str) -> dict:
+    ran = found[label]
+    assert ran["code"] == READ_ONLY[label][1], ran
+    assert not ran["ray"], (f"Ray was imported by {label} or a command before it ({list(READ_ONLY)}): "
+                            f"{ran['ray']}")
+    return ran
+
+
+@pytest.mark.parametrize("command", ["status", "report"])
+def test_read_only_commands_do_not_import_ray(read_only_runs, command):
+    _ran_without_ray(read_only_runs, command)
+
+
+def test_status_of_a_stored_run_does_not_import_ray(read_only_runs):
+    """The whole status path (storage, then MLflow), on a run the launcher had recorded."""
+    ran = _ran_without_ray(read_only_runs, "stored-status")
+    storage = read_only_runs["storage"]
+    assert f"last checkpoint: {storage}/unit/{checkpoint_name(2)}" in ran["out"], ran
 
 
 def test_only_the_tracking_modules_build_mlflow_clients_or_create_runs():
