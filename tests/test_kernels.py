@@ -116,6 +116,7 @@ EXACT_CASES = [
     ExactCase("causal-d32-len50", 1, 2, 50, 50, 32),
     ExactCase("cross-causal-q45-k30-d64", 2, 1, 45, 30, 64, causal=True),
     ExactCase("cross-causal-padded-q20-k45-d24", 3, 1, 20, 45, 24, causal=True, padded=True),
+    # Strided views in both batch and heads; 17 queries are a block and a one-row tail.
     ExactCase("cross-padded-transposed-q17-k29-d24", 3, 2, 17, 29, 24, padded=True, transposed=True),
     ExactCase("bf16-causal-padded-len40-d32", 3, 1, 40, 40, 32, causal=True, padded=True, dtype=torch.bfloat16),
     ExactCase("fp16-padded-q24-k40-d16", 3, 1, 24, 40, 16, padded=True, dtype=torch.float16),
@@ -124,7 +125,7 @@ EXACT_CASES = [
 
 def case_params(cases: list, slow_dtype: torch.dtype) -> list:
     """`cases` as pytest params named by case, those in `slow_dtype` in the slow tier: a second dtype of a path
-    the fast tier runs in another (each list says why its dtype is the one)."""
+    the fast tier runs in another (the comment above each test says why that dtype)."""
     return [pytest.param(c, id=c.name, marks=pytest.mark.slow if c.dtype == slow_dtype else ()) for c in cases]
 
 
