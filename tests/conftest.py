@@ -25,8 +25,9 @@ import torch
 RUN_SLOW = "RUN_SLOW"
 """The switch of the real-process tier: set to 1 (or true/yes) to run the tests marked `slow`."""
 _DESELECTED = pytest.StashKey[int]()
-_GUARD = pytest.StashKey[object]()
 """How many tests marked `slow` this session left out, for the summary line."""
+_GUARD = pytest.StashKey[object]()
+"""This session's guard process (tests/process_guard.py), held so that its pipe lives as long as pytest."""
 
 
 def _run_slow() -> bool:
