@@ -155,6 +155,18 @@ def test_the_project_root_given_to_every_ray_process_is_the_checkout():
     assert str(ray_env.PROJECT_ROOT) in ray_env.local_ray_environment()["PYTHONPATH"].split(os.pathsep)
 
 
+
+def test_train_polls_a_local_rays_workers_often_unless_the_user_chose(monkeypatch):
+    """A worker's `report` waits for the controller's next poll (Ray Train's default: every 2 s), so a local
+    Ray polls every TRAIN_POLL_INTERVAL_S; a value the user set is passed on as it is."""
+    import ray.train.v2._internal.constants as train_constants
+
+    assert train_constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR == ray_env.TRAIN_POLL_INTERVAL  # Ray's name for it
+    monkeypatch.delenv(ray_env.TRAIN_POLL_INTERVAL, raising=False)
+    assert float(ray_env.local_ray_environment()[ray_env.TRAIN_POLL_INTERVAL]) < 1
+    monkeypatch.setenv(ray_env.TRAIN_POLL_INTERVAL, "5")
+    assert ray_env.local_ray_environment()[ray_env.TRAIN_POLL_INTERVAL] == "5"
+
 # --- a local Ray listens on the loopback only -----------------------------------------------------------------------
 
 

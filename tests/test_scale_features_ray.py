@@ -81,17 +81,21 @@ def test_the_local_ray_leaves_the_launchers_environment_as_it_was(ray_cluster):
     controller, and later subprocesses of the same process (a test session's) would inherit them."""
     import os
 
-    from orchestrator.cluster.ray_env import LOCAL_RAY, TRAIN_V2, on_local_ray
+    from orchestrator.cluster.ray_env import (LOCAL_RAY, TRAIN_POLL_INTERVAL, TRAIN_POLL_INTERVAL_S, TRAIN_V2,
+                                              on_local_ray)
 
     assert on_local_ray()
-    for name in (TRAIN_V2, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "RAY_prestart_worker_first_driver", LOCAL_RAY):
+    for name in (TRAIN_V2, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "RAY_prestart_worker_first_driver", LOCAL_RAY,
+                 TRAIN_POLL_INTERVAL):
         assert name not in os.environ, name
 
     @ray_cluster.remote(num_cpus=0)
     def seen() -> dict:
-        return {name: os.environ.get(name) for name in (TRAIN_V2, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", LOCAL_RAY)}
+        return {name: os.environ.get(name)
+                for name in (TRAIN_V2, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", LOCAL_RAY, TRAIN_POLL_INTERVAL)}
 
-    assert ray_cluster.get(seen.remote()) == {TRAIN_V2: "1", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", LOCAL_RAY: "1"}
+    assert ray_cluster.get(seen.remote()) == {TRAIN_V2: "1", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", LOCAL_RAY: "1",
+                                              TRAIN_POLL_INTERVAL: TRAIN_POLL_INTERVAL_S}
 
 
 def test_two_worker_ddp_with_unused_parameters_fp16_and_async_upload(ray_cluster, tmp_path):

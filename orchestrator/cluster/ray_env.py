@@ -9,6 +9,10 @@ create, stays as the user left it). Two of them trim what a run starts on one ma
   Ray Train's own env vars, and its actors inherit them), so they never ran anything of a run and only took
   CPU while the run's own processes started;
 - no preemption watcher actor: one machine is not preempted (on a cluster it stays on).
+And one shortens a wait: Ray Train's controller collects a worker's `report` when it polls the workers,
+every 2 s by default, and a worker's queue of reports holds one, so every report after the first waited for
+the next poll: up to 2 s of a worker's time per checkpoint, most of a short run on one machine. A local Ray
+polls every `TRAIN_POLL_INTERVAL_S` (a poll is one small call per worker; the user's own value wins).
 benchmarks/RESULTS.md, "Time to first metric", lists the processes a run starts and when.
 
 A local Ray listens on the loopback only (`_loopback`): Ray binds its gRPC servers (GCS, raylet, object
@@ -46,6 +50,10 @@ TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
 LOCAL_RAY = "ORCHESTRATOR_LOCAL_RAY"
 """Set to 1 in every process of a Ray the launcher started itself (through the raylet's environment)."""
 WORKER_NICENESS = "RAY_worker_niceness"
+TRAIN_POLL_INTERVAL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+"""How often Ray Train's controller polls its workers (ray/train/v2/_internal/constants.py); a worker's
+`report` waits for the poll that collects the report before it (its result queue holds one)."""
+TRAIN_POLL_INTERVAL_S = "0.2"
 SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Ray's switch between a node address other machines reach (on Linux, by default) and the loopback (its
 default on macOS and Windows, where Ray runs one machine only): ray/_private/services.py,
@@ -97,12 +105,14 @@ def local_ray_environment() -> dict[str, str]:
     paths keep working); this checkout importable even when not pip-installed; the launcher's verbosity; Ray's
     workers at normal priority (Ray starts them at niceness 15 so that its daemons stay responsive, and a
     training worker then loses every CPU contest on a shared machine: benchmarks/RESULTS.md, "Ray overhead");
-    no preemption watcher and no prestarted workers (the module's docstring says why); the launcher as owner, so
+    no preemption watcher and no prestarted workers, and Train's controller polling its workers every
+    TRAIN_POLL_INTERVAL_S unless the user chose (the module's docstring says why); the launcher as owner, so
     that they end with it (orchestrator/cluster/reaper.py)."""
     pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {TRAIN_V2: "1", "RAY_CHDIR_TO_TRIAL_DIR": "0", "PYTHONPATH": pythonpath,
             VERBOSE_ENV: "1" if verbose() else "0", WORKER_NICENESS: "0",
             "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_first_driver": "0", LOCAL_RAY: "1",
+            TRAIN_POLL_INTERVAL: os.environ.get(TRAIN_POLL_INTERVAL, TRAIN_POLL_INTERVAL_S),
             OWNER_ENV: _owner, SINGLE_MACHINE: "0"}
 
 
