@@ -111,6 +111,15 @@ def _one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _mlflow_schema_built_once(tmp_path_factory):
+    """A test's new SQLite MLflow store gets a copy of the schema MLflow built once in this process, not its
+    own 2-5 s of migrations (tests/mlflow_schema.py)."""
+    from tests.mlflow_schema import copy_built_schema
+
+    copy_built_schema(tmp_path_factory.mktemp("mlflow-schema"))
+
+
 MLFLOW_HTTP_SETTINGS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
 
 
