@@ -20,6 +20,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from orchestrator.cluster.ray_env import TRAIN_POLL_INTERVAL
 from orchestrator.tracking.describe import MLFLOW_SERVER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,8 +209,18 @@ def write_spec(folder: Path, name: str, uri: str, **sections) -> Path:
     return path
 
 
-def orchestrator(folder: Path, *args: str, env: dict[str, str] | None = None) -> Proc:
-    return Proc([sys.executable, "-m", "orchestrator", *args], cwd=folder, env=env)
+PACED = {TRAIN_POLL_INTERVAL: "2"}
+"""The environment of a launch that a test acts on midway (a kill after a checkpoint, an outage after some
+points): Ray Train's own poll interval of 2 s, not the local Ray's 0.2 s (orchestrator/cluster/ray_env.py). A
+worker's report waits for the poll that takes the report before it, so such a run moves on by one
+checkpoint per poll at most, on any machine, and the test's 0.2 s waits act between two checkpoints. A launch
+that runs to its end unhindered (a resume, a refused launch) keeps the fast poll."""
+
+
+def orchestrator(folder: Path, *args: str, env: dict[str, str] | None = None, paced: bool = False) -> Proc:
+    """`python -m orchestrator *args` in `folder`; `paced` for a run the test acts on before it ends (PACED)."""
+    env = env or process_env()
+    return Proc([sys.executable, "-m", "orchestrator", *args], cwd=folder, env={**env, **PACED} if paced else env)
 
 
 def runs_of(uri: str, experiment: str) -> list:

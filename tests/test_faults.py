@@ -53,7 +53,7 @@ def test_driver_kill_resumes_from_the_newest_checkpoint(tmp_path, server):
     launcher's lock, restarts from that checkpoint (registered by Ray, or found on disk), and the MLflow run
     ends FINISHED with one point per metric per step."""
     spec = write_spec(tmp_path, "driver-kill", server.uri)
-    first = orchestrator(tmp_path, "train", str(spec))
+    first = orchestrator(tmp_path, "train", str(spec), paced=True)
     last = kill_after_checkpoint(first, tmp_path / "runs" / "driver-kill", 2 * CHECKPOINT_EVERY, server.uri,
                                  "driver-kill")
     assert (tmp_path / "runs" / "driver-kill" / ".orchestrator.lock").exists()  # left behind by the kill
@@ -72,7 +72,7 @@ def test_worker_kill_is_retried_by_ray_train_from_the_latest_checkpoint(tmp_path
     """SIGKILL of the Ray Train worker process: with run.max_failures=1 Ray restarts the worker group from
     the latest checkpoint in the same launcher, and the run finishes with one point per metric per step."""
     spec = write_spec(tmp_path, "worker-kill", server.uri, run={"max_failures": 1})
-    proc = orchestrator(tmp_path, "train", str(spec))
+    proc = orchestrator(tmp_path, "train", str(spec), paced=True)
     wait_for(lambda: checkpoint_on_disk(tmp_path / "runs" / "worker-kill", CHECKPOINT_EVERY), 300, "checkpoint", proc)
     workers = [pid for pid, cmd in descendants(proc.popen.pid) if cmd.startswith("ray::RayTrainWorker")]
     assert len(workers) == 1, descendants(proc.popen.pid)
@@ -96,7 +96,7 @@ def test_ctrl_c_marks_the_run_killed_and_resume_finishes_it(tmp_path, server):
     goes on alone (one MLflow run at the end)."""
     # 40 steps: room for the two refused launches (started together) before the first run's checkpoint and end.
     spec = write_spec(tmp_path, "ctrl-c", server.uri, optim={"max_steps": 40})
-    proc = orchestrator(tmp_path, "train", str(spec))
+    proc = orchestrator(tmp_path, "train", str(spec), paced=True)
     wait_for(lambda: (tmp_path / "runs" / "ctrl-c" / "orchestrator.json").exists(), 300, "the run's start", proc)
     refused = [orchestrator(tmp_path, *args)
                for args in (["train", str(spec)], ["resume", "ctrl-c", "--storage-path", str(tmp_path / "runs")])]
@@ -126,7 +126,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, se
     and which it took, and finishes from the older one."""
     spec = write_spec(tmp_path, "truncated", server.uri)
     run_folder = tmp_path / "runs" / "truncated"
-    kill_after_checkpoint(orchestrator(tmp_path, "train", str(spec)), run_folder, 2 * CHECKPOINT_EVERY,
+    kill_after_checkpoint(orchestrator(tmp_path, "train", str(spec), paced=True), run_folder, 2 * CHECKPOINT_EVERY,
                           server.uri, "truncated")
     newest = sorted(p for p in run_folder.glob("checkpoint_*") if (p / "state.pt").is_file())[-1]
     state = newest / "state.pt"
@@ -182,7 +182,7 @@ def test_tracking_outage_ending_after_the_run_loses_no_point(tmp_path, server):
     stays open, the launcher says so), and `resume` sends them and ends the run; a second `resume` sends nothing
     twice. The session's server is stopped and started again on its port (its store kept), as an operator would."""
     spec = write_spec(tmp_path, "outage", server.uri, run={"final_eval": True})
-    proc = orchestrator(tmp_path, "train", str(spec))
+    proc = orchestrator(tmp_path, "train", str(spec), paced=True)
     try:
         wait_for(lambda: last_logged_step(server.uri, "outage") >= 2, 300, "the first points", proc)
         server.stop()
@@ -234,7 +234,7 @@ def test_sweep_trial_that_trained_during_a_whole_outage_gets_its_run_and_every_p
         return len(trials) == 1 and trials[0].info.status == "RUNNING" and max(
             points_per_step(server.uri, trials[0].info.run_id, "train/loss"), default=0) == steps
 
-    first = orchestrator(tmp_path, "sweep", str(spec))
+    first = orchestrator(tmp_path, "sweep", str(spec), paced=True)
     try:
         wait_for(first_trial_at_its_last_step, 400, "the first trial's last step", first)
         server.stop()
@@ -311,7 +311,7 @@ def test_sweep_driver_kill_with_a_nan_trial_resumes_without_hanging(tmp_path, se
     spec = write_spec(tmp_path, "sweep-kill", server.uri, optim={"lr": {"grid": [1e4, 3e-3]}, "warmup_steps": 3,
                                                                   "grad_clip": None},
                       run={"max_failures": 0}, tune={"max_failures": 0})
-    first = orchestrator(tmp_path, "sweep", str(spec))
+    first = orchestrator(tmp_path, "sweep", str(spec), paced=True)
     trials = tmp_path / "runs" / "sweep-kill" / "trials"
 
     def second_trial_checkpointed() -> bool:
@@ -356,7 +356,7 @@ def test_sweep_driver_kill_after_two_of_three_trials_finished_resumes_to_all_fin
     spec = write_spec(tmp_path, "sweep-done", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]},
                                                                  "max_steps": steps},
                       tune={"max_concurrent": 2})
-    first = orchestrator(tmp_path, "sweep", str(spec))
+    first = orchestrator(tmp_path, "sweep", str(spec), paced=True)
 
     def finished_children() -> list:
         return [r for r in runs_of(server.uri, "sweep-done")

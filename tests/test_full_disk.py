@@ -56,7 +56,7 @@ def fill(disk: Path) -> Path:
 def test_a_full_disk_leaves_no_partial_file_and_a_resume_says_so_then_finishes(tmp_path, small_disk, server):
     spec = write_spec(tmp_path, "full", server.uri, run={"storage_path": str(small_disk / "runs")})
     run_folder = small_disk / "runs" / "full"
-    proc = orchestrator(tmp_path, "train", str(spec))
+    proc = orchestrator(tmp_path, "train", str(spec), paced=True)
     wait_for(lambda: checkpoint_on_disk(run_folder, CHECKPOINT_EVERY), 300, "the first checkpoint", proc)
     filler = fill(small_disk)
 

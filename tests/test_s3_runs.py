@@ -88,7 +88,7 @@ def test_sweep_on_s3_killed_during_a_tracking_outage_resumes_exactly_and_every_c
     steps = 48
     spec = write_spec(tmp_path, "s3-sweep", mlflow.uri, tune={"num_samples": 2, "max_concurrent": 1},
                       run={"storage_path": storage, "final_eval": True}, optim={"max_steps": steps})
-    first = orchestrator(tmp_path, "sweep", str(spec), env=env)
+    first = orchestrator(tmp_path, "sweep", str(spec), env=env, paced=True)
     bucket, prefix = _bucket_prefix(root)
     wait_for(lambda: server.keys(bucket, f"{prefix}/runs/s3-sweep/orchestrator.json"), 300, "the sweep's start", first)
     refused = orchestrator(tmp_path, "sweep", str(spec), env=env)
@@ -168,7 +168,7 @@ def test_s3_outage_mid_run_loses_no_registered_checkpoint_and_resume_skips_a_hal
     spec = write_spec(tmp_path, "s3-outage", server.uri, run={"storage_path": storage, "max_failures": 0})
     run_folder = f"{storage}/s3-outage"
     env = process_env(**s3_server.env)
-    proc = orchestrator(tmp_path, "train", str(spec), env=env)
+    proc = orchestrator(tmp_path, "train", str(spec), env=env, paced=True)
     wait_for(lambda: checkpointed(s3_server, run_folder, 2 * CHECKPOINT_EVERY), 300, "the second checkpoint", proc)
     bucket, prefix = _bucket_prefix(run_folder)
     snapshot = json.loads(s3_server.client().get_object(
