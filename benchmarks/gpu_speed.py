@@ -128,20 +128,28 @@ def flash_case(n: int, causal: bool, ctx: SuiteContext) -> list[Row]:
     return rows
 
 
+def flash_cases(ctx: SuiteContext) -> list[tuple[int, bool]]:
+    """(n, causal) of every case, shortest first (what a budget keeps when it shrinks the part)."""
+    return [(n, causal) for n in (DRY_FLASH_LENGTHS if ctx.dry_run else FLASH_LENGTHS) for causal in (False, True)]
+
+
 def run_flash(ctx: SuiteContext) -> PartResult:
     rows: list[Row] = []
-    for n in DRY_FLASH_LENGTHS if ctx.dry_run else FLASH_LENGTHS:
-        for causal in (False, True):
-            start = time.perf_counter()
-            case_rows = flash_case(n, causal, ctx)
-            rows.extend(case_rows)
-            line = " | ".join(f"{r['impl']} {r['fwd_bwd_tflops']:.3g} TFLOP/s fwd+bwd" if r["status"] == "ok"
-                              else f"{r['impl']} {r['status'][:60]}" for r in case_rows)
-            print(f"  flash n={n:6d} causal={causal!s:5}: {line} ({time.perf_counter() - start:.1f}s)", flush=True)
+    chosen = ctx.select(flash_cases(ctx))
+    for n, causal in chosen:
+        start = time.perf_counter()
+        ctx.case_started(f"n={n} causal={causal}")
+        case_rows = flash_case(n, causal, ctx)
+        rows.extend(case_rows)
+        ctx.record(case_rows)
+        ctx.case_finished()
+        line = " | ".join(f"{r['impl']} {r['fwd_bwd_tflops']:.3g} TFLOP/s fwd+bwd" if r["status"] == "ok"
+                          else f"{r['impl']} {r['status'][:60]}" for r in case_rows)
+        print(f"  flash n={n:6d} causal={causal!s:5}: {line} ({time.perf_counter() - start:.1f}s)", flush=True)
     add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "sdpa-flash",
                columns={"fwd_ms": "fwd_speedup_vs_sdpa", "fwd_bwd_ms": "fwd_bwd_speedup_vs_sdpa"})
     d = DRY_FLASH_HEAD_DIM if ctx.dry_run else FLASH_HEAD_DIM
-    lengths = DRY_FLASH_LENGTHS if ctx.dry_run else FLASH_LENGTHS
+    lengths = tuple(dict.fromkeys(n for n, _ in chosen))
     return PartResult(rows, status_of_rows(rows, ctx), settings={"dtype": "bfloat16", "head_dim": d, "n": lengths})
 
 
@@ -179,37 +187,46 @@ def long_impls(causal: bool) -> list[str]:
     return ["sdpa", "chunked", *(kind for kind in LAYER_KINDS if not (causal and kind == "linformer"))]
 
 
+def long_cases(ctx: SuiteContext) -> list[tuple[int, bool]]:
+    """(n, causal) of every case, shortest first."""
+    return [(n, causal) for n in (DRY_LONG_LENGTHS if ctx.dry_run else LONG_LENGTHS) for causal in (False, True)]
+
+
 def run_long(ctx: SuiteContext) -> PartResult:
     rows: list[Row] = []
     stopped: dict[tuple[str, bool], str] = {}  # (impl, causal) -> why its larger sizes are skipped
-    for n in DRY_LONG_LENGTHS if ctx.dry_run else LONG_LENGTHS:
-        for causal in (False, True):
-            line = []
-            for impl in long_impls(causal):
-                row: Row = {"case": f"n={n} causal={causal}", "impl": impl, "n": n, "causal": causal,
-                            "dtype": str(DTYPE).removeprefix("torch.")}
-                if (impl, causal) in stopped:
-                    rows.append({**row, "status": f"skipped: {stopped[impl, causal]}"})
-                    continue
-                step = None
-                try:
-                    step = long_calls(impl, n, causal, ctx)
-                    step()  # the first call: autotuning, hash set-up; not timed
-                    row.update({"status": "ok", "fwd_bwd_ms": time_ms(step, ctx)})
-                except Exception as err:  # noqa: BLE001 - recorded in the row; the part's status names it
-                    row["status"] = row_status(err)
-                    if row["status"] == "oom":
-                        stopped[impl, causal] = f"oom at n={n}"
-                finally:
-                    del step  # the layer, its inputs and gradients go before the next (larger) case, also after an oom
-                    release_memory(ctx.device)
-                rows.append(row)
-                line.append(f"{impl} {row['fwd_bwd_ms']:.3g} ms" if row["status"] == "ok" else f"{impl} {row['status'][:40]}")
-            print(f"  long n={n:6d} causal={causal!s:5}: {' | '.join(line)}", flush=True)
+    chosen = ctx.select(long_cases(ctx))
+    for n, causal in chosen:
+        line = []
+        for impl in long_impls(causal):
+            ctx.case_started(f"n={n} causal={causal}, {impl}")
+            row: Row = {"case": f"n={n} causal={causal}", "impl": impl, "n": n, "causal": causal,
+                        "dtype": str(DTYPE).removeprefix("torch.")}
+            if (impl, causal) in stopped:
+                rows.append({**row, "status": f"skipped: {stopped[impl, causal]}"})
+                ctx.record(rows[-1:])
+                continue
+            step = None
+            try:
+                step = long_calls(impl, n, causal, ctx)
+                step()  # the first call: autotuning, hash set-up; not timed
+                row.update({"status": "ok", "fwd_bwd_ms": time_ms(step, ctx)})
+            except Exception as err:  # noqa: BLE001 - recorded in the row; the part's status names it
+                row["status"] = row_status(err)
+                if row["status"] == "oom":
+                    stopped[impl, causal] = f"oom at n={n}"
+            finally:
+                del step  # the layer, its inputs and gradients go before the next (larger) case, also after an oom
+                release_memory(ctx.device)
+            rows.append(row)
+            ctx.record([row])
+            line.append(f"{impl} {row['fwd_bwd_ms']:.3g} ms" if row["status"] == "ok" else f"{impl} {row['status'][:40]}")
+        print(f"  long n={n:6d} causal={causal!s:5}: {' | '.join(line)}", flush=True)
+        ctx.case_finished()
     add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "sdpa", columns={"fwd_bwd_ms": "speedup_vs_sdpa"})
     add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "mha", columns={"fwd_bwd_ms": "speedup_vs_mha"})
     model = DRY_LONG_MODEL if ctx.dry_run else LONG_MODEL
-    settings = {"dtype": "bfloat16", "n": DRY_LONG_LENGTHS if ctx.dry_run else LONG_LENGTHS,
+    settings = {"dtype": "bfloat16", "n": tuple(dict.fromkeys(n for n, _ in chosen)),
                 "d_model": model["d_model"], "heads": model["heads"], "chunk": model["chunk"],
                 **{f"{kind} knobs": knobs or "defaults" for kind, knobs in model["knobs"].items()}}
     oom = sorted({reason for reason in stopped.values()})
