@@ -48,13 +48,13 @@ H100_COSTS = {
 """Seconds on one H100 80GB HBM3 (results/nvidia-h100-80gb-hbm3/README.md and console.txt)."""
 
 DRY_COSTS = {
-    # The fast tier's dry run (tests/test_gpu_suite.py) on the shared 2-core CPU (cpu-2core), 2026-11-27, beside
-    # other work: parity 16.4 s for its 3 cases, train_step 7.4 s, flash_vs_sdpa 3.8 s for 2, long_attention
-    # 3.6 s for 2.
-    "kernel_parity": Cost(0.0, 5.5),
-    "flash_vs_sdpa": Cost(0.0, 1.9),
-    "long_attention": Cost(0.0, 1.8),
-    "train_step": Cost(0.0, 7.4),
+    # The fast tier's dry run (tests/test_gpu_suite.py's fixture) on the shared 2-core CPU (cpu-2core), 2026-11-27,
+    # beside other work: parity 23.1 s for its 3 cases, train_step 13.1 s, flash_vs_sdpa 7.0 s for 2 (with
+    # FlexAttention's uncompiled forward), long_attention 6.8 s for 2.
+    "kernel_parity": Cost(0.0, 7.7),
+    "flash_vs_sdpa": Cost(0.0, 3.5),
+    "long_attention": Cost(0.0, 3.4),
+    "train_step": Cost(0.0, 13.1),
     # Not measured on the CPU (the slow tier's): the H100's 111.6 s, until this run's own measurements scale it.
     "sweep": H100_COSTS["sweep"],
 }

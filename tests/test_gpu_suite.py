@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks import gpu_budget, gpu_parity, gpu_speed, gpu_suite, gpu_sweep, gpu_training
+from benchmarks import gpu_baselines, gpu_budget, gpu_parity, gpu_speed, gpu_suite, gpu_sweep, gpu_training
 from benchmarks.gpu_common import DRY_RUN, PartResult
 from benchmarks.harness import read_csv
 from models import LanguageModel, ModelConfig
@@ -92,14 +92,24 @@ def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     assert {int(row["seq"]) for row in parity} == set(gpu_parity.DRY_LENGTHS.values())
 
     flash = tables["flash_vs_sdpa"]
-    assert len(flash) == len(gpu_speed.DRY_FLASH_LENGTHS) * 2 * 2  # n x causal x (triton, sdpa-flash)
-    assert {row["status"] for row in flash} == {"ok"} and all(float(row["fwd_bwd_tflops"]) > 0 for row in flash)
+    impls = ["triton", *gpu_baselines.BASELINES]
+    assert [row["impl"] for row in flash] == impls * len(gpu_speed.DRY_FLASH_LENGTHS) * 2  # n x causal x impl
+    ran = [row for row in flash if row["impl"] in ("triton", "sdpa-flash")]
+    assert {row["status"] for row in ran} == {"ok"} and all(float(row["fwd_bwd_tflops"]) > 0 for row in ran)
+    # On the CPU: cuDNN and FA3 unavailable, FlexAttention's forward timed and its backward unavailable, each a row.
+    status = {row["impl"]: row["status"] for row in flash}
+    assert status["sdpa-cudnn"] == "unavailable: SDPA's cuDNN backend needs CUDA"
+    assert status["fa3"] == "unavailable: FlashAttention 3 needs a CUDA GPU (Hopper)"
+    assert status["flex"] == "unavailable: FlexAttention has no backward on the CPU (forward timed)"
+    flex = [row for row in flash if row["impl"] == "flex"]
+    assert all(float(row["fwd_ms"]) > 0 and float(row["max_abs_err_vs_sdpa"]) < 0.05 for row in flex)
 
     long = tables["long_attention"]
     expected = {(impl, str(causal)) for causal in (False, True) for impl in gpu_speed.long_impls(causal)}
     assert {(row["impl"], row["causal"]) for row in long} == expected
     assert len(long) == len(expected) * len(gpu_speed.DRY_LONG_LENGTHS)
-    assert {row["status"] for row in long} == {"ok"}
+    assert {row["status"] for row in long if row["impl"] not in gpu_speed.LONG_BASELINES} == {"ok"}
+    assert all(row["status"].startswith("unavailable: ") for row in long if row["impl"] in gpu_speed.LONG_BASELINES)
 
     (train,) = tables["train_step"]
     assert int(train["n"]) == gpu_training.DRY_SIZE["n"] and float(train["tokens_per_s"]) > 0
@@ -223,8 +233,9 @@ def test_a_dry_run_after_triton_was_imported_compiled_reruns_itself_with_the_int
 
 def test_a_dry_run_stopped_by_sigterm_keeps_its_rows_and_says_where_it_stopped(tmp_path):
     """A `timeout` in the middle of a part: the rows of the cases that finished are on disk, and the summary names
-    the part and the case the signal interrupted, the parts after it not run. The signal goes once the first case's
-    rows are in the CSV (polled): the second case and long attention are still to come."""
+    the part and the case the signal interrupted, the parts after it not run. The signal goes once the first row
+    (flash_vs_sdpa's first case, triton) is in the CSV (polled): the rest of the part and long attention are still
+    to come."""
     import signal
     import time
 
@@ -256,8 +267,8 @@ def test_a_dry_run_stopped_by_sigterm_keeps_its_rows_and_says_where_it_stopped(t
     assert "stopped by SIGTERM during case '" in summary[part]["run"], summary[part]
     rows = read_csv(csv_path.parent / f"gpu_{part}.csv")
     assert len(rows) >= 1 and int(summary[part]["rows"]) == len(rows)
-    if part == "flash_vs_sdpa":  # the signal came in its second case (else in long attention, which runs after it)
-        assert summary[part]["run"].startswith("stopped by SIGTERM during case 'n=32 causal=True'")
+    if part == "flash_vs_sdpa":  # the signal came in it (else in long attention, which runs after it)
+        assert summary[part]["run"].startswith("stopped by SIGTERM during case 'n=32 causal=")
         assert summary["long_attention"]["status"] == "not run"
         assert summary["long_attention"]["run"] == "not run: the suite was stopped by SIGTERM"
     assert "The run was stopped by SIGTERM" in (csv_path.parent / gpu_suite.SUMMARY).read_text()
@@ -304,8 +315,8 @@ def test_budget_estimates_follow_the_runs_own_measurements():
 
 def test_a_dry_run_with_a_small_budget_runs_shrinks_and_skips_by_its_estimates(tmp_path, monkeypatch):
     """The suite's own loop under a simulated clock on which each part takes its dry-run estimate
-    (gpu_budget.DRY_COSTS): 6 s for the sweep (~112 s: skipped before it starts), flash_vs_sdpa (2 cases of
-    1.9 s: runs) and long_attention (2 of 1.8 s: one fits the 2.2 s left, shrunk)."""
+    (gpu_budget.DRY_COSTS): 11 s for the sweep (~112 s: skipped before it starts), flash_vs_sdpa (2 cases of
+    3.5 s: runs) and long_attention (2 of 3.4 s: one fits the 4 s left, shrunk)."""
     now = [0.0]
     real = gpu_suite.part_table()
 
@@ -318,16 +329,16 @@ def test_a_dry_run_with_a_small_budget_runs_shrinks_and_skips_by_its_estimates(t
 
     monkeypatch.setattr(gpu_suite, "part_table", lambda: {name: (real[name][0], simulated(name)) for name in real})
     monkeypatch.setenv(gpu_suite.INTERPRET, "1")
-    code = gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--budget", "6",
+    code = gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--budget", "11",
                            "--parts", "sweep", "long_attention", "flash_vs_sdpa"], clock=lambda: now[0])
     assert code == 0
     (folder,) = tmp_path.iterdir()
     summary = summary_rows((folder / gpu_suite.SUMMARY).read_text())
-    assert (summary["sweep"]["status"], summary["sweep"]["run"]) == ("skipped", "skipped: needs ~112 s for one case, 6 s left")
+    assert (summary["sweep"]["status"], summary["sweep"]["run"]) == ("skipped", "skipped: needs ~112 s for one case, 11 s left")
     assert (summary["flash_vs_sdpa"]["status"], summary["flash_vs_sdpa"]["run"]) == (DRY_RUN, "ran")
     assert summary["long_attention"]["status"] == DRY_RUN
     assert summary["long_attention"]["run"] == ("shrunk: 1 of 2 cases ran; cut to 1 of 2 by the budget "
-                                                "(~4 s for all 2, 2 s left)")
+                                                "(~7 s for all 2, 4 s left)")
     long = read_csv(folder / "gpu_long_attention.csv")
     assert {row["causal"] for row in long} == {"False"} and len(long) == len(gpu_speed.long_impls(False))
     assert summary["kernel_parity"]["run"] == "not in --parts"
