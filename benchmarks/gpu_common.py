@@ -1,4 +1,11 @@
-"""What the parts of benchmarks.gpu_suite share: the run's context, a part's result, timing and out-of-memory.
+"""What the parts of benchmarks.gpu_suite share: the run's context, a part's result, its CSV written as it goes,
+timing and out-of-memory.
+
+Nothing lost to a time limit: a part hands each finished case's rows to `ctx.record`, which appends them to the
+part's CSV at once (`PartLog`; the file is closed after each append, so a process killed the next moment keeps
+them), and names the case it starts with `ctx.case_started`, so that a stop (a signal, the suite's own budget)
+can say which case it interrupted. The suite rewrites the CSV at the end of the part with the part's final rows
+(ratio columns that need every case are added then).
 
 Timing: on CUDA `triton.testing.do_bench` (CUDA events, its own warm-up, the L2 cache flushed between calls,
 the median here); on the CPU of a dry run one `harness.timed_call` (do_bench needs a GPU, and under the Triton
@@ -8,14 +15,18 @@ Dry-run times are there to exercise the code, never to be read as results.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import csv
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from benchmarks.harness import Row, describe_error, timed_call
+from benchmarks.harness import Row, describe_error, timed_call, write_csv
+
+T = TypeVar("T")
 
 DRY_RUN = "dry-run"
 """A part's status when it ran to the end at the dry run's toy sizes (on a GPU run: "ok")."""
@@ -29,11 +40,73 @@ class SuiteContext:
     dry_run: bool
     folder: Path
     """`<out>/<machine label>/`: every part writes its CSV here."""
+    log: PartLog | None = None
+    """The running part's CSV; None when a part is called on its own (its rows are then only returned)."""
+    cases: tuple[int, int] | None = None
+    """The slice [start, stop) of the part's cases (in the part's own order) that this run takes: the `--budget`
+    planner shrinks a part by it; None: all."""
 
     @property
     def passed(self) -> str:
         """The status of a part that ran to the end without a failure."""
         return DRY_RUN if self.dry_run else "ok"
+
+    def select(self, all_cases: Sequence[T]) -> list[T]:
+        """The cases of this run: all of them, or the planner's slice."""
+        start, stop = self.cases if self.cases is not None else (0, len(all_cases))
+        return list(all_cases[start:stop])
+
+    def case_started(self, label: str) -> None:
+        if self.log is not None:
+            self.log.current = label
+
+    def record(self, rows: Sequence[Row]) -> None:
+        """Rows of the running case, appended to the CSV now."""
+        if self.log is not None:
+            self.log.add(rows)
+
+    def case_finished(self) -> None:
+        if self.log is not None:
+            self.log.cases_done += 1
+            self.log.current = ""
+
+
+class PartLog:
+    """A part's CSV, appended to row by row (see the module docstring). It keeps the rows, so that a row with a new
+    column rewrites the file with the wider header (atomically: a temporary file renamed over it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[Row] = []
+        self.columns: list[str] = []
+        self.current = ""
+        """The case running now ("" between cases)."""
+        self.cases_done = 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # a previous run's file in the same folder
+
+    def add(self, rows: Sequence[Row]) -> None:
+        new = [column for row in rows for column in row if column not in self.columns]
+        self.rows.extend(rows)
+        if new or not self.path.exists():
+            self.rewrite()
+            return
+        with self.path.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=self.columns)
+            writer.writerows({c: (f"{v:.6g}" if isinstance(v, float) else v) for c, v in row.items()} for row in rows)
+
+    def replace(self, start: int, rows: Sequence[Row]) -> None:
+        """The rows from index `start` on (one run of the part) replaced by the part's final rows."""
+        self.rows[start:] = rows
+        self.rewrite()
+
+    def rewrite(self) -> None:
+        self.columns = list(dict.fromkeys(column for row in self.rows for column in row))
+        if not self.rows:
+            self.path.unlink(missing_ok=True)
+            return
+        tmp = write_csv(self.rows, self.path.with_name(self.path.name + ".partial"))
+        os.replace(tmp, self.path)
 
 
 @dataclass

@@ -150,14 +150,31 @@ def run_case(case: dict[str, Any], ctx: SuiteContext) -> list[Row]:
     return rows
 
 
+def ordered_cases(ctx: SuiteContext) -> list[dict[str, Any]]:
+    """The part's cases in the order it runs them: the covering subset first (every axis value once: what a budget
+    keeps when it shrinks the part, benchmarks/gpu_budget.py), then the rest of the grid; a dry run only the subset."""
+    grid = case_grid()
+    cover = covering_subset(grid)
+    return cover if ctx.dry_run else cover + [case for case in grid if case not in cover]
+
+
+def case_label(case: dict[str, Any]) -> str:
+    return (f"{case['kernel']} {str(case['dtype']).removeprefix('torch.')} d={case['head_dim']} "
+            f"{'block multiple' if case['block_multiple'] else 'tail'} {case['mask']}")
+
+
 def run(ctx: SuiteContext) -> PartResult:
     grid = case_grid()
-    chosen = covering_subset(grid) if ctx.dry_run else grid
+    every = ordered_cases(ctx)
+    chosen = ctx.select(every)
     rows: list[Row] = []
     for index, case in enumerate(chosen, 1):
         start = time.perf_counter()
+        ctx.case_started(case_label(case))
         case_rows = run_case(case, ctx)
         rows.extend(case_rows)
+        ctx.record(case_rows)
+        ctx.case_finished()
         worst = max((r["max_abs_err"] / r["bound"] for r in case_rows if "bound" in r), default=float("nan"))
         verdict = "pass" if all(r["passed"] for r in case_rows) else "FAIL"
         if case_rows[0]["quantity"] == "all":  # the case raised
@@ -179,5 +196,9 @@ def run(ctx: SuiteContext) -> PartResult:
                                 f"{first['kernel']} {first['dtype']} d={first['head_dim']} n={first['seq']} "
                                 f"{first['mask']} {first['quantity']} {first['max_abs_err']:.3g} > {first['bound']:.3g}",
                           settings=settings)
-    note = f"{len(chosen)} of {len(grid)} cases (every axis value once)" if ctx.dry_run else f"{len(grid)} cases"
+    cover = len(covering_subset(grid))
+    first = ctx.cases[0] if ctx.cases else 0
+    which = ("the covering subset: every axis value once" if (first, len(chosen)) == (0, cover)
+             else "after the covering subset" if first >= cover else "covering subset first")
+    note = f"{len(chosen)} of {len(grid)} cases ({which})" if len(chosen) < len(grid) else f"{len(grid)} cases"
     return PartResult(rows, ctx.passed, f"{note}, {len(rows)} comparisons within tolerance", settings)

@@ -6,10 +6,13 @@ n = 1k ... 16k, causal and not, head dim 128 with the shapes of benchmarks/kerne
 per batch); TFLOP/s of the forward and of forward + backward counted as that benchmark counts them
 (`attention_flops`). Head dim 64 and n up to 64k are `python -m benchmarks.kernels`'s sweep; the suite keeps to
 one head dim to stay within its time. Each case's first call autotunes the Triton kernels before timing, and
-the configuration each kernel settled on and the max |triton - sdpa| of the output go into the row.
+the configuration each kernel settled on and the max |impl - sdpa| of the output go into the row. Beside SDPA's
+flash backend, the same run times the strongest baselines (benchmarks/gpu_baselines.py): SDPA's cuDNN backend,
+FlexAttention and FlashAttention 3 where importable; one that cannot run here is a row `unavailable: <reason>`.
 
 (c) `long_attention`: forward + backward at n = 4k ... 128k (2^12 ... 2^17), batch 1, d_model 1024, 16 heads of
-64, bf16, causal and not, of: bare SDPA (flash backend) on q, k, v; the bare sorted-chunk kernel
+64, bf16, causal and not, of: bare SDPA (flash backend) on q, k, v, and beside it the same bare baselines as (b)
+(`sdpa-cudnn`, `flex`, `fa3`; unavailable ones recorded); the bare sorted-chunk kernel
 (kernels.chunked_attention, chunk 64, one chunk of look-back), as Reformer's LSH attention calls it after its
 sort; and whole attention layers (projections included) of `mha` (SDPA inside), `lsh` (Reformer; buckets of 64,
 2 hash rounds), `hyper` (HyperAttention, Han et al., 2023, arXiv 2310.05869, at its defaults: blocks and samples
@@ -30,10 +33,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.attention_scaling import Settings, Variant, build_layer
+from benchmarks.gpu_baselines import BASELINES, backward_unavailable, sdpa_flash, unavailable
 from benchmarks.gpu_common import (
     PartResult,
     SuiteContext,
@@ -63,20 +65,15 @@ DRY_LONG_MODEL = {"d_model": 32, "heads": 2, "chunk": 16,
 LAYER_KINDS = ("mha", "lsh", "hyper", "linformer")
 
 
-def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    # Only the flash backend: a silent fallback to the math kernel would make the comparison meaningless.
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
 def triton_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     return flash_attention(q, k, v, causal=causal)[0]
 
 
-def fwd_and_fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], **kwargs: Any):
+def fwd_and_fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: bool = True, **kwargs: Any):
     """Closures of a forward under no_grad and of a forward + backward from a fixed upstream gradient, on leaves
-    that require gradients; the backward's gradients are dropped each call, as a training step's are."""
-    leaves = [t.detach().requires_grad_() for t in inputs]
+    that require gradients (`grad`; without it, leaves that do not: a forward-only baseline refuses them); the
+    backward's gradients are dropped each call, as a training step's are."""
+    leaves = [t.detach().requires_grad_(grad) for t in inputs]
     with torch.no_grad():
         grad = torch.randn_like(fn(*leaves, **kwargs))
 
@@ -103,45 +100,67 @@ def flash_case(n: int, causal: bool, ctx: SuiteContext) -> list[Row]:
     base: Row = {"case": f"n={n} causal={causal}", "n": n, "head_dim": d, "causal": causal, "batch": batch,
                  "heads": heads, "dtype": str(DTYPE).removeprefix("torch.")}
     rows = []
-    error = None
-    for impl, fn in (("triton", triton_flash), ("sdpa-flash", sdpa_flash)):
+    for impl, fn in {"triton": triton_flash, **BASELINES}.items():
+        ctx.case_started(f"n={n} causal={causal}, {impl}")
         row: Row = {**base, "impl": impl}
+        missing = unavailable(impl, ctx.device)
+        if missing:
+            rows.append({**row, "status": f"unavailable: {missing}"})
+            ctx.record(rows[-1:])
+            continue
+        no_backward = backward_unavailable(impl, ctx.device)
+        fwd_bwd_ms = None
         try:
-            forward, forward_backward = fwd_and_fwd_bwd(fn, [q, k, v], causal=causal)
-            forward_backward()  # Triton autotunes at its first call of a shape: not in the timed calls
-            fwd_ms, fwd_bwd_ms = time_ms(forward, ctx), time_ms(forward_backward, ctx)
-            if impl == "triton":
-                with torch.no_grad():
-                    error = (fn(q, k, v, causal).float() - sdpa_flash(q, k, v, causal).float()).abs().max().item()
+            forward, forward_backward = fwd_and_fwd_bwd(fn, [q, k, v], causal=causal, grad=not no_backward)
+            # The first call autotunes (Triton) or compiles (FlexAttention) a shape: not in the timed calls.
+            forward() if no_backward else forward_backward()
+            fwd_ms = time_ms(forward, ctx)
+            if not no_backward:
+                fwd_bwd_ms = time_ms(forward_backward, ctx)
+            with torch.no_grad():
+                error = (fn(q, k, v, causal).float() - sdpa_flash(q, k, v, causal).float()).abs().max().item()
         except Exception as err:  # noqa: BLE001 - recorded in the row; the part's status names it
-            rows.append({**row, "status": row_status(err)})
+            # Only the subject's failure is the part's error; a baseline that refuses these inputs is unavailable.
+            status = row_status(err)
+            rows.append({**row, "status": status if impl in ("triton", "sdpa-flash") or status == "oom"
+                         else f"unavailable: {status.removeprefix('error: ')}"})
+            ctx.record(rows[-1:])
             continue
         finally:
             release_memory(ctx.device)
-        row.update({"status": "ok", "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
+        row.update({"status": f"unavailable: {no_backward}" if no_backward else "ok", "fwd_ms": fwd_ms,
+                    "fwd_bwd_ms": fwd_bwd_ms if fwd_bwd_ms is not None else "",
                     "fwd_tflops": attention_flops(batch, heads, n, d, causal, False) / fwd_ms / 1e9,
-                    "fwd_bwd_tflops": attention_flops(batch, heads, n, d, causal, True) / fwd_bwd_ms / 1e9,
-                    "max_abs_err_vs_sdpa": error if impl == "triton" else 0.0})
+                    "fwd_bwd_tflops": (attention_flops(batch, heads, n, d, causal, True) / fwd_bwd_ms / 1e9
+                                       if fwd_bwd_ms is not None else ""),
+                    "max_abs_err_vs_sdpa": error})
         configs = tuned_launch_configs(q, k, causal) if impl == "triton" else {}
         row.update({f"{name}_config": format_config(configs.get(name)) for name in KERNEL_NAMES})
         rows.append(row)
+        ctx.record([row])  # each implementation's row as it finishes: a stop mid-case keeps it
     return rows
+
+
+def flash_cases(ctx: SuiteContext) -> list[tuple[int, bool]]:
+    """(n, causal) of every case, shortest first (what a budget keeps when it shrinks the part)."""
+    return [(n, causal) for n in (DRY_FLASH_LENGTHS if ctx.dry_run else FLASH_LENGTHS) for causal in (False, True)]
 
 
 def run_flash(ctx: SuiteContext) -> PartResult:
     rows: list[Row] = []
-    for n in DRY_FLASH_LENGTHS if ctx.dry_run else FLASH_LENGTHS:
-        for causal in (False, True):
-            start = time.perf_counter()
-            case_rows = flash_case(n, causal, ctx)
-            rows.extend(case_rows)
-            line = " | ".join(f"{r['impl']} {r['fwd_bwd_tflops']:.3g} TFLOP/s fwd+bwd" if r["status"] == "ok"
-                              else f"{r['impl']} {r['status'][:60]}" for r in case_rows)
-            print(f"  flash n={n:6d} causal={causal!s:5}: {line} ({time.perf_counter() - start:.1f}s)", flush=True)
+    chosen = ctx.select(flash_cases(ctx))
+    for n, causal in chosen:
+        start = time.perf_counter()
+        case_rows = flash_case(n, causal, ctx)
+        rows.extend(case_rows)
+        ctx.case_finished()
+        line = " | ".join(f"{r['impl']} {r['fwd_bwd_tflops']:.3g} TFLOP/s fwd+bwd" if r["status"] == "ok"
+                          else f"{r['impl']} {r['status'][:60]}" for r in case_rows)
+        print(f"  flash n={n:6d} causal={causal!s:5}: {line} ({time.perf_counter() - start:.1f}s)", flush=True)
     add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "sdpa-flash",
                columns={"fwd_ms": "fwd_speedup_vs_sdpa", "fwd_bwd_ms": "fwd_bwd_speedup_vs_sdpa"})
     d = DRY_FLASH_HEAD_DIM if ctx.dry_run else FLASH_HEAD_DIM
-    lengths = DRY_FLASH_LENGTHS if ctx.dry_run else FLASH_LENGTHS
+    lengths = tuple(dict.fromkeys(n for n, _ in chosen))
     return PartResult(rows, status_of_rows(rows, ctx), settings={"dtype": "bfloat16", "head_dim": d, "n": lengths})
 
 
@@ -153,10 +172,10 @@ def long_calls(impl: str, n: int, causal: bool, ctx: SuiteContext) -> Callable[[
     model = DRY_LONG_MODEL if ctx.dry_run else LONG_MODEL
     d_model, heads = model["d_model"], model["heads"]
     torch.manual_seed(0)
-    if impl in ("sdpa", "chunked"):
+    if impl in ("sdpa", "chunked", *BASELINES):
         q, k, v = (torch.randn(1, heads, n, d_model // heads, device=ctx.device, dtype=DTYPE) for _ in range(3))
-        if impl == "sdpa":
-            return fwd_and_fwd_bwd(sdpa_flash, [q, k, v], causal=causal)[1]
+        if impl != "chunked":
+            return fwd_and_fwd_bwd(BASELINES.get(impl, sdpa_flash), [q, k, v], causal=causal)[1]
 
         def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return chunked_flash_attention(q, k, v, model["chunk"], lookback=1, causal=causal)[0]
@@ -174,42 +193,63 @@ def long_calls(impl: str, n: int, causal: bool, ctx: SuiteContext) -> Callable[[
     return fwd_and_fwd_bwd(apply, [x_BTD])[1]
 
 
+LONG_BASELINES = ("sdpa-cudnn", "flex", "fa3")
+"""Bare attention beside `sdpa` (SDPA's flash backend): gpu_baselines.py."""
+
+
 def long_impls(causal: bool) -> list[str]:
     """Linformer compresses the keys of the whole sequence: it has no causal form (its mechanism says so)."""
-    return ["sdpa", "chunked", *(kind for kind in LAYER_KINDS if not (causal and kind == "linformer"))]
+    return ["sdpa", *LONG_BASELINES, "chunked", *(kind for kind in LAYER_KINDS if not (causal and kind == "linformer"))]
+
+
+def long_cases(ctx: SuiteContext) -> list[tuple[int, bool]]:
+    """(n, causal) of every case, shortest first."""
+    return [(n, causal) for n in (DRY_LONG_LENGTHS if ctx.dry_run else LONG_LENGTHS) for causal in (False, True)]
 
 
 def run_long(ctx: SuiteContext) -> PartResult:
     rows: list[Row] = []
     stopped: dict[tuple[str, bool], str] = {}  # (impl, causal) -> why its larger sizes are skipped
-    for n in DRY_LONG_LENGTHS if ctx.dry_run else LONG_LENGTHS:
-        for causal in (False, True):
-            line = []
-            for impl in long_impls(causal):
-                row: Row = {"case": f"n={n} causal={causal}", "impl": impl, "n": n, "causal": causal,
-                            "dtype": str(DTYPE).removeprefix("torch.")}
-                if (impl, causal) in stopped:
-                    rows.append({**row, "status": f"skipped: {stopped[impl, causal]}"})
-                    continue
-                step = None
-                try:
-                    step = long_calls(impl, n, causal, ctx)
-                    step()  # the first call: autotuning, hash set-up; not timed
-                    row.update({"status": "ok", "fwd_bwd_ms": time_ms(step, ctx)})
-                except Exception as err:  # noqa: BLE001 - recorded in the row; the part's status names it
-                    row["status"] = row_status(err)
-                    if row["status"] == "oom":
-                        stopped[impl, causal] = f"oom at n={n}"
-                finally:
-                    del step  # the layer, its inputs and gradients go before the next (larger) case, also after an oom
-                    release_memory(ctx.device)
-                rows.append(row)
-                line.append(f"{impl} {row['fwd_bwd_ms']:.3g} ms" if row["status"] == "ok" else f"{impl} {row['status'][:40]}")
-            print(f"  long n={n:6d} causal={causal!s:5}: {' | '.join(line)}", flush=True)
+    chosen = ctx.select(long_cases(ctx))
+    for n, causal in chosen:
+        line = []
+        for impl in long_impls(causal):
+            ctx.case_started(f"n={n} causal={causal}, {impl}")
+            row: Row = {"case": f"n={n} causal={causal}", "impl": impl, "n": n, "causal": causal,
+                        "dtype": str(DTYPE).removeprefix("torch.")}
+            if (impl, causal) in stopped:
+                rows.append({**row, "status": f"skipped: {stopped[impl, causal]}"})
+                ctx.record(rows[-1:])
+                continue
+            missing = (unavailable(impl, ctx.device) or backward_unavailable(impl, ctx.device)) if impl in BASELINES else None
+            if missing:  # a baseline that cannot run here (gpu_baselines.py): recorded, not an error
+                rows.append({**row, "status": f"unavailable: {missing}"})
+                ctx.record(rows[-1:])
+                line.append(f"{impl} unavailable")
+                continue
+            step = None
+            try:
+                step = long_calls(impl, n, causal, ctx)
+                step()  # the first call: autotuning, hash set-up; not timed
+                row.update({"status": "ok", "fwd_bwd_ms": time_ms(step, ctx)})
+            except Exception as err:  # noqa: BLE001 - recorded in the row; the part's status names it
+                row["status"] = row_status(err)
+                if impl in BASELINES and row["status"] != "oom":  # a baseline refusing these inputs: unavailable
+                    row["status"] = f"unavailable: {row['status'].removeprefix('error: ')}"
+                if row["status"] == "oom":
+                    stopped[impl, causal] = f"oom at n={n}"
+            finally:
+                del step  # the layer, its inputs and gradients go before the next (larger) case, also after an oom
+                release_memory(ctx.device)
+            rows.append(row)
+            ctx.record([row])
+            line.append(f"{impl} {row['fwd_bwd_ms']:.3g} ms" if row["status"] == "ok" else f"{impl} {row['status'][:40]}")
+        print(f"  long n={n:6d} causal={causal!s:5}: {' | '.join(line)}", flush=True)
+        ctx.case_finished()
     add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "sdpa", columns={"fwd_bwd_ms": "speedup_vs_sdpa"})
     add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "mha", columns={"fwd_bwd_ms": "speedup_vs_mha"})
     model = DRY_LONG_MODEL if ctx.dry_run else LONG_MODEL
-    settings = {"dtype": "bfloat16", "n": DRY_LONG_LENGTHS if ctx.dry_run else LONG_LENGTHS,
+    settings = {"dtype": "bfloat16", "n": tuple(dict.fromkeys(n for n, _ in chosen)),
                 "d_model": model["d_model"], "heads": model["heads"], "chunk": model["chunk"],
                 **{f"{kind} knobs": knobs or "defaults" for kind, knobs in model["knobs"].items()}}
     oom = sorted({reason for reason in stopped.values()})

@@ -17,9 +17,21 @@ Parts, each in its own module, each writing `<out>/<machine label>/gpu_<part>.cs
 - `sweep` (gpu_sweep.py): a 2-trial `orchestrator sweep` with bf16, FSDP and compile, checked in MLflow.
 The summary, `gpu_suite_summary.md` in the same folder, lists every part with its status: `ok` (on a GPU),
 `dry-run` (ran to the end at toy sizes), `fail: ...` (a check missed its bound), `error: ...` (it raised; the
-suite goes on with the next part) or `not run`. The exit status is 0 only when every part run is ok / dry-run.
-The parts were sized to take about 9 minutes on one H100 in all; that is an estimate until the suite has run
-on one (each part's time is in the summary).
+suite goes on with the next part), `stopped`, `skipped` or `not run`; and, in its `run` column, what ran: `ran`,
+`shrunk: k of n cases ...`, `skipped: needs ~s ...` or `stopped by SIGTERM during case ...`. The exit status is 0
+only when every part run is ok / dry-run (a part the budget skipped does not count against it).
+
+Nothing lost to a time limit: each part appends every finished case's rows to its CSV at once
+(gpu_common.PartLog), and the summary is rewritten before the first part and after each. SIGTERM or SIGINT
+(a `timeout`, a Ctrl-C) stops the running part where it is: its rows so far stay, the summary names the case it
+stopped in, the parts after it are `not run`, and the exit status is 128 + the signal's number.
+
+`--budget SECONDS`: the parts run in order of value (correctness first: kernel parity on its covering subset,
+then train_step, sweep, flash_vs_sdpa, long_attention, then the rest of kernel parity), each run whole, shrunk
+to the cases that fit or skipped, by benchmarks/gpu_budget.py's estimates (from the first H100 run's times,
+updated by this run's own); when the time is out, the running part is stopped as by a signal. Without a budget
+the parts run in that order too, whole. The first run on one H100 (2026-11-27) took 280 s for 6 of kernel
+parity's 36 cases: the whole suite does not fit a 15-minute window, and `--budget` is how it uses one.
 
 The dry run exists so the suite cannot rot before a GPU is lent (tests/test_gpu_suite.py runs it in the fast
 tier). Its Triton kernels run under the interpreter, TRITON_INTERPRET=1, which has to be set before triton is
@@ -37,20 +49,25 @@ fresh Python process with the variable set. A GPU run refuses TRITON_INTERPRET=1
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import describe_error, machine_label, results_dir, write_csv
+from benchmarks import gpu_budget
+from benchmarks.harness import describe_error, machine_label, results_dir
 
 PARTS = ("kernel_parity", "flash_vs_sdpa", "long_attention", "train_step", "sweep")
 SUMMARY = "gpu_suite_summary.md"
@@ -92,6 +109,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="every part at toy sizes on the CPU, Triton kernels under the interpreter")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="run only these parts")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="fit the run into this many seconds: parts by value, shrunk or skipped by estimate")
     return parser.parse_args(argv)
 
 
@@ -116,7 +135,13 @@ def rerun_with_interpreter(argv: Sequence[str]) -> int:
     # This working directory (a relative --out means the same folder), with the checkout importable from it.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, INTERPRET: "1", "PYTHONPATH": path}
-    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_suite", *argv], env=env, check=False).returncode
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_suite", *argv], env=env)
+
+    def forward(signum: int, _frame: object) -> None:  # the child records the stop in its summary
+        child.send_signal(signum)
+
+    with signal_handlers(dict.fromkeys(STOP_SIGNALS, forward)):
+        return child.wait()
 
 
 def versions() -> str:
@@ -134,57 +159,191 @@ def cell(text: object) -> str:
     return " ".join(str(text).split()).replace("|", "/")
 
 
-def write_summary(folder: Path, device_name: str, args: argparse.Namespace, results: dict[str, dict]) -> Path:
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class SuiteStopped(BaseException):  # noqa: N818 - not an error: a stop, which the parts' `except Exception` must not catch
+    """A signal (or the budget's alarm) stopped the suite; raised in whatever the suite was running."""
+
+    def __init__(self, why: str, exit_code: int) -> None:
+        super().__init__(why)
+        self.why, self.exit_code = why, exit_code
+
+
+@contextlib.contextmanager
+def signal_handlers(handlers: dict[int, Callable]) -> Iterator[None]:
+    """Install `handlers` (signal number -> handler) for the block, the previous ones back after it."""
+    previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def stop_on_signals(alarm: bool) -> Iterator[None]:
+    """SIGTERM and SIGINT (and, with `alarm`, SIGALRM: the budget's end) raise SuiteStopped once; a second
+    signal while the stop is being written down is ignored."""
+    stopping = []
+
+    def stop(signum: int, _frame: object) -> None:
+        if stopping:
+            return
+        stopping.append(signum)
+        if signum == signal.SIGALRM:
+            raise SuiteStopped("stopped: the budget ran out", 1)
+        raise SuiteStopped(f"stopped by {signal.Signals(signum).name}", 128 + signum)
+
+    signals = (*STOP_SIGNALS, signal.SIGALRM) if alarm else STOP_SIGNALS
+    with signal_handlers(dict.fromkeys(signals, stop)):
+        try:
+            yield
+        finally:
+            if alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+@dataclass
+class PartRecord:
+    """One part's outcome over its steps (kernel parity has two: its covering subset and the rest)."""
+
+    cases: int
+    """The part's cases in this run (a dry run's smaller grid)."""
+    statuses: list[str] = field(default_factory=list)
+    ran: int = 0
+    """Cases finished."""
+    rows: int = 0
+    seconds: float = 0.0
+    file: str = ""
+    note: str = ""
+    settings: dict = field(default_factory=dict)
+    left_out: list[str] = field(default_factory=list)
+    """What the budget left out, and why ("the rest skipped: needs ~1104 s ..., 50 s left")."""
+    shrunk: list[str] = field(default_factory=list)
+    stopped: str = ""
+    not_run: str = ""
+
+    def status(self) -> str:
+        if self.stopped:
+            return "stopped"
+        if self.not_run:
+            return "not run"
+        if not self.statuses:
+            return "skipped" if self.left_out else "pending"
+        return next((s for s in self.statuses if s.startswith("error")),
+                    next((s for s in self.statuses if s.startswith("fail")), self.statuses[-1]))
+
+    def run(self) -> str:
+        """The summary's `run` cell: what ran of the part, and what was left out and why."""
+        if self.not_run:
+            return f"not run: {self.not_run}"
+        if self.stopped:
+            return f"{self.stopped} ({self.ran} of {self.cases} cases done)"
+        if not self.statuses:
+            return f"skipped: {'; '.join(self.left_out)}" if self.left_out else "pending"
+        if self.ran < self.cases or self.left_out:
+            return "; ".join([f"shrunk: {self.ran} of {self.cases} cases ran", *self.shrunk, *self.left_out])
+        return "ran"
+
+
+def write_summary(folder: Path, device_name: str, args: argparse.Namespace, records: dict[str, PartRecord],
+                  footer: str = "") -> Path:
     table = part_table()
     mode = "dry run (toy sizes on the CPU; Triton under the interpreter)" if args.dry_run else "GPU run"
     command = "python -m benchmarks.gpu_suite" + (" --dry-run" if args.dry_run else "")
     if list(args.parts) != list(PARTS):
         command += " --parts " + " ".join(args.parts)
+    if args.budget is not None:
+        command += f" --budget {args.budget:g}"
     lines = [
         f"# GPU suite: {device_name}",
         "",
         f"`{command}`: {mode}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {versions()}.",
         "Written by benchmarks/gpu_suite.py; each part's rows are in its CSV. A dry run's times are not results.",
         "",
-        "| part | measures | status | rows | time (s) | file | notes |",
-        "|---|---|---|---|---|---|---|",
+        "| part | measures | status | run | rows | time (s) | file | notes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in PARTS:
         what = table[name][0]
-        result = results.get(name)
-        if result is None:
-            lines.append(f"| {name} | {cell(what)} | not run | | | | not in --parts |")
+        record = records.get(name)
+        if record is None:
+            lines.append(f"| {name} | {cell(what)} | not run | not in --parts | | | | |")
             continue
-        settings = ", ".join(f"{key} {value}" for key, value in result["settings"].items())
-        notes = "; ".join(part for part in (result["note"], settings) if part)
-        lines.append(f"| {name} | {cell(what)} | {cell(result['status'])} | {result['rows']} | "
-                     f"{result['seconds']:.1f} | {result['file']} | {cell(notes)} |")
+        settings = ", ".join(f"{key} {value}" for key, value in record.settings.items())
+        notes = "; ".join(part for part in (record.note, settings) if part)
+        rows = record.rows if record.statuses or record.stopped else ""
+        lines.append(f"| {name} | {cell(what)} | {cell(record.status())} | {cell(record.run())} | {rows} | "
+                     f"{record.seconds:.1f} | {record.file} | {cell(notes)} |")
+    if footer:
+        lines += ["", footer]
     path = folder / SUMMARY
-    path.write_text("\n".join(lines) + "\n")
+    tmp = path.with_name(SUMMARY + ".partial")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)  # a stop while writing leaves the previous summary whole
     return path
 
 
-def run_part(name: str, fn: Callable, ctx, index: int) -> dict:
-    """Run one part; an exception becomes its status (the suite goes on), with the traceback on stderr."""
-    print(f"[{index}/{len(PARTS)}] {name}", flush=True)
+def case_counts(ctx, parts: Sequence[str]) -> tuple[dict[str, int], int]:
+    """part -> its number of cases in this run, and kernel parity's covering subset's (parity and speed modules
+    import no triton; the training step and the sweep are one case each)."""
+    from benchmarks import gpu_parity, gpu_speed
+
+    counts = {"kernel_parity": len(gpu_parity.ordered_cases(ctx)), "flash_vs_sdpa": len(gpu_speed.flash_cases(ctx)),
+              "long_attention": len(gpu_speed.long_cases(ctx)), "train_step": 1, "sweep": 1}
+    cover = len(gpu_parity.covering_subset(gpu_parity.case_grid()))
+    return {part: counts[part] for part in parts}, min(cover, counts["kernel_parity"])
+
+
+def run_step(decision: gpu_budget.Decision, fn: Callable, ctx, log, record: PartRecord, index: int, steps: int) -> None:
+    """Run the cases of one step; an exception becomes the part's status (the suite goes on), with the traceback
+    on stderr. A stop (SuiteStopped) is written into `record` and raised again."""
+    from benchmarks.gpu_common import PartResult
+
+    step = decision.step
+    name = step.part
+    start_row, start_cases = len(log.rows), log.cases_done
+    what = f" ({step.label})" if step.label else ""
+    shrunk = f", shrunk to {decision.cases} of {step.cases} cases: {decision.reason}" if decision.action == "shrink" else ""
+    print(f"[{index}/{steps}] {name}{what}{shrunk}", flush=True)
     start = time.perf_counter()
+    part_ctx = dataclasses.replace(ctx, log=log, cases=(step.start, step.start + decision.cases))
     try:
-        result = fn(ctx)
+        result = fn(part_ctx)
+    except SuiteStopped as stop:
+        record.seconds += time.perf_counter() - start
+        record.ran += log.cases_done - start_cases
+        where = f" during case '{log.current}'" if log.current else ""
+        record.stopped = f"{stop.why}{where}"
+        record.rows, record.file = len(log.rows), log.path.name if log.rows else ""
+        print(f"[{index}/{steps}] {name}: {record.stopped} ({record.seconds:.1f} s); {len(log.rows)} rows kept in "
+              f"{log.path}", flush=True)
+        raise
     except Exception as err:  # noqa: BLE001 - a part that raises is a row of the summary, not the suite's end
         traceback.print_exc()
         if ctx.device.type == "cuda":
+            import torch
+
             torch.cuda.empty_cache()
-        seconds = time.perf_counter() - start
-        print(f"[{index}/{len(PARTS)}] {name}: {describe_error(err)} ({seconds:.1f} s)", flush=True)
-        return {"status": describe_error(err), "rows": 0, "seconds": seconds, "file": "", "note": "", "settings": {}}
+        result = PartResult(log.rows[start_row:], describe_error(err))
     seconds = time.perf_counter() - start
-    csv_path = write_csv(result.rows, ctx.folder / f"gpu_{name}.csv") if result.rows else None
-    print(f"[{index}/{len(PARTS)}] {name}: {result.status} ({seconds:.1f} s)", flush=True)
-    return {"status": result.status, "rows": len(result.rows), "seconds": seconds,
-            "file": csv_path.name if csv_path else "", "note": result.note, "settings": result.settings}
+    log.replace(start_row, result.rows)
+    record.statuses.append(result.status)
+    counted = log.cases_done - start_cases  # a part that names its cases (gpu_common.SuiteContext.case_finished)
+    record.ran += counted or (0 if result.status.startswith("error") else decision.cases)
+    record.seconds += seconds
+    record.rows, record.file = len(log.rows), log.path.name if log.rows else ""
+    record.note = "; ".join(n for n in (record.note, result.note) if n)
+    record.settings = result.settings or record.settings
+    if decision.action == "shrink":
+        label = f"{step.label} " if step.label else ""
+        record.shrunk.append(f"{label}cut to {decision.cases} of {step.cases} by the budget ({decision.reason})")
+    print(f"[{index}/{steps}] {name}: {result.status} ({seconds:.1f} s)", flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, clock: Callable[[], float] | None = None) -> int:
+    """`clock`: seconds, for the budget; a test's simulated clock (then no real alarm ends the budget)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.dry_run:
@@ -200,18 +359,62 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("gpu_suite: no CUDA GPU here. `--dry-run` runs every part at toy sizes on the CPU.")
             return 2
         device = torch.device("cuda")
-    from benchmarks.gpu_common import SuiteContext
+    from benchmarks.gpu_common import PartLog, SuiteContext
 
+    real_clock = clock is None
+    clock = clock or time.monotonic
+    started = clock()
+    deadline = None if args.budget is None else started + args.budget
     table = part_table()
     ctx = SuiteContext(device=device, dry_run=args.dry_run, folder=results_dir(args.out, device))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_label(device)
     print(f"gpu_suite: {device_name}, {'dry run' if args.dry_run else 'GPU run'}, writing to {ctx.folder}", flush=True)
-    start = time.perf_counter()
-    results = {name: run_part(name, table[name][1], ctx, index)
-               for index, name in enumerate(PARTS, 1) if name in args.parts}
-    summary = write_summary(ctx.folder, device_name, args, results)
-    print(f"gpu_suite: {time.perf_counter() - start:.0f} s in all; wrote {summary}", flush=True)
-    return 0 if all(r["status"] in ("ok", "dry-run") for r in results.values()) else 1
+    parts = [name for name in PARTS if name in args.parts]
+    counts, cover = case_counts(ctx, parts)
+    todo = gpu_budget.steps(counts, cover)
+    estimates = gpu_budget.Estimates(gpu_budget.DRY_COSTS if args.dry_run else gpu_budget.H100_COSTS)
+    records = {name: PartRecord(counts[name]) for name in parts}
+    logs: dict[str, PartLog] = {}
+    if deadline is not None:
+        planned = gpu_budget.plan(todo, estimates.seconds, args.budget)
+        print(f"gpu_suite: budget {args.budget:g} s; plan: " + "; ".join(
+            f"{d.step.part}{f' ({d.step.label})' if d.step.label else ''} {d.action} {d.cases}/{d.step.cases} "
+            f"~{d.estimate:.0f} s" for d in planned), flush=True)
+    write_summary(ctx.folder, device_name, args, records)
+    stop = None
+    with stop_on_signals(alarm=deadline is not None and real_clock):
+        try:
+            for index, step in enumerate(todo, 1):
+                left = None if deadline is None else deadline - clock()
+                decision = gpu_budget.decide(step, estimates.seconds, left)
+                record = records[step.part]
+                if decision.action == "skip":
+                    what = f"{step.label} " if step.label else ""
+                    record.left_out.append(f"{what}skipped: {decision.reason}" if what else decision.reason)
+                    print(f"[{index}/{len(todo)}] {step.part}: {what}skipped, {decision.reason}", flush=True)
+                    continue
+                if deadline is not None and real_clock:
+                    signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))
+                log = logs.setdefault(step.part, PartLog(ctx.folder / f"gpu_{step.part}.csv"))
+                before = clock()
+                try:
+                    run_step(decision, table[step.part][1], ctx, log, record, index, len(todo))
+                finally:
+                    if deadline is not None and real_clock:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                    estimates.update(step.part, decision.cases, clock() - before)
+                    write_summary(ctx.folder, device_name, args, records)
+        except SuiteStopped as stopped:
+            stop = stopped
+            for record in records.values():
+                if not record.statuses and not record.stopped and not record.left_out:
+                    record.not_run = f"the suite was {stop.why}"
+    footer = f"The run was {stop.why} after {clock() - started:.0f} s." if stop else ""
+    summary = write_summary(ctx.folder, device_name, args, records, footer)
+    print(f"gpu_suite: {clock() - started:.0f} s in all; wrote {summary}", flush=True)
+    if stop is not None:
+        return stop.exit_code
+    return 0 if all(r.status() in ("ok", "dry-run", "skipped") for r in records.values()) else 1
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ def run(ctx: SuiteContext) -> PartResult:
     # as the first one's `orchestrator resume`).
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
+    ctx.case_started("the 2-trial sweep")
     study = study_from_raw(sweep_raw(ctx, folder, PRECISION, STRATEGY))
     run_settings = study.base.run
     precision, strategy = run_settings.precision, run_settings.strategy
@@ -105,6 +106,8 @@ def run(ctx: SuiteContext) -> PartResult:
     outcome = run_sweep(study)
     gpu = not ctx.dry_run and peak_bf16_flops(torch.cuda.get_device_name(ctx.device)) is not None
     rows, problems = mlflow_rows(study.base.tracking.uri, outcome.parent_run_id, gpu)
+    ctx.record(rows)
+    ctx.case_finished()
     if outcome.errors:
         problems.insert(0, "; ".join(f"trial {t['trial_id']}: {t['error']}" for t in outcome.trials if t["error"]))
     settings = {"precision": precision, "strategy": strategy, "compile": f"true ({run_settings.compile_backend})",

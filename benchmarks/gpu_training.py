@@ -63,6 +63,7 @@ def next_token_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def run(ctx: SuiteContext) -> PartResult:
+    ctx.case_started("the one training step case")
     size = DRY_SIZE if ctx.dry_run else GPU_SIZE
     backend = "aot_eager" if ctx.dry_run else "inductor"
     torch.manual_seed(0)
@@ -114,6 +115,8 @@ def run(ctx: SuiteContext) -> PartResult:
           f"{row['graph_breaks']} graph breaks", flush=True)
     if opt.autocast_dtype != torch.bfloat16:
         note = f"{note}; the training core did not autocast to bf16 here".lstrip("; ")
+    ctx.record([row])
+    ctx.case_finished()
     status = row["status"] if row["status"] != "ok" else ctx.passed
     return PartResult([row], status, note, {"compile": backend, "n": size["n"], "layers": size["layers"],
                                             "d_model": size["d_model"], "batch": size["batch"]})

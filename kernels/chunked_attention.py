@@ -19,12 +19,15 @@ from kernels.flash_attention import (
     next_power_of_two,
     strides,
 )
+from kernels.interpreter_compat import repair_index
 from kernels.reference import check_chunked_inputs
 
 
 def _kernels() -> ModuleType:
     from kernels import k_chunked_attention
 
+    if interpreter_enabled():
+        repair_index()  # triton 3.6's interpreter under NumPy 2 (kernels/interpreter_compat.py)
     return k_chunked_attention
 
 

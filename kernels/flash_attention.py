@@ -19,6 +19,7 @@ from types import ModuleType
 
 import torch
 
+from kernels.interpreter_compat import repair_index
 from kernels.reference import check_attention_inputs, check_key_padding_mask
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -62,6 +63,8 @@ def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
 def _kernels() -> ModuleType:
     from kernels import k_flash_attention
 
+    if interpreter_enabled():
+        repair_index()  # triton 3.6's interpreter under NumPy 2 (kernels/interpreter_compat.py)
     return k_flash_attention
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks import gpu_parity, gpu_speed, gpu_suite, gpu_sweep, gpu_training
+from benchmarks import gpu_baselines, gpu_budget, gpu_parity, gpu_speed, gpu_suite, gpu_sweep, gpu_training
 from benchmarks.gpu_common import DRY_RUN, PartResult
 from benchmarks.harness import read_csv
 from models import LanguageModel, ModelConfig
@@ -92,14 +92,24 @@ def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     assert {int(row["seq"]) for row in parity} == set(gpu_parity.DRY_LENGTHS.values())
 
     flash = tables["flash_vs_sdpa"]
-    assert len(flash) == len(gpu_speed.DRY_FLASH_LENGTHS) * 2 * 2  # n x causal x (triton, sdpa-flash)
-    assert {row["status"] for row in flash} == {"ok"} and all(float(row["fwd_bwd_tflops"]) > 0 for row in flash)
+    impls = ["triton", *gpu_baselines.BASELINES]
+    assert [row["impl"] for row in flash] == impls * len(gpu_speed.DRY_FLASH_LENGTHS) * 2  # n x causal x impl
+    ran = [row for row in flash if row["impl"] in ("triton", "sdpa-flash")]
+    assert {row["status"] for row in ran} == {"ok"} and all(float(row["fwd_bwd_tflops"]) > 0 for row in ran)
+    # On the CPU: cuDNN and FA3 unavailable, FlexAttention's forward timed and its backward unavailable, each a row.
+    status = {row["impl"]: row["status"] for row in flash}
+    assert status["sdpa-cudnn"] == "unavailable: SDPA's cuDNN backend needs CUDA"
+    assert status["fa3"] == "unavailable: FlashAttention 3 needs a CUDA GPU (Hopper)"
+    assert status["flex"] == "unavailable: FlexAttention has no backward on the CPU (forward timed)"
+    flex = [row for row in flash if row["impl"] == "flex"]
+    assert all(float(row["fwd_ms"]) > 0 and float(row["max_abs_err_vs_sdpa"]) < 0.05 for row in flex)
 
     long = tables["long_attention"]
     expected = {(impl, str(causal)) for causal in (False, True) for impl in gpu_speed.long_impls(causal)}
     assert {(row["impl"], row["causal"]) for row in long} == expected
     assert len(long) == len(expected) * len(gpu_speed.DRY_LONG_LENGTHS)
-    assert {row["status"] for row in long} == {"ok"}
+    assert {row["status"] for row in long if row["impl"] not in gpu_speed.LONG_BASELINES} == {"ok"}
+    assert all(row["status"].startswith("unavailable: ") for row in long if row["impl"] in gpu_speed.LONG_BASELINES)
 
     (train,) = tables["train_step"]
     assert int(train["n"]) == gpu_training.DRY_SIZE["n"] and float(train["tokens_per_s"]) > 0
@@ -216,3 +226,145 @@ def test_a_dry_run_after_triton_was_imported_compiled_reruns_itself_with_the_int
     assert "running the dry run in a fresh process" in result.stdout
     (folder,) = tmp_path.iterdir()
     assert summary_rows((folder / gpu_suite.SUMMARY).read_text())["flash_vs_sdpa"]["status"] == DRY_RUN
+
+
+# ---- nothing lost to a time limit; --budget ------------------------------------------------------------------------
+
+
+def test_a_dry_run_stopped_by_sigterm_keeps_its_rows_and_says_where_it_stopped(tmp_path):
+    """A `timeout` in the middle of a part: the rows of the cases that finished are on disk, and the summary names
+    the part and the case the signal interrupted, the parts after it not run. The signal goes once the first row
+    (flash_vs_sdpa's first case, triton) is in the CSV (polled): the rest of the part and long attention are still
+    to come."""
+    import signal
+    import time
+
+    env = {**{key: value for key, value in os.environ.items() if key != gpu_suite.INTERPRET},
+           "PYTHONPATH": str(gpu_suite.ROOT)}
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_suite", "--dry-run", "--out", str(tmp_path),
+                              "--parts", "flash_vs_sdpa", "long_attention"], env=env, cwd=gpu_suite.ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240  # generous: the condition is polled, not waited for
+        csv_path = None
+        while time.monotonic() < deadline and child.poll() is None:
+            found = list(tmp_path.glob("*/gpu_flash_vs_sdpa.csv"))
+            if found and len(read_csv(found[0])) >= 1:
+                csv_path = found[0]
+                break
+            time.sleep(0.05)
+        assert csv_path is not None, "no row before the deadline"
+        child.send_signal(signal.SIGTERM)
+        output, _ = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 128 + signal.SIGTERM, output[-3000:]
+    summary = summary_rows((csv_path.parent / gpu_suite.SUMMARY).read_text())
+    stopped = [part for part, row in summary.items() if row["status"] == "stopped"]
+    assert len(stopped) == 1, summary
+    (part,) = stopped
+    assert "stopped by SIGTERM during case '" in summary[part]["run"], summary[part]
+    rows = read_csv(csv_path.parent / f"gpu_{part}.csv")
+    assert len(rows) >= 1 and int(summary[part]["rows"]) == len(rows)
+    if part == "flash_vs_sdpa":  # the signal came in it (else in long attention, which runs after it)
+        assert summary[part]["run"].startswith("stopped by SIGTERM during case 'n=32 causal=")
+        assert summary["long_attention"]["status"] == "not run"
+        assert summary["long_attention"]["run"] == "not run: the suite was stopped by SIGTERM"
+    assert "The run was stopped by SIGTERM" in (csv_path.parent / gpu_suite.SUMMARY).read_text()
+
+
+def test_budget_steps_put_correctness_first_and_the_rest_of_parity_last():
+    counts = {"kernel_parity": 36, "flash_vs_sdpa": 10, "long_attention": 12, "train_step": 1, "sweep": 1}
+    steps = gpu_budget.steps(counts, parity_cover=3)
+    assert [(s.part, s.start, s.stop) for s in steps] == [
+        ("kernel_parity", 0, 3), ("train_step", 0, 1), ("sweep", 0, 1), ("flash_vs_sdpa", 0, 10),
+        ("long_attention", 0, 12), ("kernel_parity", 3, 36)]
+    dry = gpu_budget.steps({"kernel_parity": 3, "train_step": 1}, parity_cover=3)  # a dry run: the subset is all
+    assert [(s.part, s.start, s.stop) for s in dry] == [("kernel_parity", 0, 3), ("train_step", 0, 1)]
+
+
+def test_budget_plan_on_the_h100_table_runs_shrinks_and_skips():
+    counts = {"kernel_parity": 36, "flash_vs_sdpa": 10, "long_attention": 12, "train_step": 1, "sweep": 1}
+    steps = gpu_budget.steps(counts, parity_cover=3)
+    estimates = gpu_budget.Estimates(gpu_budget.H100_COSTS)
+    # 900 s: everything but the rest of parity (3 x 36.8 + 26.7 + 111.6 + 68.3 + 12 x 9.25 = 427.4 s), which
+    # shrinks to the 12 cases of 36.8 s that fit in the 472.6 s left.
+    decisions = gpu_budget.plan(steps, estimates.seconds, 900)
+    assert [d.action for d in decisions] == ["run"] * 5 + ["shrink"]
+    assert decisions[-1].cases == 12 and "472 s left" in decisions[-1].reason
+    # 150 s: parity's subset (110.4 s) and the training step (26.7 s); the sweep needs 111.6 s, skipped; flash
+    # (68.3 s) does not fit the 12.9 s left, long attention one case (9.25 s) of its 12 does.
+    decisions = gpu_budget.plan(steps, estimates.seconds, 150)
+    assert [(d.step.part, d.action, d.cases) for d in decisions] == [
+        ("kernel_parity", "run", 3), ("train_step", "run", 1), ("sweep", "skip", 0), ("flash_vs_sdpa", "skip", 0),
+        ("long_attention", "shrink", 1), ("kernel_parity", "skip", 0)]
+    assert decisions[2].reason == "needs ~112 s for one case, 13 s left"
+    assert [d.action for d in gpu_budget.plan(steps, estimates.seconds, None)] == ["run"] * 6  # no budget
+
+
+def test_budget_estimates_follow_the_runs_own_measurements():
+    estimates = gpu_budget.Estimates(gpu_budget.H100_COSTS)
+    assert estimates.seconds("flash_vs_sdpa", 10) == pytest.approx(68.3)
+    estimates.update("kernel_parity", 3, 2 * 3 * 36.8)  # a card half as fast as the H100
+    assert estimates.seconds("kernel_parity", 10) == pytest.approx(10 * 2 * 36.8)  # its own measurement
+    assert estimates.seconds("flash_vs_sdpa", 10) == pytest.approx(2 * 68.3)  # the table, scaled
+    estimates.update("kernel_parity", 3, 0.0)  # a second step of the same part: its mean, not the scale
+    assert estimates.seconds("kernel_parity", 6) == pytest.approx(6 * 36.8) and estimates.scale == pytest.approx(2)
+
+
+def test_a_dry_run_with_a_small_budget_runs_shrinks_and_skips_by_its_estimates(tmp_path, monkeypatch):
+    """The suite's own loop under a simulated clock on which each part takes its dry-run estimate
+    (gpu_budget.DRY_COSTS): 11 s for the sweep (~112 s: skipped before it starts), flash_vs_sdpa (2 cases of
+    3.5 s: runs) and long_attention (2 of 3.4 s: one fits the 4 s left, shrunk)."""
+    now = [0.0]
+    real = gpu_suite.part_table()
+
+    def simulated(name):
+        def run(ctx):
+            result = real[name][1](ctx)
+            now[0] += gpu_budget.DRY_COSTS[name].seconds(ctx.cases[1] - ctx.cases[0])
+            return result
+        return run
+
+    monkeypatch.setattr(gpu_suite, "part_table", lambda: {name: (real[name][0], simulated(name)) for name in real})
+    monkeypatch.setenv(gpu_suite.INTERPRET, "1")
+    code = gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--budget", "11",
+                           "--parts", "sweep", "long_attention", "flash_vs_sdpa"], clock=lambda: now[0])
+    assert code == 0
+    (folder,) = tmp_path.iterdir()
+    summary = summary_rows((folder / gpu_suite.SUMMARY).read_text())
+    assert (summary["sweep"]["status"], summary["sweep"]["run"]) == ("skipped", "skipped: needs ~112 s for one case, 11 s left")
+    assert (summary["flash_vs_sdpa"]["status"], summary["flash_vs_sdpa"]["run"]) == (DRY_RUN, "ran")
+    assert summary["long_attention"]["status"] == DRY_RUN
+    assert summary["long_attention"]["run"] == ("shrunk: 1 of 2 cases ran; cut to 1 of 2 by the budget "
+                                                "(~7 s for all 2, 4 s left)")
+    long = read_csv(folder / "gpu_long_attention.csv")
+    assert {row["causal"] for row in long} == {"False"} and len(long) == len(gpu_speed.long_impls(False))
+    assert summary["kernel_parity"]["run"] == "not in --parts"
+    assert not (folder / "gpu_sweep.csv").exists()
+
+
+def test_the_budgets_alarm_stops_the_running_part_and_keeps_its_rows(tmp_path, monkeypatch):
+    """The real clock's end of the budget (SIGALRM, raised here by the part itself) stops a part like a signal."""
+    import signal
+
+    def part(ctx):
+        ctx.case_started("case one")
+        ctx.record([{"x": 1}])
+        ctx.case_finished()
+        ctx.case_started("case two")
+        signal.raise_signal(signal.SIGALRM)
+        raise AssertionError("not reached")
+
+    fakes = {name: ("what", part) for name in gpu_suite.PARTS}
+    monkeypatch.setattr(gpu_suite, "part_table", lambda: fakes)
+    monkeypatch.setenv(gpu_suite.INTERPRET, "1")
+    code = gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--budget", "1000", "--parts", "train_step", "sweep"])
+    assert code == 1
+    (folder,) = tmp_path.iterdir()
+    summary = summary_rows((folder / gpu_suite.SUMMARY).read_text())
+    assert summary["train_step"]["status"] == "stopped"
+    assert summary["train_step"]["run"] == "stopped: the budget ran out during case 'case two' (1 of 1 cases done)"
+    assert read_csv(folder / "gpu_train_step.csv") == [{"x": "1"}]
+    assert summary["sweep"]["run"] == "not run: the suite was stopped: the budget ran out"

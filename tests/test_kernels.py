@@ -23,6 +23,7 @@ if KERNEL_DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib.util  # noqa: E402
+import inspect  # noqa: E402
 import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -574,6 +575,46 @@ def test_dispatch_forced_triton_runs_the_kernel(monkeypatch: pytest.MonkeyPatch)
     assert_matches(lse, exact_attention_reference(q, q, q, causal=True)[1], torch.float32, "lse")
     out, lse = chunked_attention(q, q, q, 8, causal=True, self_mask=True)
     assert_matches(out, chunked_attention_reference(q, q, q, 8, causal=True, self_mask=True)[0], torch.float32, "out")
+
+
+@pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="the Triton interpreter's scalars; a GPU run compiles")
+def test_interpreted_loops_over_tensor_bounds_under_triton_3_6s_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """triton 3.6's interpreter defined a scalar's `__index__` as `int(self.handle.data)` on a one-element 1-D
+    array, which NumPy 2 refuses: every kernel's `range(lo, hi, BLOCK_N)` over in-kernel bounds raised
+    "only 0-dimensional arrays can be converted to Python scalars" (the first H100 machine's dry run). Here the
+    installed interpreter is given 3.6's definition: the kernel fails without kernels/interpreter_compat.py's
+    repair and matches the reference with it; the installed (fixed) interpreter is left alone."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from kernels import interpreter_compat
+
+    fa = sys.modules["kernels.flash_attention"]  # the module (the package binds the function to the name)
+
+    installed = interpreter._patch_lang_tensor
+    assert not interpreter_compat.needs_repair(inspect.getsource(installed))  # this triton's own is fine
+
+    def triton_3_6_patch_lang_tensor(tensor, scope):
+        installed(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))  # triton 3.6, interpreter.py
+
+    assert interpreter_compat.needs_repair(inspect.getsource(triton_3_6_patch_lang_tensor))
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", triton_3_6_patch_lang_tensor)
+    q, k, v = (torch.randn(1, 1, 20, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    try:
+        int(np.array([1]))
+        numpy_refuses = False
+    except TypeError:
+        numpy_refuses = True
+    if numpy_refuses:  # the break itself, with this NumPy
+        monkeypatch.setattr(fa, "repair_index", lambda: False)
+        with pytest.raises(Exception, match="only 0-dimensional arrays can be converted to Python scalars"):
+            flash_attention(q, k, v, causal=True)
+        monkeypatch.undo()
+        monkeypatch.setattr(interpreter, "_patch_lang_tensor", triton_3_6_patch_lang_tensor)
+    out, _ = flash_attention(q, k, v, causal=True)  # _kernels() repairs the 3.6 definition
+    assert interpreter._patch_lang_tensor is not triton_3_6_patch_lang_tensor
+    assert_matches(out, exact_attention_reference(q, k, v, causal=True)[0], torch.float32, "out")
 
 
 def test_dispatch_errors_say_why(monkeypatch: pytest.MonkeyPatch) -> None:

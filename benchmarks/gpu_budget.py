@@ -1,0 +1,170 @@
+"""`--budget SECONDS` of benchmarks.gpu_suite: which parts, and how many of each part's cases, fit the time left.
+
+The suite runs its steps in order of value (`STEPS`): correctness first (kernel parity on its covering subset,
+every axis value once), then the training step, the sweep, flash vs SDPA, long attention, and last the rest of
+kernel parity. Before each step the planner (`decide`) takes the seconds left and the step's estimate: the step
+runs whole if it fits, shrinks to the most leading cases that fit (each part orders its cases so the leading ones
+are the ones to keep: parity's covering subset, the shortest lengths), or is skipped with the estimate and the
+time left as its reason; then the next step is weighed, so a cheap part after a skipped one still runs. `plan`
+applies `decide` to every remaining step at once, which the suite prints before it starts.
+
+Estimates (`Estimates`): a part costs `setup + cases x per_case` seconds. Before a part has run, its cost comes
+from `H100_COSTS`, measured on the first H100 run (benchmarks/results/nvidia-h100-80gb-hbm3/, commit cce97ac,
+torch 2.11.0+cu130, triton 3.6.0), times the ratio of measured to estimated seconds over the steps that ran so
+far in this run (a slower card, or a dry run's toy sizes on a CPU, scale every estimate alike). Once a part has
+run, its own measured seconds per case replace its row. A dry run starts from `DRY_COSTS` instead (its toy sizes
+have nothing to do with an H100's seconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Seconds of a part: a one-off `setup` (imports, first compiles) plus `per_case` for each case it runs."""
+
+    setup: float
+    per_case: float
+
+    def seconds(self, cases: int) -> float:
+        return self.setup + cases * self.per_case if cases else 0.0
+
+
+H100_COSTS = {
+    # 6 cases (of 36) in 220.8 s: 31.1, 12.2, 35.0, 27.3, 76.9, 38.3 s (console.txt), mostly compilation.
+    "kernel_parity": Cost(0.0, 36.8),
+    # 68.3 s for 10 cases: the first two 21.2 and 24.3 s (compiles and autotuning), the other eight 2.4-3.6 s
+    # (mean 2.8): setup 68.3 - 10 x 2.8 = 40.3 s.
+    "flash_vs_sdpa": Cost(40.3, 2.8),
+    # Stopped in its 12th case: the call's limit of 170 s minus flash_vs_sdpa's 68.3 s leaves at most 101.7 s
+    # for 11 cases, 9.25 s a case (an upper bound: the call's start-up is in it, and larger n cost more).
+    "long_attention": Cost(0.0, 9.25),
+    "train_step": Cost(0.0, 26.7),  # one case, 26.7 s (the second call)
+    "sweep": Cost(0.0, 111.6),  # one case (2 trials), 111.6 s (the second call)
+}
+"""Seconds on one H100 80GB HBM3 (results/nvidia-h100-80gb-hbm3/README.md and console.txt)."""
+
+DRY_COSTS = {
+    # The fast tier's dry run (tests/test_gpu_suite.py's fixture) on the shared 2-core CPU (cpu-2core), 2026-11-27,
+    # beside other work: parity 23.1 s for its 3 cases, train_step 13.1 s, flash_vs_sdpa 7.0 s for 2 (with
+    # FlexAttention's uncompiled forward), long_attention 6.8 s for 2.
+    "kernel_parity": Cost(0.0, 7.7),
+    "flash_vs_sdpa": Cost(0.0, 3.5),
+    "long_attention": Cost(0.0, 3.4),
+    "train_step": Cost(0.0, 13.1),
+    # Not measured on the CPU (the slow tier's): the H100's 111.6 s, until this run's own measurements scale it.
+    "sweep": H100_COSTS["sweep"],
+}
+"""Seconds of a dry run's toy cases on a 2-core CPU."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """Cases [start, stop) of one part (in the part's own order)."""
+
+    part: str
+    start: int
+    stop: int
+    label: str = ""
+    """What the slice is, for the summary ("the covering subset")."""
+
+    @property
+    def cases(self) -> int:
+        return self.stop - self.start
+
+
+VALUE_ORDER = ("kernel_parity", "train_step", "sweep", "flash_vs_sdpa", "long_attention")
+
+
+def steps(case_counts: Mapping[str, int], parity_cover: int) -> list[Step]:
+    """The suite's steps in order of value, for the parts in `case_counts` (part -> its number of cases):
+    kernel parity's first `parity_cover` cases first and the rest of them last."""
+    out = []
+    for part in VALUE_ORDER:
+        if part not in case_counts:
+            continue
+        if part == "kernel_parity" and parity_cover < case_counts[part]:
+            out.append(Step(part, 0, parity_cover, "the covering subset"))
+        else:
+            out.append(Step(part, 0, case_counts[part]))
+    if "kernel_parity" in case_counts and parity_cover < case_counts["kernel_parity"]:
+        out.append(Step("kernel_parity", parity_cover, case_counts["kernel_parity"], "the rest"))
+    return out
+
+
+@dataclass
+class Estimates:
+    """Seconds a step will take: the table's, scaled, until the part's own measurements replace them."""
+
+    table: Mapping[str, Cost]
+    measured: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """part -> (cases run, seconds) in this run so far."""
+    predicted: float = 0.0
+    """The table's seconds for what has run so far, against `actual`."""
+    actual: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        """Measured over estimated seconds of the steps run so far (1 before any)."""
+        return self.actual / self.predicted if self.predicted > 0 and self.actual > 0 else 1.0
+
+    def seconds(self, part: str, cases: int) -> float:
+        if cases <= 0:
+            return 0.0
+        done, seconds = self.measured.get(part, (0, 0.0))
+        if done:
+            return cases * seconds / done
+        return self.scale * self.table[part].seconds(cases)
+
+    def update(self, part: str, cases: int, seconds: float) -> None:
+        """A step of `part` finished `cases` cases in `seconds`."""
+        if cases <= 0:
+            return
+        if part not in self.measured:
+            self.predicted += self.table[part].seconds(cases)
+            self.actual += seconds
+        done, total = self.measured.get(part, (0, 0.0))
+        self.measured[part] = (done + cases, total + seconds)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the planner does with a step: run `cases` of its cases (all, or fewer: shrunk), or none (skipped)."""
+
+    step: Step
+    cases: int
+    estimate: float
+    """Seconds the estimate gives for the cases it runs (for the whole step when skipped)."""
+    reason: str = ""
+
+    @property
+    def action(self) -> str:
+        return "skip" if self.cases == 0 else "shrink" if self.cases < self.step.cases else "run"
+
+
+def decide(step: Step, seconds: Callable[[str, int], float], left: float | None) -> Decision:
+    """Run, shrink or skip `step` with `left` seconds of the budget (None: no budget)."""
+    whole = seconds(step.part, step.cases)
+    if left is None or whole <= left:
+        return Decision(step, step.cases, whole)
+    fits = [k for k in range(step.cases - 1, 0, -1) if seconds(step.part, k) <= left]
+    if fits:
+        return Decision(step, fits[0], seconds(step.part, fits[0]),
+                        f"~{whole:.0f} s for all {step.cases}, {left:.0f} s left")
+    return Decision(step, 0, whole, f"needs ~{seconds(step.part, 1):.0f} s for one case"
+                                    f"{'' if step.cases == 1 else f' (~{whole:.0f} s for all {step.cases})'}, "
+                                    f"{max(left, 0):.0f} s left")
+
+
+def plan(todo: Sequence[Step], seconds: Callable[[str, int], float], left: float | None) -> list[Decision]:
+    """`decide` over every step, each taking its estimate off the time left."""
+    decisions = []
+    for step in todo:
+        decision = decide(step, seconds, left)
+        decisions.append(decision)
+        if left is not None and decision.cases:
+            left -= decision.estimate
+    return decisions
