@@ -17,7 +17,12 @@ are exactly the model's. What the adapter owns, and the tests pin (tests/test_hf
   q * scaling * sqrt(d), because every mechanism applies 1/sqrt(d);
 - masks: `module.is_causal` gives causality; a 4-D boolean mask is read back into per-key padding and must be
   exactly causal-plus-padding (packed sequences or a prefix mask are refused, not ignored; a sliding window
-  is run where it has no effect, over at most its own length of keys, and refused where it would have one).
+  is run where it has no effect, over at most its own length of keys, and refused where it would have one);
+- rows: each row runs over its own real tokens, packed (`causal_rows_over_own_tokens`), so its result does not
+  depend on the rows or padding beside it;
+- cached decoding: a step's queries over the cached keys go to the mechanism's `causal_last_rows`, the last rows
+  of its causal pass over the whole prefix; a step whose cache a lower patched layer made stale (it moves earlier
+  outputs as tokens are appended, `prefix_stable_length`) is refused (docs/patching.md, "Cached decoding").
 """
 
 from __future__ import annotations
