@@ -17,7 +17,12 @@ are exactly the model's. What the adapter owns, and the tests pin (tests/test_hf
   q * scaling * sqrt(d), because every mechanism applies 1/sqrt(d);
 - masks: `module.is_causal` gives causality; a 4-D boolean mask is read back into per-key padding and must be
   exactly causal-plus-padding (packed sequences or a prefix mask are refused, not ignored; a sliding window
-  is run where it has no effect, over at most its own length of keys, and refused where it would have one).
+  is run where it has no effect, over at most its own length of keys, and refused where it would have one);
+- rows: each row runs over its own real tokens, packed (`causal_rows_over_own_tokens`), so its result does not
+  depend on the rows or padding beside it;
+- cached decoding: a step's queries over the cached keys go to the mechanism's `causal_last_rows`, the last rows
+  of its causal pass over the whole prefix; a step whose cache a lower patched layer made stale (it moves earlier
+  outputs as tokens are appended, `prefix_stable_length`) is refused (docs/patching.md, "Cached decoding").
 """
 
 from __future__ import annotations
@@ -96,6 +101,10 @@ def dropin_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: q [B, H, T, d], k, v [B, G, S, d] -> ([B, T, H, d], None)."""
     _, _, all_masks, _, repeat_kv, sdpa_attention_forward = _transformers()
+    H, T, E = query.shape[1:]
+    S = key.shape[2]
+    if T < S:
+        _check_cache_is_current(module, S)
     mechanism = getattr(module, "dropin_mechanism", None)
     if mechanism is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -113,18 +122,74 @@ def dropin_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         raise ValueError(f"layer {module.layer_idx} has attention dropout {dropout} in training; the drop-in "
                          "mechanisms merge their parts through log-sum-exps and take no dropout: set the model's "
                          "attention dropout to 0")
-    H, T, E = query.shape[1:]
-    S = key.shape[2]
-    if T != S:
-        raise ValueError(f"drop-in attention scores whole sequences (got {T} queries over {S} cached keys); "
-                         "run the patched model with use_cache=False, without a KV cache")
     key, value = repeat_kv(key, H // key.shape[1]), repeat_kv(value, H // value.shape[1])
     scale = E ** -0.5 if scaling is None else scaling
     query = query * (scale * E ** 0.5)
-    causal = bool(getattr(module, "is_causal", True))
-    padding_BS = key_padding_from_mask(attention_mask, causal, T, S)
-    out_BHTE = mechanism(query, key, value, key_padding_mask_BS=padding_BS, causal=causal)
+    if not getattr(module, "is_causal", True):
+        if T != S:
+            raise ValueError(f"layer {module.layer_idx} is not causal and got {T} queries over {S} keys; drop-in "
+                             "attention decodes from a cache in causal layers only")
+        padding_BS = key_padding_from_mask(attention_mask, False, T, S)
+        out_BHTE = mechanism(query, key, value, key_padding_mask_BS=padding_BS, causal=False)
+    else:
+        padding_BS = key_padding_from_mask(attention_mask, True, T, S)
+        out_BHTE = causal_rows_over_own_tokens(mechanism, query, key, value, padding_BS)
     return out_BHTE.transpose(1, 2).contiguous(), None
+
+
+def causal_rows_over_own_tokens(mechanism: nn.Module, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor,
+                                v_BHSE: torch.Tensor, padding_BS: torch.Tensor | None) -> torch.Tensor:
+    """The mechanism's causal output [B, H, T, E] for the last T of S positions, each row computed over its own
+    real tokens only: its unpadded keys, packed in order, so that a row gives what it gives alone, whatever rows and
+    padding share its batch (HyperAttention's recursion halves the length it is given, and a padded length would
+    move its split points). Rows with the same numbers of real keys and real queries run as one batch; padded
+    query rows get zeros (transformers drops them)."""
+    if padding_BS is None:
+        return _causal_rows(mechanism, q_BHTE, k_BHSE, v_BHSE)
+    B, H, T, E = q_BHTE.shape
+    S = k_BHSE.shape[2]
+    n_keys_B = (~padding_BS).sum(-1)
+    n_queries_B = (~padding_BS[:, S - T:]).sum(-1)
+    real_first_BS = torch.argsort(padding_BS.to(torch.int8), dim=-1, stable=True)  # real positions, in order
+    out_BHTE = q_BHTE.new_zeros(B, H, T, E)
+    for n, t in sorted(set(zip(n_keys_B.tolist(), n_queries_B.tolist()))):
+        if t == 0:
+            continue
+        rows_G = ((n_keys_B == n) & (n_queries_B == t)).nonzero().squeeze(1)
+        keys_GN = real_first_BS[rows_G, :n]
+        # The real queries are the row's last t real tokens: every position after a query is a query too.
+        queries_Gt = keys_GN[:, n - t:] - (S - T)
+        pick = lambda x, idx: torch.gather(x[rows_G], 2, idx[:, None, :, None].expand(-1, H, -1, E))  # noqa: E731
+        out_GHtE = _causal_rows(mechanism, pick(q_BHTE, queries_Gt), pick(k_BHSE, keys_GN), pick(v_BHSE, keys_GN))
+        out_BHTE[rows_G] = out_BHTE[rows_G].scatter(2, queries_Gt[:, None, :, None].expand(-1, H, -1, E),
+                                                    out_GHtE.to(out_BHTE.dtype))
+    return out_BHTE
+
+
+def _causal_rows(mechanism: nn.Module, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor,
+                 v_BHSE: torch.Tensor) -> torch.Tensor:
+    """A whole sequence (T == S) through the mechanism's causal pass; the last T of S positions (a cached
+    decoding step) through its `causal_last_rows`, which gives the rows of that pass over all S tokens."""
+    if q_BHTE.shape[2] == k_BHSE.shape[2]:
+        return mechanism(q_BHTE, k_BHSE, v_BHSE, causal=True)
+    return mechanism.causal_last_rows(q_BHTE, k_BHSE, v_BHSE)
+
+
+def _check_cache_is_current(module: nn.Module, S: int) -> None:
+    """A cached step reads keys and values that earlier calls made at shorter lengths. They are those of a full
+    pass over the S tokens only if no patched layer below changes its outputs at earlier positions when tokens are
+    appended (`prefix_stable_length`: exact and LSH with a fixed n_buckets never do; HyperAttention does beyond
+    min_seq_len). Otherwise the cached step would silently score other tokens than uncached scoring, so it is
+    refused."""
+    for lower in getattr(module, "dropin_lower_layers", ()):
+        mechanism = getattr(lower, "dropin_mechanism", None)
+        if mechanism is not None and S > mechanism.prefix_stable_length():
+            raise ValueError(
+                f"cached decoding at {S} tokens: layer {lower.layer_idx}'s {type(mechanism).__name__} changes its "
+                f"outputs at earlier positions when tokens are appended beyond {mechanism.prefix_stable_length()} "
+                f"({mechanism.length_dependence}), so the keys and values cached for layer {module.layer_idx} are "
+                "not those a pass over the whole sequence makes; run the model with use_cache=False (each step "
+                "scores the whole prefix), or patch only the model's last layer")
 
 
 def _check_window(module: nn.Module, window: int | None, S: int) -> None:
@@ -179,6 +244,9 @@ def patch_hf_model(model: nn.Module, patch: PatchConfig, seed_offset: int = 0) -
     previous_implementation = model.config._attn_implementation
     for index, mechanism in built.items():
         modules[index].dropin_mechanism = mechanism
+    for index, module in modules.items():
+        # A plain tuple, not a submodule: which layers feed this one's cached keys (`_check_cache_is_current`).
+        module.dropin_lower_layers = tuple(modules[lower] for lower in range(index))
     try:
         model.set_attn_implementation(DROPIN_ATTENTION)
         if model.config._attn_implementation != DROPIN_ATTENTION:

@@ -23,6 +23,7 @@ from benchmarks import (
     decoding,
     harness,
     mqar_curve,
+    patched_decoding,
     ray_overhead,
     ray_startup,
     throughput,
@@ -127,6 +128,22 @@ def test_decoding_benchmark_compares_cache_with_recompute(tmp_path):
     for row in rows:
         assert int(row["sentences"]) == 4 and int(row["same_hypotheses"]) == 4  # the cache changes nothing
         assert math.isfinite(float(row["speedup_vs_full"])) and float(row["median_s"]) > 0
+
+
+def test_patched_decoding_times_cached_against_uncached_generation(tmp_path):
+    pytest.importorskip("transformers", reason="the bench extra (transformers) is not installed")
+    threads = torch.get_num_threads()
+    try:
+        patched_decoding.main(["--out", str(tmp_path), "--contexts", "24", "--new", "3", "--repeats", "1",
+                               "--hidden", "32"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = harness.read_csv(tmp_path / harness.machine_label(CPU) / "patched_decoding.csv")
+    assert [(r["patch"], r["path"]) for r in rows] == [(p, path) for p in patched_decoding.PATCHES
+                                                       for path in ("uncached", "cached")]
+    for row in rows:
+        assert row["same_tokens"] == "True"  # the cache changes no token
+        assert math.isfinite(float(row["speedup_vs_uncached"])) and float(row["tokens_per_s"]) > 0
 
 
 def test_throughput_compares_same_size_models(tmp_path):

@@ -307,13 +307,6 @@ def test_masks_other_than_causal_plus_padding_are_refused():
     assert padding[0].sum() == 0 and padding[1].tolist() == [False] * 30 + [True] * 10
 
 
-def test_cached_decoding_is_refused():
-    model = llama()
-    patch_hf_model(model, PatchConfig(layers=1, attention=HYPER_ACTIVE))
-    with pytest.raises(ValueError, match="use_cache=False"):
-        model.generate(tokens(1)[:, :5], max_new_tokens=2, do_sample=False)
-
-
 # ---- the project's own trained models
 
 

@@ -8,6 +8,7 @@ rows are dropped by the loss anyway.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -67,6 +68,18 @@ class ExactMechanism(nn.Module):
             return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, dropout_p=dropout_p, is_causal=True)
         bias = exact_attention_bias(key_padding_mask_BS, causal, T, S, q_BHTE.dtype, q_BHTE.device)
         return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, attn_mask=bias, dropout_p=dropout_p)
+
+    def causal_last_rows(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSE: torch.Tensor) -> torch.Tensor:
+        """Rows S-T .. S-1 of `forward(causal=True)` over S positions, from those rows' queries and every key: a
+        cached decoding step. Row t sees keys j <= S - T + t (the causal mask aligned bottom-right)."""
+        T, S = q_BHTE.shape[-2], k_BHSE.shape[-2]
+        mask_TS = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q_BHTE.device).tril(S - T)
+        dropout_p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, attn_mask=mask_TS, dropout_p=dropout_p)
+
+    def prefix_stable_length(self) -> float:
+        """Appending tokens never changes an earlier position's output, so keys cached at any length are current."""
+        return math.inf
 
     def attention_parameters(self) -> int:
         return 0

@@ -116,6 +116,22 @@ def longest_real_row(key_padding_BN: torch.Tensor | None, N: int) -> int:
     return N if key_padding_BN is None else int((~key_padding_BN).sum(-1).max().item())
 
 
+def exact_causal_rows(q_BHTE, first: int, k_BHNE, v_BHNE, key_padding_BN):
+    """(out [B, H, T, E], lse [B, H, T]) of rows first .. first+T-1 of `exact_attention(causal=True)` over N keys,
+    from those rows' queries: row first+t sees the unpadded keys j <= first+t. Each row goes into the batch with its
+    own key mask, so only the keys up to the last row are read (one row, the usual decoding step, reads them once)."""
+    B, H, T, E = q_BHTE.shape
+    S, dev = first + T, q_BHTE.device
+    later_TS = torch.arange(S, device=dev) > (first + torch.arange(T, device=dev))[:, None]
+    pad_TBS = later_TS[:, None, :].expand(T, B, S)
+    if key_padding_BN is not None:
+        pad_TBS = pad_TBS | key_padding_BN[None, :, :S]
+    fold = lambda x: x[None, :, :, :S].expand(T, B, H, S, E).reshape(T * B, H, S, E)  # noqa: E731
+    out_XH1E, lse_XH1 = exact_attention(q_BHTE.permute(2, 0, 1, 3).reshape(T * B, H, 1, E), fold(k_BHNE),
+                                        fold(v_BHNE), key_padding_mask=pad_TBS.reshape(T * B, S))
+    return out_XH1E.view(T, B, H, E).permute(1, 2, 0, 3), lse_XH1.view(T, B, H).permute(1, 2, 0)
+
+
 class HyperMechanism(nn.Module):
     """HyperAttention over per-head q [B, H, T, E], k, v [B, H, S, E]."""
 
@@ -325,6 +341,58 @@ class HyperMechanism(nn.Module):
         out_bot, lse_bot = merge_lse(out_d[B:], lse_d[B:], out_off, lse_off)
         out = torch.cat([out_d[:B], out_bot], dim=2)[:, :, :N]
         return out, torch.cat([lse_d[:B], lse_bot], dim=2)[:, :, :N]
+
+    def causal_last_rows(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSE: torch.Tensor) -> torch.Tensor:
+        """Rows S-T .. S-1 of `forward(causal=True)` over S positions, from those rows' queries and every key: a
+        cached decoding step. Under past-only routing a row of `causal` depends on its own query and on the keys
+        only (its key block is found from its own hash; the samples of a level come from that level's generator and
+        the keys' count), so following the rows down Algorithm 4 (`causal_rows`) gives the full pass's rows, at the
+        cost of one past-only placement per level instead of a pass over every query."""
+        T, S = q_BHTE.shape[2], k_BHSE.shape[2]
+        if S <= self.min_seq_len:
+            return self.exact.causal_last_rows(q_BHTE, k_BHSE, v_BHSE)
+        if not self.past_only:
+            raise ValueError("hyper with causal_routing=paper cannot decode from a cache: the key block of a query "
+                             "depends on the later queries of its block; use causal_routing=past_only")
+        if self.training and self.sample_size > 0:
+            raise ValueError("hyper draws fresh samples on every training call, so a cached step cannot repeat the "
+                             "full pass's; decode in evaluation mode (model.eval())")
+        return self.causal_rows(q_BHTE, S - T, k_BHSE, v_BHSE, None)[0]
+
+    def causal_rows(self, q_BHTE, first: int, k_BHNE, v_BHNE, key_padding_BN, level: int = 0):
+        """(out, lse) of rows first .. first+T-1 of `causal` over N keys, from those rows' queries: Algorithm 4
+        followed down the halves that hold them, with the same odd-length padding, halves and levels as `causal`."""
+        T, N = q_BHTE.shape[2], k_BHNE.shape[2]
+        if N <= self.min_seq_len:
+            return exact_causal_rows(q_BHTE, first, k_BHNE, v_BHNE, key_padding_BN)
+        odd = N % 2
+        if odd:  # `causal` pads one key at the end (and a query, which these rows are not)
+            k_BHNE, v_BHNE = (F.pad(x, (0, 0, 0, 1)) for x in (k_BHNE, v_BHNE))
+            if key_padding_BN is None:
+                key_padding_BN = torch.zeros(k_BHNE.shape[0], N, dtype=torch.bool, device=k_BHNE.device)
+            key_padding_BN = F.pad(key_padding_BN, (0, 1), value=True)
+        h = (N + odd) // 2
+        pad = lambda lo, hi: None if key_padding_BN is None else key_padding_BN[:, lo:hi]  # noqa: E731
+        n_first_half = min(max(h - first, 0), T)
+        parts = []
+        if n_first_half:
+            parts.append(self.causal_rows(q_BHTE[:, :, :n_first_half], first, k_BHNE[:, :, :h], v_BHNE[:, :, :h],
+                                          pad(0, h), level + 1))
+        if n_first_half < T:
+            q_second = q_BHTE[:, :, n_first_half:]
+            out_d, lse_d = self.causal_rows(q_second, first + n_first_half - h, k_BHNE[:, :, h:], v_BHNE[:, :, h:],
+                                            pad(h, None), level + 1)
+            out_off, lse_off = self.placed(q_second, k_BHNE[:, :, :h], v_BHNE[:, :, :h], pad(0, h), level)
+            parts.append(merge_lse(out_d, lse_d, out_off, lse_off))
+        return torch.cat([out for out, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+
+    length_dependence = "Algorithm 4 halves the whole sequence, so its split points move as tokens are appended"
+    """Why appending tokens changes earlier outputs beyond `prefix_stable_length` (models/hf_patching.py says it)."""
+
+    def prefix_stable_length(self) -> float:
+        """Up to min_seq_len tokens every output is exact, so appending tokens changes no earlier output; beyond it
+        the recursion's halves depend on the whole length, and keys cached at a shorter length are stale."""
+        return self.min_seq_len
 
     def attention_parameters(self) -> int:
         return 0

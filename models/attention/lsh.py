@@ -34,6 +34,7 @@ Other differences from the reference implementations, all deliberate (see docs/l
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,7 +46,7 @@ import torch.nn as nn
 from pydantic import model_validator
 
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
-from models.attention.lse import chunked_attention, merge_lse_many
+from models.attention.lse import chunked_attention, exact_attention, merge_lse_many
 
 _LAYER_SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for realistic depths
 _BOUNDED_LAYOUT: ContextVar[bool] = ContextVar("lsh_bounded_layout", default=False)
@@ -265,6 +266,63 @@ class LSHMechanism(nn.Module):
         if bounded:
             return slot_BHRT, layout_length_bound(T, n_ids, C)
         return slot_BHRT, int(chunks_BHRN.sum(-1).max()) * C
+
+    def causal_last_rows(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSE: torch.Tensor) -> torch.Tensor:
+        """Rows S-T .. S-1 of `forward(causal=True)` (past-only routing) over S tokens, from those rows' queries and
+        every key: a cached decoding step. Every key is hashed as the full pass hashes it (same rotations, and the
+        bucket count of S tokens, which the default n_buckets takes from the length). In the past-only layout a
+        token of bucket-rank r (earlier tokens of its bucket) sits in chunk r // C of its bucket's run, and the chunk
+        kernel shows it its own chunk and the previous one, later keys masked: the ranks C * (r // C - 1) .. r of
+        its bucket (a previous chunk of a lower bucket is masked by the shifted positions of `forward`). That window
+        of at most 2C keys, laid out as the kernel lays it (own chunk, then the previous), is gathered per round."""
+        B, H, T, E = q_BHTE.shape
+        S, C, R, dev = k_BHSE.shape[2], self.bucket_size, self.n_hashes, q_BHTE.device
+        if self.causal_routing != "past_only":
+            raise ValueError("lsh with causal_routing=paper cannot decode from a cache: its chunks depend on the "
+                             "later tokens; use causal_routing=past_only")
+        if self.training and self.redraw:
+            raise ValueError("lsh with rotations=redraw draws new rotations on every training call, so a cached step "
+                             "cannot repeat the full pass's; decode in evaluation mode (model.eval())")
+        if self.self_mask:
+            raise ValueError("cached lsh decoding is for separate query and key projections (models/dropin.py); "
+                             "Reformer's shared-QK self-mask is not reproduced here")
+        bucket_BHRS = self.buckets(k_BHSE.detach(), None)
+        order_BHRS = torch.argsort(bucket_BHRS * S + torch.arange(S, device=dev), dim=-1)
+        count_BHRN = torch.zeros(B, H, R, 2 * self.n_half_bound(S), dtype=torch.long, device=dev)
+        count_BHRN.scatter_add_(3, bucket_BHRS, torch.ones_like(bucket_BHRS))
+        first_sorted_BHRN = torch.cumsum(count_BHRN, -1) - count_BHRN
+        # A token's bucket-rank = its index in the (bucket, position) order minus where its bucket's run starts.
+        rank_BHRS = torch.empty_like(order_BHRS).scatter_(
+            3, order_BHRS, torch.arange(S, device=dev) - torch.gather(first_sorted_BHRN, 3,
+                                                                        torch.gather(bucket_BHRS, 3, order_BHRS)))
+        bucket_BHRT, rank_BHRT = bucket_BHRS[..., S - T:], rank_BHRS[..., S - T:]
+        own_chunk_start_BHRT = (rank_BHRT // C) * C
+        offsets_W = torch.cat([torch.arange(C, device=dev), torch.arange(C, device=dev) - C])  # own, then previous
+        rank_BHRTW = own_chunk_start_BHRT[..., None] + offsets_W
+        seen_BHRTW = (rank_BHRTW >= 0) & (rank_BHRTW <= rank_BHRT[..., None])
+        sorted_BHRTW = (torch.gather(first_sorted_BHRN, 3, bucket_BHRT)[..., None] + rank_BHRTW).clamp(0, S - 1)
+        token_BHX = torch.gather(order_BHRS, 3, sorted_BHRTW.view(B, H, R, T * 2 * C)).view(B, H, -1)
+        window = lambda x: torch.gather(x, 2, token_BHX[..., None].expand(-1, -1, -1, E))  # noqa: E731
+        X = B * H * R * T
+        q_X11E = q_BHTE[:, :, None].expand(B, H, R, T, E).reshape(X, 1, 1, E)
+        out_X11E, lse_X11 = exact_attention(
+            q_X11E, window(k_BHSE).view(X, 1, 2 * C, E), window(v_BHSE).view(X, 1, 2 * C, E),
+            key_padding_mask=~seen_BHRTW.reshape(X, 2 * C), scale=self.scale)
+        out_BHTE, _ = merge_lse_many(out_X11E.view(B, H, R, T, E), lse_X11.view(B, H, R, T), dim=2)
+        return out_BHTE
+
+    length_dependence = "the default n_buckets grows with the length; set n_buckets to fix it"
+    """Why appending tokens changes earlier outputs beyond `prefix_stable_length` (models/hf_patching.py says it)."""
+
+    def prefix_stable_length(self) -> float:
+        """Under past-only routing a token's keys are earlier tokens of its bucket, so appending tokens changes no
+        earlier output while the bucket count stays: always with a fixed n_buckets; with the default, up to the
+        longest length that still gets the bucket count of one token."""
+        if self.n_buckets is not None:
+            return math.inf
+        shortest = default_n_buckets(1, self.bucket_size)
+        return max(n for n in range(1, 2 * self.bucket_size + 2)
+                   if default_n_buckets(n, self.bucket_size) == shortest)
 
     def n_half_bound(self, seq_len: int) -> int:
         """Half the bucket count of the longest row of `seq_len` tokens (`buckets` gives no row more)."""
