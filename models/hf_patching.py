@@ -28,6 +28,7 @@ are exactly the model's. What the adapter owns, and the tests pin (tests/test_hf
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -261,7 +262,24 @@ def patch_hf_model(model: nn.Module, patch: PatchConfig, seed_offset: int = 0) -
         if model.config._attn_implementation != previous_implementation:
             model.set_attn_implementation(previous_implementation)
         raise
+    _decode_without_a_stale_cache(model, built, last=max(modules))
     return chosen
+
+
+def _decode_without_a_stale_cache(model: nn.Module, built: dict[int, nn.Module], last: int) -> None:
+    """`generate()`'s default cache on only where a cache can be current: a mechanism below the last layer whose
+    earlier outputs move as tokens are appended (`prefix_stable_length`) leaves the layers above it a cache of
+    other keys than a pass over the whole sequence makes, so the model's generation default becomes
+    use_cache=False (each step scores the whole prefix, the mechanism's own definition) and `generate()` with its
+    defaults decodes exactly; use_cache=True asked for explicitly is refused once the cache goes stale
+    (`_check_cache_is_current`). A later patch without such a layer gives the model its own default back."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    if not hasattr(model, "dropin_own_use_cache"):
+        model.dropin_own_use_cache = config.use_cache  # the model's own default, before any patch
+    stale = any(mechanism.prefix_stable_length() < math.inf for index, mechanism in built.items() if index < last)
+    config.use_cache = False if stale else model.dropin_own_use_cache
 
 
 @contextmanager

@@ -58,6 +58,20 @@ def _dry_run(out, parts) -> tuple[int, object]:
     return code, folders[0]
 
 
+@pytest.fixture
+def fake_parts(monkeypatch):
+    """Install fake parts (name -> run function) as the suite's part table. They run no kernel, so the suite's
+    loop runs in this process even where it imported triton compiled (a dry run would re-run itself in a fresh
+    interpreter, without the fakes: `triton_imported_compiled`), whatever ran before on this worker."""
+    monkeypatch.setattr(gpu_suite, "triton_imported_compiled", lambda: False)
+    monkeypatch.setenv(gpu_suite.INTERPRET, "1")
+
+    def install(runs: dict) -> None:
+        monkeypatch.setattr(gpu_suite, "part_table", lambda: {name: ("what", run) for name, run in runs.items()})
+
+    return install
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     """One dry run of every part but the sweep into a temporary folder, shared by this module's tests."""
@@ -140,7 +154,7 @@ def test_dry_run_of_the_sweep_part_trains_bf16_fsdp_compiled_trials(ray_cluster,
     assert "ran precision=bf16, strategy=fsdp" in summary["sweep"]["notes"]
 
 
-def test_a_part_that_raises_or_fails_is_its_summary_row_and_the_suite_goes_on(tmp_path, monkeypatch):
+def test_a_part_that_raises_or_fails_is_its_summary_row_and_the_suite_goes_on(tmp_path, fake_parts):
     calls = []
 
     def part(status=None, error=None):
@@ -153,8 +167,7 @@ def test_a_part_that_raises_or_fails_is_its_summary_row_and_the_suite_goes_on(tm
 
     fakes = {"kernel_parity": part(error="kernel exploded"), "flash_vs_sdpa": part(status="fail: 2 of 9 over"),
              **{name: part() for name in gpu_suite.PARTS[2:]}}
-    monkeypatch.setattr(gpu_suite, "part_table", lambda: {name: ("what", fn) for name, fn in fakes.items()})
-    monkeypatch.setenv(gpu_suite.INTERPRET, "1")
+    fake_parts(fakes)
     assert gpu_suite.main(["--dry-run", "--out", str(tmp_path)]) == 1
     assert len(calls) == len(gpu_suite.PARTS)
     (folder,) = tmp_path.iterdir()
@@ -231,11 +244,14 @@ def test_a_dry_run_after_triton_was_imported_compiled_reruns_itself_with_the_int
 # ---- nothing lost to a time limit; --budget ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_dry_run_stopped_by_sigterm_keeps_its_rows_and_says_where_it_stopped(tmp_path):
     """A `timeout` in the middle of a part: the rows of the cases that finished are on disk, and the summary names
     the part and the case the signal interrupted, the parts after it not run. The signal goes once the first row
     (flash_vs_sdpa's first case, triton) is in the CSV (polled): the rest of the part and long attention are still
-    to come."""
+    to come. A real process (the dry run re-runs itself under the interpreter and passes the signal on to its
+    child), so in the slow tier; the fast tier stops the suite's own loop by each signal in process
+    (`test_a_signal_stops_the_running_part_and_keeps_its_rows`)."""
     import signal
     import time
 
@@ -313,22 +329,26 @@ def test_budget_estimates_follow_the_runs_own_measurements():
     assert estimates.seconds("kernel_parity", 6) == pytest.approx(6 * 36.8) and estimates.scale == pytest.approx(2)
 
 
-def test_a_dry_run_with_a_small_budget_runs_shrinks_and_skips_by_its_estimates(tmp_path, monkeypatch):
+def test_a_dry_run_with_a_small_budget_runs_shrinks_and_skips_by_its_estimates(tmp_path, fake_parts):
     """The suite's own loop under a simulated clock on which each part takes its dry-run estimate
     (gpu_budget.DRY_COSTS): 11 s for the sweep (~112 s: skipped before it starts), flash_vs_sdpa (2 cases of
-    3.5 s: runs) and long_attention (2 of 3.4 s: one fits the 4 s left, shrunk)."""
+    3.5 s: runs) and long_attention (2 of 3.4 s: one fits the 4 s left, shrunk). The parts are fakes that log a
+    row per case of the slice they are given (the dry run's own case counts, `case_counts`)."""
     now = [0.0]
-    real = gpu_suite.part_table()
 
     def simulated(name):
         def run(ctx):
-            result = real[name][1](ctx)
+            rows = []
+            for case in range(*ctx.cases):
+                ctx.case_started(f"case {case}")
+                rows.append({"case": case})
+                ctx.record(rows[-1:])
+                ctx.case_finished()
             now[0] += gpu_budget.DRY_COSTS[name].seconds(ctx.cases[1] - ctx.cases[0])
-            return result
+            return PartResult(rows, ctx.passed)
         return run
 
-    monkeypatch.setattr(gpu_suite, "part_table", lambda: {name: (real[name][0], simulated(name)) for name in real})
-    monkeypatch.setenv(gpu_suite.INTERPRET, "1")
+    fake_parts({name: simulated(name) for name in gpu_suite.PARTS})
     code = gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--budget", "11",
                            "--parts", "sweep", "long_attention", "flash_vs_sdpa"], clock=lambda: now[0])
     assert code == 0
@@ -339,32 +359,35 @@ def test_a_dry_run_with_a_small_budget_runs_shrinks_and_skips_by_its_estimates(t
     assert summary["long_attention"]["status"] == DRY_RUN
     assert summary["long_attention"]["run"] == ("shrunk: 1 of 2 cases ran; cut to 1 of 2 by the budget "
                                                 "(~7 s for all 2, 4 s left)")
-    long = read_csv(folder / "gpu_long_attention.csv")
-    assert {row["causal"] for row in long} == {"False"} and len(long) == len(gpu_speed.long_impls(False))
+    assert read_csv(folder / "gpu_long_attention.csv") == [{"case": "0"}]  # the first case only
     assert summary["kernel_parity"]["run"] == "not in --parts"
     assert not (folder / "gpu_sweep.csv").exists()
 
 
-def test_the_budgets_alarm_stops_the_running_part_and_keeps_its_rows(tmp_path, monkeypatch):
-    """The real clock's end of the budget (SIGALRM, raised here by the part itself) stops a part like a signal."""
+@pytest.mark.parametrize("signum", ["SIGALRM", "SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_running_part_and_keeps_its_rows(tmp_path, fake_parts, signum):
+    """A `timeout` (SIGTERM), Ctrl-C (SIGINT) or the real clock's end of the budget (SIGALRM), raised here by the
+    part itself between its cases: the finished case's row is on disk and the summary names the case it stopped in."""
     import signal
+
+    signum = signal.Signals[signum]
 
     def part(ctx):
         ctx.case_started("case one")
         ctx.record([{"x": 1}])
         ctx.case_finished()
         ctx.case_started("case two")
-        signal.raise_signal(signal.SIGALRM)
+        signal.raise_signal(signum)
         raise AssertionError("not reached")
 
-    fakes = {name: ("what", part) for name in gpu_suite.PARTS}
-    monkeypatch.setattr(gpu_suite, "part_table", lambda: fakes)
-    monkeypatch.setenv(gpu_suite.INTERPRET, "1")
+    fake_parts(dict.fromkeys(gpu_suite.PARTS, part))
     code = gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--budget", "1000", "--parts", "train_step", "sweep"])
-    assert code == 1
+    why = "the budget ran out" if signum == signal.SIGALRM else f"by {signum.name}"
+    assert code == (1 if signum == signal.SIGALRM else 128 + signum)
     (folder,) = tmp_path.iterdir()
     summary = summary_rows((folder / gpu_suite.SUMMARY).read_text())
     assert summary["train_step"]["status"] == "stopped"
-    assert summary["train_step"]["run"] == "stopped: the budget ran out during case 'case two' (1 of 1 cases done)"
+    assert summary["train_step"]["run"] == (f"stopped{':' if signum == signal.SIGALRM else ''} {why} during case "
+                                            "'case two' (1 of 1 cases done)")
     assert read_csv(folder / "gpu_train_step.csv") == [{"x": "1"}]
-    assert summary["sweep"]["run"] == "not run: the suite was stopped: the budget ran out"
+    assert summary["sweep"]["run"] == f"not run: the suite was stopped{':' if signum == signal.SIGALRM else ''} {why}"

@@ -6,8 +6,9 @@ key/value heads), GPT-2 (per-layer 1/(l+1) logit scale), Qwen2 (biased q/k/v), P
 the logits of a step equal the last position's logits of the whole prefix scored with use_cache=False, so greedy
 generate() gives the same tokens either way. A cache holds keys made at shorter lengths, so it can meet that
 definition only above layers whose earlier outputs do not move as tokens are appended: exact attention and LSH with
-a fixed n_buckets through every layer; HyperAttention and LSH with the default n_buckets as the model's last layer
-(below another layer they are refused, `test_a_stale_cache_is_refused_naming_the_fixes`).
+a fixed n_buckets through every layer; HyperAttention and LSH with the default n_buckets as the model's last layer,
+and below another layer through generate()'s default, which patching turns to use_cache=False there (a cached
+step asked for is refused, `test_a_stale_cache_is_refused_naming_the_fixes`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ PATCHES = {
     # the last layer: its cached keys come from exact layers; its own rows are recomputed as the full pass's
     "hyper-last": PatchConfig(layers="last:1", attention=HYPER),
     "lsh-default-buckets-last": PatchConfig(layers="last:1", attention=LSH_DEFAULT),
+    # below another layer: generate()'s default becomes use_cache=False (each step scores the whole prefix)
+    "hyper-all": PatchConfig(layers="all", attention=HYPER),
+    "lsh-default-buckets-all": PatchConfig(layers="all", attention=LSH_DEFAULT),
 }
 
 
@@ -101,7 +105,7 @@ def test_cached_greedy_generation_gives_the_tokens_of_uncached_generation(family
         assert torch.equal(cached, greedy(build(family), ids))
 
 
-@pytest.mark.parametrize("kind", sorted(PATCHES))
+@pytest.mark.parametrize("kind", sorted(kind for kind in PATCHES if not kind.endswith("-all")))
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_each_cached_step_has_the_logits_of_the_whole_prefix(family, kind):
     """Prefill, then one token per step over the cache: the step's logits are the last position's logits of the
@@ -132,13 +136,18 @@ def test_left_padded_batched_generation_gives_each_prompt_its_own_tokens(kind):
 @pytest.mark.parametrize("attention,limit", [(HYPER, 8), (LSH_DEFAULT, 5)], ids=["hyper", "lsh-default-buckets"])
 def test_a_stale_cache_is_refused_naming_the_fixes(attention, limit):
     """Below another layer, a mechanism whose earlier outputs move as tokens are appended would leave that layer's
-    cache holding other keys than a full pass makes: the cached step is refused, uncached generation runs."""
+    cache holding other keys than a full pass makes: the model's generation default is then no cache, and a
+    cached step asked for is refused once the cache is stale. Patching only the last layer gives the model its
+    own default back."""
     model = build("llama", PatchConfig(layers="all", attention=attention))
+    assert model.generation_config.use_cache is False
     ids = prompt(length=limit - 1)
     with pytest.raises(ValueError, match=f"cached decoding at {limit + 1} tokens: layer 0's .* beyond {limit} "
                                          ".*use_cache=False.*only the model's last layer"):
-        greedy(model, ids)
-    greedy(model, ids, use_cache=False)
+        greedy(model, ids, use_cache=True)
+    assert torch.equal(greedy(model, ids), greedy(model, ids, use_cache=False))
+    patch_hf_model(model, PatchConfig(layers="last:1", attention=attention))
+    assert model.generation_config.use_cache is True
 
 
 @pytest.mark.parametrize("attention,stable", [(HYPER, False), (LSH_DEFAULT, False), (LSH_FIXED, True)],

@@ -175,7 +175,11 @@ def test_ctrl_c_during_a_long_validation_stops_it_with_a_line_and_no_ray(tmp_pat
     raw["optim"] = {"warmup_steps": {"grid": list(range(100))}, "max_steps": {"grid": list(range(100, 200))}}
     path = tmp_path / "long.yaml"
     path.write_text(yaml.safe_dump(raw))
-    script = ("import sys; from orchestrator.spec import loading; loading.PROGRESS_EVERY_S = 0.0; "
+    # Ctrl-C as a terminal delivers it, whatever signal state the test's worker process passed on (an ignored or
+    # blocked SIGINT is inherited across exec: once, under pytest-xdist, validation ran to its end unstopped).
+    script = ("import signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+              "signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "from orchestrator.spec import loading; loading.PROGRESS_EVERY_S = 0.0; "
               "from orchestrator.cli import main; code = main(['validate', sys.argv[1]]); "
               "print('RAY_IMPORTED' if 'ray' in sys.modules else 'NO_RAY', flush=True); sys.exit(code)")
     proc = subprocess.Popen([sys.executable, "-c", script, str(path)], cwd=tmp_path, stdout=subprocess.PIPE,
