@@ -110,7 +110,10 @@ def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server, s3):
     print("on the workers:", {w["node_id"][:8]: sorted({c.split(" ")[0] for _, c in descendants(w["raylet_pid"])})
                               for w in workers})
     assert not any(cmd.startswith(TRAIN_WORKER) for cmd in on_head)
-    assert sum(cmd.startswith(TRIAL_DRIVER) for cmd in on_head) == 3, on_head  # drivers outlive any worker node
+    # Drivers outlive any worker node: they run on the head only. Not "3 of them" at this instant: a trial that
+    # ran ahead may already have ended (seen once on a busy machine: 2 drivers and 1 Train worker left).
+    assert any(cmd.startswith(TRIAL_DRIVER) for cmd in on_head), on_head
+    assert not any(cmd.startswith(TRIAL_DRIVER) for w in workers for _, cmd in descendants(w["raylet_pid"]))
     cluster.remove_node(lost["node_id"])
     replacement = cluster.add_node(num_cpus=2)
     moved = len(hosting[lost["node_id"]])
