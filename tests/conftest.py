@@ -73,13 +73,20 @@ SeaweedFS are not: one of each per worker costs seconds, and keeping their tests
 the real-process tier its second worker."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own modifyitems hook)
+SERVER_FIXTURES = {"server", "s3_server"}
+"""Fixtures that start a server process (`mlflow server`, SeaweedFS): a test that uses one is in the slow tier,
+marked or not."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist and `-m` read the marks (their own modifyitems hooks)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n`, pyproject's addopts), tests that share the session's Ray or a module's fixture
     run on one worker (`--dist loadgroup`); the rest spread over the workers one by one. Without RUN_SLOW=1 the
     real-process tier is deselected (not skipped: it is not this command's work), and the summary says how to
     run it."""
     for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)  # a server's process: the real-process tier's (docs/testing.md)
         group = _worker_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))

@@ -129,6 +129,7 @@ def fp32_ranks(two_ranks) -> tuple[Path, dict]:
     return two_ranks["fp32"]
 
 
+@pytest.mark.slow
 def test_sharded_gradients_equal_one_process_on_the_whole_batch(fp32_ranks):
     _, got = fp32_ranks
     reference = tiny_model()
@@ -146,6 +147,7 @@ def test_every_layer_gets_its_own_group_unless_it_recomputes():
     assert all(id(p) not in layer_params for p in shared.shared_state.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["linformer-layerwise", "reversible"])
 def test_shared_and_recomputing_models_shard_with_the_same_gradients(variant, two_ranks):
     _, got = two_ranks[variant]
@@ -155,6 +157,7 @@ def test_shared_and_recomputing_models_shard_with_the_same_gradients(variant, tw
         torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_reads_back_in_full_in_one_process(fp32_ranks):
     root, got = fp32_ranks
     merged = gathered_checkpoint(root)
@@ -179,6 +182,7 @@ class _RunsCode:
         return (os.system, ("touch PWNED",))
 
 
+@pytest.mark.slow
 def test_a_tampered_index_is_refused_without_running_it(fp32_ranks, tmp_path, monkeypatch):
     root, _ = fp32_ranks
     merged = gathered_checkpoint(root)
@@ -190,6 +194,7 @@ def test_a_tampered_index_is_refused_without_running_it(fp32_ranks, tmp_path, mo
     assert not (tmp_path / "PWNED").exists()
 
 
+@pytest.mark.slow
 def test_an_index_listing_a_pickled_item_is_refused(fp32_ranks, tmp_path):
     """DCP would read a non-tensor item with torch.load(weights_only=False); this project never writes one."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -206,6 +211,7 @@ def test_an_index_listing_a_pickled_item_is_refused(fp32_ranks, tmp_path):
         read_checkpoint(merged)
 
 
+@pytest.mark.slow
 def test_bf16_policy_computes_in_bf16_and_keeps_fp32_gradients(two_ranks):
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the gradients (of the fp32 sharded parameters)
     are fp32 and within bf16 rounding of the fp32 run's, but not equal to them. Nor to the two-rank fp32 run's:

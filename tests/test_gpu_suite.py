@@ -226,6 +226,7 @@ def test_dry_run_parity_cases_cover_every_axis_value():
         assert {case[axis] for case in chosen} == {case[axis] for case in grid}, axis
 
 
+@pytest.mark.slow
 def test_a_dry_run_after_triton_was_imported_compiled_reruns_itself_with_the_interpreter(tmp_path):
     """Triton imported without TRITON_INTERPRET (as torch._dynamo imports it) has its own jit helpers compiled,
     which interpreted kernels cannot call: the suite must notice and run the dry run in a fresh process."""

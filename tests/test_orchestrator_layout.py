@@ -144,6 +144,7 @@ def faces() -> dict[str, dict]:
     return json.loads(done.stdout.split("FACES ", 1)[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("room", FACED_ROOMS)
 def test_a_face_offers_names_that_resolve_and_loads_nothing_until_asked(room, faces):
     found = faces[room]
@@ -269,11 +270,13 @@ def _ran_without_ray(found: dict, label: str) -> dict:
     return ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["status", "report"])
 def test_read_only_commands_do_not_import_ray(read_only_runs, command):
     _ran_without_ray(read_only_runs, command)
 
 
+@pytest.mark.slow
 def test_status_of_a_stored_run_does_not_import_ray(read_only_runs):
     """The whole status path (storage, then MLflow), on a run the launcher had recorded."""
     ran = _ran_without_ray(read_only_runs, "stored-status")

@@ -161,6 +161,7 @@ def test_study_loads_from_file(tmp_path):
     assert [d.path for d in study.domains] == ["model.attention.k"] and study.base.optim.max_steps == 20
 
 
+@pytest.mark.slow
 def test_cli_fails_fast_without_starting_ray(tmp_path):
     """`python -m orchestrator sweep` on a bad spec exits 2 with the field named, and Ray never starts (not even
     imported) in that process, nor does a run folder appear: what makes it fast is that nothing but the spec was

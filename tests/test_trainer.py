@@ -175,6 +175,7 @@ def test_nan_loss_stops_the_run_before_it_is_checkpointed(tmp_path):
     assert trainer.step == stopped + 1
 
 
+@pytest.mark.slow
 def test_a_worker_starts_without_importing_fsdp_and_still_recognises_a_sharded_model(tmp_path):
     """Importing FSDP costs about half a second of every Train worker's start, so the worker's modules import it
     only when run.strategy=fsdp shards the model (orchestrator/training/sharding.py); a sharded model must still

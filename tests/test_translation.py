@@ -126,6 +126,7 @@ def test_resume_and_sharding_of_translation_batches(tmp_path):
         assert len(indices) == 1 or len(indices) * longest <= task.cfg.max_tokens
 
 
+@pytest.mark.slow
 def test_tiny_translation_model_improves_bleu(tmp_path):
     task = _task(tmp_path, eval_max_sentences=60)
     torch.manual_seed(0)
