@@ -73,9 +73,9 @@ SeaweedFS are not: one of each per worker costs seconds, and keeping their tests
 the real-process tier its second worker."""
 
 
-SERVER_FIXTURES = {"server", "s3_server"}
-"""Fixtures that start a server process (`mlflow server`, SeaweedFS): a test that uses one is in the slow tier,
-marked or not."""
+SERVER_FIXTURES = {"server", "s3_server", "ray_cluster"}
+"""Fixtures that start servers (`mlflow server`, SeaweedFS, the session's local Ray): a test that uses one is in
+the slow tier, marked or not."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist and `-m` read the marks (their own modifyitems hooks)

@@ -752,6 +752,7 @@ def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:
     assert any(c.kwargs == {"BLOCK_M": 128, "BLOCK_N": 128} and c.num_stages == 3 for c in kept)
 
 
+@pytest.mark.slow
 def test_import_needs_neither_triton_nor_cuda() -> None:
     """With triton hidden, `import kernels` works and dispatch falls back to the reference."""
     code = (

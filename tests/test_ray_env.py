@@ -113,6 +113,7 @@ time.sleep(1.0)
 """A launcher stand-in: starts the reaper, tells it its session folder, and ends when told."""
 
 
+@pytest.mark.slow
 def test_the_reaper_kills_its_owners_processes_when_the_launcher_ends_and_no_others(tmp_path):
     """Found by the owner in its environment, or, for a process Ray renamed (its environment blanked), by a
     file open in the launcher's Ray session folder; the launcher itself lives, and so do another owner's and

@@ -166,6 +166,7 @@ def test_num_samples_past_max_trials_is_refused(tmp_path):
         study_from_raw(raw)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_long_validation_stops_it_with_a_line_and_no_ray(tmp_path):
     """SIGINT during the validation of 10,000 combinations ends the command midway with exit 130 and a line saying
     nothing was started (Ray never imported). The progress interval is 0 here (a line per trial spec checked), so
