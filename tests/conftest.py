@@ -34,21 +34,6 @@ def _run_slow() -> bool:
     return os.environ.get(RUN_SLOW, "").strip().lower() in ("1", "true", "yes")
 
 
-SLOW_TIER_WORKERS_PER_CORE = 2
-"""pytest-xdist workers per core when the slow tier runs alone (`-m slow`): its cases wait on real processes
-(Ray's starts and polls, servers, killed launchers) more than they compute (CI, 2026-11-27: 1,761 CPU-s in
-2,822 s on 2 cores, 0.62 of them busy), so twice as many workers as cores keep the cores busy. The fast tier is
-CPU-bound and keeps one per core."""
-
-
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """`-n auto` (pyproject's addopts): xdist's count (one per core), or SLOW_TIER_WORKERS_PER_CORE per core for
-    the slow tier alone."""
-    if not (_run_slow() and config.getoption("markexpr") == "slow"):
-        return None  # xdist's own answer
-    return SLOW_TIER_WORKERS_PER_CORE * len(os.sched_getaffinity(0))
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """Before any test starts a process: mark this session's environment and start its guard, so that nothing
     the session starts outlives it, however pytest ends (tests/process_guard.py); and let a SIGTERM end pytest
