@@ -19,6 +19,7 @@ interpreted launch (kernels/flash_attention.py and chunked_attention.py `_kernel
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 
@@ -44,11 +45,7 @@ def repair_index() -> bool:
     patch = interpreter._patch_lang_tensor
     if getattr(patch, "index_repaired", False):
         return True
-    try:
-        source = inspect.getsource(patch)
-    except (OSError, TypeError):  # no source to read: leave triton as it is
-        return False
-    if not needs_repair(source):
+    if not _broken(patch):
         return False
 
     def patch_lang_tensor(tensor, scope):
@@ -58,3 +55,14 @@ def repair_index() -> bool:
     patch_lang_tensor.index_repaired = True
     interpreter._patch_lang_tensor = patch_lang_tensor
     return True
+
+
+@functools.cache
+def _broken(patch) -> bool:
+    """`needs_repair` of the interpreter's `_patch_lang_tensor`, read once per function (every interpreted launch
+    asks)."""
+    try:
+        source = inspect.getsource(patch)
+    except (OSError, TypeError):  # no source to read: leave triton as it is
+        return False
+    return needs_repair(source)
