@@ -41,10 +41,13 @@ PATCHES = {
 }
 
 
+DECODER = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": LAYERS,
+           "num_attention_heads": 4, "max_position_embeddings": 128, "attn_implementation": "sdpa"}
+"""The size every family but GPT-2 (which names its fields its own way) is built at; GQA ones add 2 key/value heads."""
+
+
 def llama():
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa"))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER, num_key_value_heads=2))
 
 
 def gpt2():
@@ -54,21 +57,16 @@ def gpt2():
 
 
 def qwen2():
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa"))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DECODER, num_key_value_heads=2))
 
 
 def phi():
-    return transformers.PhiForCausalLM(transformers.PhiConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-        max_position_embeddings=128, partial_rotary_factor=0.5, attn_implementation="sdpa"))
+    return transformers.PhiForCausalLM(transformers.PhiConfig(**DECODER, partial_rotary_factor=0.5))
 
 
 def mistral():
-    return transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, sliding_window=4096, attn_implementation="sdpa"))
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**DECODER, num_key_value_heads=2,
+                                                                      sliding_window=4096))
 
 
 FAMILIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "phi": phi, "mistral": mistral}
