@@ -103,13 +103,24 @@ def _part(module: str, function: str) -> Callable:
     return run
 
 
+def positive_seconds(text: str) -> float:
+    """`--budget`'s value: a number of seconds above 0 (0 or less would leave out every part)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds (e.g. --budget 420)")
+    return seconds
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results", help="results root; files go to <out>/<machine>/")
     parser.add_argument("--dry-run", action="store_true",
                         help="every part at toy sizes on the CPU, Triton kernels under the interpreter")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="run only these parts")
-    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--budget", type=positive_seconds, default=None, metavar="SECONDS",
                         help="fit the run into this many seconds: parts by value, shrunk or skipped by estimate")
     return parser.parse_args(argv)
 

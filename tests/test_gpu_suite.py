@@ -291,6 +291,15 @@ def test_a_dry_run_stopped_by_sigterm_keeps_its_rows_and_says_where_it_stopped(t
     assert "The run was stopped by SIGTERM" in (csv_path.parent / gpu_suite.SUMMARY).read_text()
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "abc", "nan", "inf"])
+def test_a_budget_that_is_not_a_positive_number_of_seconds_is_refused_naming_the_flag(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_suite.parse_args(["--dry-run", "--budget", value])
+    assert exit_.value.code == 2
+    assert f"argument --budget: {value!r} is not a positive number of seconds" in capsys.readouterr().err
+    assert gpu_suite.parse_args(["--budget", "420"]).budget == 420.0
+
+
 def test_budget_steps_put_correctness_first_and_the_rest_of_parity_last():
     counts = {"kernel_parity": 36, "flash_vs_sdpa": 10, "long_attention": 12, "train_step": 1, "sweep": 1}
     steps = gpu_budget.steps(counts, parity_cover=3)
