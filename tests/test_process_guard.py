@@ -71,8 +71,9 @@ def test_a_killed_pytest_leaves_no_mlflow_weed_ray_or_launcher_behind(how, tmp_p
     of its own, killed midway: by SIGTERM (teardown runs, then a SIGKILL if it has not ended in 60 s), or by
     SIGKILL of pytest itself (no teardown: the guard ends them). Afterwards no process of that session is left."""
     out = tmp_path / "pids.json"
-    env = {**os.environ, "GUARDED_SESSION_OUT": str(out), "PYTHONPATH": str(ROOT)}
-    env.pop("RUN_SLOW", None)
+    # RUN_SLOW=1: the inner test uses server fixtures, which makes it a real-process case (conftest's
+    # SERVER_FIXTURES); without it the inner session would deselect its only test and end at once.
+    env = {**os.environ, "GUARDED_SESSION_OUT": str(out), "PYTHONPATH": str(ROOT), "RUN_SLOW": "1"}
     pytest_proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "--durations=0",
          "--basetemp", str(tmp_path / "inner"), str(ROOT / "tests" / "guarded_session.py")],
