@@ -1,5 +1,5 @@
 """How close a kernel's result must be to its PyTorch reference (kernels/reference.py): the one bound that
-tests/test_kernels.py asserts on the CPU (interpreter) or a GPU and benchmarks/gpu_parity.py records on a GPU."""
+tests/test_kernels.py asserts on the CPU (interpreter) or a GPU and benchmarks/gpu/parity.py records on a GPU."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The GPU suite (benchmarks/gpu_suite.py) without a GPU: its dry run, so that the one command meant for a lent
+"""The GPU suite (benchmarks/gpu/suite.py) without a GPU: its dry run, so that the one command meant for a lent
 GPU cannot rot before one comes (every part at toy sizes on the CPU, the Triton kernels under the interpreter in
 the fast tier; the sweep part on the session's local Ray in the real-process tier); and the suite's own logic: a part that raises or fails is a
 row of the summary, the FLOP count of the training step, the peak table, the dry run's choice of parity cases."""
@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks import gpu_baselines, gpu_budget, gpu_parity, gpu_speed, gpu_suite, gpu_sweep, gpu_training
-from benchmarks.gpu_common import DRY_RUN, PartResult
+# Aliased: the tests' own names (`parity`, `sweep`: a part's rows) would shadow the modules.
+from benchmarks.gpu import baselines as gpu_baselines, budget as gpu_budget, parity as gpu_parity
+from benchmarks.gpu import speed as gpu_speed, suite as gpu_suite, sweep as gpu_sweep, training as gpu_training
+from benchmarks.gpu.common import DRY_RUN, PartResult
 from benchmarks.harness import read_csv
 from models import LanguageModel, ModelConfig
 
@@ -195,7 +197,7 @@ def test_training_step_flops_match_torchs_flop_counter():
     FlopCounterMode counts them (SDPA's math backend, whose n x n products it sees; the fused CPU kernel it
     does not count)."""
     from torch.utils.flop_counter import (
-        FlopCounterMode,  # imports triton: not at collection (gpu_suite's docstring)
+        FlopCounterMode,  # imports triton: not at collection (benchmarks/gpu/suite.py's docstring)
     )
 
     size = {**gpu_training.DRY_SIZE, "layers": 2}
@@ -231,7 +233,7 @@ def test_a_dry_run_after_triton_was_imported_compiled_reruns_itself_with_the_int
     """Triton imported without TRITON_INTERPRET (as torch._dynamo imports it) has its own jit helpers compiled,
     which interpreted kernels cannot call: the suite must notice and run the dry run in a fresh process."""
     code = ("import sys, triton\n"
-            "from benchmarks import gpu_suite\n"
+            "from benchmarks.gpu import suite as gpu_suite\n"
             f"sys.exit(gpu_suite.main(['--dry-run', '--parts', 'flash_vs_sdpa', '--out', {str(tmp_path)!r}]))\n")
     env = {key: value for key, value in os.environ.items() if key != gpu_suite.INTERPRET}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -258,7 +260,7 @@ def test_a_dry_run_stopped_by_sigterm_keeps_its_rows_and_says_where_it_stopped(t
 
     env = {**{key: value for key, value in os.environ.items() if key != gpu_suite.INTERPRET},
            "PYTHONPATH": str(gpu_suite.ROOT)}
-    child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_suite", "--dry-run", "--out", str(tmp_path),
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu.suite", "--dry-run", "--out", str(tmp_path),
                               "--parts", "flash_vs_sdpa", "long_attention"], env=env, cwd=gpu_suite.ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

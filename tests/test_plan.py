@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from benchmarks.gpu_training import matmul_parameters, step_flops
+from benchmarks.gpu.training import matmul_parameters, step_flops
 from benchmarks.harness import peak_memory_bytes
 from models.attention import ATTENTION_KINDS
 from orchestrator.cli import main

@@ -1,5 +1,5 @@
 """The GPUs a study is planned for: memory and dense bf16 tensor-core peak, one table for `orchestrator plan`,
-the trainer's `train/mfu` and benchmarks/gpu_training.py.
+the trainer's `train/mfu` and benchmarks/gpu/training.py.
 
 Sources (NVIDIA's data sheets quote bf16 "with sparsity"; the dense peak is half of it):
 - H100 SXM5 80 GB: NVIDIA H100 Tensor Core GPU data sheet, BF16 1,979 TFLOPS with sparsity -> 989.4 dense

@@ -1,4 +1,4 @@
-"""Part (e) of benchmarks.gpu_suite: a 2-trial `orchestrator sweep` on the suite's GPU with `run.precision: bf16`,
+"""Part (e) of benchmarks.gpu.suite: a 2-trial `orchestrator sweep` on the suite's GPU with `run.precision: bf16`,
 `run.strategy: fsdp` and `run.compile: true`, through the project's own launch path (`study_from_raw` and
 `run_sweep`, as the CLI calls them: Tune, one Ray Train run per trial, MLflow parent and child runs), then
 checked from its MLflow store: the parent and both children FINISHED, each child with its validation metric, the
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_common import PartResult, SuiteContext
+from benchmarks.gpu.common import PartResult, SuiteContext
 from benchmarks.harness import Row
 from orchestrator.launch import run_sweep
 from orchestrator.spec import peak_bf16_flops, study_from_raw

@@ -1,4 +1,4 @@
-"""The strongest attention baselines the speed parts of benchmarks.gpu_suite time beside their subject, in one run.
+"""The strongest attention baselines the speed parts of benchmarks.gpu.suite time beside their subject, in one run.
 
 Each is `fn(q, k, v, causal) -> out` on [batch, heads, n, head_dim] tensors:
 - `sdpa-flash`: torch SDPA restricted to its FlashAttention-2 backend (`SDPBackend.FLASH_ATTENTION`);

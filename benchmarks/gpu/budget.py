@@ -1,4 +1,4 @@
-"""`--budget SECONDS` of benchmarks.gpu_suite: which parts, and how many of each part's cases, fit the time left.
+"""`--budget SECONDS` of benchmarks.gpu.suite: which parts, and how many of each part's cases, fit the time left.
 
 The suite runs its steps in order of value (`STEPS`): correctness first (kernel parity on its covering subset,
 every axis value once), then the training step, the sweep, flash vs SDPA, long attention, and last the rest of

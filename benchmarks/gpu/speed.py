@@ -1,4 +1,4 @@
-"""Parts (b) and (c) of benchmarks.gpu_suite: attention speed against torch SDPA's flash backend.
+"""Parts (b) and (c) of benchmarks.gpu.suite: attention speed against torch SDPA's flash backend.
 
 (b) `flash_vs_sdpa`: the fused Triton FlashAttention-2 kernel (kernels.flash_attention; Dao, 2023, arXiv
 2307.08691) against `F.scaled_dot_product_attention` under `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`, in bf16,
@@ -7,7 +7,7 @@ per batch); TFLOP/s of the forward and of forward + backward counted as that ben
 (`attention_flops`). Head dim 64 and n up to 64k are `python -m benchmarks.kernels`'s sweep; the suite keeps to
 one head dim to stay within its time. Each case's first call autotunes the Triton kernels before timing, and
 the configuration each kernel settled on and the max |impl - sdpa| of the output go into the row. Beside SDPA's
-flash backend, the same run times the strongest baselines (benchmarks/gpu_baselines.py): SDPA's cuDNN backend,
+flash backend, the same run times the strongest baselines (benchmarks/gpu/baselines.py): SDPA's cuDNN backend,
 FlexAttention and FlashAttention 3 where importable; one that cannot run here is a row `unavailable: <reason>`.
 
 (c) `long_attention`: forward + backward at n = 4k ... 128k (2^12 ... 2^17), batch 1, d_model 1024, 16 heads of
@@ -22,7 +22,7 @@ the mha layer's: HyperAttention's paper reports 5.4x (causal) and 54x (non-causa
 131k for its attention alone. A size that runs out of memory is recorded as `oom` and the larger sizes of that
 row's implementation as skipped.
 
-Both time with `triton.testing.do_bench` on CUDA (gpu_common.time_ms). A dry run takes toy sizes on the CPU,
+Both time with `triton.testing.do_bench` on CUDA (common.time_ms). A dry run takes toy sizes on the CPU,
 the Triton kernels under the interpreter.
 """
 
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from benchmarks.attention_scaling import Settings, Variant, build_layer
-from benchmarks.gpu_baselines import BASELINES, backward_unavailable, sdpa_flash, unavailable
-from benchmarks.gpu_common import (
+from benchmarks.gpu.baselines import BASELINES, backward_unavailable, sdpa_flash, unavailable
+from benchmarks.gpu.common import (
     PartResult,
     SuiteContext,
     release_memory,
@@ -194,7 +194,7 @@ def long_calls(impl: str, n: int, causal: bool, ctx: SuiteContext) -> Callable[[
 
 
 LONG_BASELINES = ("sdpa-cudnn", "flex", "fa3")
-"""Bare attention beside `sdpa` (SDPA's flash backend): gpu_baselines.py."""
+"""Bare attention beside `sdpa` (SDPA's flash backend): baselines.py."""
 
 
 def long_impls(causal: bool) -> list[str]:
@@ -222,7 +222,7 @@ def run_long(ctx: SuiteContext) -> PartResult:
                 ctx.record(rows[-1:])
                 continue
             missing = (unavailable(impl, ctx.device) or backward_unavailable(impl, ctx.device)) if impl in BASELINES else None
-            if missing:  # a baseline that cannot run here (gpu_baselines.py): recorded, not an error
+            if missing:  # a baseline that cannot run here (baselines.py): recorded, not an error
                 rows.append({**row, "status": f"unavailable: {missing}"})
                 ctx.record(rows[-1:])
                 line.append(f"{impl} unavailable")

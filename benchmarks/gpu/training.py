@@ -1,4 +1,4 @@
-"""Part (d) of benchmarks.gpu_suite: one training step of an `mha` causal LM at n = 1024 under bf16 autocast and
+"""Part (d) of benchmarks.gpu.suite: one training step of an `mha` causal LM at n = 1024 under bf16 autocast and
 torch.compile, in tokens/s and model FLOP utilisation (MFU).
 
 The step is the training core's own (`orchestrator.training.train_step`: autocast forward, loss, backward,
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.gpu_common import PartResult, SuiteContext
+from benchmarks.gpu.common import PartResult, SuiteContext
 from benchmarks.harness import Row, synchronize, timed_call
 from models import LanguageModel, ModelConfig
 from orchestrator.spec import OptimConfig, peak_bf16_flops

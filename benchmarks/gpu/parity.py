@@ -1,4 +1,4 @@
-"""Part (a) of benchmarks.gpu_suite: the Triton kernels against their PyTorch references on the suite's device.
+"""Part (a) of benchmarks.gpu.suite: the Triton kernels against their PyTorch references on the suite's device.
 
 Cases are the product of kernel x dtype (fp32, bf16, fp16) x head dim (64, 128) x length (a multiple of the
 block size, and one that is not) x mask:
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_common import PartResult, SuiteContext, release_memory, row_status
+from benchmarks.gpu.common import PartResult, SuiteContext, release_memory, row_status
 from benchmarks.harness import Row, cases
 from kernels.chunked_attention import chunked_flash_attention
 from kernels.flash_attention import fixed_launch_config, flash_attention
@@ -152,7 +152,7 @@ def run_case(case: dict[str, Any], ctx: SuiteContext) -> list[Row]:
 
 def ordered_cases(ctx: SuiteContext) -> list[dict[str, Any]]:
     """The part's cases in the order it runs them: the covering subset first (every axis value once: what a budget
-    keeps when it shrinks the part, benchmarks/gpu_budget.py), then the rest of the grid; a dry run only the subset."""
+    keeps when it shrinks the part, benchmarks/gpu/budget.py), then the rest of the grid; a dry run only the subset."""
     grid = case_grid()
     cover = covering_subset(grid)
     return cover if ctx.dry_run else cover + [case for case in grid if case not in cover]

@@ -1,4 +1,4 @@
-"""What the parts of benchmarks.gpu_suite share: the run's context, a part's result, its CSV written as it goes,
+"""What the parts of benchmarks.gpu.suite share: the run's context, a part's result, its CSV written as it goes,
 timing and out-of-memory.
 
 Nothing lost to a time limit: a part hands each finished case's rows to `ctx.record`, which appends them to the

@@ -1,20 +1,20 @@
 """One command for a GPU: every GPU measurement of the project in one run, written under the GPU's name.
 
-    python -m benchmarks.gpu_suite --out benchmarks/results             # on one CUDA GPU
-    python -m benchmarks.gpu_suite --dry-run --out /tmp/gpu-suite      # every part at toy sizes on the CPU
-    python -m benchmarks.gpu_suite --parts flash_vs_sdpa train_step ... # a subset
+    python -m benchmarks.gpu.suite --out benchmarks/results             # on one CUDA GPU
+    python -m benchmarks.gpu.suite --dry-run --out /tmp/gpu-suite      # every part at toy sizes on the CPU
+    python -m benchmarks.gpu.suite --parts flash_vs_sdpa train_step ... # a subset
 
 Parts, each in its own module, each writing `<out>/<machine label>/gpu_<part>.csv`:
-- `kernel_parity` (gpu_parity.py): the flash and sorted-chunk Triton kernels against the PyTorch reference:
+- `kernel_parity` (parity.py): the flash and sorted-chunk Triton kernels against the PyTorch reference:
   forward, backward and the lse gradient; causal and padded; fp32, bf16, fp16; lengths that are and are not
   block multiples; head dims 64 and 128; max errors against stated tolerances.
-- `flash_vs_sdpa` (gpu_speed.py): the fused flash kernel against SDPA's flash backend in TFLOP/s, n = 1k ... 16k,
+- `flash_vs_sdpa` (speed.py): the fused flash kernel against SDPA's flash backend in TFLOP/s, n = 1k ... 16k,
   causal and not, bf16.
-- `long_attention` (gpu_speed.py): the sorted-chunk kernel and the lsh / hyper / linformer layers against SDPA,
+- `long_attention` (speed.py): the sorted-chunk kernel and the lsh / hyper / linformer layers against SDPA,
   forward + backward, n = 4k ... 128k; sizes that run out of memory are recorded and skipped.
-- `train_step` (gpu_training.py): an mha LM's training step at n = 1024, bf16 autocast, torch.compile: tokens/s
+- `train_step` (training.py): an mha LM's training step at n = 1024, bf16 autocast, torch.compile: tokens/s
   and MFU against the analytic FLOPs.
-- `sweep` (gpu_sweep.py): a 2-trial `orchestrator sweep` with bf16, FSDP and compile, checked in MLflow.
+- `sweep` (sweep.py): a 2-trial `orchestrator sweep` with bf16, FSDP and compile, checked in MLflow.
 The summary, `gpu_suite_summary.md` in the same folder, lists every part with its status: `ok` (on a GPU),
 `dry-run` (ran to the end at toy sizes), `fail: ...` (a check missed its bound), `error: ...` (it raised; the
 suite goes on with the next part), `stopped`, `skipped` or `not run`; and, in its `run` column, what ran: `ran`,
@@ -22,13 +22,13 @@ suite goes on with the next part), `stopped`, `skipped` or `not run`; and, in it
 only when every part run is ok / dry-run (a part the budget skipped does not count against it).
 
 Nothing lost to a time limit: each part appends every finished case's rows to its CSV at once
-(gpu_common.PartLog), and the summary is rewritten before the first part and after each. SIGTERM or SIGINT
+(common.PartLog), and the summary is rewritten before the first part and after each. SIGTERM or SIGINT
 (a `timeout`, a Ctrl-C) stops the running part where it is: its rows so far stay, the summary names the case it
 stopped in, the parts after it are `not run`, and the exit status is 128 + the signal's number.
 
 `--budget SECONDS`: the parts run in order of value (correctness first: kernel parity on its covering subset,
 then train_step, sweep, flash_vs_sdpa, long_attention, then the rest of kernel parity), each run whole, shrunk
-to the cases that fit or skipped, by benchmarks/gpu_budget.py's estimates (from the first H100 run's times,
+to the cases that fit or skipped, by benchmarks/gpu/budget.py's estimates (from the first H100 run's times,
 updated by this run's own); when the time is out, the running part is stopped as by a signal. Without a budget
 the parts run in that order too, whole. The first run on one H100 (2026-11-27) took 280 s for 6 of kernel
 parity's 36 cases: the whole suite does not fit a 15-minute window, and `--budget` is how it uses one.
@@ -38,7 +38,7 @@ tier). Its Triton kernels run under the interpreter, TRITON_INTERPRET=1, which h
 imported: Triton decides at each `@triton.jit` decoration whether the function is compiled or interpreted, and
 triton's own helpers that the kernels call (`tl.sigmoid`, the reductions of triton/language/standard.py) are
 decorated when triton is imported; an interpreted kernel calling a compiled helper fails ("Cannot call
-@triton.jit'd outside of the scope of a kernel"). Nothing that `python -m benchmarks.gpu_suite` imports before
+@triton.jit'd outside of the scope of a kernel"). Nothing that `python -m benchmarks.gpu.suite` imports before
 the parts' modules imports triton (kernels/k_*.py are imported on a kernel's first call), so `main` sets the
 variable and then runs the parts (`part_table`: each part's module is imported when the part runs). Where this
 process already imported triton compiled (a caller that imported torch._dynamo or torch.utils.flop_counter, which
@@ -66,13 +66,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import gpu_budget
+from benchmarks.gpu import budget
 from benchmarks.harness import describe_error, machine_label, results_dir
 
 PARTS = ("kernel_parity", "flash_vs_sdpa", "long_attention", "train_step", "sweep")
 SUMMARY = "gpu_suite_summary.md"
 INTERPRET = "TRITON_INTERPRET"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def part_table() -> dict[str, tuple[str, Callable]]:
@@ -82,22 +82,22 @@ def part_table() -> dict[str, tuple[str, Callable]]:
     return {
         "kernel_parity": (("Triton flash and sorted-chunk kernels vs the PyTorch reference: out, lse, gradients "
                            "(with and through lse alone); fp32 / bf16 / fp16, head dims 64 / 128"),
-                          _part("gpu_parity", "run")),
+                          _part("parity", "run")),
         "flash_vs_sdpa": ("fused flash kernel vs SDPA flash backend, TFLOP/s, bf16, n = 1k-16k, causal and not",
-                          _part("gpu_speed", "run_flash")),
+                          _part("speed", "run_flash")),
         "long_attention": (("sorted-chunk kernel and lsh / hyper / linformer layers vs SDPA, fwd+bwd, bf16, "
-                            "n = 4k-128k"), _part("gpu_speed", "run_long")),
+                            "n = 4k-128k"), _part("speed", "run_long")),
         "train_step": ("mha LM training step, n = 1024, bf16 autocast, torch.compile: tokens/s and MFU",
-                       _part("gpu_training", "run")),
-        "sweep": ("2-trial orchestrator sweep, bf16 + fsdp + compile, MLflow runs checked", _part("gpu_sweep", "run")),
+                       _part("training", "run")),
+        "sweep": ("2-trial orchestrator sweep, bf16 + fsdp + compile, MLflow runs checked", _part("sweep", "run")),
     }
 
 
 def _part(module: str, function: str) -> Callable:
-    """benchmarks.<module>.<function>, imported at its first call (an import error is the part's error row)."""
+    """benchmarks.gpu.<module>.<function>, imported at its first call (an import error is the part's error row)."""
 
     def run(ctx):
-        return getattr(importlib.import_module(f"benchmarks.{module}"), function)(ctx)
+        return getattr(importlib.import_module(f"benchmarks.gpu.{module}"), function)(ctx)
 
     run.__qualname__ = f"{module}.{function}"
     return run
@@ -146,7 +146,7 @@ def rerun_with_interpreter(argv: Sequence[str]) -> int:
     # This working directory (a relative --out means the same folder), with the checkout importable from it.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, INTERPRET: "1", "PYTHONPATH": path}
-    child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_suite", *argv], env=env)
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu.suite", *argv], env=env)
 
     def forward(signum: int, _frame: object) -> None:  # the child records the stop in its summary
         child.send_signal(signum)
@@ -262,7 +262,7 @@ def write_summary(folder: Path, device_name: str, args: argparse.Namespace, reco
                   footer: str = "") -> Path:
     table = part_table()
     mode = "dry run (toy sizes on the CPU; Triton under the interpreter)" if args.dry_run else "GPU run"
-    command = "python -m benchmarks.gpu_suite" + (" --dry-run" if args.dry_run else "")
+    command = "python -m benchmarks.gpu.suite" + (" --dry-run" if args.dry_run else "")
     if list(args.parts) != list(PARTS):
         command += " --parts " + " ".join(args.parts)
     if args.budget is not None:
@@ -271,7 +271,7 @@ def write_summary(folder: Path, device_name: str, args: argparse.Namespace, reco
         f"# GPU suite: {device_name}",
         "",
         f"`{command}`: {mode}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {versions()}.",
-        "Written by benchmarks/gpu_suite.py; each part's rows are in its CSV. A dry run's times are not results.",
+        "Written by benchmarks/gpu/suite.py; each part's rows are in its CSV. A dry run's times are not results.",
         "",
         "| part | measures | status | run | rows | time (s) | file | notes |",
         "|---|---|---|---|---|---|---|---|",
@@ -299,18 +299,18 @@ def write_summary(folder: Path, device_name: str, args: argparse.Namespace, reco
 def case_counts(ctx, parts: Sequence[str]) -> tuple[dict[str, int], int]:
     """part -> its number of cases in this run, and kernel parity's covering subset's (parity and speed modules
     import no triton; the training step and the sweep are one case each)."""
-    from benchmarks import gpu_parity, gpu_speed
+    from benchmarks.gpu import parity, speed
 
-    counts = {"kernel_parity": len(gpu_parity.ordered_cases(ctx)), "flash_vs_sdpa": len(gpu_speed.flash_cases(ctx)),
-              "long_attention": len(gpu_speed.long_cases(ctx)), "train_step": 1, "sweep": 1}
-    cover = len(gpu_parity.covering_subset(gpu_parity.case_grid()))
+    counts = {"kernel_parity": len(parity.ordered_cases(ctx)), "flash_vs_sdpa": len(speed.flash_cases(ctx)),
+              "long_attention": len(speed.long_cases(ctx)), "train_step": 1, "sweep": 1}
+    cover = len(parity.covering_subset(parity.case_grid()))
     return {part: counts[part] for part in parts}, min(cover, counts["kernel_parity"])
 
 
-def run_step(decision: gpu_budget.Decision, fn: Callable, ctx, log, record: PartRecord, index: int, steps: int) -> None:
+def run_step(decision: budget.Decision, fn: Callable, ctx, log, record: PartRecord, index: int, steps: int) -> None:
     """Run the cases of one step; an exception becomes the part's status (the suite goes on), with the traceback
     on stderr. A stop (SuiteStopped) is written into `record` and raised again."""
-    from benchmarks.gpu_common import PartResult
+    from benchmarks.gpu.common import PartResult
 
     step = decision.step
     name = step.part
@@ -341,7 +341,7 @@ def run_step(decision: gpu_budget.Decision, fn: Callable, ctx, log, record: Part
     seconds = time.perf_counter() - start
     log.replace(start_row, result.rows)
     record.statuses.append(result.status)
-    counted = log.cases_done - start_cases  # a part that names its cases (gpu_common.SuiteContext.case_finished)
+    counted = log.cases_done - start_cases  # a part that names its cases (common.SuiteContext.case_finished)
     record.ran += counted or (0 if result.status.startswith("error") else decision.cases)
     record.seconds += seconds
     record.rows, record.file = len(log.rows), log.path.name if log.rows else ""
@@ -370,7 +370,7 @@ def main(argv: Sequence[str] | None = None, clock: Callable[[], float] | None = 
             print("gpu_suite: no CUDA GPU here. `--dry-run` runs every part at toy sizes on the CPU.")
             return 2
         device = torch.device("cuda")
-    from benchmarks.gpu_common import PartLog, SuiteContext
+    from benchmarks.gpu.common import PartLog, SuiteContext
 
     real_clock = clock is None
     clock = clock or time.monotonic
@@ -382,12 +382,12 @@ def main(argv: Sequence[str] | None = None, clock: Callable[[], float] | None = 
     print(f"gpu_suite: {device_name}, {'dry run' if args.dry_run else 'GPU run'}, writing to {ctx.folder}", flush=True)
     parts = [name for name in PARTS if name in args.parts]
     counts, cover = case_counts(ctx, parts)
-    todo = gpu_budget.steps(counts, cover)
-    estimates = gpu_budget.Estimates(gpu_budget.DRY_COSTS if args.dry_run else gpu_budget.H100_COSTS)
+    todo = budget.steps(counts, cover)
+    estimates = budget.Estimates(budget.DRY_COSTS if args.dry_run else budget.H100_COSTS)
     records = {name: PartRecord(counts[name]) for name in parts}
     logs: dict[str, PartLog] = {}
     if deadline is not None:
-        planned = gpu_budget.plan(todo, estimates.seconds, args.budget)
+        planned = budget.plan(todo, estimates.seconds, args.budget)
         print(f"gpu_suite: budget {args.budget:g} s; plan: " + "; ".join(
             f"{d.step.part}{f' ({d.step.label})' if d.step.label else ''} {d.action} {d.cases}/{d.step.cases} "
             f"~{d.estimate:.0f} s" for d in planned), flush=True)
@@ -397,7 +397,7 @@ def main(argv: Sequence[str] | None = None, clock: Callable[[], float] | None = 
         try:
             for index, step in enumerate(todo, 1):
                 left = None if deadline is None else deadline - clock()
-                decision = gpu_budget.decide(step, estimates.seconds, left)
+                decision = budget.decide(step, estimates.seconds, left)
                 record = records[step.part]
                 if decision.action == "skip":
                     what = f"{step.label} " if step.label else ""
