@@ -1,9 +1,9 @@
 """Smoke runs of every benchmark's code path at minimal sizes: the CSV has the expected rows and columns,
 failures and budget stops are recorded rather than dropped, and ratios are positive finite numbers.
 
-The Ray half of benchmarks/ray_overhead.py needs a Ray start-up (tens of seconds), so here it is its
+The Ray half of benchmarks/system/ray_overhead.py needs a Ray start-up (tens of seconds), so here it is its
 plain run (the training core via train_locally) and its reading of metric windows;
-`python -m benchmarks.ray_overhead --quick` runs the rest. The BERT side of benchmarks/throughput.py needs
+`python -m benchmarks.system.ray_overhead --quick` runs the rest. The BERT side of benchmarks/system/throughput.py needs
 the bench extra (transformers) and is skipped without it; our two models' core training steps run regardless.
 """
 
@@ -17,17 +17,10 @@ import torch
 
 import yaml
 
-from benchmarks import (
-    attention_scaling,
-    corpus_scale,
-    decoding,
-    harness,
-    mqar_curve,
-    patched_decoding,
-    ray_overhead,
-    ray_startup,
-    throughput,
-)
+from benchmarks import harness
+from benchmarks.methods import attention_scaling, decoding, patched_decoding
+from benchmarks.studies import mqar_curve
+from benchmarks.system import corpus_scale, ray_overhead, ray_startup, throughput
 from models.attention import ATTENTION_KINDS
 from orchestrator.spec import load_spec, validate_spec
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from benchmarks.downstream_results import collect
+from benchmarks.studies.downstream_results import collect
 from orchestrator.launch.pretrained import CHECKPOINTS_TAG
 from orchestrator.launch.run import run_training
 from orchestrator.launch.sweep import run_sweep

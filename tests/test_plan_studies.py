@@ -4,7 +4,7 @@ The fast tier plans one trial of a representative subset, at the study's small s
 long-range ones): one study per task kind plan builds (FAST_STUDIES). Every study, even one trial each at the small
 scale, took 114 s with another run beside it on the 2-core machine, more than a fast test may take: each distinct
 model is a forward and backward on fake tensors, whose cost is the number of ops, not their size
-(benchmarks/plan_cost.py prints the times). tests/test_plan.py covers causal LMs and every attention kind. The full
+(benchmarks/system/plan_cost.py prints the times). tests/test_plan.py covers causal LMs and every attention kind. The full
 plan of each study docs/studies.md prices, against the GPU-hours it quotes, is the real-process tier's (RUN_SLOW=1).
 """
 
@@ -56,7 +56,7 @@ def _documented_gpu_hours() -> dict[str, float]:
 
 
 # hyper.yaml's plan (11 trials at n = 16384) takes about 100 s of CPU, the most of any study (the others 30-60 s):
-# left out of the real-process tier to keep CI's time; `python -m benchmarks.plan_cost --part studies` checks it.
+# left out of the real-process tier to keep CI's time; `python -m benchmarks.system.plan_cost --part studies` checks it.
 PLANNED_BY_HAND = {"hyper"}
 
 

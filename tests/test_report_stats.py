@@ -262,11 +262,11 @@ def test_several_objectives_mark_the_non_dominated_runs(store, tmp_path):
 
 
 def test_a_published_paired_row_gives_back_scipys_t_test(tmp_path):
-    """benchmarks/rereport.py --from-report: a report.csv row of the old form (exact sign-flip p, the paired 95% t
+    """benchmarks/studies/rereport.py --from-report: a report.csv row of the old form (exact sign-flip p, the paired 95% t
     interval) yields the paired t-test scipy computes on the per-seed scores it no longer has."""
     import pandas as pd
 
-    from benchmarks.rereport import comparison_from_row, from_report
+    from benchmarks.studies.rereport import comparison_from_row, from_report
 
     ref = np.array([4.44, 4.50, 4.16])
     lsh = np.array([3.79, 3.85, 3.72])

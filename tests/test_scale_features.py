@@ -202,7 +202,7 @@ def test_run_activation_checkpointing_trains_like_the_plain_run(tmp_path):
 
 def test_compiled_model_matches_eager_loss_and_keeps_its_state_dict(tmp_path):
     """run.compile with a tracing backend (aot_eager: the dynamo + AOTAutograd path without inductor's code
-    generation, which benchmarks/compile_speed.py measures): the same losses as eager, and checkpoints with
+    generation, which benchmarks/system/compile_speed.py measures): the same losses as eager, and checkpoints with
     the eager model's parameter names."""
     raw = tiny_raw(max_steps=3)
     raw["model"]["dropout"] = 0.0  # compiled dropout draws its RNG differently from eager
@@ -316,9 +316,9 @@ def test_possible_combinations_validate():
 
 
 def test_compile_benchmark_writes_a_row_per_kind_and_a_plot(tmp_path):
-    """benchmarks/compile_speed.py at toy size with the trace-only backend (inductor's minutes are its own
+    """benchmarks/system/compile_speed.py at toy size with the trace-only backend (inductor's minutes are its own
     run): one row per kind with both step times, and the plot."""
-    from benchmarks import compile_speed
+    from benchmarks.system import compile_speed
 
     rows = compile_speed.main(["--out", str(tmp_path), "--kinds", "mha", "linformer", "--backend", "eager",
                                "--d-model", "16", "--layers", "1", "--seq-len", "32", "--batch-size", "2",

@@ -328,7 +328,7 @@ def test_mem_len_zero_keeps_the_segment_order_with_absolute_positions():
 
 
 def test_a_checkpoint_scores_with_another_mem_len(tmp_path):
-    """evaluate_checkpoint's model_update (benchmarks/memory_swap.py) scores the same weights with another
+    """evaluate_checkpoint's model_update (benchmarks/methods/memory_swap.py) scores the same weights with another
     memory: the result equals the task built with that mem_len, and differs from the run's own memory."""
     spec = validate_spec(tiny_raw())
     folder = tmp_path / "ckpt"

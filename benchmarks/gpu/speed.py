@@ -2,9 +2,9 @@
 
 (b) `flash_vs_sdpa`: the fused Triton FlashAttention-2 kernel (kernels.flash_attention; Dao, 2023, arXiv
 2307.08691) against `F.scaled_dot_product_attention` under `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`, in bf16,
-n = 1k ... 16k, causal and not, head dim 128 with the shapes of benchmarks/kernels.py (hidden 2048, 16k tokens
+n = 1k ... 16k, causal and not, head dim 128 with the shapes of benchmarks/methods/kernels.py (hidden 2048, 16k tokens
 per batch); TFLOP/s of the forward and of forward + backward counted as that benchmark counts them
-(`attention_flops`). Head dim 64 and n up to 64k are `python -m benchmarks.kernels`'s sweep; the suite keeps to
+(`attention_flops`). Head dim 64 and n up to 64k are `python -m benchmarks.methods.kernels`'s sweep; the suite keeps to
 one head dim to stay within its time. Each case's first call autotunes the Triton kernels before timing, and
 the configuration each kernel settled on and the max |impl - sdpa| of the output go into the row. Beside SDPA's
 flash backend, the same run times the strongest baselines (benchmarks/gpu/baselines.py): SDPA's cuDNN backend,
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.attention_scaling import Settings, Variant, build_layer
+from benchmarks.methods.attention_scaling import Settings, Variant, build_layer
 from benchmarks.gpu.baselines import BASELINES, backward_unavailable, sdpa_flash, unavailable
 from benchmarks.gpu.common import (
     PartResult,
@@ -45,7 +45,7 @@ from benchmarks.gpu.common import (
     time_ms,
 )
 from benchmarks.harness import Row, add_ratios
-from benchmarks.kernels import attention_flops, format_config, shapes
+from benchmarks.methods.kernels import attention_flops, format_config, shapes
 from kernels.chunked_attention import chunked_flash_attention
 from kernels.flash_attention import KERNEL_NAMES, flash_attention, tuned_launch_configs
 
@@ -53,7 +53,7 @@ DTYPE = torch.bfloat16
 FLASH_LENGTHS, DRY_FLASH_LENGTHS = (1024, 2048, 4096, 8192, 16384), (32,)
 FLASH_HEAD_DIM, DRY_FLASH_HEAD_DIM = 128, 16
 DRY_FLASH_SHAPE = (1, 2)
-"""(batch, heads) of a dry run; a GPU run takes benchmarks.kernels.shapes(n, d)."""
+"""(batch, heads) of a dry run; a GPU run takes benchmarks.methods.kernels.shapes(n, d)."""
 LONG_LENGTHS, DRY_LONG_LENGTHS = tuple(2**p for p in range(12, 18)), (32,)
 LONG_MODEL = {"d_model": 1024, "heads": 16, "chunk": 64,
               "knobs": {"lsh": {"bucket_size": 64, "n_hashes": 2}, "hyper": {}, "linformer": {"k": 256, "sharing": "headwise"}}}

@@ -291,7 +291,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     hooks.sizes = {"params.attention": float(counts["attention"]), "params.total": float(counts["total"])}
     if rank == 0:
         # The one rank that logs. On fake tensors, after Trainer.create (whose AdamW already imported torch._dynamo,
-        # which the counter needs): 0.4 s of CPU for a test-sized model (benchmarks/plan_cost.py).
+        # which the counter needs): 0.4 s of CPU for a test-sized model (benchmarks/system/plan_cost.py).
         trainer.flops_per_token = flops_per_token(spec)
         if trainer.flops_per_token is not None:
             hooks.log_params({"flops_per_token": trainer.flops_per_token})

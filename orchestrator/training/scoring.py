@@ -66,7 +66,7 @@ def evaluate_checkpoint(directory: Path, split: str, *, cache_dir: Path, out_dir
     """Score the checkpoint in `directory` on all of `split`; outputs go to `out_dir`, and with `export` the
     scored model too, as `out_dir/model` (orchestrator/training/export.py). `model_update` replaces top-level fields of
     the checkpoint's model config, for options no parameter depends on (e.g. a Transformer-XL memory block
-    with another mem_len: benchmarks/memory_swap.py)."""
+    with another mem_len: benchmarks/methods/memory_swap.py)."""
     state = read_checkpoint(Path(directory))
     spec = ExperimentSpec.model_validate(state.spec)  # every checkpoint holds its resolved spec
     if model_update:

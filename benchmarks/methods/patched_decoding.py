@@ -9,8 +9,8 @@ layer recomputes its last row, models/hf_patching.py) and once with use_cache=Fa
 prefix). The two alternate (harness.interleaved_medians), so load from other jobs on a shared machine hits both
 alike; each row says whether the two gave the same tokens. Times include the prompt's pass.
 
-    python -m benchmarks.patched_decoding --out benchmarks/results               # contexts 1024 and 4096
-    python -m benchmarks.patched_decoding --out /tmp/bench --contexts 64 --new 4 --repeats 1
+    python -m benchmarks.methods.patched_decoding --out benchmarks/results               # contexts 1024 and 4096
+    python -m benchmarks.methods.patched_decoding --out /tmp/bench --contexts 64 --new 4 --repeats 1
 """
 
 from __future__ import annotations

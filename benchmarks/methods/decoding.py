@@ -11,10 +11,10 @@ a shared machine hits both alike. Rows also say whether the two gave the same hy
 Both paths drop a sentence from its batch once its beam search is done; `--keep-finished` decodes every sentence
 until its whole batch is done (the behaviour before that change, same hypotheses) and writes `*_keep_finished.csv`.
 
-    python -m benchmarks.decoding configs/multi30k.yaml --out benchmarks/results --sentences 200 --threads 1
-    python -m benchmarks.decoding configs/multi30k.yaml --out benchmarks/results --sentences 200 --threads 1 \\
+    python -m benchmarks.methods.decoding configs/multi30k.yaml --out benchmarks/results --sentences 200 --threads 1
+    python -m benchmarks.methods.decoding configs/multi30k.yaml --out benchmarks/results --sentences 200 --threads 1 \\
         --checkpoint runs/multi30k-de-en/evaluation/model
-    python -m benchmarks.decoding configs/multi30k.yaml --out /tmp/bench task.beam_size=5   # dotted overrides
+    python -m benchmarks.methods.decoding configs/multi30k.yaml --out /tmp/bench task.beam_size=5   # dotted overrides
 """
 
 from __future__ import annotations

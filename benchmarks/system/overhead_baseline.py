@@ -1,4 +1,4 @@
-"""What benchmarks/ray_overhead.py and benchmarks/ray_startup.py measure against: the benchmark's spec at a scale
+"""What benchmarks/system/ray_overhead.py and benchmarks/system/ray_startup.py measure against: the benchmark's spec at a scale
 (`bench_spec`, `FULL`, `QUICK`) and the same training core run in this process without Ray (`plain_run`), with
 the steady-state reading of its tokens/s windows (`steady`)."""
 

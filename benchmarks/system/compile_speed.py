@@ -9,8 +9,8 @@ keeps its error in `status`; `graph_breaks` counts where dynamo fell back to eag
 shapes such as masked LM's scored positions, `.item()`-style host reads). Each kind runs with the knobs its
 config declares for the small benchmarks (`bench_knobs`, e.g. linformer k 32, lsh buckets of 16).
 
-    python -m benchmarks.compile_speed --out benchmarks/results
-    python -m benchmarks.compile_speed --kinds mha linformer --steps 5    # a subset
+    python -m benchmarks.system.compile_speed --out benchmarks/results
+    python -m benchmarks.system.compile_speed --kinds mha linformer --steps 5    # a subset
 """
 
 from __future__ import annotations

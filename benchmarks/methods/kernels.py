@@ -6,8 +6,8 @@ FlashAttention README, the hidden size is 2048 (heads = 2048 / d) and the batch 
 (batch = max(1, 16384 / n)). FLOPs are counted as in the Triton tutorial: 4 B H n^2 d for the forward, halved
 when causal, times 3.5 for forward + backward (the backward is 2.5 forwards).
 
-    python -m benchmarks.kernels --out benchmarks/results            # full sweep, a few minutes on an H100
-    python -m benchmarks.kernels --quick --out benchmarks/results    # n = 1k and 4k only
+    python -m benchmarks.methods.kernels --out benchmarks/results            # full sweep, a few minutes on an H100
+    python -m benchmarks.methods.kernels --quick --out benchmarks/results    # n = 1k and 4k only
 
 Before timing, each (d, causal) pair is checked against SDPA at the smallest n (max abs error of out in the
 CSV), so a fast but wrong kernel cannot produce a good-looking table. The Triton kernels autotune their
@@ -168,7 +168,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks.kernels: no CUDA GPU here; the Triton kernels and SDPA's flash backend need one.")
+        print("benchmarks.methods.kernels: no CUDA GPU here; the Triton kernels and SDPA's flash backend need one.")
         print("Nothing measured.")
         return 0
     device = torch.device("cuda")

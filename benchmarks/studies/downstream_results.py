@@ -9,7 +9,7 @@ and storage, for RESULTS.md and the repository, so no number there is copied by 
 
 The PRR / PEoP table itself comes from `orchestrator report` on the same experiment.
 
-    python -m benchmarks.downstream_results --tracking-uri sqlite:///mlflow.db --experiment sst2-downstream \
+    python -m benchmarks.studies.downstream_results --tracking-uri sqlite:///mlflow.db --experiment sst2-downstream \
         --out benchmarks/results/sst2-downstream
 """
 

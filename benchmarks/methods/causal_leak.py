@@ -16,9 +16,9 @@ way learns to use it:
 3. As a control, the paper-trained weights are also scored with `past_only` routing (routing has no
    parameters, so the same state dict loads): the difference there must be exactly 0.
 
-    python -m benchmarks.causal_leak --out benchmarks/results                   # lsh and hyper, both routings
-    python -m benchmarks.causal_leak --quick --out /tmp/leak                     # built-in corpus, a minute
-    python -m benchmarks.causal_leak --routings paper --steps 400 --set model.d_model=128 model.ffn=512 \
+    python -m benchmarks.methods.causal_leak --out benchmarks/results                   # lsh and hyper, both routings
+    python -m benchmarks.methods.causal_leak --quick --out /tmp/leak                     # built-in corpus, a minute
+    python -m benchmarks.methods.causal_leak --routings paper --steps 400 --set model.d_model=128 model.ffn=512 \
         model.layers=2 model.attention.heads=2 --out benchmarks/results           # what RESULTS.md reports
 
 Writes `<out>/<machine>/causal_leak.csv`: per (kind, trained routing, scored routing) the standard test

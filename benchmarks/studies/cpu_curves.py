@@ -10,8 +10,8 @@ under each distribution strategy, against the plain run of the same seed.
 Every curve is written to one CSV (`part, run, step, train_loss, gap`, where gap = loss - the part's baseline
 loss at that step) with a plot of the gaps, and a summary line per run (largest |gap|, gap at the last step).
 
-    python -m benchmarks.cpu_curves --out benchmarks/results                 # both parts, 50 steps
-    python -m benchmarks.cpu_curves --part precision --steps 20 --kind lsh    # one part, another kind
+    python -m benchmarks.studies.cpu_curves --out benchmarks/results                 # both parts, 50 steps
+    python -m benchmarks.studies.cpu_curves --part precision --steps 20 --kind lsh    # one part, another kind
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ that run logged, so no number in RESULTS.md is copied by hand:
 - `<stem>.test.hyp`: the test hypotheses the final evaluation scored (translation), from
   `<storage>/<run>/evaluation/`.
 
-    python -m benchmarks.recipe_results --tracking-uri sqlite:///mlflow.db --experiment recipes \
+    python -m benchmarks.studies.recipe_results --tracking-uri sqlite:///mlflow.db --experiment recipes \
         --run multi30k-de-en --storage runs --stem multi30k --out benchmarks/results/recipes \
         --command "orchestrator train configs/multi30k.yaml"
 """

@@ -1,8 +1,8 @@
-"""Start-up of `orchestrator train` as a user runs it (measurements 4 and 5 of benchmarks/ray_overhead.py, whose
+"""Start-up of `orchestrator train` as a user runs it (measurements 4 and 5 of benchmarks/system/ray_overhead.py, whose
 docstring and command line run them): a fresh process with its own local Ray, from the process start to its
 first metric, where that time goes (Ray's phases, when each Ray actor got its process), against the plain
 core's first window, another checkout's start-up (`--against`) or a bare Ray Train V2 run
-(benchmarks/bare_ray_train.py)."""
+(benchmarks/system/bare_ray_train.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks.harness import Row, alternating
-from benchmarks.overhead_baseline import Scale, bench_spec, plain_run
+from benchmarks.system.overhead_baseline import Scale, bench_spec, plain_run
 from orchestrator.spec import load_spec, spec_to_yaml, validate_spec
 from orchestrator.storage import RunLayout
 from orchestrator.tracking.describe import RUN_KEY_TAG
@@ -115,7 +115,7 @@ def cli_run(path: Path, name: str, uri: str, workdir: Path, checkout: Checkout,
 
 
 def bare_run(workdir: Path, round_: int) -> dict[str, float]:
-    """benchmarks/bare_ray_train.py in a fresh process with its own local Ray (`watched`), and the seconds
+    """benchmarks/system/bare_ray_train.py in a fresh process with its own local Ray (`watched`), and the seconds
     from its start to its worker's report."""
     stamp, env = workdir / f"bare-{round_}.stamp", {**os.environ}
     env.pop("RAY_ADDRESS", None)
@@ -178,7 +178,7 @@ def smoke_startup_spec(workdir: Path) -> Path:
     after 10 steps (the bare run's report comes after 10 steps too), no evaluation or checkpoint before it."""
     import yaml
 
-    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml").read_text())
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml").read_text())
     raw["name"] = "startup"
     raw["model"]["attention"] = {"kind": "mha", "heads": 4}
     raw["optim"].update(max_steps=10, warmup_steps=2)

@@ -5,7 +5,7 @@ weights can be evaluated with more, less or no memory. This scores a checkpoint 
 `orchestrator.training.scoring.evaluate_checkpoint` (what `orchestrator evaluate` runs) with `mem_len` replaced in
 its model config: the whole split with memory, plus the word-level perplexity.
 
-    python -m benchmarks.memory_swap RUNS/wikitext2-txl/checkpoint_000002500 --mem-len 0 128 \\
+    python -m benchmarks.methods.memory_swap RUNS/wikitext2-txl/checkpoint_000002500 --mem-len 0 128 \\
         --cache-dir RUNS/.cache
 """
 

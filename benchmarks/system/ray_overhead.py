@@ -22,22 +22,22 @@ Three measurements on one small masked-LM spec (built-in offline corpus, CPU):
    `--cli-only` measures just this, `--rounds N` times; `--against CHECKOUT` alternates it with another
    checkout's (before/after a change, on the same machine and load).
 5. Start-up against Ray's own floor (`--startup`): `orchestrator train` on configs/smoke.yaml's model and task
-   (mha, first console metric after 10 steps) against benchmarks/bare_ray_train.py (a bare Ray Train V2
+   (mha, first console metric after 10 steps) against benchmarks/system/bare_ray_train.py (a bare Ray Train V2
    `TorchTrainer`, one worker, a tiny model, one report after 10 steps), each a fresh process with its own
    local Ray, alternated `--rounds` times: seconds to the first metric, when each phase and Ray actor began,
    and the per-round ratio (the two runs of a round ran back to back).
 
-Measurements 1-3 are here; 4 and 5 in benchmarks/ray_startup.py; the spec and the plain core they are all
-measured against in benchmarks/overhead_baseline.py. This module's command line runs them all.
+Measurements 1-3 are here; 4 and 5 in benchmarks/system/ray_startup.py; the spec and the plain core they are all
+measured against in benchmarks/system/overhead_baseline.py. This module's command line runs them all.
 
 Metric times come from the run's MLflow store, read through orchestrator/tracking/read.py (runs found by their
 key tag), so that no code outside orchestrator/ imports mlflow (STYLE.md section 5).
 
-    python -m benchmarks.ray_overhead --out benchmarks/results            # full
-    python -m benchmarks.ray_overhead --quick --out benchmarks/results    # about a minute (Ray start-up)
-    python -m benchmarks.ray_overhead --compare before.csv after.csv      # plot two runs' rows side by side
-    python -m benchmarks.ray_overhead --cli-only --rounds 3 --against /tmp/before   # start-up, A/B
-    python -m benchmarks.ray_overhead --startup --rounds 6                          # against a bare Ray Train run
+    python -m benchmarks.system.ray_overhead --out benchmarks/results            # full
+    python -m benchmarks.system.ray_overhead --quick --out benchmarks/results    # about a minute (Ray start-up)
+    python -m benchmarks.system.ray_overhead --compare before.csv after.csv      # plot two runs' rows side by side
+    python -m benchmarks.system.ray_overhead --cli-only --rounds 3 --against /tmp/before   # start-up, A/B
+    python -m benchmarks.system.ray_overhead --startup --rounds 6                          # against a bare Ray Train run
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Row, alternating, results_dir, save_figure, write_csv
-from benchmarks.overhead_baseline import FULL, QUICK, TOKENS_PER_S, Scale, bench_spec, plain_run, steady
-from benchmarks.ray_startup import measure_cli, measure_startup
+from benchmarks.system.overhead_baseline import FULL, QUICK, TOKENS_PER_S, Scale, bench_spec, plain_run, steady
+from benchmarks.system.ray_startup import measure_cli, measure_startup
 from orchestrator.spec import ExperimentSpec, study_from_raw, validate_spec
 from orchestrator.tracking.read import TrackingReader
 
@@ -168,7 +168,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "swapped each round (a shared machine's load then hits both sides alike); with --cli-only, "
                         "`orchestrator train` start-ups per checkout")
     parser.add_argument("--startup", action="store_true", help="only measurement 5: `orchestrator train` on the "
-                        "smoke spec against a bare Ray Train V2 run (benchmarks/bare_ray_train.py), --rounds times")
+                        "smoke spec against a bare Ray Train V2 run (benchmarks/system/bare_ray_train.py), --rounds times")
     parser.add_argument("--no-sweep", action="store_true", help="skip measurement 3 (the two-trial sweep)")
     parser.add_argument("--against", default=None, metavar="CHECKOUT",
                         help="with --cli-only: another checkout of this project (e.g. `git worktree add /tmp/before "

@@ -13,9 +13,9 @@ Ours and BERT both project every position onto the vocabulary. A third model in 
 `ours_masked`, is ours trained the way tasks/lm.py trains masked LM: only the masked positions' hidden
 states go through the output layer; `ours_masked_over_ours_paired_median` is the step speed-up that buys.
 
-    python -m benchmarks.throughput --out benchmarks/results            # full
-    python -m benchmarks.throughput --quick --out benchmarks/results    # < 1 minute
-    python -m benchmarks.throughput --profile --out benchmarks/results  # + top ops of one step per model
+    python -m benchmarks.system.throughput --out benchmarks/results            # full
+    python -m benchmarks.system.throughput --quick --out benchmarks/results    # < 1 minute
+    python -m benchmarks.system.throughput --profile --out benchmarks/results  # + top ops of one step per model
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def build_bert(size: Size) -> nn.Module:
     try:
         from transformers import BertConfig, BertForMaskedLM
     except ImportError as err:
-        raise SystemExit("benchmarks.throughput needs Hugging Face transformers: pip install -e '.[bench]'") from err
+        raise SystemExit("benchmarks.system.throughput needs Hugging Face transformers: pip install -e '.[bench]'") from err
     config = BertConfig(
         vocab_size=size.vocab, hidden_size=size.d_model, num_hidden_layers=size.layers,
         num_attention_heads=size.heads, intermediate_size=size.ffn, hidden_act="gelu",

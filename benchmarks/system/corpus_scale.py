@@ -16,9 +16,9 @@ its children:
   process times training steps of the smoke model (configs/smoke.yaml's mha) on those batches, so the ratio
   says whether the loader could starve the model.
 
-    nice -n 10 python -m benchmarks.corpus_scale                      # 20 MB, 200 MB, 1 GB
-    nice -n 10 python -m benchmarks.corpus_scale --sizes 1000 --old-sizes   # one size: replaces its row
-    python -m benchmarks.corpus_scale --quick                         # 1 and 2 MB, a minute
+    nice -n 10 python -m benchmarks.system.corpus_scale                      # 20 MB, 200 MB, 1 GB
+    nice -n 10 python -m benchmarks.system.corpus_scale --sizes 1000 --old-sizes   # one size: replaces its row
+    python -m benchmarks.system.corpus_scale --quick                         # 1 and 2 MB, a minute
 
 Writes benchmarks/results/<machine>/corpus_scale.csv, corpus_scale_seconds.png and corpus_scale_memory_mb.png.
 """
@@ -42,7 +42,7 @@ import torch
 
 from benchmarks.harness import plot_loglog, read_csv, results_dir, write_csv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2"
 MB = 1 << 20
 SPEC = """name: corpus-scale
@@ -203,7 +203,7 @@ def run_size(size_mb: int, work: Path, old_sizes: Sequence[int], base: str, batc
         row[f"tokenise_{workers}_peak_pss_mb"] = again["peak_pss_mb"]
     row["speedup_2_over_1"] = row["tokenise_1_s"] / row["tokenise_2_s"]
     row["split_speedup_2_over_1"] = row["tokenise_1_split_s"] / row["tokenise_2_split_s"]
-    reader = measured([sys.executable, "-m", "benchmarks.corpus_scale", "--read", str(spec), "--batches", str(batches)],
+    reader = measured([sys.executable, "-m", "benchmarks.system.corpus_scale", "--read", str(spec), "--batches", str(batches)],
                       ROOT, env)
     row.update(json.loads(reader["stdout"].strip().splitlines()[-1]))
     row["reader_over_step"] = row["reader_batches_per_s"] / row["smoke_steps_per_s"]

@@ -8,7 +8,7 @@ the MQAR that mha learns on a CPU, unless `--spec` names another) with the train
 MLflow), scores the validation split every `--eval-every` steps, and writes one CSV row per evaluation (`Curve`).
 Chance is 1 / (vocab_size / 2).
 
-    nice -n 10 python -m benchmarks.mqar_curve --scale cpu --threads 1 --steps 2000 --eval-every 100 \\
+    nice -n 10 python -m benchmarks.studies.mqar_curve --scale cpu --threads 1 --steps 2000 --eval-every 100 \\
         --eval-batches 8 --set 'model.attention={kind: mha, heads: 4}'
 
 The CSV goes to <out>/long-range/mqar-curves/<name>.csv (`--out benchmarks/results`).

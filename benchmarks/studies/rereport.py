@@ -3,17 +3,17 @@ each method against mha by the paired t-test over the seeds both ran (the exact 
 check) with Holm's correction and Holm-adjusted intervals, PRR / PEoP bootstrap intervals, power, the Pareto front.
 
 Three sources, as a study kept them:
-- `runs.csv` (one row per run: method, seed, sizes, scores; benchmarks/downstream_results.py writes it from the
+- `runs.csv` (one row per run: method, seed, sizes, scores; benchmarks/studies/downstream_results.py writes it from the
   store): the full report tables, from the same functions `orchestrator report` uses.
 
-    python -m benchmarks.rereport benchmarks/results/sst2-downstream --column dev_acc_last --metric val/acc
-    python -m benchmarks.rereport benchmarks/results/sst2-downstream --column test_acc --metric test/acc
+    python -m benchmarks.studies.rereport benchmarks/results/sst2-downstream --column dev_acc_last --metric val/acc
+    python -m benchmarks.studies.rereport benchmarks/results/sst2-downstream --column test_acc --metric test/acc
 
-- `--from-curves CSV`: a learning-curve file (kind, seed, step, <column>; benchmarks/mqar_curve.py --from-store)
+- `--from-curves CSV`: a learning-curve file (kind, seed, step, <column>; benchmarks/studies/mqar_curve.py --from-store)
   whose last step per run is the run's score; it is written out as the study's `runs.csv` (sizes from the
   study's report.csv), then reported as above.
 
-    python -m benchmarks.rereport benchmarks/results/long-range/mqar-zoology --metric val/acc \
+    python -m benchmarks.studies.rereport benchmarks/results/long-range/mqar-zoology --metric val/acc \
         --from-curves benchmarks/results/long-range/mqar-curves/study_cpu.csv --column val_acc
 
 - `--from-report`: only the study's published `report.csv` (the per-seed scores are gone). A paired t-test
@@ -23,7 +23,7 @@ Three sources, as a study kept them:
   again, and `statistics-rereported.md` / `.csv` hold the corrected verdicts. Welch rows keep their p (their
   degrees of freedom are not in the table, so their Holm-adjusted interval is left blank).
 
-    python -m benchmarks.rereport benchmarks/results/long-range/bytes --from-report --metric val/loss
+    python -m benchmarks.studies.rereport benchmarks/results/long-range/bytes --from-report --metric val/loss
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     pip install -e ".[mutation]"
     mutmut run                                   # every mutant of models/attention, embeddings, reversible
-    python -m benchmarks.mutation_report --out benchmarks/results
+    python -m benchmarks.studies.mutation_report --out benchmarks/results
 
 Reads `mutmut results --all true` (one `module.function__mutmut_N: status` line per mutant), counts the
 statuses per source file and writes `<out>/<machine>/mutation.csv` plus a Markdown table on stdout.

@@ -3,10 +3,10 @@
 One `TorchTrainer` worker trains a tiny linear model for 10 steps and reports once; the worker writes the wall
 time of that report to STAMP. Nothing of the project is imported, so the seconds from this process's start to
 the stamp are what Ray itself costs on this machine (its own local instance, the Train controller and its
-actors, one worker importing torch). `benchmarks/ray_overhead.py --startup` runs it beside `orchestrator
+actors, one worker importing torch). `benchmarks/system/ray_overhead.py --startup` runs it beside `orchestrator
 train` in alternating rounds.
 
-    python benchmarks/bare_ray_train.py STAMP STORAGE
+    python benchmarks/system/bare_ray_train.py STAMP STORAGE
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What counting costs (issue 48): `orchestrator plan` of every study, and the `flops_per_token` a Ray worker counts
 before it trains.
 
-    python -m benchmarks.plan_cost                  # both, printed
-    python -m benchmarks.plan_cost --part worker    # the worker's count only
+    python -m benchmarks.system.plan_cost                  # both, printed
+    python -m benchmarks.system.plan_cost --part worker    # the worker's count only
 
 - `studies`: the wall time of `python -m orchestrator plan configs/studies/<name>.yaml --gpu H100`, each in a fresh
   process as a user runs it (imports included), and the study's GPU-hours from its last line.
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STUDIES = ROOT / "configs" / "studies"
 
 WORKER_SCRIPT = """

@@ -7,13 +7,13 @@ Each variant's time and memory are divided into `mha`'s at the same n in the sam
 is the paper's "time saved", `fwd_mem_ratio_vs_mha` our counterpart of its "memory saved" (the paper
 measures the largest batch that fits in 16 GB instead; see benchmarks/RESULTS.md).
 
-    python -m benchmarks.attention_scaling --out benchmarks/results            # full
-    python -m benchmarks.attention_scaling --quick --out benchmarks/results    # about 30 s of CPU time
+    python -m benchmarks.methods.attention_scaling --out benchmarks/results            # full
+    python -m benchmarks.methods.attention_scaling --quick --out benchmarks/results    # about 30 s of CPU time
 
 A focused run (Linformer and its mha baselines at n <= 2048, one thread, its own CSV and PNG):
 
-    python -m benchmarks.attention_scaling --kinds linformer --max-n 2048 --threads 1 --name attention_scaling_linformer
-    python -m benchmarks.attention_scaling --linformer-paths --max-n 2048 --threads 1 --name attention_scaling_linformer
+    python -m benchmarks.methods.attention_scaling --kinds linformer --max-n 2048 --threads 1 --name attention_scaling_linformer
+    python -m benchmarks.methods.attention_scaling --linformer-paths --max-n 2048 --threads 1 --name attention_scaling_linformer
 
 A variant that fails (not implemented, out of memory) is recorded with its error; one whose single call
 exceeds `--call-budget-s` is recorded as over_budget and its larger n as skipped, never silently dropped.
