@@ -186,7 +186,8 @@ def test_a_bf16_run_follows_the_fp32_loss_curve_over_50_steps(tmp_path):
 
 
 def test_the_curves_benchmark_writes_each_precisions_gap_to_fp32(tmp_path):
-    """benchmarks/studies/cpu_curves.py at toy length (its sharding part trains through Ray: run by hand, RESULTS.md)."""
+    """benchmarks/studies/cpu_curves.py at toy length (its sharding part trains through Ray: run by hand,
+    RESULTS.md)."""
     from benchmarks.studies.cpu_curves import main
     from benchmarks.harness import read_csv
 

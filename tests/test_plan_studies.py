@@ -4,8 +4,9 @@ The fast tier plans one trial of a representative subset, at the study's small s
 long-range ones): one study per task kind plan builds (FAST_STUDIES). Every study, even one trial each at the small
 scale, took 114 s with another run beside it on the 2-core machine, more than a fast test may take: each distinct
 model is a forward and backward on fake tensors, whose cost is the number of ops, not their size
-(benchmarks/system/plan_cost.py prints the times). tests/test_plan.py covers causal LMs and every attention kind. The full
-plan of each study docs/studies.md prices, against the GPU-hours it quotes, is the real-process tier's (RUN_SLOW=1).
+(benchmarks/system/plan_cost.py prints the times). tests/test_plan.py covers causal LMs and every attention kind.
+The full plan of each study docs/studies.md prices, against the GPU-hours it quotes, is the real-process tier's
+(RUN_SLOW=1).
 """
 
 from __future__ import annotations

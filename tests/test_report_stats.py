@@ -262,8 +262,8 @@ def test_several_objectives_mark_the_non_dominated_runs(store, tmp_path):
 
 
 def test_a_published_paired_row_gives_back_scipys_t_test(tmp_path):
-    """benchmarks/studies/rereport.py --from-report: a report.csv row of the old form (exact sign-flip p, the paired 95% t
-    interval) yields the paired t-test scipy computes on the per-seed scores it no longer has."""
+    """benchmarks/studies/rereport.py --from-report: a report.csv row of the old form (exact sign-flip p, the paired
+    95% t interval) yields the paired t-test scipy computes on the per-seed scores it no longer has."""
     import pandas as pd
 
     from benchmarks.studies.rereport import comparison_from_row, from_report

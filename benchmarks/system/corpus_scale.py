@@ -203,8 +203,8 @@ def run_size(size_mb: int, work: Path, old_sizes: Sequence[int], base: str, batc
         row[f"tokenise_{workers}_peak_pss_mb"] = again["peak_pss_mb"]
     row["speedup_2_over_1"] = row["tokenise_1_s"] / row["tokenise_2_s"]
     row["split_speedup_2_over_1"] = row["tokenise_1_split_s"] / row["tokenise_2_split_s"]
-    reader = measured([sys.executable, "-m", "benchmarks.system.corpus_scale", "--read", str(spec), "--batches", str(batches)],
-                      ROOT, env)
+    reader = measured([sys.executable, "-m", "benchmarks.system.corpus_scale", "--read", str(spec),
+                       "--batches", str(batches)], ROOT, env)
     row.update(json.loads(reader["stdout"].strip().splitlines()[-1]))
     row["reader_over_step"] = row["reader_batches_per_s"] / row["smoke_steps_per_s"]
     if size_mb in old_sizes:

@@ -1,6 +1,6 @@
-"""What benchmarks/system/ray_overhead.py and benchmarks/system/ray_startup.py measure against: the benchmark's spec at a scale
-(`bench_spec`, `FULL`, `QUICK`) and the same training core run in this process without Ray (`plain_run`), with
-the steady-state reading of its tokens/s windows (`steady`)."""
+"""What benchmarks/system/ray_overhead.py and benchmarks/system/ray_startup.py measure against: the benchmark's
+spec at a scale (`bench_spec`, `FULL`, `QUICK`) and the same training core run in this process without Ray
+(`plain_run`), with the steady-state reading of its tokens/s windows (`steady`)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ key tag), so that no code outside orchestrator/ imports mlflow (STYLE.md section
     python -m benchmarks.system.ray_overhead --quick --out benchmarks/results    # about a minute (Ray start-up)
     python -m benchmarks.system.ray_overhead --compare before.csv after.csv      # plot two runs' rows side by side
     python -m benchmarks.system.ray_overhead --cli-only --rounds 3 --against /tmp/before   # start-up, A/B
-    python -m benchmarks.system.ray_overhead --startup --rounds 6                          # against a bare Ray Train run
+    python -m benchmarks.system.ray_overhead --startup --rounds 6                  # against a bare Ray Train run
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "swapped each round (a shared machine's load then hits both sides alike); with --cli-only, "
                         "`orchestrator train` start-ups per checkout")
     parser.add_argument("--startup", action="store_true", help="only measurement 5: `orchestrator train` on the "
-                        "smoke spec against a bare Ray Train V2 run (benchmarks/system/bare_ray_train.py), --rounds times")
+                        "smoke spec against a bare Ray Train V2 run (benchmarks/system/bare_ray_train.py), "
+                        "--rounds times")
     parser.add_argument("--no-sweep", action="store_true", help="skip measurement 3 (the two-trial sweep)")
     parser.add_argument("--against", default=None, metavar="CHECKOUT",
                         help="with --cli-only: another checkout of this project (e.g. `git worktree add /tmp/before "

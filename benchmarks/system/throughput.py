@@ -78,7 +78,8 @@ def build_bert(size: Size) -> nn.Module:
     try:
         from transformers import BertConfig, BertForMaskedLM
     except ImportError as err:
-        raise SystemExit("benchmarks.system.throughput needs Hugging Face transformers: pip install -e '.[bench]'") from err
+        raise SystemExit("benchmarks.system.throughput needs Hugging Face transformers: "
+                         "pip install -e '.[bench]'") from err
     config = BertConfig(
         vocab_size=size.vocab, hidden_size=size.d_model, num_hidden_layers=size.layers,
         num_attention_heads=size.heads, intermediate_size=size.ffn, hidden_act="gelu",
