@@ -6,6 +6,7 @@ row of the summary, the FLOP count of the training step, the peak table, the dry
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -50,11 +51,11 @@ FSDP workers each (most of the dry run's time) and is the real-process tier's
 tests/test_orchestrator_runs.py's."""
 
 
-def _dry_run(out, parts) -> tuple[int, object]:
+def _dry_run(out, parts, *flags: str) -> tuple[int, object]:
     """One dry run of `parts` into `out` (in this process: the sweep joins the session's Ray)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(gpu_suite.INTERPRET, "1")  # what main() sets; restored for the tests after this one
-        code = gpu_suite.main(["--dry-run", "--out", str(out), "--parts", *parts])
+        code = gpu_suite.main(["--dry-run", "--out", str(out), "--parts", *parts, *flags])
     folders = [path for path in out.iterdir() if path.is_dir()]
     assert len(folders) == 1, folders  # <out>/<machine label>/
     return code, folders[0]
@@ -403,3 +404,36 @@ def test_a_signal_stops_the_running_part_and_keeps_its_rows(tmp_path, fake_parts
                                             "'case two' (1 of 1 cases done)")
     assert read_csv(folder / "gpu_train_step.csv") == [{"x": "1"}]
     assert summary["sweep"]["run"] == f"not run: the suite was stopped{':' if signum == signal.SIGALRM else ''} {why}"
+
+
+@pytest.mark.slow  # two spawned processes import torch and run the interpreted kernels
+def test_parity_cases_in_processes_give_the_rows_of_one_process(tmp_path, capsys):
+    """`--parity-workers 2`: the cases run in two spawned processes (the interpreter's switch inherited), each case
+    once, and the CSV holds the rows a single process writes, errors equal to the last bit, in the cases' order."""
+    tables = {}
+    for workers in ("1", "2"):
+        code, folder = _dry_run(tmp_path / workers, ["kernel_parity"], "--parity-workers", workers)
+        assert code == 0
+        tables[workers] = read_csv(folder / "gpu_kernel_parity.csv")
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^  parity \d/3 ", out, re.M)) == 6, out
+    assert "processes 2" in (folder / "gpu_suite_summary.md").read_text()
+    assert tables["2"] == tables["1"]
+
+
+def test_parity_workers_default_and_bad_values():
+    assert gpu_suite.parity_workers(None, dry_run=True) == 1
+    assert gpu_suite.parity_workers(None, dry_run=False) == max(1, min(8, os.cpu_count() or 1))
+    assert gpu_suite.parity_workers(3, dry_run=True) == 3
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(SystemExit):
+            gpu_suite.parse_args(["--parity-workers", bad])
+
+
+def test_parallel_parity_estimate_counts_rounds_of_cases_not_cases():
+    table = gpu_budget.with_parity_workers(gpu_budget.H100_COSTS, 8)
+    one = gpu_budget.H100_COSTS["kernel_parity"]
+    assert table["kernel_parity"].seconds(3) == one.setup + gpu_budget.PARITY_POOL_START_S + one.per_case
+    assert table["kernel_parity"].seconds(36) == one.setup + gpu_budget.PARITY_POOL_START_S + 5 * one.per_case
+    assert gpu_budget.with_parity_workers(gpu_budget.H100_COSTS, 1) == gpu_budget.H100_COSTS
+    assert table["train_step"] == gpu_budget.H100_COSTS["train_step"]

@@ -18,19 +18,36 @@ have nothing to do with an H100's seconds).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Cost:
-    """Seconds of a part: a one-off `setup` (imports, first compiles) plus `per_case` for each case it runs."""
+    """Seconds of a part: a one-off `setup` (imports, first compiles) plus `per_case` for each case it runs, its
+    cases run `parallel` at a time (kernel parity's processes: parity.py)."""
 
     setup: float
     per_case: float
+    parallel: int = 1
 
     def seconds(self, cases: int) -> float:
-        return self.setup + cases * self.per_case if cases else 0.0
+        return self.setup + math.ceil(cases / self.parallel) * self.per_case if cases else 0.0
+
+
+PARITY_POOL_START_S = 20.0
+"""Seconds for kernel parity's processes to start (spawned, each imports torch and the kernels and makes a CUDA
+context): an allowance, not yet measured on a GPU; the part's own measured seconds replace it once it ran."""
+
+
+def with_parity_workers(costs: Mapping[str, Cost], workers: int) -> dict[str, Cost]:
+    """`costs` with kernel parity's cases run `workers` at a time (the table's per-case seconds are one process's)."""
+    costs = dict(costs)
+    if workers > 1 and "kernel_parity" in costs:
+        one = costs["kernel_parity"]
+        costs["kernel_parity"] = Cost(one.setup + PARITY_POOL_START_S, one.per_case, workers)
+    return costs
 
 
 H100_COSTS = {

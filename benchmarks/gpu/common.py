@@ -45,6 +45,9 @@ class SuiteContext:
     cases: tuple[int, int] | None = None
     """The slice [start, stop) of the part's cases (in the part's own order) that this run takes: the `--budget`
     planner shrinks a part by it; None: all."""
+    parity_workers: int = 1
+    """Processes that run kernel parity's cases side by side (`--parity-workers`): its time is Triton's compilation,
+    which is CPU-bound, so a GPU node's cores compile the cases' kernel variants in parallel (parity.py)."""
 
     @property
     def passed(self) -> str:

@@ -19,12 +19,17 @@ device's shared memory): autotuning would compile and time every candidate (~16 
 compiled variant of the kernels, minutes that the suite does not have. The autotuned configurations are what
 part (b) times, and it records their error against SDPA. A dry run takes the interpreter's 16 x 16 blocks,
 lengths 32 and 37, and a covering subset of the cases: every value of every axis at least once.
+
+A case's time is compilation (CPU-bound), so with `ctx.parity_workers` > 1 (the suite's `--parity-workers`; on a GPU
+min(8, cores) by default) the cases run in that many spawned processes at once (`parallel_cases`), each compiling
+its variants into Triton's on-disk cache; rows are recorded as each case finishes and kept in the cases' order.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -163,29 +168,72 @@ def case_label(case: dict[str, Any]) -> str:
             f"{'block multiple' if case['block_multiple'] else 'tail'} {case['mask']}")
 
 
+def _case_in_worker(job: tuple[int, dict[str, Any], str, bool]) -> tuple[int, list[Row], float]:
+    """One case in a pool process (`parallel_cases`): its index, rows and seconds."""
+    index, case, device, dry_run = job
+    start = time.perf_counter()
+    rows = run_case(case, SuiteContext(device=torch.device(device), dry_run=dry_run, folder=Path(".")))
+    return index, rows, time.perf_counter() - start
+
+
+def parallel_cases(chosen: Sequence[dict[str, Any]], ctx: SuiteContext) -> Iterator[tuple[int, list[Row], float]]:
+    """(index into `chosen`, rows, seconds) of every case as it finishes, in `ctx.parity_workers` processes.
+
+    A case's time is almost all Triton compiling its kernel variants (the H100's first run: 12-77 s a case, 6 of 36
+    cases in 280 s), and compiling is CPU-bound, one core per process: the processes compile different cases'
+    variants at once, into Triton's one on-disk cache. The processes are spawned (CUDA cannot be forked) and
+    inherit the environment, the interpreter's switch of a dry run included. A stop (a signal, the budget's alarm)
+    raises in this process while it waits; the processes are then terminated, and the cases that finished have
+    already been recorded."""
+    import multiprocessing
+
+    workers = min(ctx.parity_workers, len(chosen))
+    jobs = [(i, case, ctx.device.type, ctx.dry_run) for i, case in enumerate(chosen)]
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    try:
+        in_flight = f"{len(chosen)} cases in {workers} processes"
+        ctx.case_started(in_flight)
+        for done, result in enumerate(pool.imap_unordered(_case_in_worker, jobs), 1):
+            yield result
+            ctx.case_started(f"{len(chosen) - done} of {in_flight}")
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def sequential_cases(chosen: Sequence[dict[str, Any]], ctx: SuiteContext) -> Iterator[tuple[int, list[Row], float]]:
+    """(index, rows, seconds) of every case, one after the other in this process."""
+    for index, case in enumerate(chosen):
+        start = time.perf_counter()
+        ctx.case_started(case_label(case))
+        yield index, run_case(case, ctx), time.perf_counter() - start
+
+
 def run(ctx: SuiteContext) -> PartResult:
     grid = case_grid()
     every = ordered_cases(ctx)
     chosen = ctx.select(every)
-    rows: list[Row] = []
-    for index, case in enumerate(chosen, 1):
-        start = time.perf_counter()
-        ctx.case_started(case_label(case))
-        case_rows = run_case(case, ctx)
-        rows.extend(case_rows)
+    runner = parallel_cases if ctx.parity_workers > 1 and len(chosen) > 1 else sequential_cases
+    by_case: dict[int, list[Row]] = {}
+    for done, (index, case_rows, seconds) in enumerate(runner(chosen, ctx), 1):
+        case = chosen[index]
+        by_case[index] = case_rows
         ctx.record(case_rows)
         ctx.case_finished()
         worst = max((r["max_abs_err"] / r["bound"] for r in case_rows if "bound" in r), default=float("nan"))
         verdict = "pass" if all(r["passed"] for r in case_rows) else "FAIL"
         if case_rows[0]["quantity"] == "all":  # the case raised
             verdict = case_rows[0]["status"]
-        print(f"  parity {index}/{len(chosen)} {case['kernel']:7s} {case_rows[0]['dtype']:8s} d={case['head_dim']:3d} "
+        print(f"  parity {done}/{len(chosen)} {case['kernel']:7s} {case_rows[0]['dtype']:8s} d={case['head_dim']:3d} "
               f"n={case_rows[0]['seq']:4d} {case['mask']:6s}: {verdict} (worst error / bound {worst:.2f}) "
-              f"{time.perf_counter() - start:.1f}s", flush=True)
+              f"{seconds:.1f}s", flush=True)
+    rows = [row for index in sorted(by_case) for row in by_case[index]]  # the cases' order, however they finished
     failed = [r for r in rows if not r["passed"]]
     raised = [r for r in failed if r["status"] != "ok"]
     lengths = DRY_LENGTHS if ctx.dry_run else GPU_LENGTHS
-    settings = {"lengths": "/".join(str(n) for n in lengths.values()), "blocks": sorted({r["blocks"] for r in rows})}
+    settings = {"lengths": "/".join(str(n) for n in lengths.values()), "blocks": sorted({r["blocks"] for r in rows}),
+                "processes": min(ctx.parity_workers, len(chosen)) if runner is parallel_cases else 1}
     if raised:
         return PartResult(rows, f"error: {len(raised)} comparisons could not be made; first: "
                                 f"{raised[0]['kernel']} {raised[0]['dtype']} d={raised[0]['head_dim']}: {raised[0]['status']}",
