@@ -10,6 +10,7 @@ from types import ModuleType
 
 import torch
 
+from kernels import stand_in
 from kernels.flash_attention import (
     backward_delta,
     cdiv,
@@ -87,12 +88,12 @@ def _forward(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     grid, blocks_per_chunk = lay.grid(lay.cfg["BLOCK_M"])
-    kern._chunked_fwd[grid](
+    stand_in.launch("chunked_fwd", lambda: kern._chunked_fwd[grid](
         q, k, v, out, lse, lay.pos, lay.pad,
         *strides(q), *strides(k), *strides(v), *strides(out), *lay.mask_args,
         *lay.scalars, blocks_per_chunk, lay.scale * math.log2(math.e),
         **lay.constexprs,
-    )  # fmt: skip
+    ))  # fmt: skip
     return out, lse
 
 
@@ -114,20 +115,20 @@ def _backward(
     inputs_strides = (*strides(q), *strides(k), *strides(v), *strides(dout))
     scales = (lay.scale * math.log2(math.e), lay.scale)
 
-    grid, blocks_per_chunk = lay.grid(lay.cfg["BLOCK_N"])
-    kern._chunked_bwd_dkdv[grid](
+    grid_n, blocks_per_chunk_n = lay.grid(lay.cfg["BLOCK_N"])
+    stand_in.launch("chunked_bwd_dkdv", lambda: kern._chunked_bwd_dkdv[grid_n](
         q, k, v, dout, lse, delta, dk, dv, lay.pos, lay.pad,
         *inputs_strides, *strides(dk), *lay.mask_args,
-        *lay.scalars, blocks_per_chunk, *scales,
+        *lay.scalars, blocks_per_chunk_n, *scales,
         **lay.constexprs,
-    )  # fmt: skip
-    grid, blocks_per_chunk = lay.grid(lay.cfg["BLOCK_M"])
-    kern._chunked_bwd_dq[grid](
+    ))  # fmt: skip
+    grid_m, blocks_per_chunk_m = lay.grid(lay.cfg["BLOCK_M"])
+    stand_in.launch("chunked_bwd_dq", lambda: kern._chunked_bwd_dq[grid_m](
         q, k, v, dout, lse, delta, dq, lay.pos, lay.pad,
         *inputs_strides, *strides(dq), *lay.mask_args,
-        *lay.scalars, blocks_per_chunk, *scales,
+        *lay.scalars, blocks_per_chunk_m, *scales,
         **lay.constexprs,
-    )  # fmt: skip
+    ))  # fmt: skip
     return dq, dk, dv
 
 
@@ -142,7 +143,9 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         v: torch.Tensor,
         lay: _Layout,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _forward(q, k, v, lay)
+        ctx.kernel_log = stand_in.active()
+        with stand_in.kernel_region(ctx.kernel_log):
+            out, lse = _forward(q, k, v, lay)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.lay = lay
         ctx.set_materialize_grads(False)
@@ -155,7 +158,8 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.lay)
+        with stand_in.kernel_region(ctx.kernel_log):
+            dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.lay)
         return dq, dk, dv, None
 
 
