@@ -137,6 +137,34 @@ def default_n_buckets(seq_len: int, bucket_size: int) -> int:
     return max(2, n + (n % 2))
 
 
+def hash_slice_rows(seq_len: int, head_dim: int, n_half: int) -> int:
+    """Tokens hashed at once: a slice's projections [.., rows, n_half] hold at most as many entries as the keys
+    [.., T, head_dim] (and at least one token), so hashing never holds more than the keys' size again, at any T;
+    with the default n_buckets that is bucket_size * head_dim tokens per slice (4096 at 64 and 64)."""
+    return max(1, min(seq_len, seq_len * head_dim // max(n_half, 1)))
+
+
+def angular_argmax(
+    xr_BHRTN: torch.Tensor, unused_B1111N: torch.Tensor | None, half_B111: torch.Tensor
+) -> torch.Tensor:
+    """Bucket ids [B, H, R, T] of angular LSH, argmax([xR; -xR]) (Reformer, Sec. 2), without the concatenation.
+
+    torch's argmax returns the FIRST maximal index, so over [xR; -xR] the positive half wins a tie with the
+    negative half, and inside a half the lower column wins. The same ids from the two halves apart: the first
+    maximum of xR (max) and the first minimum of xR (min, the first maximum of -xR, negation being exact); the
+    positive one is taken when max >= -min. Columns a row does not use (`unused`) can win in neither half (the
+    concatenation gives them -inf in both). Column c of -xR is bucket half + c, half being the row's own count.
+    NaN projections (only from NaN keys) are outside this equivalence.
+    """
+    if unused_B1111N is None:
+        top_BHRT, top_idx_BHRT = xr_BHRTN.max(-1)
+        low_BHRT, low_idx_BHRT = xr_BHRTN.min(-1)
+    else:
+        top_BHRT, top_idx_BHRT = xr_BHRTN.masked_fill(unused_B1111N, float("-inf")).max(-1)
+        low_BHRT, low_idx_BHRT = xr_BHRTN.masked_fill(unused_B1111N, float("inf")).min(-1)
+    return torch.where(top_BHRT >= -low_BHRT, top_idx_BHRT, low_idx_BHRT + half_B111)
+
+
 class LSHMechanism(nn.Module):
     """LSH attention over per-head q, k (= normalised q), v of shape [B, H, T, E]."""
 
@@ -179,27 +207,36 @@ class LSHMechanism(nn.Module):
     def buckets(self, k_BHTE: torch.Tensor, key_padding_mask_BT: torch.Tensor | None) -> torch.Tensor:
         """Bucket ids [B, H, R, T]; padded tokens get an id after every real bucket so they sort last.
 
-        Without a fixed n_buckets each row gets 2 * (its real length) / bucket_size buckets.
+        Without a fixed n_buckets each row gets 2 * (its real length) / bucket_size buckets. The projections
+        xR [B, H, R, T, n_half] grow as T^2 (n_half ~ T / bucket_size: at 128k, 16 heads and 4 rounds, 34 GB in
+        bf16), so they are made `hash_slice_rows` tokens at a time, each slice no larger than k repeated over the
+        rounds: memory linear in T, the ids those of one argmax over the whole row (`angular_argmax`).
         """
-        B, H, T = k_BHTE.shape[:3]
+        B, H, T, E = k_BHTE.shape
         if self.n_buckets is not None or key_padding_mask_BT is None or _BOUNDED_LAYOUT.get():
             # One count for every row, with no host sync (bounded: as if every row were T tokens long).
             n_half = self.n_half_bound(T)
             half_B = torch.full((B,), n_half, device=k_BHTE.device)
+            uniform = True
         else:
             real_B = (~key_padding_mask_BT).sum(-1).cpu()
-            half_B = torch.tensor([default_n_buckets(max(int(n), 1), self.bucket_size) // 2 for n in real_B])
-            half_B = half_B.to(k_BHTE.device)
-            n_half = int(half_B.max())
+            halves = [default_n_buckets(max(int(n), 1), self.bucket_size) // 2 for n in real_B]
+            half_B = torch.tensor(halves).to(k_BHTE.device)
+            n_half = max(halves)
+            uniform = min(halves) == n_half
         rot_HREN = self.rotations(H, n_half, k_BHTE.device).to(k_BHTE.dtype)
-        xr_BHRTN = torch.einsum("bhte,hren->bhrtn", k_BHTE, rot_HREN)
-        unused_B1111N = (torch.arange(n_half, device=k_BHTE.device) >= half_B[:, None])[:, None, None, None, :]
-        xr_BHRTN = xr_BHRTN.masked_fill(unused_B1111N, float("-inf"))
-        neg_BHRTN = (-xr_BHRTN).masked_fill(unused_B1111N, float("-inf"))
-        idx_BHRT = torch.cat([xr_BHRTN, neg_BHRTN], dim=-1).argmax(-1)
-        # argmax over [xR; -xR] restricted to this row's columns: column c of -xR is bucket half + c.
+        # Columns c >= this row's half count are not its buckets (none when every row has the same count).
+        unused_B1111N = None if uniform else (
+            torch.arange(n_half, device=k_BHTE.device) >= half_B[:, None])[:, None, None, None, :]
         half_B111 = half_B[:, None, None, None]
-        bucket_BHRT = torch.where(idx_BHRT >= n_half, idx_BHRT - n_half + half_B111, idx_BHRT)
+        rows = hash_slice_rows(T, E, n_half)
+        slices_BHRS = [
+            # The same product per token as over the whole row: each entry is one dot over E.
+            angular_argmax(torch.einsum("bhte,hren->bhrtn", k_BHTE[:, :, t0:t0 + rows], rot_HREN), unused_B1111N,
+                           half_B111)
+            for t0 in range(0, T, rows)
+        ]
+        bucket_BHRT = slices_BHRS[0] if len(slices_BHRS) == 1 else torch.cat(slices_BHRS, dim=-1)
         if key_padding_mask_BT is not None:
             bucket_BHRT = bucket_BHRT.masked_fill(key_padding_mask_BT[:, None, None, :], 2 * n_half)
         return bucket_BHRT
