@@ -224,12 +224,14 @@ def chunked_attention(
     scale: float | None = None,
     wrap: bool = True,
     dropout_p: float = 0.0,
+    token_of_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked attention over a sorted sequence on the best available backend; see
-    kernels.reference.chunked_attention_reference for the semantics."""
+    kernels.reference.chunked_attention_reference for the semantics (and for `token_of_row`, the sorted order
+    given as an index rather than as sorted copies)."""
     backend = select_backend(q, k, v, dropout_p)
     dropout = {"dropout_p": dropout_p} if dropout_p > 0.0 else {}
     return backend.chunked(
         q, k, v, chunk, lookback=lookback, positions=positions, causal=causal, self_mask=self_mask,
-        key_padding_mask=key_padding_mask, scale=scale, wrap=wrap, **dropout,
+        key_padding_mask=key_padding_mask, scale=scale, wrap=wrap, token_of_row=token_of_row, **dropout,
     )  # fmt: skip

@@ -254,33 +254,26 @@ class LSHMechanism(nn.Module):
         pos_T = torch.arange(T, device=q_BHTE.device)
         # Sort by (bucket, position): one int64 key, stable because positions are distinct.
         order_BHRT = torch.argsort(bucket_BHRT * T + pos_T, dim=-1)
+        # The layout is given to the kernels as an index, token_of_row: row l of round r holds that token (-1: a
+        # filler row). They load q, k, v through it and write each round's out and lse at the tokens' places, so no
+        # sorted copy of q, k, v, out or their gradients exists.
         if past_only:
             slot_BHRT, L = self.bucket_aligned_slots(bucket_BHRT, order_BHRT)
             # Shifting positions by -bucket * T makes the causal test (key <= query) also drop the keys of the
             # lower bucket that may fill the previous chunk; inside a bucket it is the plain causal test.
             positions_BHRT = pos_T - bucket_BHRT * T
+            tokens_BHRT = torch.arange(T, device=q_BHTE.device, dtype=torch.int32).expand(B, H, R, T)
+            token_BHRL = torch.full((B, H, R, L), -1, dtype=torch.int32, device=q_BHTE.device)
+            token_BHRL = token_BHRL.scatter_(3, slot_BHRT, tokens_BHRT)
         else:
-            slot_BHRT, L, positions_BHRT = torch.argsort(order_BHRT, dim=-1), T, pos_T.expand(B, H, R, T)
-
-        def layout(x_BHRT_: torch.Tensor, fill: float | bool) -> torch.Tensor:
-            """[B, H, R, T, ...] -> [B, H * R, L, ...]: row slot[t] holds token t, the other rows `fill`."""
-            tail = x_BHRT_.shape[4:]
-            idx = slot_BHRT.view(B, H, R, T, *(1,) * len(tail)).expand(B, H, R, T, *tail)
-            out = torch.full((B, H, R, L, *tail), fill, dtype=x_BHRT_.dtype, device=x_BHRT_.device)
-            return out.scatter(3, idx, x_BHRT_).reshape(B, H * R, L, *tail)
-
-        rounds = lambda x_BHT_: x_BHT_[:, :, None].expand(B, H, R, *x_BHT_.shape[2:])  # noqa: E731
-        pad_BHT = torch.zeros(B, H, T, dtype=torch.bool, device=q_BHTE.device)
-        if key_padding_mask_BS is not None:
-            pad_BHT = key_padding_mask_BS[:, None, :].expand(B, H, T)
-        out_BXLE, lse_BXL = chunked_attention(
-            layout(rounds(q_BHTE), 0.0), layout(rounds(k_BHSE), 0.0), layout(rounds(v_BHSE), 0.0),
-            self.bucket_size, lookback=1, positions=layout(positions_BHRT, 0), causal=causal, self_mask=self.self_mask,
-            key_padding_mask=layout(rounds(pad_BHT), True), wrap=False,
-            dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
+            # The sorted order is the layout, with no filler rows; positions default to the token index (the plain
+            # causal test, and Reformer's self-mask).
+            token_BHRL, positions_BHRT = order_BHRT, None
+        out_BHRTE, lse_BHRT = chunked_attention(
+            q_BHTE, k_BHSE, v_BHSE, self.bucket_size, lookback=1, positions=positions_BHRT, causal=causal,
+            self_mask=self.self_mask, key_padding_mask=key_padding_mask_BS, wrap=False,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.scale, token_of_row=token_BHRL,
         )
-        out_BHRTE = torch.gather(out_BXLE.view(B, H, R, L, E), 3, slot_BHRT[..., None].expand(B, H, R, T, E))
-        lse_BHRT = torch.gather(lse_BXL.view(B, H, R, L), 3, slot_BHRT)
         out_BHTE, _ = merge_lse_many(out_BHRTE, lse_BHRT, dim=2)
         return out_BHTE
 
