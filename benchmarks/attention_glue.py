@@ -88,6 +88,8 @@ class GlueCounter(TorchDispatchMode):
         self.kernel_bytes = 0
         self.ops: dict[str, int] = {}
         """Glue launches by op name: where to look when a count moves."""
+        self.op_bytes: dict[str, int] = {}
+        """Glue bytes by op name."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -98,15 +100,14 @@ class GlueCounter(TorchDispatchMode):
         if is_sdpa(func):
             self.kernel_ops += 1
             self.kernel_bytes += made
-        elif func._opname in ALLOCATIONS:
-            if log is not None and log.inside_kernel:
-                self.kernel_bytes += made
-            else:
-                self.glue_bytes += made
+        elif func._opname in ALLOCATIONS and log is not None and log.inside_kernel:
+            self.kernel_bytes += made
         else:
-            self.glue_launches += 1
+            if func._opname not in ALLOCATIONS:
+                self.glue_launches += 1
+                self.ops[func._opname] = self.ops.get(func._opname, 0) + 1
             self.glue_bytes += made
-            self.ops[func._opname] = self.ops.get(func._opname, 0) + 1
+            self.op_bytes[func._opname] = self.op_bytes.get(func._opname, 0) + made
         return out
 
 
@@ -155,6 +156,8 @@ def run_case(label: str, n: int, causal: bool) -> Row:
                              *([f"sdpa:{counter.kernel_ops}"] if counter.kernel_ops else [])]),
         "top_glue_ops": " ".join(f"{name}:{count}" for name, count in
                                  sorted(counter.ops.items(), key=lambda item: -item[1])[:6]),
+        "top_glue_mib": " ".join(f"{name}:{size / 2**20:.0f}" for name, size in
+                                 sorted(counter.op_bytes.items(), key=lambda item: -item[1])[:6]),
     }
 
 
