@@ -75,8 +75,10 @@ def _run(fn, fake: bool):
     return log.launches, counter.kernel_bytes, meta
 
 
+# The flash case in the slow tier: a second kernel family through the same launch hook (about 5 s under the
+# interpreter each).
 @needs_triton
-@pytest.mark.parametrize("which", ["flash", "chunked"])
+@pytest.mark.parametrize("which", [pytest.param("flash", marks=pytest.mark.slow), "chunked"])
 def test_stand_in_allocates_and_launches_as_the_kernels(which: str) -> None:
     fn = {"flash": lambda q, k, v: flash_attention(q, k, v, causal=True),
           "chunked": lambda q, k, v: chunked_flash_attention(q, k, v, 8, causal=True, self_mask=True)}[which]
@@ -88,7 +90,9 @@ def test_stand_in_allocates_and_launches_as_the_kernels(which: str) -> None:
     assert real_bytes == fake_bytes == 4 * 2 * 24 * 16 * 2 + 2 * 2 * 24 * 4
 
 
+@pytest.mark.slow  # a whole layer's forward and backward on fake tensors: about 3 s
 def test_benchmark_row_of_a_small_layer() -> None:
     row = run_case("lsh", 4096, False)
-    assert row["kernel_launches"] == 4 and row["kernels"] == "bwd_delta:1 chunked_bwd_dkdv:1 chunked_bwd_dq:1 chunked_fwd:1"
+    assert row["kernels"] == "bwd_delta:1 chunked_bwd_dkdv:1 chunked_bwd_dq:1 chunked_fwd:1"
+    assert row["kernel_launches"] == 4
     assert 0 < row["peak_mib"] and 0 < row["glue_mib"] and row["glue_launches"] > 0
