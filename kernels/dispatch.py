@@ -9,18 +9,26 @@ why each backend was rejected (after xFormers' ``ops/fmha/dispatch.py``).
 ``ATTN_BACKEND=triton|blockwise|reference`` forces one backend. It is also the only way CPU tensors reach
 the Triton kernels, through the interpreter (TRITON_INTERPRET=1): automatic dispatch would otherwise send
 every CPU test of the models through an interpreter that is orders of magnitude slower than PyTorch.
+
+``stand_in_kernels()`` selects, before anything else (ATTN_BACKEND included), the stand-in for the Triton
+kernels: the Triton backend's own functions with every launch counted instead of run (kernels/stand_in.py). On
+fake tensors (``FakeTensorMode``) a model then allocates what it would allocate on a GPU (the kernels' outputs,
+what their autograd.Functions save, the backward's delta, dq, dk, dv) and the launches are counted: the CPU
+proxies of benchmarks/attention_glue.py. Outside that context the stand-in rejects every call.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from kernels import stand_in
 from kernels.blockwise import BLOCK_ELEMENTS, exact_attention_blockwise
 from kernels.chunked_attention import chunked_flash_attention
 from kernels.flash_attention import MAX_HEAD_DIM, MIN_HEAD_DIM, TRITON_DTYPES, flash_attention, interpreter_enabled
@@ -122,18 +130,50 @@ class BlockwiseBackend(BaseAttentionBackend):
         return reasons
 
 
+class StandInBackend(TritonBackend):
+    """The Triton backend's functions with their launches counted, not run (kernels/stand_in.py): for counting a
+    GPU run's memory and launches on fake tensors, inside `stand_in_kernels()` only. It takes what the Triton
+    kernels take, on any device (fake tensors say cpu); an input they refuse goes down the priority list as it
+    would on a GPU."""
+
+    name = "stand-in"
+    devices = frozenset({"cpu", "cuda", "meta"})
+
+    def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
+        reasons = BaseAttentionBackend.not_supported_reasons(self, inputs)
+        if not stand_in.standing_in():
+            reasons.append("used only inside kernels.dispatch.stand_in_kernels() (counting on fake tensors)")
+        return reasons
+
+
+@contextmanager
+def stand_in_kernels() -> Iterator[stand_in.KernelLog]:
+    """Inside, attention calls the Triton kernels can take go to the stand-in, whatever ATTN_BACKEND says; the
+    log counts their launches by kernel name (flash_fwd, chunked_bwd_dq, bwd_delta, ...).
+
+        with FakeTensorMode(), stand_in_kernels() as log:
+            layer(x).backward(grad)
+        log.launches  # Counter({'chunked_fwd': 1, ...})
+    """
+    with stand_in.installed(stand_in.KernelLog()) as log:
+        yield log
+
+
+STAND_IN = StandInBackend()
 TRITON = TritonBackend()
 BLOCKWISE = BlockwiseBackend()
 REFERENCE = ReferenceBackend()
 # Priority order: first backend without objections wins. The reference comes last: it keeps the M x N
-# probabilities for autograd, so it gets what fits in one block, attention dropout, or a forced call.
+# probabilities for autograd, so it gets what fits in one block, attention dropout, or a forced call. The
+# stand-in is not in it: inside stand_in_kernels() it goes before every candidate.
 PRIORITY: tuple[BaseAttentionBackend, ...] = (TRITON, BLOCKWISE, REFERENCE)
 
 
 def select_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
 ) -> BaseAttentionBackend:
-    """Walk PRIORITY (or only the backend named by ATTN_BACKEND); raise with every rejection's reasons."""
+    """Walk PRIORITY (or only the backend named by ATTN_BACKEND), after the stand-in inside stand_in_kernels();
+    raise with every rejection's reasons."""
     forced_name = os.environ.get(BACKEND_ENV, "").strip().lower()
     candidates: Sequence[BaseAttentionBackend] = PRIORITY
     if forced_name:
@@ -141,6 +181,8 @@ def select_backend(
         if not candidates:
             valid = ", ".join(b.name for b in PRIORITY)
             raise ValueError(f"{BACKEND_ENV}={forced_name!r} is not a backend; valid names: {valid}")
+    if stand_in.standing_in():
+        candidates = [STAND_IN, *candidates]  # counting stands in for the kernels, whatever is forced
     inputs = AttentionInputs(q, k, v, dropout_p, forced=bool(forced_name))
     rejected = []
     for backend in candidates:
@@ -182,12 +224,14 @@ def chunked_attention(
     scale: float | None = None,
     wrap: bool = True,
     dropout_p: float = 0.0,
+    token_of_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked attention over a sorted sequence on the best available backend; see
-    kernels.reference.chunked_attention_reference for the semantics."""
+    kernels.reference.chunked_attention_reference for the semantics (and for `token_of_row`, the sorted order
+    given as an index rather than as sorted copies)."""
     backend = select_backend(q, k, v, dropout_p)
     dropout = {"dropout_p": dropout_p} if dropout_p > 0.0 else {}
     return backend.chunked(
         q, k, v, chunk, lookback=lookback, positions=positions, causal=causal, self_mask=self_mask,
-        key_padding_mask=key_padding_mask, scale=scale, wrap=wrap, **dropout,
+        key_padding_mask=key_padding_mask, scale=scale, wrap=wrap, token_of_row=token_of_row, **dropout,
     )  # fmt: skip

@@ -19,6 +19,7 @@ from types import ModuleType
 
 import torch
 
+from kernels import stand_in
 from kernels.interpreter_compat import repair_index
 from kernels.reference import check_attention_inputs, check_key_padding_mask
 
@@ -84,10 +85,10 @@ def backward_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | N
     # A real pointer is needed even without dlse; the kernel never reads it then.
     dlse_c = delta if dlse is None else dlse.float().contiguous()
     block_m = 16 if interpreter_enabled() else DELTA_BLOCK_M
-    _kernels()._bwd_delta[(cdiv(seq_q, block_m), batch * heads)](
+    stand_in.launch("bwd_delta", lambda: _kernels()._bwd_delta[(cdiv(seq_q, block_m), batch * heads)](
         out, dout, dlse_c, delta, *strides(out), *strides(dout), heads, seq_q, head_dim,
         HAS_DLSE=dlse is not None, BLOCK_M=block_m, BLOCK_D=next_power_of_two(head_dim),
-    )  # fmt: skip
+    ))  # fmt: skip
     return delta
 
 
@@ -151,14 +152,18 @@ def _launch(
     cfg: dict[str, int] | None,
 ) -> None:
     """Launch kernel `name` with a fixed configuration, or through its autotuner (the grid then depends on
-    the block sizes the tuner tries)."""
-    kern = _kernels()
-    if cfg is None:
-        tuned = getattr(kern, f"_flash_{name}_tuned")
-        tuned[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **constexprs)
-    else:
-        plain = getattr(kern, f"_flash_{name}")
-        plain[grid(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **constexprs, **cfg)
+    the block sizes the tuner tries); counted instead where kernels/stand_in.py stands in."""
+
+    def run() -> None:
+        kern = _kernels()
+        if cfg is None:
+            tuned = getattr(kern, f"_flash_{name}_tuned")
+            tuned[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **constexprs)
+        else:
+            plain = getattr(kern, f"_flash_{name}")
+            plain[grid(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **constexprs, **cfg)
+
+    stand_in.launch(f"flash_{name}", run)
 
 
 def _tuning_sizes(seq_q: int, seq_k: int) -> tuple[int, int]:
@@ -273,7 +278,9 @@ class FlashAttentionFunction(torch.autograd.Function):
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = _current_fixed_config()
-        out, lse = _forward(q, k, v, causal, mask_BN, scale, cfg)
+        ctx.kernel_log = stand_in.active()
+        with stand_in.kernel_region(ctx.kernel_log):
+            out, lse = _forward(q, k, v, causal, mask_BN, scale, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
         ctx.mask_BN = mask_BN
@@ -290,7 +297,8 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.causal, ctx.mask_BN, ctx.scale, ctx.cfg)
+        with stand_in.kernel_region(ctx.kernel_log):
+            dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.causal, ctx.mask_BN, ctx.scale, ctx.cfg)
         return dq, dk, dv, None, None, None
 
 

@@ -99,6 +99,17 @@ def per_head(x: torch.Tensor | None, batch: int, heads: int, seq: int, name: str
     )
 
 
+def per_round(x: torch.Tensor | None, batch: int, heads: int, rounds: int, seq: int, name: str) -> torch.Tensor | None:
+    """Broadcast a [batch, seq], [batch, heads, seq] or [batch, heads, rounds, seq] tensor to the last (a view)."""
+    if x is not None and x.dim() == 4:
+        if x.shape != (batch, heads, rounds, seq):
+            raise ValueError(f"{name} must be [batch, seq], [batch, heads, seq] or [batch, heads, rounds, seq] = "
+                             f"[{batch}, {heads}, {rounds}, {seq}]; got {tuple(x.shape)}")
+        return x
+    x_BHT = per_head(x, batch, heads, seq, name)
+    return None if x_BHT is None else x_BHT[:, :, None].expand(batch, heads, rounds, seq)
+
+
 def check_chunked_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,8 +117,10 @@ def check_chunked_inputs(
     lookback: int,
     positions: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
+    token_of_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Validate the chunked-attention arguments; return positions and padding mask as [B, H, T] (or None)."""
+    """Validate the chunked-attention arguments; return positions ([B, H, T], or [B, H, R, T] with token_of_row)
+    and the padding mask [B, H, T] (or None)."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1; got {chunk}")
     if lookback < 0:
@@ -115,13 +128,21 @@ def check_chunked_inputs(
     batch, heads, seq, _ = q.shape
     if k.shape[2] != seq:
         raise ValueError(f"chunked attention needs q and k of the same length; got {seq} and {k.shape[2]}")
-    pos_BHT = per_head(positions, batch, heads, seq, "positions")
-    if pos_BHT is not None and pos_BHT.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be int32 or int64; got {pos_BHT.dtype}")
+    if token_of_row is None:
+        pos = per_head(positions, batch, heads, seq, "positions")
+    else:
+        if token_of_row.dim() != 4 or token_of_row.shape[:2] != (batch, heads):
+            raise ValueError(f"token_of_row must be [batch, heads, rounds, rows] = [{batch}, {heads}, R, L]; got "
+                             f"{tuple(token_of_row.shape)}")
+        if token_of_row.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"token_of_row must be int32 or int64; got {token_of_row.dtype}")
+        pos = per_round(positions, batch, heads, token_of_row.shape[2], seq, "positions")
+    if pos is not None and pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be int32 or int64; got {pos.dtype}")
     pad_BHT = per_head(key_padding_mask, batch, heads, seq, "key_padding_mask")
     if pad_BHT is not None and pad_BHT.dtype != torch.bool:
         raise ValueError(f"key_padding_mask must be bool (True = padded); got {pad_BHT.dtype}")
-    return pos_BHT, pad_BHT
+    return pos, pad_BHT
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -211,6 +232,7 @@ def chunked_attention_reference(
     scale: float | None = None,
     wrap: bool = True,
     dropout_p: float = 0.0,
+    token_of_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention within chunks of an already sorted sequence (Reformer's LSH attention after the sort).
 
@@ -222,8 +244,65 @@ def chunked_attention_reference(
     is available. ``key_padding_mask`` [B, T] or [B, H, T] bool (True = padded), in the sorted order.
     ``dropout_p`` as in exact_attention_reference.
     Costs O(T * chunk * (lookback + 1)) memory, unlike a dense T x T mask.
+
+    ``token_of_row`` [B, H, R, L] int: the sorted sequences as an index instead of sorted copies. q, k, v are then
+    in token order, and round r's sorted sequence has L rows, row l holding token token_of_row[b, h, r, l], or
+    nothing for -1 (a filler row: a masked key, its query output dropped). Every token must sit in exactly one
+    row of every round. ``positions`` are per token, [B, T], [B, H, T] or [B, H, R, T] (default: the token
+    index), ``key_padding_mask`` per token [B, T] or [B, H, T]; out [B, H, R, T, D] and lse [B, H, R, T] hold
+    each round's result at the tokens' places. The same as laying q, k, v, positions and the mask out in the
+    rows' order (zeros and True in filler rows) and picking each token's row from the result, which is what this
+    reference does; the Triton kernels load and store through the index instead.
     """
     check_attention_inputs(q, k, v)
+    args = dict(chunk=chunk, lookback=lookback, causal=causal, self_mask=self_mask, scale=scale, wrap=wrap,
+                dropout_p=dropout_p)
+    if token_of_row is None:
+        return _chunked_rows(q, k, v, positions=positions, key_padding_mask=key_padding_mask, **args)
+    pos_BHRT, pad_BHT = check_chunked_inputs(q, k, chunk, lookback, positions, key_padding_mask, token_of_row)
+    B, H, T, D = q.shape
+    R, L = token_of_row.shape[2:]
+    filler_BHRL = token_of_row < 0
+    idx_BHRL = token_of_row.clamp(min=0).long()
+
+    def rows(x_BHRT_: torch.Tensor, fill: float | bool) -> torch.Tensor:
+        """[B, H, R, T, ...] -> [B, H * R, L, ...]: row l holds its token's entry, a filler row `fill`."""
+        tail = x_BHRT_.shape[4:]
+        idx = idx_BHRL.view(B, H, R, L, *(1,) * len(tail)).expand(B, H, R, L, *tail)
+        picked = torch.gather(x_BHRT_.expand(B, H, R, T, *tail), 3, idx)
+        return picked.masked_fill(filler_BHRL.view(B, H, R, L, *(1,) * len(tail)), fill).reshape(B, H * R, L, *tail)
+
+    rounds = lambda x_BHT_: x_BHT_[:, :, None].expand(B, H, R, *x_BHT_.shape[2:])  # noqa: E731
+    if pos_BHRT is None:
+        pos_BHRT = torch.arange(T, device=q.device).expand(B, H, R, T)
+    if pad_BHT is None:
+        pad_BHT = torch.zeros(B, H, T, dtype=torch.bool, device=q.device)
+    out_BXLD, lse_BXL = _chunked_rows(
+        rows(rounds(q), 0.0), rows(rounds(k), 0.0), rows(rounds(v), 0.0), positions=rows(pos_BHRT, 0),
+        key_padding_mask=rows(rounds(pad_BHT), True), **args)
+    # Back to the tokens' places; filler rows all go to an extra place T, dropped.
+    slot_BHRL = torch.where(filler_BHRL, T, idx_BHRL)
+    out_BHRTD = out_BXLD.new_zeros(B, H, R, T + 1, D).scatter(
+        3, slot_BHRL[..., None].expand(B, H, R, L, D), out_BXLD.view(B, H, R, L, D))
+    lse_BHRT = lse_BXL.new_full((B, H, R, T + 1), float("-inf")).scatter(3, slot_BHRL, lse_BXL.view(B, H, R, L))
+    return out_BHRTD[:, :, :, :T], lse_BHRT[..., :T]
+
+
+def _chunked_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunk: int,
+    lookback: int = 1,
+    positions: torch.Tensor | None = None,
+    causal: bool = False,
+    self_mask: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    wrap: bool = True,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_attention_reference` without token_of_row (the rows are the tokens)."""
     pos_BHT, pad_BHT = check_chunked_inputs(q, k, chunk, lookback, positions, key_padding_mask)
     batch, heads, seq, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale

@@ -137,6 +137,34 @@ def default_n_buckets(seq_len: int, bucket_size: int) -> int:
     return max(2, n + (n % 2))
 
 
+def hash_slice_rows(seq_len: int, head_dim: int, n_half: int) -> int:
+    """Tokens hashed at once: a slice's projections [.., rows, n_half] hold at most as many entries as the keys
+    [.., T, head_dim] (and at least one token), so hashing never holds more than the keys' size again, at any T;
+    with the default n_buckets that is bucket_size * head_dim tokens per slice (4096 at 64 and 64)."""
+    return max(1, min(seq_len, seq_len * head_dim // max(n_half, 1)))
+
+
+def angular_argmax(
+    xr_BHRTN: torch.Tensor, unused_B1111N: torch.Tensor | None, half_B111: torch.Tensor
+) -> torch.Tensor:
+    """Bucket ids [B, H, R, T] of angular LSH, argmax([xR; -xR]) (Reformer, Sec. 2), without the concatenation.
+
+    torch's argmax returns the FIRST maximal index, so over [xR; -xR] the positive half wins a tie with the
+    negative half, and inside a half the lower column wins. The same ids from the two halves apart: the first
+    maximum of xR (max) and the first minimum of xR (min, the first maximum of -xR, negation being exact); the
+    positive one is taken when max >= -min. Columns a row does not use (`unused`) can win in neither half (the
+    concatenation gives them -inf in both). Column c of -xR is bucket half + c, half being the row's own count.
+    NaN projections (only from NaN keys) are outside this equivalence.
+    """
+    if unused_B1111N is None:
+        top_BHRT, top_idx_BHRT = xr_BHRTN.max(-1)
+        low_BHRT, low_idx_BHRT = xr_BHRTN.min(-1)
+    else:
+        top_BHRT, top_idx_BHRT = xr_BHRTN.masked_fill(unused_B1111N, float("-inf")).max(-1)
+        low_BHRT, low_idx_BHRT = xr_BHRTN.masked_fill(unused_B1111N, float("inf")).min(-1)
+    return torch.where(top_BHRT >= -low_BHRT, top_idx_BHRT, low_idx_BHRT + half_B111)
+
+
 class LSHMechanism(nn.Module):
     """LSH attention over per-head q, k (= normalised q), v of shape [B, H, T, E]."""
 
@@ -179,27 +207,36 @@ class LSHMechanism(nn.Module):
     def buckets(self, k_BHTE: torch.Tensor, key_padding_mask_BT: torch.Tensor | None) -> torch.Tensor:
         """Bucket ids [B, H, R, T]; padded tokens get an id after every real bucket so they sort last.
 
-        Without a fixed n_buckets each row gets 2 * (its real length) / bucket_size buckets.
+        Without a fixed n_buckets each row gets 2 * (its real length) / bucket_size buckets. The projections
+        xR [B, H, R, T, n_half] grow as T^2 (n_half ~ T / bucket_size: at 128k, 16 heads and 4 rounds, 34 GB in
+        bf16), so they are made `hash_slice_rows` tokens at a time, each slice no larger than k repeated over the
+        rounds: memory linear in T, the ids those of one argmax over the whole row (`angular_argmax`).
         """
-        B, H, T = k_BHTE.shape[:3]
+        B, H, T, E = k_BHTE.shape
         if self.n_buckets is not None or key_padding_mask_BT is None or _BOUNDED_LAYOUT.get():
             # One count for every row, with no host sync (bounded: as if every row were T tokens long).
             n_half = self.n_half_bound(T)
             half_B = torch.full((B,), n_half, device=k_BHTE.device)
+            uniform = True
         else:
             real_B = (~key_padding_mask_BT).sum(-1).cpu()
-            half_B = torch.tensor([default_n_buckets(max(int(n), 1), self.bucket_size) // 2 for n in real_B])
-            half_B = half_B.to(k_BHTE.device)
-            n_half = int(half_B.max())
+            halves = [default_n_buckets(max(int(n), 1), self.bucket_size) // 2 for n in real_B]
+            half_B = torch.tensor(halves).to(k_BHTE.device)
+            n_half = max(halves)
+            uniform = min(halves) == n_half
         rot_HREN = self.rotations(H, n_half, k_BHTE.device).to(k_BHTE.dtype)
-        xr_BHRTN = torch.einsum("bhte,hren->bhrtn", k_BHTE, rot_HREN)
-        unused_B1111N = (torch.arange(n_half, device=k_BHTE.device) >= half_B[:, None])[:, None, None, None, :]
-        xr_BHRTN = xr_BHRTN.masked_fill(unused_B1111N, float("-inf"))
-        neg_BHRTN = (-xr_BHRTN).masked_fill(unused_B1111N, float("-inf"))
-        idx_BHRT = torch.cat([xr_BHRTN, neg_BHRTN], dim=-1).argmax(-1)
-        # argmax over [xR; -xR] restricted to this row's columns: column c of -xR is bucket half + c.
+        # Columns c >= this row's half count are not its buckets (none when every row has the same count).
+        unused_B1111N = None if uniform else (
+            torch.arange(n_half, device=k_BHTE.device) >= half_B[:, None])[:, None, None, None, :]
         half_B111 = half_B[:, None, None, None]
-        bucket_BHRT = torch.where(idx_BHRT >= n_half, idx_BHRT - n_half + half_B111, idx_BHRT)
+        rows = hash_slice_rows(T, E, n_half)
+        slices_BHRS = [
+            # The same product per token as over the whole row: each entry is one dot over E.
+            angular_argmax(torch.einsum("bhte,hren->bhrtn", k_BHTE[:, :, t0:t0 + rows], rot_HREN), unused_B1111N,
+                           half_B111)
+            for t0 in range(0, T, rows)
+        ]
+        bucket_BHRT = slices_BHRS[0] if len(slices_BHRS) == 1 else torch.cat(slices_BHRS, dim=-1)
         if key_padding_mask_BT is not None:
             bucket_BHRT = bucket_BHRT.masked_fill(key_padding_mask_BT[:, None, None, :], 2 * n_half)
         return bucket_BHRT
@@ -217,33 +254,26 @@ class LSHMechanism(nn.Module):
         pos_T = torch.arange(T, device=q_BHTE.device)
         # Sort by (bucket, position): one int64 key, stable because positions are distinct.
         order_BHRT = torch.argsort(bucket_BHRT * T + pos_T, dim=-1)
+        # The layout is given to the kernels as an index, token_of_row: row l of round r holds that token (-1: a
+        # filler row). They load q, k, v through it and write each round's out and lse at the tokens' places, so no
+        # sorted copy of q, k, v, out or their gradients exists.
         if past_only:
             slot_BHRT, L = self.bucket_aligned_slots(bucket_BHRT, order_BHRT)
             # Shifting positions by -bucket * T makes the causal test (key <= query) also drop the keys of the
             # lower bucket that may fill the previous chunk; inside a bucket it is the plain causal test.
             positions_BHRT = pos_T - bucket_BHRT * T
+            tokens_BHRT = torch.arange(T, device=q_BHTE.device, dtype=torch.int32).expand(B, H, R, T)
+            token_BHRL = torch.full((B, H, R, L), -1, dtype=torch.int32, device=q_BHTE.device)
+            token_BHRL = token_BHRL.scatter_(3, slot_BHRT, tokens_BHRT)
         else:
-            slot_BHRT, L, positions_BHRT = torch.argsort(order_BHRT, dim=-1), T, pos_T.expand(B, H, R, T)
-
-        def layout(x_BHRT_: torch.Tensor, fill: float | bool) -> torch.Tensor:
-            """[B, H, R, T, ...] -> [B, H * R, L, ...]: row slot[t] holds token t, the other rows `fill`."""
-            tail = x_BHRT_.shape[4:]
-            idx = slot_BHRT.view(B, H, R, T, *(1,) * len(tail)).expand(B, H, R, T, *tail)
-            out = torch.full((B, H, R, L, *tail), fill, dtype=x_BHRT_.dtype, device=x_BHRT_.device)
-            return out.scatter(3, idx, x_BHRT_).reshape(B, H * R, L, *tail)
-
-        rounds = lambda x_BHT_: x_BHT_[:, :, None].expand(B, H, R, *x_BHT_.shape[2:])  # noqa: E731
-        pad_BHT = torch.zeros(B, H, T, dtype=torch.bool, device=q_BHTE.device)
-        if key_padding_mask_BS is not None:
-            pad_BHT = key_padding_mask_BS[:, None, :].expand(B, H, T)
-        out_BXLE, lse_BXL = chunked_attention(
-            layout(rounds(q_BHTE), 0.0), layout(rounds(k_BHSE), 0.0), layout(rounds(v_BHSE), 0.0),
-            self.bucket_size, lookback=1, positions=layout(positions_BHRT, 0), causal=causal, self_mask=self.self_mask,
-            key_padding_mask=layout(rounds(pad_BHT), True), wrap=False,
-            dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
+            # The sorted order is the layout, with no filler rows; positions default to the token index (the plain
+            # causal test, and Reformer's self-mask).
+            token_BHRL, positions_BHRT = order_BHRT, None
+        out_BHRTE, lse_BHRT = chunked_attention(
+            q_BHTE, k_BHSE, v_BHSE, self.bucket_size, lookback=1, positions=positions_BHRT, causal=causal,
+            self_mask=self.self_mask, key_padding_mask=key_padding_mask_BS, wrap=False,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.scale, token_of_row=token_BHRL,
         )
-        out_BHRTE = torch.gather(out_BXLE.view(B, H, R, L, E), 3, slot_BHRT[..., None].expand(B, H, R, T, E))
-        lse_BHRT = torch.gather(lse_BXL.view(B, H, R, L), 3, slot_BHRT)
         out_BHTE, _ = merge_lse_many(out_BHRTE, lse_BHRT, dim=2)
         return out_BHTE
 

@@ -194,7 +194,7 @@ def _forward_backward(work: Workload, model: nn.Module, rows: int, precision: st
         loss.backward()
 
 
-def _peak_tracker() -> Any:
+def peak_tracker() -> Any:
     """MemTracker keeping the peak of the whole step only. Its per-module peaks, which a plan does not read,
     walk every module the tracker has seen on every op: most of a plan's time at 100 modules."""
     from torch.distributed._tools import mem_tracker
@@ -234,7 +234,7 @@ def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, 
                 p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        tracker = _peak_tracker()
+        tracker = peak_tracker()
         tracker.track_external(model, opt)
         with tracker, contextlib.nullcontext() if checkpointing else flops:
             _forward_backward(work, model, rows, precision)

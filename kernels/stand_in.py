@@ -1,0 +1,84 @@
+"""Launching the Triton kernels, or standing in for them on fake tensors (the CPU proxies of a GPU run).
+
+Every Triton launch of this package goes through `launch(name, run)`. Normally it runs the launch. Inside
+`kernels.dispatch.stand_in_kernels()` (which selects the stand-in backend and installs a `KernelLog`) it only
+counts it: the rest of the wrapper (the checks, the mask conversions before the autograd.Function, and inside it
+the `torch.empty` outputs the kernels would fill: out, lse, delta, dq, dk, dv) runs as it does on a GPU, so a
+model run on fake tensors (`FakeTensorMode`: shapes, no storage) allocates exactly what a GPU run allocates and
+its kernel launches are counted by name. What the kernels compute is not reproduced: the values are fake.
+
+`kernel_region` marks the body of a kernel's autograd.Function (forward and backward), so that a counter of aten
+ops (benchmarks/attention_glue.py) can tell the kernels' own output buffers from the glue around them. The
+backward re-enters the log its forward saw (`ctx.kernel_log`): autograd may run it in another context.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KernelLog:
+    """Kernel launches counted while standing in, and whether the current op runs inside a kernel's Function."""
+
+    launches: Counter[str] = field(default_factory=Counter)
+    run_kernels: bool = False
+    """True: launch the kernels and count them (a real run, e.g. a test's reference for the stand-in's counts)."""
+    depth: int = 0
+    """> 0 while inside the body of a kernel's autograd.Function (`kernel_region`)."""
+
+    @property
+    def inside_kernel(self) -> bool:
+        return self.depth > 0
+
+
+_LOG: ContextVar[KernelLog | None] = ContextVar("kernel_stand_in_log", default=None)
+
+
+def active() -> KernelLog | None:
+    """The log of the enclosing `installed` block, or None."""
+    return _LOG.get()
+
+
+def standing_in() -> bool:
+    """Launches are counted and not run (kernels.dispatch.stand_in_kernels)."""
+    log = _LOG.get()
+    return log is not None and not log.run_kernels
+
+
+@contextmanager
+def installed(log: KernelLog) -> Iterator[KernelLog]:
+    """Count every launch inside the block in `log`; stand in for it unless `log.run_kernels`."""
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+@contextmanager
+def kernel_region(log: KernelLog | None) -> Iterator[None]:
+    """The body of a kernel's autograd.Function; `log` is the forward's `active()` (None: nothing to mark)."""
+    if log is None:
+        yield
+        return
+    token = _LOG.set(log)
+    log.depth += 1
+    try:
+        yield
+    finally:
+        log.depth -= 1
+        _LOG.reset(token)
+
+
+def launch(name: str, run: Callable[[], object]) -> None:
+    """Run one kernel launch unless standing in; count it under `name` inside `installed`."""
+    log = _LOG.get()
+    if log is None or log.run_kernels:
+        run()
+    if log is not None:
+        log.launches[name] += 1
