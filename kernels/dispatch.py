@@ -14,7 +14,7 @@ every CPU test of the models through an interpreter that is orders of magnitude 
 kernels: the Triton backend's own functions with every launch counted instead of run (kernels/stand_in.py). On
 fake tensors (``FakeTensorMode``) a model then allocates what it would allocate on a GPU (the kernels' outputs,
 what their autograd.Functions save, the backward's delta, dq, dk, dv) and the launches are counted: the CPU
-proxies of benchmarks/attention_glue.py. Outside that context the stand-in rejects every call.
+proxies of benchmarks/methods/attention_glue.py. Outside that context the stand-in rejects every call.
 """
 
 from __future__ import annotations

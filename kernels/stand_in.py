@@ -8,7 +8,7 @@ model run on fake tensors (`FakeTensorMode`: shapes, no storage) allocates exact
 its kernel launches are counted by name. What the kernels compute is not reproduced: the values are fake.
 
 `kernel_region` marks the body of a kernel's autograd.Function (forward and backward), so that a counter of aten
-ops (benchmarks/attention_glue.py) can tell the kernels' own output buffers from the glue around them. The
+ops (benchmarks/methods/attention_glue.py) can tell the kernels' own output buffers from the glue around them. The
 backward re-enters the log its forward saw (`ctx.kernel_log`): autograd may run it in another context.
 """
 

@@ -1,4 +1,4 @@
-"""The CPU proxies of benchmarks/attention_glue.py: the op counter counts what it says, and the stand-in for the
+"""The CPU proxies of benchmarks/methods/attention_glue.py: the op counter counts what it says, and the stand-in for the
 Triton kernels (kernels.dispatch.stand_in_kernels) allocates and launches what the real kernels do under the
 interpreter, at tiny shapes."""
 
@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-from benchmarks.attention_glue import GlueCounter, run_case  # noqa: E402
+from benchmarks.methods.attention_glue import GlueCounter, run_case  # noqa: E402
 from kernels import stand_in  # noqa: E402
 from kernels.chunked_attention import chunked_flash_attention  # noqa: E402
 from kernels.dispatch import select_backend, stand_in_kernels  # noqa: E402

@@ -422,9 +422,9 @@ def test_parity_cases_in_processes_give_the_rows_of_one_process(tmp_path, capsys
 
 
 def test_parity_workers_default_and_bad_values():
-    assert gpu_suite.parity_workers(None, dry_run=True) == 1
-    assert gpu_suite.parity_workers(None, dry_run=False) == max(1, min(8, os.cpu_count() or 1))
-    assert gpu_suite.parity_workers(3, dry_run=True) == 3
+    assert gpu_budget.parity_workers(None, dry_run=True) == 1
+    assert gpu_budget.parity_workers(None, dry_run=False) == max(1, min(8, os.cpu_count() or 1))
+    assert gpu_budget.parity_workers(3, dry_run=True) == 3
     for bad in ("0", "-2", "two", "1.5"):
         with pytest.raises(SystemExit):
             gpu_suite.parse_args(["--parity-workers", bad])

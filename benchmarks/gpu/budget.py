@@ -18,7 +18,9 @@ have nothing to do with an H100's seconds).
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +41,25 @@ class Cost:
 PARITY_POOL_START_S = 20.0
 """Seconds for kernel parity's processes to start (spawned, each imports torch and the kernels and makes a CUDA
 context): an allowance, not yet measured on a GPU; the part's own measured seconds replace it once it ran."""
+
+
+def positive_count(text: str) -> int:
+    """`--parity-workers`' value: a whole number of processes, at least 1."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes of at least 1 (e.g. --parity-workers 8)")
+    return count
+
+
+def parity_workers(requested: int | None, dry_run: bool) -> int:
+    """Kernel parity's processes: as requested, else on a GPU one per core up to 8 (a GPU node's cores compile; more
+    processes would each hold a CUDA context for little gain over 36 cases), in a dry run 1."""
+    if requested is not None:
+        return requested
+    return 1 if dry_run else max(1, min(8, os.cpu_count() or 1))
 
 
 def with_parity_workers(costs: Mapping[str, Cost], workers: int) -> dict[str, Cost]:

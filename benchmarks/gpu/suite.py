@@ -114,25 +114,6 @@ def positive_seconds(text: str) -> float:
     return seconds
 
 
-def positive_count(text: str) -> int:
-    """`--parity-workers`' value: a whole number of processes, at least 1."""
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes of at least 1 (e.g. --parity-workers 8)")
-    return count
-
-
-def parity_workers(requested: int | None, dry_run: bool) -> int:
-    """Kernel parity's processes: as requested, else on a GPU one per core up to 8 (a GPU node's cores compile; more
-    processes would each hold a CUDA context for little gain over 36 cases), in a dry run 1."""
-    if requested is not None:
-        return requested
-    return 1 if dry_run else max(1, min(8, os.cpu_count() or 1))
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results", help="results root; files go to <out>/<machine>/")
@@ -141,7 +122,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="run only these parts")
     parser.add_argument("--budget", type=positive_seconds, default=None, metavar="SECONDS",
                         help="fit the run into this many seconds: parts by value, shrunk or skipped by estimate")
-    parser.add_argument("--parity-workers", type=positive_count, default=None, metavar="N",
+    parser.add_argument("--parity-workers", type=budget.positive_count, default=None, metavar="N",
                         help="processes that run kernel parity's cases side by side, compiling their kernels in "
                              "parallel (default: on a GPU, min(8, CPU cores); a dry run, 1)")
     return parser.parse_args(argv)
@@ -400,7 +381,7 @@ def main(argv: Sequence[str] | None = None, clock: Callable[[], float] | None = 
     deadline = None if args.budget is None else started + args.budget
     table = part_table()
     ctx = SuiteContext(device=device, dry_run=args.dry_run, folder=results_dir(args.out, device),
-                       parity_workers=parity_workers(args.parity_workers, args.dry_run))
+                       parity_workers=budget.parity_workers(args.parity_workers, args.dry_run))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_label(device)
     print(f"gpu_suite: {device_name}, {'dry run' if args.dry_run else 'GPU run'}, writing to {ctx.folder}", flush=True)
     parts = [name for name in PARTS if name in args.parts]

@@ -1,6 +1,6 @@
 """The glue around the attention kernels, measured on a CPU: the proxies of a GPU run (issue 55).
 
-The layers of the GPU suite's `long_attention` part (benchmarks/gpu_speed.py `LONG_MODEL`: d_model 1024, 16 heads
+The layers of the GPU suite's `long_attention` part (benchmarks/gpu/speed.py `LONG_MODEL`: d_model 1024, 16 heads
 of 64, bf16, batch 1; `mha` with SDPA inside, `lsh` with buckets of 64 and 2 hash rounds, `hyper` at its
 defaults, `linformer` k = 256 headwise) and `lsh-r4` (4 rounds, the issue's bar), causal and not, at
 n = 4k ... 128k and 256k, run forward + backward on fake tensors (`FakeTensorMode`: shapes and dtypes, no
@@ -19,8 +19,8 @@ boundaries (kernels/stand_in.py `kernel_region`) and SDPA's fused ops. It counts
 where a GPU run would take another path (SDPA's CPU kernel, LSH's layout sized for the worst case because fake
 tensors have no values: models.attention.lsh.bounded_layout) the docstring of `run_case` says so.
 
-    python -m benchmarks.attention_glue --label before        # rows of this code version, into the CSV
-    python -m benchmarks.attention_glue --label after --kinds lsh lsh-r4 --max-n 65536
+    python -m benchmarks.methods.attention_glue --label before        # rows of this code version, into the CSV
+    python -m benchmarks.methods.attention_glue --label after --kinds lsh lsh-r4 --max-n 65536
 
 Rows of every run stay in benchmarks/results/cpu-2core/attention_glue.csv (a rerun with the same label and commit
 replaces its rows), each with the git commit that produced it (`version`; `+dirty` when tracked code differed).
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.attention_scaling import Settings, Variant, build_layer
-from benchmarks.gpu_speed import LAYER_KINDS, LONG_MODEL
+from benchmarks.methods.attention_scaling import Settings, Variant, build_layer
+from benchmarks.gpu.speed import LAYER_KINDS, LONG_MODEL
 from benchmarks.harness import Row, read_csv, results_dir, write_csv
 from kernels import stand_in
 from kernels.dispatch import stand_in_kernels
@@ -189,7 +189,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     version = code_version(repo)
     path = results_dir(args.out, torch.device("cpu")) / f"{args.name}.csv"
     kept = [row for row in read_csv(path) if (row["label"], row["version"]) != (args.label, version)] \
