@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 
@@ -36,28 +35,38 @@ class KernelLog:
         return self.depth > 0
 
 
-_LOG: ContextVar[KernelLog | None] = ContextVar("kernel_stand_in_log", default=None)
+_log: KernelLog | None = None
+"""The enclosing `installed` block's log. A module global, not a ContextVar: `kernels.dispatch.select_backend` reads
+it on every attention call, and torch.compile traces a global's read (a guard) but breaks the graph at
+`ContextVar.get`. Counting runs one model on one thread; a kernel's backward gets its log passed explicitly
+(`kernel_region`)."""
+
+
+def _swap(log: KernelLog | None) -> KernelLog | None:
+    global _log
+    previous, _log = _log, log
+    return previous
 
 
 def active() -> KernelLog | None:
     """The log of the enclosing `installed` block, or None."""
-    return _LOG.get()
+    return _log
 
 
 def standing_in() -> bool:
     """Launches are counted and not run (kernels.dispatch.stand_in_kernels)."""
-    log = _LOG.get()
+    log = _log
     return log is not None and not log.run_kernels
 
 
 @contextmanager
 def installed(log: KernelLog) -> Iterator[KernelLog]:
     """Count every launch inside the block in `log`; stand in for it unless `log.run_kernels`."""
-    token = _LOG.set(log)
+    previous = _swap(log)
     try:
         yield log
     finally:
-        _LOG.reset(token)
+        _swap(previous)
 
 
 @contextmanager
@@ -66,18 +75,18 @@ def kernel_region(log: KernelLog | None) -> Iterator[None]:
     if log is None:
         yield
         return
-    token = _LOG.set(log)
+    previous = _swap(log)
     log.depth += 1
     try:
         yield
     finally:
         log.depth -= 1
-        _LOG.reset(token)
+        _swap(previous)
 
 
 def launch(name: str, run: Callable[[], object]) -> None:
     """Run one kernel launch unless standing in; count it under `name` inside `installed`."""
-    log = _LOG.get()
+    log = _log
     if log is None or log.run_kernels:
         run()
     if log is not None:
