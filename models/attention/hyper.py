@@ -202,7 +202,7 @@ class HyperMechanism(nn.Module):
 
         def sort(x_BHNE: torch.Tensor, order_BHN: torch.Tensor) -> torch.Tensor:
             x = torch.gather(x_BHNE, 2, order_BHN[..., None].expand(B, H, N, x_BHNE.shape[-1]))
-            return F.pad(x, (0, 0, 0, extra))
+            return F.pad(x, (0, 0, 0, extra)) if extra else x  # a pad of width 0 would still copy
 
         q_s, k_s, v_s = sort(q_BHNE, order_q_BHN), sort(k_BHNE, order_k_BHN), sort(v_BHNE, order_k_BHN)
         kpad_BHN = torch.zeros(B, H, N, dtype=torch.bool, device=q_BHNE.device)
@@ -271,8 +271,9 @@ class HyperMechanism(nn.Module):
         rank_k_BHN = self.bucket_rank(k_BHNE, key_padding_BN)
         order_k_BHN = torch.argsort(rank_k_BHN * N + torch.arange(N, device=dev), dim=-1)
         rank_ks_BHN = torch.gather(rank_k_BHN, 2, order_k_BHN)
-        k_s, v_s = (F.pad(torch.gather(x, 2, order_k_BHN[..., None].expand(B, H, N, E)), (0, 0, 0, nb * b - N))
-                    for x in (k_BHNE, v_BHNE))
+        k_s, v_s = (torch.gather(x, 2, order_k_BHN[..., None].expand(B, H, N, E)) for x in (k_BHNE, v_BHNE))
+        if nb * b > N:  # a pad of width 0 would still copy
+            k_s, v_s = (F.pad(x, (0, 0, 0, nb * b - N)) for x in (k_s, v_s))
         kpad_BHN = torch.zeros(B, H, N, dtype=torch.bool, device=dev)
         if key_padding_BN is not None:
             kpad_BHN = torch.gather(key_padding_BN[:, None, :].expand(B, H, N), 2, order_k_BHN)
@@ -327,20 +328,25 @@ class HyperMechanism(nn.Module):
                 key_padding_BN = torch.zeros(B, N, dtype=torch.bool, device=q_BHNE.device)
             key_padding_BN = F.pad(key_padding_BN, (0, 1), value=True)
         h = (N + odd) // 2
-        halves = lambda x: torch.cat([x[:, :, :h], x[:, :, h:]], dim=0)  # noqa: E731  (2B, H, h, E)
-        pad_halves = None if key_padding_BN is None else torch.cat([key_padding_BN[:, :h], key_padding_BN[:, h:]])
-        out_d, lse_d = self.causal(halves(q_BHNE), halves(k_BHNE), halves(v_BHNE), pad_halves, level + 1)
+        # The halves as views through one unbind each (its backward stacks the two gradients into one tensor):
+        # slices would each allocate a zero-filled gradient of the whole input in the backward, then add them.
+        (q_top, q_bot), (k_top, k_bot), (v_top, v_bot) = (x.unflatten(2, (2, h)).unbind(2)  # 2 x (B, H, h, E)
+                                                           for x in (q_BHNE, k_BHNE, v_BHNE))
+        first_pad, second_pad = (None, None) if key_padding_BN is None else \
+            key_padding_BN.unflatten(1, (2, h)).unbind(1)
+        pad_halves = None if key_padding_BN is None else torch.cat([first_pad, second_pad])
+        out_d, lse_d = self.causal(torch.cat([q_top, q_bot]), torch.cat([k_top, k_bot]), torch.cat([v_top, v_bot]),
+                                   pad_halves, level + 1)  # (2B, H, h, E): every piece of a level in one batch
         # Off-diagonal block: queries of the second half see every key of the first half, unmasked.
-        first_pad = None if key_padding_BN is None else key_padding_BN[:, :h]
-        second_pad = None if key_padding_BN is None else key_padding_BN[:, h:]
-        q_off, k_off, v_off = q_BHNE[:, :, h:], k_BHNE[:, :, :h], v_BHNE[:, :, :h]
         if self.past_only:
-            out_off, lse_off = self.placed(q_off, k_off, v_off, first_pad, level)
+            out_off, lse_off = self.placed(q_bot, k_top, v_top, first_pad, level)
         else:
-            out_off, lse_off = self.non_causal(q_off, k_off, v_off, first_pad, second_pad, level)
-        out_bot, lse_bot = merge_lse(out_d[B:], lse_d[B:], out_off, lse_off)
-        out = torch.cat([out_d[:B], out_bot], dim=2)[:, :, :N]
-        return out, torch.cat([lse_d[:B], lse_bot], dim=2)[:, :, :N]
+            out_off, lse_off = self.non_causal(q_bot, k_top, v_top, first_pad, second_pad, level)
+        out_top, out_d_bot = out_d.unflatten(0, (2, B)).unbind(0)  # (B, H, h, E) each
+        lse_top, lse_d_bot = lse_d.unflatten(0, (2, B)).unbind(0)
+        out_bot, lse_bot = merge_lse(out_d_bot, lse_d_bot, out_off, lse_off)
+        out, lse = torch.cat([out_top, out_bot], dim=2), torch.cat([lse_top, lse_bot], dim=2)
+        return (out[:, :, :N], lse[:, :, :N]) if odd else (out, lse)
 
     def causal_last_rows(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSE: torch.Tensor) -> torch.Tensor:
         """Rows S-T .. S-1 of `forward(causal=True)` over S positions, from those rows' queries and every key: a
