@@ -40,7 +40,7 @@ from pydantic import model_validator
 
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.exact import ExactMechanism
-from models.attention.lse import exact_attention, merge_lse
+from models.attention.lse import exact_attention, merge_lse, merge_lse_below
 
 _LAYER_SEED_STRIDE = 1_000_003
 _LEVEL_SEED_STRIDE = 7919  # evaluation samples: one generator seed per (layer, recursion level)
@@ -342,10 +342,7 @@ class HyperMechanism(nn.Module):
             out_off, lse_off = self.placed(q_bot, k_top, v_top, first_pad, level)
         else:
             out_off, lse_off = self.non_causal(q_bot, k_top, v_top, first_pad, second_pad, level)
-        out_top, out_d_bot = out_d.unflatten(0, (2, B)).unbind(0)  # (B, H, h, E) each
-        lse_top, lse_d_bot = lse_d.unflatten(0, (2, B)).unbind(0)
-        out_bot, lse_bot = merge_lse(out_d_bot, lse_d_bot, out_off, lse_off)
-        out, lse = torch.cat([out_top, out_bot], dim=2), torch.cat([lse_top, lse_bot], dim=2)
+        out, lse = merge_lse_below(out_d, lse_d, out_off, lse_off)  # (B, H, 2h, E): first half, merged second
         return (out[:, :, :N], lse[:, :, :N]) if odd else (out, lse)
 
     def causal_last_rows(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSE: torch.Tensor) -> torch.Tensor:
