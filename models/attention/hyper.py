@@ -308,12 +308,15 @@ class HyperMechanism(nn.Module):
         out_s, lse_s = exact_attention(
             q_slots.view(B * H * G, 1, b, E), blocks(k_s).reshape(B * H * G, 1, b, E),
             blocks(v_s).reshape(B * H * G, 1, b, E), key_padding_mask=blocks(kpad_s).reshape(B * H * G, b))
-        out_s, lse_s = out_s.reshape(B, H, G * b, E), lse_s.reshape(B, H, G * b)
+        # Back from the G*b slots (about 2M) to the M queries before the merge, which is row by row: the same
+        # values as merging every slot and gathering after, with the merge's fp32 buffers half as long.
+        out = torch.gather(out_s.reshape(B, H, G * b, E), 2, slot_BHM[..., None].expand(B, H, M, E))
+        lse = torch.gather(lse_s.reshape(B, H, G * b), 2, slot_BHM)
         if self.sample_size > 0:
             o_res, lse_res = self.residual(q_slots.view(B, H, G, b, E), block_BHG, k_s, v_s, kpad_s, level)
-            out_s, lse_s = merge_lse(out_s, lse_s, o_res, lse_res)
-        out = torch.gather(out_s, 2, slot_BHM[..., None].expand(B, H, M, E))
-        return out, torch.gather(lse_s, 2, slot_BHM)
+            out, lse = merge_lse(out, lse, torch.gather(o_res, 2, slot_BHM[..., None].expand(B, H, M, E)),
+                                 torch.gather(lse_res, 2, slot_BHM))
+        return out, lse
 
     def causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN, level: int = 0):
         """Algorithm 4: (out, lse) of causal attention by recursive halving."""
