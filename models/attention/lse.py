@@ -14,6 +14,7 @@ PyTorch reference elsewhere, both returning (out, lse) with fully masked rows gi
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from kernels import chunked_attention, exact_attention
 from kernels.reference import SELF_LOGIT
@@ -75,6 +76,7 @@ class _MergeLse(torch.autograd.Function):
         return out, torch.cat([lse_a[:B], lse], dim=-1)
 
     @staticmethod
+    @once_differentiable  # the backward writes into out= buffers: a second derivative raises instead of being wrong
     def backward(ctx, g_out, g_lse):  # type: ignore[override]
         a, b, alpha, beta = ctx.saved_tensors
         M = a.shape[-2]
