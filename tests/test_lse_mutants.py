@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from models.attention.lse import merge_lse, merge_lse_many
+from models.attention.lse import merge_lse, merge_lse_below, merge_lse_many, merge_lse_reference
 
 NEG_INF = float("-inf")
 
@@ -80,3 +80,54 @@ def test_many_small_half_precision_parts_are_accumulated_in_float32():
     torch.testing.assert_close(merged.double(), out[0].double(), atol=0, rtol=2e-3)
     torch.testing.assert_close(merged_lse.double(), torch.tensor([math.log(R)], dtype=torch.float64),
                                atol=1e-2, rtol=0)
+
+
+def _parts(rows: int, dtype: torch.dtype, seed: int):
+    """out [rows, 3, 5, 8], lse [rows, 3, 5] with rows of no keys (lse = -inf) in each part and in both."""
+    gen = torch.Generator().manual_seed(seed)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    out = torch.randn(rows, 3, 5, 8, generator=gen).to(dtype)
+    lse = torch.randn(rows, 3, 5, generator=gen, dtype=lse_dtype) * 3
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("stacked", [False, True], ids=["merge_lse", "merge_lse_below"])
+def test_the_fused_merge_equals_the_autograd_expression_bitwise_in_outputs_and_part_gradients(dtype, stacked):
+    """merge_lse (and merge_lse_below, HyperAttention's causal level) against merge_lse_reference: outputs and
+    the parts' gradients bitwise; the lse gradients, from the closed form, within a few ulps of autograd's."""
+    B = 2
+    out_a, lse_a = _parts(2 * B if stacked else B, dtype, 0)
+    out_b, lse_b = _parts(B, dtype, 1)
+    a_row = B if stacked else 0
+    lse_a[a_row, 0], lse_b[0, 1] = NEG_INF, NEG_INF
+    lse_a[a_row + 1, 0], lse_b[1, 0] = NEG_INF, NEG_INF
+    results = []
+    for fused in (True, False):
+        leaves = [x.clone().requires_grad_() for x in (out_a, lse_a, out_b, lse_b)]
+        if fused:
+            out, lse = (merge_lse_below if stacked else merge_lse)(*leaves)
+        elif stacked:
+            out_bot, lse_bot = merge_lse_reference(leaves[0][B:], leaves[1][B:], leaves[2], leaves[3])
+            out, lse = torch.cat([leaves[0][:B], out_bot], dim=2), torch.cat([leaves[1][:B], lse_bot], dim=2)
+        else:
+            out, lse = merge_lse_reference(*leaves)
+        weights = torch.linspace(-1, 1, out.shape[-1], dtype=torch.float64)
+        ((out.double() * weights).sum() + torch.where(torch.isinf(lse), 0, lse).sum()).backward()
+        results.append((out, lse, [x.grad for x in leaves]))
+    (out, lse, grads), (ref, ref_lse, ref_grads) = results
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[2], ref_grads[2])
+    for got, want in ((grads[1], ref_grads[1]), (grads[3], ref_grads[3])):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["merge_lse", "merge_lse_below"])
+def test_the_fused_merge_backward_passes_gradcheck(stacked):
+    out_a, lse_a = _parts(4 if stacked else 2, torch.float64, 2)
+    out_b, lse_b = _parts(2, torch.float64, 3)
+    merge = merge_lse_below if stacked else merge_lse
+    leaves = tuple(x[..., :2, :3] if x.dim() == 4 else x[..., :2] for x in (out_a, lse_a, out_b, lse_b))
+    leaves = tuple(x.contiguous().requires_grad_() for x in leaves)
+    assert torch.autograd.gradcheck(lambda *xs: merge(*xs), leaves, eps=1e-6, atol=1e-6)

@@ -40,7 +40,7 @@ from pydantic import model_validator
 
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.exact import ExactMechanism
-from models.attention.lse import exact_attention, merge_lse
+from models.attention.lse import exact_attention, merge_lse, merge_lse_below
 
 _LAYER_SEED_STRIDE = 1_000_003
 _LEVEL_SEED_STRIDE = 7919  # evaluation samples: one generator seed per (layer, recursion level)
@@ -202,7 +202,7 @@ class HyperMechanism(nn.Module):
 
         def sort(x_BHNE: torch.Tensor, order_BHN: torch.Tensor) -> torch.Tensor:
             x = torch.gather(x_BHNE, 2, order_BHN[..., None].expand(B, H, N, x_BHNE.shape[-1]))
-            return F.pad(x, (0, 0, 0, extra))
+            return F.pad(x, (0, 0, 0, extra)) if extra else x  # a pad of width 0 would still copy
 
         q_s, k_s, v_s = sort(q_BHNE, order_q_BHN), sort(k_BHNE, order_k_BHN), sort(v_BHNE, order_k_BHN)
         kpad_BHN = torch.zeros(B, H, N, dtype=torch.bool, device=q_BHNE.device)
@@ -271,8 +271,9 @@ class HyperMechanism(nn.Module):
         rank_k_BHN = self.bucket_rank(k_BHNE, key_padding_BN)
         order_k_BHN = torch.argsort(rank_k_BHN * N + torch.arange(N, device=dev), dim=-1)
         rank_ks_BHN = torch.gather(rank_k_BHN, 2, order_k_BHN)
-        k_s, v_s = (F.pad(torch.gather(x, 2, order_k_BHN[..., None].expand(B, H, N, E)), (0, 0, 0, nb * b - N))
-                    for x in (k_BHNE, v_BHNE))
+        k_s, v_s = (torch.gather(x, 2, order_k_BHN[..., None].expand(B, H, N, E)) for x in (k_BHNE, v_BHNE))
+        if nb * b > N:  # a pad of width 0 would still copy
+            k_s, v_s = (F.pad(x, (0, 0, 0, nb * b - N)) for x in (k_s, v_s))
         kpad_BHN = torch.zeros(B, H, N, dtype=torch.bool, device=dev)
         if key_padding_BN is not None:
             kpad_BHN = torch.gather(key_padding_BN[:, None, :].expand(B, H, N), 2, order_k_BHN)
@@ -307,12 +308,15 @@ class HyperMechanism(nn.Module):
         out_s, lse_s = exact_attention(
             q_slots.view(B * H * G, 1, b, E), blocks(k_s).reshape(B * H * G, 1, b, E),
             blocks(v_s).reshape(B * H * G, 1, b, E), key_padding_mask=blocks(kpad_s).reshape(B * H * G, b))
-        out_s, lse_s = out_s.reshape(B, H, G * b, E), lse_s.reshape(B, H, G * b)
+        # Back from the G*b slots (about 2M) to the M queries before the merge, which is row by row: the same
+        # values as merging every slot and gathering after, with the merge's fp32 buffers half as long.
+        out = torch.gather(out_s.reshape(B, H, G * b, E), 2, slot_BHM[..., None].expand(B, H, M, E))
+        lse = torch.gather(lse_s.reshape(B, H, G * b), 2, slot_BHM)
         if self.sample_size > 0:
             o_res, lse_res = self.residual(q_slots.view(B, H, G, b, E), block_BHG, k_s, v_s, kpad_s, level)
-            out_s, lse_s = merge_lse(out_s, lse_s, o_res, lse_res)
-        out = torch.gather(out_s, 2, slot_BHM[..., None].expand(B, H, M, E))
-        return out, torch.gather(lse_s, 2, slot_BHM)
+            out, lse = merge_lse(out, lse, torch.gather(o_res, 2, slot_BHM[..., None].expand(B, H, M, E)),
+                                 torch.gather(lse_res, 2, slot_BHM))
+        return out, lse
 
     def causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN, level: int = 0):
         """Algorithm 4: (out, lse) of causal attention by recursive halving."""
@@ -327,20 +331,22 @@ class HyperMechanism(nn.Module):
                 key_padding_BN = torch.zeros(B, N, dtype=torch.bool, device=q_BHNE.device)
             key_padding_BN = F.pad(key_padding_BN, (0, 1), value=True)
         h = (N + odd) // 2
-        halves = lambda x: torch.cat([x[:, :, :h], x[:, :, h:]], dim=0)  # noqa: E731  (2B, H, h, E)
-        pad_halves = None if key_padding_BN is None else torch.cat([key_padding_BN[:, :h], key_padding_BN[:, h:]])
-        out_d, lse_d = self.causal(halves(q_BHNE), halves(k_BHNE), halves(v_BHNE), pad_halves, level + 1)
+        # The halves as views through one unbind each (its backward stacks the two gradients into one tensor):
+        # slices would each allocate a zero-filled gradient of the whole input in the backward, then add them.
+        (q_top, q_bot), (k_top, k_bot), (v_top, v_bot) = (x.unflatten(2, (2, h)).unbind(2)  # 2 x (B, H, h, E)
+                                                           for x in (q_BHNE, k_BHNE, v_BHNE))
+        first_pad, second_pad = (None, None) if key_padding_BN is None else \
+            key_padding_BN.unflatten(1, (2, h)).unbind(1)
+        pad_halves = None if key_padding_BN is None else torch.cat([first_pad, second_pad])
+        out_d, lse_d = self.causal(torch.cat([q_top, q_bot]), torch.cat([k_top, k_bot]), torch.cat([v_top, v_bot]),
+                                   pad_halves, level + 1)  # (2B, H, h, E): every piece of a level in one batch
         # Off-diagonal block: queries of the second half see every key of the first half, unmasked.
-        first_pad = None if key_padding_BN is None else key_padding_BN[:, :h]
-        second_pad = None if key_padding_BN is None else key_padding_BN[:, h:]
-        q_off, k_off, v_off = q_BHNE[:, :, h:], k_BHNE[:, :, :h], v_BHNE[:, :, :h]
         if self.past_only:
-            out_off, lse_off = self.placed(q_off, k_off, v_off, first_pad, level)
+            out_off, lse_off = self.placed(q_bot, k_top, v_top, first_pad, level)
         else:
-            out_off, lse_off = self.non_causal(q_off, k_off, v_off, first_pad, second_pad, level)
-        out_bot, lse_bot = merge_lse(out_d[B:], lse_d[B:], out_off, lse_off)
-        out = torch.cat([out_d[:B], out_bot], dim=2)[:, :, :N]
-        return out, torch.cat([lse_d[:B], lse_bot], dim=2)[:, :, :N]
+            out_off, lse_off = self.non_causal(q_bot, k_top, v_top, first_pad, second_pad, level)
+        out, lse = merge_lse_below(out_d, lse_d, out_off, lse_off)  # (B, H, 2h, E): first half, merged second
+        return (out[:, :, :N], lse[:, :, :N]) if odd else (out, lse)
 
     def causal_last_rows(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSE: torch.Tensor) -> torch.Tensor:
         """Rows S-T .. S-1 of `forward(causal=True)` over S positions, from those rows' queries and every key: a

@@ -14,11 +14,13 @@ PyTorch reference elsewhere, both returning (out, lse) with fully masked rows gi
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from kernels import chunked_attention, exact_attention
 from kernels.reference import SELF_LOGIT
 
-__all__ = ["SELF_LOGIT", "chunked_attention", "exact_attention", "merge_lse", "merge_lse_many"]
+__all__ = ["SELF_LOGIT", "chunked_attention", "exact_attention", "merge_lse", "merge_lse_below", "merge_lse_many",
+           "merge_lse_reference"]
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -31,6 +33,76 @@ def _safe_max(lse_a: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(m), torch.zeros_like(m), m)
 
 
+def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(alpha, beta, lse) of two parts: out = out_a alpha + out_b beta, as `merge_lse_reference` computes them."""
+    m = _safe_max(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = w_a + w_b
+    has_keys = total > 0
+    total_safe = torch.where(has_keys, total, torch.ones_like(total))
+    lse = torch.where(has_keys, m + torch.log(total_safe), torch.full_like(total, float("-inf")))
+    return w_a / total_safe, w_b / total_safe, lse
+
+
+class _MergeLse(torch.autograd.Function):
+    """`merge_lse` with its accumulator written in place and a backward of its own; with `stacked`, out_a holds
+    2B rows (B passed through, then the B rows merged with out_b) and the result is the two along the row axis.
+
+    The forward runs the same operations on the same values as `merge_lse_reference` (outputs bitwise equal; a
+    bf16 x fp32 product computes in fp32, as the reference's fp32 copy does), with one fp32 buffer and saves only
+    the parts and their [..., M] weights, where autograd saves fp32 copies and products. The backward gives the
+    parts' gradients bitwise as autograd (g * weight, rounded to the part's dtype); the lse gradients come from the
+    closed form d lse / d lse_a = alpha, d alpha / d lse_a = alpha (1 - alpha), whose float rounding differs from
+    autograd's chain through exp, div and log by a few ulps.
+    """
+
+    @staticmethod
+    def forward(ctx, out_a, lse_a, out_b, lse_b, stacked: bool):  # type: ignore[override]
+        B = out_b.shape[0]
+        a, la = (out_a[B:], lse_a[B:]) if stacked else (out_a, lse_a)
+        alpha, beta, lse = _weights(la, lse_b)
+        acc = torch.promote_types(torch.promote_types(out_a.dtype, torch.float32), alpha.dtype)
+        alpha_acc, beta_acc = alpha.to(acc), beta.to(acc)
+        merged = a * alpha_acc[..., None]  # [..., M, D] in acc
+        merged.add_(out_b * beta_acc[..., None])
+        ctx.save_for_backward(a, out_b, alpha_acc, beta_acc)
+        ctx.stacked, ctx.lse_dtype = stacked, alpha.dtype
+        if not stacked:
+            return merged.to(out_a.dtype), lse
+        M = a.shape[-2]
+        out = out_a.new_empty(*a.shape[:-2], 2 * M, a.shape[-1])
+        out[..., :M, :].copy_(out_a[:B])
+        out[..., M:, :].copy_(merged)  # the cast .to(out_a.dtype) would make, written in place
+        return out, torch.cat([lse_a[:B], lse], dim=-1)
+
+    @staticmethod
+    @once_differentiable  # the backward writes into out= buffers: a second derivative raises instead of being wrong
+    def backward(ctx, g_out, g_lse):  # type: ignore[override]
+        a, b, alpha, beta = ctx.saved_tensors
+        M = a.shape[-2]
+        if ctx.stacked:
+            g_top, g_out, g_lse_top, g_lse = g_out[..., :M, :], g_out[..., M:, :], g_lse[..., :M], g_lse[..., M:]
+        g_acc = g_out.to(alpha.dtype)
+        product = g_acc * a  # one buffer for both products: the weights' gradients are row sums of them
+        g_alpha = product.sum(-1)
+        g_beta = torch.mul(g_acc, b, out=product).sum(-1)
+        # out = A alpha + B beta, lse = log(e^lse_a + e^lse_b): d/d lse_a = alpha (g_alpha + g_lse - s), with
+        # s = alpha g_alpha + beta g_beta; a part without keys has weight 0 and gets no gradient.
+        g_lse = g_lse.to(alpha.dtype)
+        shared = alpha * g_alpha + beta * g_beta
+        g_lse_a = (alpha * (g_alpha + g_lse - shared)).to(ctx.lse_dtype)
+        g_lse_b = (beta * (g_beta + g_lse - shared)).to(ctx.lse_dtype)
+        # g * weight computed in acc and rounded once into the part's dtype, as (g * weight).to(dtype) would.
+        g_b = torch.mul(g_acc, beta[..., None], out=torch.empty_like(b))
+        B = a.shape[0]
+        g_out_a = a.new_empty(2 * B, *a.shape[1:]) if ctx.stacked else torch.empty_like(a)
+        torch.mul(g_acc, alpha[..., None], out=g_out_a[B:] if ctx.stacked else g_out_a)
+        if not ctx.stacked:
+            return g_out_a, g_lse_a, g_b, g_lse_b, None
+        g_out_a[:B].copy_(g_top)
+        return g_out_a, torch.cat([g_lse_top.to(ctx.lse_dtype), g_lse_a]), g_b, g_lse_b, None
+
+
 def merge_lse(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,8 +110,26 @@ def merge_lse(
 
     out = (out_a e^lse_a + out_b e^lse_b) / (e^lse_a + e^lse_b), lse = log(e^lse_a + e^lse_b), which is exact
     attention over the union of the two key sets. A part with lse = -inf (no keys) has weight 0; when both have
-    none the result is zeros and -inf, with finite gradients.
+    none the result is zeros and -inf, with finite gradients. Outputs bitwise those of `merge_lse_reference`, in
+    fewer bytes (`_MergeLse`).
     """
+    return _MergeLse.apply(out_a, lse_a, out_b, lse_b, False)
+
+
+def merge_lse_below(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out_a [2B, ..., M, D], lse_a [2B, ..., M]: rows :B, then `merge_lse` of rows B: with out_b [B, ..., M, D],
+    joined along the row axis: ([B, ..., 2M, D], [B, ..., 2M]). HyperAttention's causal level (the diagonal halves
+    batched as 2B rows, the second half merged with the off-diagonal block) in one output buffer, without the
+    slices, cat and gradient stacks the same expression makes through autograd."""
+    return _MergeLse.apply(out_a, lse_a, out_b, lse_b, True)
+
+
+def merge_lse_reference(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_lse` as one autograd expression: the reference its tests compare against."""
     m = _safe_max(lse_a, lse_b)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     total = w_a + w_b
