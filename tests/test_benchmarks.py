@@ -271,3 +271,15 @@ def test_mqar_curve_reads_every_trials_curve_from_a_sweep_store_and_finds_each_p
     with pytest.raises(ReportError, match="experiment 'other' does not exist in this tracking store; existing "
                                           "experiments: 'Default', 'recall'. Check --experiment and --from-store."):
         mqar_curve.store_curves(uri, "other")
+
+
+def test_launch_cpu_names_each_process_by_its_actor_module_or_script():
+    from benchmarks.system.launch_cpu import process_kind
+
+    site = "/usr/lib/python3.11/site-packages/"
+    assert process_kind("ray::_QueueActor.get") == "ray::_QueueActor"
+    assert process_kind("ray::TrainController") == "ray::TrainController"
+    assert process_kind("/usr/bin/python -m orchestrator train spec.yaml") == "-m orchestrator train"
+    assert process_kind(f"/usr/bin/python -u {site}ray/dashboard/agent.py --node-id=1") == "ray/dashboard/agent.py"
+    assert process_kind(f"{site}ray/core/src/ray/gcs/gcs_server --log_dir=/tmp") == "gcs/gcs_server"
+    assert process_kind("") == "(exited)"
