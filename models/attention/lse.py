@@ -129,14 +129,10 @@ def merge_lse_below(
 def merge_lse_reference(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`merge_lse` as one autograd expression: the reference its tests compare against."""
-    m = _safe_max(lse_a, lse_b)
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    total = w_a + w_b
-    has_keys = total > 0
-    total_safe = torch.where(has_keys, total, torch.ones_like(total))
-    lse = torch.where(has_keys, m + torch.log(total_safe), torch.full_like(total, float("-inf")))
-    out = _acc(out_a) * (w_a / total_safe)[..., None] + _acc(out_b) * (w_b / total_safe)[..., None]
+    """`merge_lse` as one autograd expression: the reference its tests compare against (autograd's chain through
+    the weights, where `merge_lse`'s backward has a closed form)."""
+    alpha, beta, lse = _weights(lse_a, lse_b)
+    out = _acc(out_a) * alpha[..., None] + _acc(out_b) * beta[..., None]
     return out.to(out_a.dtype), lse
 
 
