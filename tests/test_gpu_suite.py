@@ -436,4 +436,11 @@ def test_parallel_parity_estimate_counts_rounds_of_cases_not_cases():
     assert table["kernel_parity"].seconds(3) == one.setup + gpu_budget.PARITY_POOL_START_S + one.per_case
     assert table["kernel_parity"].seconds(36) == one.setup + gpu_budget.PARITY_POOL_START_S + 5 * one.per_case
     assert gpu_budget.with_parity_workers(gpu_budget.H100_COSTS, 1) == gpu_budget.H100_COSTS
+    # Once measured: 3 cases in one round of 8 processes took 60 s, so the other 33 take 5 rounds.
+    estimates = gpu_budget.Estimates(table)
+    estimates.update("kernel_parity", 3, 60.0)
+    assert estimates.seconds("kernel_parity", 33) == 5 * 60.0
+    sequential = gpu_budget.Estimates(gpu_budget.H100_COSTS)
+    sequential.update("kernel_parity", 3, 60.0)
+    assert sequential.seconds("kernel_parity", 33) == 33 * 20.0
     assert table["train_step"] == gpu_budget.H100_COSTS["train_step"]
