@@ -87,8 +87,7 @@ def measure(command: Sequence[str], cwd: Path, interval: float) -> tuple[Counter
 
 def tiny_train(folder: Path) -> list[str]:
     """The real-process tier's tiny run (tests/real_runs.py), as a command in `folder`."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.real_runs import write_spec
+    from tests.real_runs import write_spec  # importable from the repository root, where benchmarks run
 
     spec = write_spec(folder, "launch-cpu", f"sqlite:///{folder / 'mlflow.db'}")
     return [sys.executable, "-m", "orchestrator", "train", str(spec)]
