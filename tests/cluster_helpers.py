@@ -77,15 +77,26 @@ class LocalCluster:
     processes get besides (a node's own S3 credentials, as an instance role gives a cloud node)."""
 
     def __init__(self, env: dict[str, str] | None = None, **head_args: Any):
-        self.temp_dir = short_temp_dir("rc")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cluster_helpers", json.dumps(head_args)],
-                                     cwd=ROOT, env=private_env(self.temp_dir, **(env or {})), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            reply = self._reply()
-        except BaseException:
-            self.shutdown()
-            raise
+        # As RayHead and the launcher's local Ray (START_ATTEMPTS): Ray's fixed 30 s for the head's raylet to
+        # register runs out on a loaded machine (seen in the slow tier at load 12); a new head in a new temp dir.
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self.temp_dir = short_temp_dir("rc")
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.cluster_helpers", json.dumps(head_args)],
+                                         cwd=ROOT, env=private_env(self.temp_dir, **(env or {})),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                         start_new_session=True)
+            try:
+                reply = self._reply()
+            except BaseException:
+                self.shutdown()
+                raise
+            if "error" not in reply:
+                break
+            self.shutdown()  # what the failed start left in its temp dir
+            if NODE_START_TIMEOUT not in reply["error"] or attempt == START_ATTEMPTS:
+                raise RuntimeError(f"the cluster's head did not start ({attempt} attempts): {reply['error']}")
+            print(f"the cluster's head timed out during startup; starting it again ({attempt + 1}/{START_ATTEMPTS})",
+                  file=sys.stderr, flush=True)
         self.address, self.head = reply["address"], reply["node"]
 
     def _reply(self) -> dict[str, Any]:
@@ -206,7 +217,11 @@ def _serve(head_args: dict[str, Any]) -> None:
     def describe(node) -> dict[str, Any]:
         return {"node_id": node.node_id, "raylet_pid": node.all_processes["raylet"][0].process.pid}
 
-    cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head_args})
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head_args})
+    except Exception as err:  # Ray raises a bare Exception when the raylet does not register in time
+        reply(error=str(err))  # the parent decides whether to start again (LocalCluster)
+        raise
     nodes = {cluster.head_node.node_id: cluster.head_node}
     reply(address=cluster.address, node=describe(cluster.head_node))
     try:

@@ -283,3 +283,22 @@ def test_launch_cpu_names_each_process_by_its_actor_module_or_script():
     assert process_kind(f"/usr/bin/python -u {site}ray/dashboard/agent.py --node-id=1") == "ray/dashboard/agent.py"
     assert process_kind(f"{site}ray/core/src/ray/gcs/gcs_server --log_dir=/tmp") == "gcs/gcs_server"
     assert process_kind("") == "(exited)"
+
+
+def test_test_tier_units_sums_each_xdist_group_and_reads_the_wall_time():
+    from benchmarks.system.test_tier_units import read_log
+
+    log = "\n".join([
+        "============================== slowest durations ===============================",
+        "120.50s call     tests/test_a.py::test_one@ray_cluster",
+        "30.00s setup    tests/test_a.py::test_two@ray_cluster",
+        "10.25s call     tests/test_b.py::test_alone[x]",
+        "2.00s teardown tests/test_b.py::test_alone[x]",
+        "0.01s call     tests/test_b.py::test_alone[y]",
+        "=========================== short test summary info ============================",
+        "4 passed, 1 warning in 99.50s (0:01:39)",
+    ])
+    units, wall = read_log(log)
+    assert units == {"@ray_cluster": 150.5, "tests/test_b.py::test_alone[x]": 12.25,
+                     "tests/test_b.py::test_alone[y]": 0.01}
+    assert wall == 99.5
