@@ -94,7 +94,7 @@ class LocalCluster:
                 break
             self.shutdown()  # what the failed start left in its temp dir
             if NODE_START_TIMEOUT not in reply["error"] or attempt == START_ATTEMPTS:
-                raise RuntimeError(f"the cluster's head did not start ({attempt} attempts): {reply['error']}")
+                raise RuntimeError(f"the cluster's head did not start (attempt {attempt} of {START_ATTEMPTS}): {reply['error']}")
             print(f"the cluster's head timed out during startup; starting it again ({attempt + 1}/{START_ATTEMPTS})",
                   file=sys.stderr, flush=True)
         self.address, self.head = reply["address"], reply["node"]
