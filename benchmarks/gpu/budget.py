@@ -156,8 +156,8 @@ class Estimates:
         if done:
             # By rounds of cases run side by side (parity's processes; one case a round elsewhere): 3 cases in 8
             # processes took one round, and 33 more take 5, not 11.
-            rounds = lambda n: math.ceil(n / self.table[part].parallel)  # noqa: E731
-            return rounds(cases) * seconds / rounds(done)
+            parallel = self.table[part].parallel
+            return math.ceil(cases / parallel) * seconds / math.ceil(done / parallel)
         return self.scale * self.table[part].seconds(cases)
 
     def update(self, part: str, cases: int, seconds: float) -> None:
