@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,33 +72,45 @@ def end_ray_in(temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def start_again_on_node_timeout(start: Callable[[], str | None], stop: Callable[[], None], what: str) -> None:
+    """Run `start` (None once it worked, else the failure in Ray's words) again while the failure is Ray's fixed 30 s
+    for a raylet to register, which runs out on a loaded machine (seen in the slow tier at load 12), up to
+    START_ATTEMPTS times, as the launcher's local Ray does (orchestrator/cluster/ray_env.py); any other failure is
+    raised at once. `stop` ends what a failed or interrupted start left behind."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            error = start()
+        except BaseException:
+            stop()
+            raise
+        if error is None:
+            return
+        stop()
+        if NODE_START_TIMEOUT not in error or attempt == START_ATTEMPTS:
+            raise RuntimeError(f"{what} did not start (attempt {attempt} of {START_ATTEMPTS}): {error}")
+        print(f"{what} timed out during startup; starting it again ({attempt + 1}/{START_ATTEMPTS})",
+              file=sys.stderr, flush=True)
+
+
 class LocalCluster:
     """`ray.cluster_utils.Cluster` in a child process; `add_node(**node_args)` returns the node's Ray id and
     raylet PID, `remove_node(node_id)` kills that node's processes (a lost machine). `env`: what every node's
     processes get besides (a node's own S3 credentials, as an instance role gives a cloud node)."""
 
     def __init__(self, env: dict[str, str] | None = None, **head_args: Any):
-        # As RayHead and the launcher's local Ray (START_ATTEMPTS): Ray's fixed 30 s for the head's raylet to
-        # register runs out on a loaded machine (seen in the slow tier at load 12); a new head in a new temp dir.
-        for attempt in range(1, START_ATTEMPTS + 1):
-            self.temp_dir = short_temp_dir("rc")
+        def start() -> str | None:
+            self.temp_dir = short_temp_dir("rc")  # a new one each attempt: a failed start's is removed with it
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.cluster_helpers", json.dumps(head_args)],
                                          cwd=ROOT, env=private_env(self.temp_dir, **(env or {})),
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                          start_new_session=True)
-            try:
-                reply = self._reply()
-            except BaseException:
-                self.shutdown()
-                raise
-            if "error" not in reply:
-                break
-            self.shutdown()  # what the failed start left in its temp dir
-            if NODE_START_TIMEOUT not in reply["error"] or attempt == START_ATTEMPTS:
-                raise RuntimeError(f"the cluster's head did not start (attempt {attempt} of {START_ATTEMPTS}): {reply['error']}")
-            print(f"the cluster's head timed out during startup; starting it again ({attempt + 1}/{START_ATTEMPTS})",
-                  file=sys.stderr, flush=True)
-        self.address, self.head = reply["address"], reply["node"]
+            reply = self._reply()
+            if "error" in reply:
+                return reply["error"]
+            self.address, self.head = reply["address"], reply["node"]
+            return None
+
+        start_again_on_node_timeout(start, self.shutdown, "the cluster's head")
 
     def _reply(self) -> dict[str, Any]:
         line = self.proc.stdout.readline()
@@ -152,27 +165,24 @@ class RayHead:
                    f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
                    "--object-store-memory=200000000", "--disable-usage-stats"]
         extra = dict(STARTUP_CONCURRENCY)  # as cluster.yaml starts every node
+        config = None
         if autoscaling is not None:
             config = fake_autoscaling_config(self.address, **autoscaling)
-            path = Path(self.temp_dir) / "autoscaling.yaml"
-            path.write_text(json.dumps(config))
-            command.append(f"--autoscaling-config={path}")
+            command.append(f"--autoscaling-config={Path(self.temp_dir) / 'autoscaling.yaml'}")
             extra.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
         self.env = private_env(self.temp_dir, **extra)
-        # As the launcher's local Ray (orchestrator/cluster/ray_env.py, START_ATTEMPTS): Ray's fixed 30 s for the
-        # raylet to register can run out on a loaded 2-core machine, and the next start usually succeeds.
-        for attempt in range(1, START_ATTEMPTS + 1):
+
+        def start() -> str | None:
+            if config is not None:  # written each attempt: a failed start's temp dir is removed with it
+                Path(self.temp_dir).mkdir(parents=True, exist_ok=True)
+                (Path(self.temp_dir) / "autoscaling.yaml").write_text(json.dumps(config))
             try:
                 subprocess.run(command, env=self.env, check=True, capture_output=True, text=True, timeout=180)
-                break
             except subprocess.CalledProcessError as err:
-                self.stop()
-                if NODE_START_TIMEOUT in err.stdout + err.stderr and attempt < START_ATTEMPTS:
-                    continue
-                raise RuntimeError(f"ray start failed:\n{err.stdout[-3000:]}\n{err.stderr[-3000:]}") from None
-            except BaseException:
-                self.stop()
-                raise
+                return f"ray start failed:\n{err.stdout[-3000:]}\n{err.stderr[-3000:]}"
+            return None
+
+        start_again_on_node_timeout(start, self.stop, "the Ray head")
 
     def stop(self) -> None:
         end_ray_in(self.temp_dir)

@@ -1,8 +1,12 @@
-"""The tests' own multi-node cluster (tests/cluster_helpers.py `LocalCluster`) starts its head again on Ray's 30 s
-raylet timeout, as the launcher's local Ray does (tests/test_ray_env.py), and on nothing else. The head's start is a
-real child process; the timeout is stood in for by an error the child really raises (an argument Ray refuses)."""
+"""The tests' own clusters (tests/cluster_helpers.py: `LocalCluster`, `RayHead`) start their head again on Ray's
+30 s raylet timeout, as the launcher's local Ray does (tests/test_ray_env.py), and on nothing else
+(`start_again_on_node_timeout`). LocalCluster's start is a real child process; the timeout is stood in for by an
+error the child really raises (an argument Ray refuses)."""
 
 from __future__ import annotations
+
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +30,22 @@ def test_a_head_that_timed_out_is_started_again_up_to_its_attempts(monkeypatch, 
         cluster_helpers.LocalCluster(num_cpus=0, no_such_ray_argument=1)
     err = capsys.readouterr().err
     assert [f"({n}/{attempts})" in err for n in range(2, attempts + 1)] == [True] * (attempts - 1), err
+
+
+def test_each_start_of_an_autoscaling_head_finds_its_autoscaler_config(monkeypatch):
+    """A failed start's temp dir is removed with it, so the config `ray start --autoscaling-config` names is
+    written again before every attempt (it was not: the second start found no file)."""
+    seen = []
+
+    def failing_ray_start(command, **_):
+        config = next(a for a in command if a.startswith("--autoscaling-config=")).split("=", 1)[1]
+        seen.append(Path(config).is_file())
+        raise subprocess.CalledProcessError(1, command, output="", stderr=REFUSED)
+
+    monkeypatch.setattr(cluster_helpers, "NODE_START_TIMEOUT", REFUSED)
+    monkeypatch.setattr(cluster_helpers.subprocess, "run", failing_ray_start)
+    with pytest.raises(RuntimeError, match="the Ray head did not start"):
+        cluster_helpers.RayHead(num_cpus=0, autoscaling={"worker_types": {"cpu_worker": {"resources": {"CPU": 1},
+                                                                                        "max_workers": 1}},
+                                                         "max_workers": 1})
+    assert seen == [True] * cluster_helpers.START_ATTEMPTS
