@@ -7,6 +7,7 @@ worker loop (orchestrator/launch/worker.py) drives it, and only plain numbers an
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -28,6 +29,37 @@ class WorkerContext:
     tokenizer_path: Path | None = None
     """A sentencepiece model to use instead of training one: the pretraining run's, when fine-tuning from it
     (model.init_from), or the one stored in a checkpoint being scored. Read by the classification task."""
+
+
+class EvaluationFiles:
+    """The files a task rewrites at each evaluation (a classifier's predictions, a translator's hypotheses), in a
+    temporary folder that goes with the task: the worker copies them into the run folder when training ends
+    (orchestrator/launch/deliver.py, `store_task_files`) and when it scores a checkpoint, so nothing of it is
+    needed once the task is gone. (A folder per task in the system's temp dir, never removed, was left behind by
+    every run and test that evaluated such a task.)"""
+
+    def __init__(self, prefix: str):
+        self._prefix = prefix
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    def write(self, name: str, text: str) -> Path:
+        if self._folder is None:  # on the first evaluation: a task that never evaluates makes no folder
+            self._folder = tempfile.TemporaryDirectory(prefix=self._prefix)
+        path = Path(self._folder.name) / name
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    def get(self, name: str) -> Path | None:
+        """The file as last written; None before the first evaluation."""
+        if self._folder is None:
+            return None
+        return Path(self._folder.name) / name
+
+    def close(self) -> None:
+        """Remove the folder now (it also goes when the task is collected, or at the interpreter's exit)."""
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
 
 
 @dataclass

@@ -19,7 +19,6 @@ writes the predicted labels, one per line in the split's order, for artifacts().
 from __future__ import annotations
 
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 from models import ModelConfig
 from models.classifier import SequenceClassifier
-from tasks.base import Batch, WorkerContext
+from tasks.base import Batch, EvaluationFiles, WorkerContext
 from tasks.cache import cache_key, file_fingerprint
 from tasks.config import ClassifyTaskConfig
 from tasks.corpora import SyntheticGrammar
@@ -229,7 +228,7 @@ class ClassificationTask:
             raise ValueError(f"the training split of {cfg.source_label} has no examples")
         self.eval_ids = encode_examples(self.tokenizer, data[cfg.eval_split].texts, cfg.max_len)
         self.eval_labels = data[cfg.eval_split].labels
-        self._output_dir: Path | None = None
+        self._outputs = EvaluationFiles("classify-eval-")
 
     @property
     def vocab_size(self) -> int:
@@ -291,14 +290,12 @@ class ClassificationTask:
         return {"val/loss": total / len(rows), "val/acc": accuracy, "val/f1": f1}
 
     def _write_predictions(self, predicted: np.ndarray) -> None:
-        if self._output_dir is None:
-            self._output_dir = Path(tempfile.mkdtemp(prefix="classify-eval-"))
         names = self.cfg.label_names
         lines = [names[p] if names else str(p) for p in predicted]
-        (self._output_dir / "predictions.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        self._outputs.write("predictions.txt", "\n".join(lines) + "\n")
 
     def artifacts(self) -> dict[str, Path]:
         out = {"tokenizer": self.tokenizer.model_path}
-        if self._output_dir is not None:
-            out["predictions"] = self._output_dir / "predictions.txt"
+        if (predictions := self._outputs.get("predictions.txt")) is not None:
+            out["predictions"] = predictions
         return out

@@ -12,7 +12,6 @@ published sacrebleu numbers.
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models import ModelConfig, Seq2SeqTransformer
-from tasks.base import Batch, WorkerContext
+from tasks.base import Batch, EvaluationFiles, WorkerContext
 from tasks.beam_search import DecodeSpecials, beam_search, max_lengths
 from tasks.config import TranslationTaskConfig
 from tasks.data import ParallelSplit, epoch_permutation, prepare_parallel, sharded_batches
@@ -106,7 +105,7 @@ class TranslationTask:
         self.train_src_len, self.train_tgt_len = src_len[keep], tgt_len[keep]
         self.specials = DecodeSpecials(bos=BOS_ID, eos=EOS_ID, forbidden=(PAD_ID, BOS_ID, MASK_ID, UNK_ID))
         self._epoch_cache: tuple[int, list[np.ndarray]] | None = None
-        self._output_dir: Path | None = None
+        self._outputs = EvaluationFiles("translation-eval-")
         self.last_hypotheses: list[str] = []
 
     @property
@@ -210,12 +209,10 @@ class TranslationTask:
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0)), **scores}
 
     def _write_hypotheses(self) -> None:
-        if self._output_dir is None:
-            self._output_dir = Path(tempfile.mkdtemp(prefix="translation-eval-"))
-        (self._output_dir / "hypotheses.txt").write_text("\n".join(self.last_hypotheses) + "\n", encoding="utf-8")
+        self._outputs.write("hypotheses.txt", "\n".join(self.last_hypotheses) + "\n")
 
     def artifacts(self) -> dict[str, Path]:
         out = {"tokenizer": self.tokenizer.model_path}
-        if self._output_dir is not None:
-            out["hypotheses"] = self._output_dir / "hypotheses.txt"
+        if (hypotheses := self._outputs.get("hypotheses.txt")) is not None:
+            out["hypotheses"] = hypotheses
         return out

@@ -4,6 +4,7 @@ input format, metrics against hand counts, padding-free pooling, encoder loading
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 from pathlib import Path
@@ -162,6 +163,26 @@ def test_evaluation_scores_every_example_and_writes_predictions_in_split_order(t
     one_by_one = [int(model(torch.from_numpy(ids)[None]).argmax()) for ids in task.eval_ids]
     assert [int(x) for x in lines] == one_by_one
     assert metrics["val/acc"] == pytest.approx(np.mean(np.array(one_by_one) == task.eval_labels))
+
+
+def test_the_predictions_folder_is_rewritten_at_each_evaluation_and_goes_with_the_task(tmp_path):
+    """The predictions live in a temporary folder of the task's (the worker copies them into the run folder): one
+    folder per task, rewritten at each evaluation, removed when the task goes. Before, every task that evaluated
+    left a folder in the system's temp dir, one per run, test and scored checkpoint."""
+    cfg = ClassifyTaskConfig(num_classes=3, max_len=32, batch_size=5,
+                             builtin={"train_sentences": 60, "eval_sentences": 23, "lexicon_size": 12})
+    task = build_task(cfg, ModelConfig(**MODEL), WorkerContext(cache_dir=tmp_path))
+    model = task.build_model().eval()
+    assert "predictions" not in task.artifacts()  # nothing made before the first evaluation
+    task.evaluate(model)
+    first = Path(task.artifacts()["predictions"])
+    first.write_text("stale\n")
+    task.evaluate(model)
+    assert Path(task.artifacts()["predictions"]) == first and len(first.read_text().split()) == 23
+    folder = first.parent
+    del task
+    gc.collect()
+    assert not folder.exists()
 
 
 # --- the model ----------------------------------------------------------------------------------------------
