@@ -73,8 +73,10 @@ class SeaweedS3:
                 "-s3.port.lance=0", "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=100",
                 f"-filer.localSocket={self.root / 'filer.sock'}"]
         with open(self.log, "ab") as log:
+            # TMPDIR: weed's log files and the unix sockets of its gRPC servers go to the system's temp dir,
+            # a new set at every start, never removed; in the server's own folder they go with the test's.
             self.proc = subprocess.Popen(args, cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         env={**os.environ, "TMPDIR": str(self.root)}, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -129,6 +131,14 @@ class SeaweedS3:
                 pass
             self.proc.wait(timeout=30)
             self.proc = None
+        for socket_file in self._sockets():
+            socket_file.unlink(missing_ok=True)
+
+    def _sockets(self) -> list[Path]:
+        """The unix sockets weed makes at a path of its own in /tmp (its gRPC servers', and the S3 gateway's),
+        named by this server's ports: a SIGKILLed server leaves them, one set per start."""
+        ports = [port for pair in self.ports.values() for port in (pair, pair + 10000)]
+        return [path for port in ports for path in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]
 
 
 def usable_reason() -> str | None:
