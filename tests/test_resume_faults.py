@@ -13,6 +13,7 @@ Real-process tier: each case is two short Ray Train runs."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ def raw_spec(root: Path, name: str) -> dict:
     }
 
 
-def test_a_truncated_registered_checkpoint_is_rewritten_under_a_new_name_and_the_failure_tag_goes(ray_cluster, tmp_path):
+def test_a_truncated_registered_checkpoint_is_rewritten_under_a_new_name_and_the_failure_tag_goes(ray_cluster, tmp_path,
+                                                                                               capfd):
     spec = validate_spec(raw_spec(tmp_path, "truncated"))
     with pytest.raises(LaunchError, match="orchestrator resume truncated"):
         run_training(spec, fail_at_step=7)  # checkpoints 2, 4, 6 registered (each report waits for its commit)
@@ -56,8 +58,15 @@ def test_a_truncated_registered_checkpoint_is_rewritten_under_a_new_name_and_the
     [failed] = client.search_runs([client.get_experiment_by_name("truncated").experiment_id])
     assert failed.info.status == "FAILED" and "injected failure" in failed.data.tags[FAILURE_TAG]
 
+    capfd.readouterr()
     resumed = resume("truncated", str(tmp_path / "runs"))  # from 4: steps 5-12 again, checkpoints 6 ... 12
     assert resumed.metrics["step"] == STEPS
+    # What the user reads (the Train worker's lines, relayed by Ray to the launcher's terminal): which checkpoint
+    # was skipped and why, which one was taken, and the step the run went on from.
+    said = capfd.readouterr().out
+    assert re.search(r"checkpoint checkpoint_000000006 \(.*\) is unreadable; resuming from the previous intact "
+                     r"checkpoint checkpoint_000000004 instead", said), said[-3000:]
+    assert re.findall(r"resumed from step (\d+)", said) == ["4"], said[-3000:]
     names = checkpoint_steps(str(folder))
     assert "checkpoint_000000012" in names and len(names) == spec.run.keep_checkpoints, names
     for name in names:
