@@ -51,23 +51,6 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"pytest got signal {signum}")
 
 
-SLOW_TIER_WORKERS_PER_CORE = 1.5
-"""pytest-xdist workers per core for the slow tier alone (`-m slow`). Its cases wait on real time as well as
-compute (servers starting, a checkpoint per 2 s poll in paced runs, an S3 client's minute of retries, processes
-ending), so with one worker per core the cores were idle about a tenth of CI's slow tier (docs/testing.md); a
-third worker on 2 cores takes up that slack. Two per core were tried and dropped (the load reached 50 and Ray's
-30 s for a raylet to register ran out)."""
-
-
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """`-n auto` (pyproject's addopts) for the slow tier run alone: SLOW_TIER_WORKERS_PER_CORE per core. Every
-    other selection keeps pytest-xdist's own count, one per core (None: its default)."""
-    if not _run_slow() or config.getoption("markexpr", "") != "slow":
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, round(cores * SLOW_TIER_WORKERS_PER_CORE))
-
-
 SHARED_RAY = "ray_cluster"
 """The session fixture of the test process's own local Ray: under pytest-xdist each worker that runs a test asking
 for it would start one, so those tests are kept on one worker (`xdist_group`). The session's `mlflow server` and
