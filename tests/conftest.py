@@ -26,6 +26,8 @@ RUN_SLOW = "RUN_SLOW"
 """The switch of the real-process tier: set to 1 (or true/yes) to run the tests marked `slow`."""
 _DESELECTED = pytest.StashKey[int]()
 """How many tests marked `slow` this session left out, for the summary line."""
+_SLOW_MODULES = pytest.StashKey[int]()
+"""How many modules of slow tests only this session left uncollected (`pytest_ignore_collect`)."""
 _GUARD = pytest.StashKey[object]()
 """This session's guard process (tests/process_guard.py), held so that its pipe lives as long as pytest."""
 
@@ -61,6 +63,27 @@ the real-process tier its second worker."""
 SERVER_FIXTURES = {"server", "s3_server", "ray_cluster"}
 """Fixtures that start servers (`mlflow server`, SeaweedFS, the session's local Ray): a test that uses one is in
 the slow tier, marked or not."""
+
+
+SLOW_MODULE = "pytestmark = pytest.mark.slow"
+"""The line that marks a whole test module as the slow tier's."""
+
+
+def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
+    """Without RUN_SLOW=1, a module marked slow as a whole is not even imported: each pytest-xdist worker
+    collects every module it is given, and importing the real-process tier's modules (their process, server and
+    cluster helpers) cost each worker of the fast tier about 3.6 CPU-seconds of its collection's 23, for tests
+    it then deselects. None: pytest decides, as for any other path."""
+    if _run_slow() or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    try:
+        lines = collection_path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    if SLOW_MODULE not in lines:
+        return None
+    config.stash[_SLOW_MODULES] = config.stash.get(_SLOW_MODULES, 0) + 1
+    return True
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist and `-m` read the marks (their own modifyitems hooks)
@@ -102,9 +125,9 @@ def _worker_group(item: pytest.Item) -> str | None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     count = config.stash.get(_DESELECTED, 0)
-    if count:
-        terminalreporter.write_line(f"{count} real-process tests (marked slow) not run: "
-                                    f"{RUN_SLOW}=1 python -m pytest -q -m slow runs them")
+    if count or config.stash.get(_SLOW_MODULES, 0):
+        terminalreporter.write_line(f"{count} real-process tests (marked slow) not run, nor the modules of such tests "
+                                    f"only: {RUN_SLOW}=1 python -m pytest -q -m slow runs them")
 
 
 @pytest.fixture(autouse=True, scope="session")
