@@ -45,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     tag = process_guard.new_tag()
     os.environ[process_guard.SESSION_ENV] = tag
     config.stash[_GUARD] = process_guard.start_guard(tag)
+    process_guard.set_guard(config.stash[_GUARD])
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
 

@@ -1,16 +1,20 @@
 """A test session to be killed (tests/test_process_guard.py runs it as a pytest of its own; the name keeps it out
 of the suite's own collection): it starts what the real-process tier starts (a real `mlflow server`, SeaweedFS,
-the session's local Ray, a launcher-like subprocess in a session of its own), writes their pids and its session
-tag to GUARDED_SESSION_OUT, and waits to be killed."""
+the session's local Ray, a launcher-like subprocess in a session of its own) and mounts a small tmpfs where it
+may (as tests/test_full_disk.py does), writes their pids, the mount point and its session tag to
+GUARDED_SESSION_OUT, and waits to be killed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests import process_guard
 from tests.process_guard import SESSION_ENV
 from tests.real_runs import Proc, descendants
 
@@ -25,7 +29,14 @@ def test_start_everything_then_wait_to_be_killed(server, s3_server, ray_cluster,
     out = Path(os.environ["GUARDED_SESSION_OUT"])
     pids = {"mlflow server": server.proc.pid, "weed": s3_server.proc.pid, "launcher": launcher.popen.pid,
             **ray_processes}
-    partial = out.with_suffix(".partial")
-    partial.write_text(json.dumps({"tag": os.environ[SESSION_ENV], "pids": pids}))
-    partial.replace(out)
-    time.sleep(600)
+    # A small filesystem, as tests/test_full_disk.py mounts (root only; elsewhere the mount is left out).
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True,
+                             check=False).returncode == 0
+    with process_guard.mounted(disk) if mounted else contextlib.nullcontext():
+        partial = out.with_suffix(".partial")
+        partial.write_text(json.dumps({"tag": os.environ[SESSION_ENV], "pids": pids,
+                                       "mounts": [str(disk)] if mounted else []}))
+        partial.replace(out)
+        time.sleep(600)

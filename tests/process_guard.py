@@ -17,6 +17,11 @@ pytest that ends normally has stopped everything already, and the guard finds no
 A pytest run inside a test (tests/test_process_guard.py) gets a tag of its own, so an inner session's guard
 never touches the outer session's processes; the outer guard still finds the inner pytest by the outer tag it
 was started with, and ending it ends the inner guard's pipe.
+
+A filesystem a test mounts (tests/test_full_disk.py's small tmpfs) is not a process: its fixture unmounts it at
+teardown, and a SIGKILLed pytest runs none, which left the tmpfs mounted under pytest's temporary folder (and
+pytest's later clean-ups failing on it: "Device or resource busy"). So the same pipe carries the mount points
+the session holds (`mounted`): the guard unmounts those still held once the session's processes are gone.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import os
 import secrets
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from orchestrator.cluster import reaper
@@ -80,14 +87,60 @@ def new_tag() -> str:
     return f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
+_guard: subprocess.Popen | None = None
+"""This process's guard (conftest.py's pytest_configure), told of the mounts the session holds."""
+
+
+def set_guard(guard: subprocess.Popen) -> None:
+    global _guard
+    _guard = guard
+
+
+def _tell(word: str, path: Path) -> None:
+    if _guard is None or _guard.stdin is None:
+        return
+    try:
+        _guard.stdin.write(f"{word} {os.fsencode(path).hex()}\n".encode())
+        _guard.stdin.flush()
+    except OSError:  # the guard is gone (killed by hand): the fixture's own unmount still runs
+        pass
+
+
+@contextmanager
+def mounted(path: Path) -> Iterator[Path]:
+    """A filesystem mounted at `path`: unmounted (lazily: a process may still hold a file in it) when the block
+    ends, or by the guard if pytest ends first, however it ends."""
+    _tell("mount", path)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+        _tell("unmount", path)
+
+
+def held_mounts(lines: Iterable[bytes]) -> list[Path]:
+    """The mount points a session's `mount` and `unmount` lines leave held, in the order they were mounted."""
+    held: dict[Path, None] = {}
+    for line in lines:
+        word, _, hexed = line.strip().partition(b" ")
+        path = Path(os.fsdecode(bytes.fromhex(hexed.decode()))) if hexed else None
+        if word == b"mount" and path is not None:
+            held[path] = None
+        elif word == b"unmount" and path is not None:
+            held.pop(path, None)
+    return list(held)
+
+
 def main() -> None:
     import signal
 
     tag = sys.argv[1]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # pytest's process group may be sent a SIGTERM with it
-    sys.stdin.buffer.read()  # until EOF: pytest ended
+    mounts = held_mounts(sys.stdin.buffer)  # until EOF: pytest ended
     sweep(tag)
+    for path in reversed(mounts):  # nothing of the session holds a file there any more
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.training.checkpoint import read_checkpoint
+from tests import process_guard
 from tests.real_runs import CHECKPOINT_EVERY, checkpoint_on_disk, orchestrator, runs_of, wait_for, write_spec
 
 pytestmark = pytest.mark.slow
@@ -31,10 +32,8 @@ def small_disk(tmp_path):
                           text=True)
     if done.returncode != 0:
         pytest.skip(f"mounting a tmpfs needs root: {done.stderr.strip()}")
-    try:
+    with process_guard.mounted(mount):  # unmounted at teardown, or by the session's guard if pytest is killed
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def fill(disk: Path) -> Path:

@@ -55,6 +55,20 @@ def test_the_guard_kills_its_sessions_processes_when_its_pipe_closes_and_no_othe
             proc.wait()
 
 
+def test_the_guard_unmounts_what_the_session_still_holds_and_nothing_it_let_go():
+    """The guard's reading of its pipe: each `mount` line holds a path until its `unmount` line; paths of any bytes
+    (a space, a newline) come through whole."""
+    odd = Path("/tmp/a b\nc")
+
+    def line(word: str, path: Path) -> bytes:
+        return f"{word} {os.fsencode(path).hex()}\n".encode()
+
+    lines = [line("mount", Path("/tmp/x")), line("mount", odd), line("mount", Path("/tmp/y")),
+             line("unmount", Path("/tmp/x")), line("unmount", Path("/tmp/never-mounted")), line("mount", Path("/tmp/x"))]
+    assert process_guard.held_mounts(lines) == [odd, Path("/tmp/y"), Path("/tmp/x")]
+    assert process_guard.held_mounts([]) == []
+
+
 def test_the_ray_sessions_of_a_process_are_the_session_folders_it_has_files_open_in(tmp_path):
     """Ray's renamed agents are found by the session folder of the tagged Ray they belong to."""
     folder = tmp_path / "ray" / "session_2026-11-27_10-00-00_123_4" / "logs"
@@ -69,7 +83,8 @@ def test_the_ray_sessions_of_a_process_are_the_session_folders_it_has_files_open
 def test_a_killed_pytest_leaves_no_mlflow_weed_ray_or_launcher_behind(how, tmp_path):
     """A pytest session that started a real `mlflow server`, SeaweedFS, its local Ray and a launcher in a session
     of its own, killed midway: by SIGTERM (teardown runs, then a SIGKILL if it has not ended in 60 s), or by
-    SIGKILL of pytest itself (no teardown: the guard ends them). Afterwards no process of that session is left."""
+    SIGKILL of pytest itself (no teardown: the guard ends them). Afterwards no process of that session is left, and
+    the tmpfs it mounted (as root) is unmounted."""
     out = tmp_path / "pids.json"
     # RUN_SLOW=1: the inner test uses server fixtures, which makes it a real-process case (conftest's
     # SERVER_FIXTURES); without it the inner session would deselect its only test and end at once.
@@ -86,6 +101,7 @@ def test_a_killed_pytest_leaves_no_mlflow_weed_ray_or_launcher_behind(how, tmp_p
             time.sleep(0.5)
         started = json.loads(out.read_text())
         assert all(alive(pid) for pid in started["pids"].values()), started
+        assert all(os.path.ismount(path) for path in started["mounts"]), started
         if how == "SIGTERM":
             pytest_proc.send_signal(signal.SIGTERM)
             try:
@@ -106,10 +122,12 @@ def test_a_killed_pytest_leaves_no_mlflow_weed_ray_or_launcher_behind(how, tmp_p
 
 
 def _left(started: dict) -> list[str]:
-    """What is still running of the inner session: the processes it named, and any carrying its tag."""
+    """What is still there of the inner session: the processes it named, any carrying its tag, and the filesystem
+    it mounted."""
     named = [f"{name} ({pid})" for name, pid in started["pids"].items() if alive(pid)]
     tagged = process_guard.reaper.owned_by(started["tag"], variable=process_guard.SESSION_ENV)
-    return named + [f"tagged {_command(pid)} ({pid})" for pid in tagged if alive(pid)]
+    mounts = [f"a tmpfs mounted at {path}" for path in started["mounts"] if os.path.ismount(path)]
+    return named + [f"tagged {_command(pid)} ({pid})" for pid in tagged if alive(pid)] + mounts
 
 
 def _command(pid: int) -> str:
