@@ -55,12 +55,6 @@ class EvaluationFiles:
             return None
         return Path(self._folder.name) / name
 
-    def close(self) -> None:
-        """Remove the folder now (it also goes when the task is collected, or at the interpreter's exit)."""
-        if self._folder is not None:
-            self._folder.cleanup()
-            self._folder = None
-
 
 @dataclass
 class Batch:

@@ -26,8 +26,8 @@ RUN_SLOW = "RUN_SLOW"
 """The switch of the real-process tier: set to 1 (or true/yes) to run the tests marked `slow`."""
 _DESELECTED = pytest.StashKey[int]()
 """How many tests marked `slow` this session left out, for the summary line."""
-_SLOW_MODULES = pytest.StashKey[int]()
-"""How many modules of slow tests only this session left uncollected (`pytest_ignore_collect`)."""
+_SLOW_MODULES_LEFT_OUT = pytest.StashKey[bool]()
+"""This session left a module of slow tests only uncollected (`pytest_ignore_collect`)."""
 _GUARD = pytest.StashKey[object]()
 """This session's guard process (tests/process_guard.py), held so that its pipe lives as long as pytest."""
 
@@ -83,7 +83,7 @@ def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None
         return None
     if SLOW_MODULE not in lines:
         return None
-    config.stash[_SLOW_MODULES] = config.stash.get(_SLOW_MODULES, 0) + 1
+    config.stash[_SLOW_MODULES_LEFT_OUT] = True
     return True
 
 
@@ -126,7 +126,7 @@ def _worker_group(item: pytest.Item) -> str | None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     count = config.stash.get(_DESELECTED, 0)
-    if count or config.stash.get(_SLOW_MODULES, 0):
+    if count or config.stash.get(_SLOW_MODULES_LEFT_OUT, False):
         terminalreporter.write_line(f"{count} real-process tests (marked slow) not run, nor the modules of such tests "
                                     f"only: {RUN_SLOW}=1 python -m pytest -q -m slow runs them")
 

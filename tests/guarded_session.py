@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,14 +28,13 @@ def test_start_everything_then_wait_to_be_killed(server, s3_server, ray_cluster,
     out = Path(os.environ["GUARDED_SESSION_OUT"])
     pids = {"mlflow server": server.proc.pid, "weed": s3_server.proc.pid, "launcher": launcher.popen.pid,
             **ray_processes}
-    # A small filesystem, as tests/test_full_disk.py mounts (root only; elsewhere the mount is left out).
-    disk = tmp_path / "small"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True,
-                             check=False).returncode == 0
-    with process_guard.mounted(disk) if mounted else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        mounts = []
+        try:  # a small filesystem, as tests/test_full_disk.py mounts (root only; elsewhere it is left out)
+            mounts.append(str(stack.enter_context(process_guard.tmpfs(tmp_path / "small", "1m"))))
+        except PermissionError:
+            pass
         partial = out.with_suffix(".partial")
-        partial.write_text(json.dumps({"tag": os.environ[SESSION_ENV], "pids": pids,
-                                       "mounts": [str(disk)] if mounted else []}))
+        partial.write_text(json.dumps({"tag": os.environ[SESSION_ENV], "pids": pids, "mounts": mounts}))
         partial.replace(out)
         time.sleep(600)

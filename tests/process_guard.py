@@ -21,7 +21,7 @@ was started with, and ending it ends the inner guard's pipe.
 A filesystem a test mounts (tests/test_full_disk.py's small tmpfs) is not a process: its fixture unmounts it at
 teardown, and a SIGKILLed pytest runs none, which left the tmpfs mounted under pytest's temporary folder (and
 pytest's later clean-ups failing on it: "Device or resource busy"). So the same pipe carries the mount points
-the session holds (`mounted`): the guard unmounts those still held once the session's processes are gone.
+the session holds (`tmpfs`): the guard unmounts those still held once the session's processes are gone.
 """
 
 from __future__ import annotations
@@ -96,20 +96,31 @@ def set_guard(guard: subprocess.Popen) -> None:
     _guard = guard
 
 
+def mount_line(word: str, path: Path) -> bytes:
+    """A line of the guard's pipe: `mount` or `unmount`, then the path's bytes in hex (a path may hold any byte)."""
+    return f"{word} {os.fsencode(path).hex()}\n".encode()
+
+
 def _tell(word: str, path: Path) -> None:
     if _guard is None or _guard.stdin is None:
         return
     try:
-        _guard.stdin.write(f"{word} {os.fsencode(path).hex()}\n".encode())
+        _guard.stdin.write(mount_line(word, path))
         _guard.stdin.flush()
-    except OSError:  # the guard is gone (killed by hand): the fixture's own unmount still runs
+    except OSError:  # the guard is gone (killed by hand): the block's own unmount still runs
         pass
 
 
 @contextmanager
-def mounted(path: Path) -> Iterator[Path]:
-    """A filesystem mounted at `path`: unmounted (lazily: a process may still hold a file in it) when the block
-    ends, or by the guard if pytest ends first, however it ends."""
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `path` (made if missing), unmounted (lazily: a process may still hold a file
+    in it) when the block ends, or by the guard if pytest ends first, however it ends. PermissionError, with
+    mount's words, where it cannot be mounted (mounting needs root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        raise PermissionError(f"mounting a tmpfs needs root: {done.stderr.strip()}")
     _tell("mount", path)
     try:
         yield path
@@ -123,10 +134,12 @@ def held_mounts(lines: Iterable[bytes]) -> list[Path]:
     held: dict[Path, None] = {}
     for line in lines:
         word, _, hexed = line.strip().partition(b" ")
-        path = Path(os.fsdecode(bytes.fromhex(hexed.decode()))) if hexed else None
-        if word == b"mount" and path is not None:
+        if not hexed:
+            continue
+        path = Path(os.fsdecode(bytes.fromhex(hexed.decode())))
+        if word == b"mount":
             held[path] = None
-        elif word == b"unmount" and path is not None:
+        elif word == b"unmount":
             held.pop(path, None)
     return list(held)
 

@@ -10,9 +10,9 @@ its checkpoint. Real-process tier."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,13 +26,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mounting a tmpfs needs root: {done.stderr.strip()}")
-    with process_guard.mounted(mount):  # unmounted at teardown, or by the session's guard if pytest is killed
+    with contextlib.ExitStack() as stack:
+        try:  # unmounted at teardown, or by the session's guard if pytest is killed
+            mount = stack.enter_context(process_guard.tmpfs(tmp_path / "small", "64m"))
+        except PermissionError as err:
+            pytest.skip(str(err))
         yield mount
 
 

@@ -59,10 +59,7 @@ def test_the_guard_unmounts_what_the_session_still_holds_and_nothing_it_let_go()
     """The guard's reading of its pipe: each `mount` line holds a path until its `unmount` line; paths of any bytes
     (a space, a newline) come through whole."""
     odd = Path("/tmp/a b\nc")
-
-    def line(word: str, path: Path) -> bytes:
-        return f"{word} {os.fsencode(path).hex()}\n".encode()
-
+    line = process_guard.mount_line
     lines = [line("mount", Path("/tmp/x")), line("mount", odd), line("mount", Path("/tmp/y")),
              line("unmount", Path("/tmp/x")), line("unmount", Path("/tmp/never-mounted")), line("mount", Path("/tmp/x"))]
     assert process_guard.held_mounts(lines) == [odd, Path("/tmp/y"), Path("/tmp/x")]
