@@ -193,6 +193,13 @@ def select_backend(
     raise NotImplementedError("no attention backend supports these inputs:\n" + "\n".join(rejected))
 
 
+def fused_hash(k: torch.Tensor) -> bool:
+    """LSH's hash of keys `k` [B, H, T, E] runs on its Triton kernel (kernels/lsh_hash.py, or the kernel's
+    stand-in) wherever attention on `k` would run on the Triton kernels; elsewhere PyTorch computes the same ids
+    (models/attention/lsh.py `angular_argmax`, a slice of tokens at a time)."""
+    return select_backend(k, k, k).name in (TRITON.name, STAND_IN.name)
+
+
 def exact_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -45,6 +45,8 @@ import torch
 import torch.nn as nn
 from pydantic import model_validator
 
+from kernels.dispatch import fused_hash
+from kernels.lsh_hash import angular_hash
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.lse import chunked_attention, exact_attention, merge_lse_many
 
@@ -225,6 +227,19 @@ class LSHMechanism(nn.Module):
             n_half = max(halves)
             uniform = min(halves) == n_half
         rot_HREN = self.rotations(H, n_half, k_BHTE.device).to(k_BHTE.dtype)
+        if fused_hash(k_BHTE):  # the projections never written (kernels/k_lsh_hash.py)
+            bucket_BHRT = angular_hash(k_BHTE, rot_HREN, half_B)
+        else:
+            bucket_BHRT = self._hash_in_slices(k_BHTE, rot_HREN, half_B, n_half, uniform)
+        if key_padding_mask_BT is not None:
+            bucket_BHRT = bucket_BHRT.masked_fill(key_padding_mask_BT[:, None, None, :], 2 * n_half)
+        return bucket_BHRT
+
+    @staticmethod
+    def _hash_in_slices(k_BHTE: torch.Tensor, rot_HREN: torch.Tensor, half_B: torch.Tensor, n_half: int,
+                        uniform: bool) -> torch.Tensor:
+        """`buckets`' ids in PyTorch: the projections of `hash_slice_rows` tokens at a time, argmax'd."""
+        T, E = k_BHTE.shape[2:]
         # Columns c >= this row's half count are not its buckets (none when every row has the same count).
         unused_B1111N = None if uniform else (
             torch.arange(n_half, device=k_BHTE.device) >= half_B[:, None])[:, None, None, None, :]
@@ -236,10 +251,7 @@ class LSHMechanism(nn.Module):
                            half_B111)
             for t0 in range(0, T, rows)
         ]
-        bucket_BHRT = slices_BHRS[0] if len(slices_BHRS) == 1 else torch.cat(slices_BHRS, dim=-1)
-        if key_padding_mask_BT is not None:
-            bucket_BHRT = bucket_BHRT.masked_fill(key_padding_mask_BT[:, None, None, :], 2 * n_half)
-        return bucket_BHRT
+        return slices_BHRS[0] if len(slices_BHRS) == 1 else torch.cat(slices_BHRS, dim=-1)
 
     def forward(self, q_BHTE, k_BHSE, v_BHSE, *, key_padding_mask_BS=None, causal=False):
         B, H, T, E = q_BHTE.shape
