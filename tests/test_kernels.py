@@ -665,7 +665,7 @@ def test_chunked_attention_rejects_bad_arguments() -> None:
 # loads and the shared memory checked would be a single stage's. Checked: each flash kernel at the largest
 # candidate that prune_configs keeps on an H100/H200 (sm_90) at head dim 128, bf16, against the limit and
 # against shared_memory_estimate (which must bound the compiler's figure); each flash kernel with the
-# opposite masking constexprs on an A100 (sm_80), same check; the chunked kernels on sm_90.
+# opposite masking constexprs on an A100 (sm_80), same check; the chunked kernels and LSH's hash on sm_90.
 # Runs in a fresh process because this one has TRITON_INTERPRET=1.
 _COMPILE_SCRIPT = """
 import os
@@ -673,10 +673,10 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import k_chunked_attention, k_flash_attention as kf
+from kernels import k_chunked_attention, k_flash_attention as kf, k_lsh_hash
 
 TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32", "Kpm": "*u8", "Pad": "*u8",
-         "Pos": "*i64"}
+         "Pos": "*i64", "HALF": "*i32", "IDS": "*i64"}
 
 def compile_shared(fn, constexprs, num_warps, num_stages, arch):
     if isinstance(fn, triton.runtime.autotuner.Heuristics):
@@ -713,6 +713,12 @@ for fn in (k_chunked_attention._chunked_fwd, k_chunked_attention._chunked_bwd_dk
     shared = compile_shared(fn, common, 4, 2, 90)
     assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], (fn.__name__, shared)
     print(fn.__name__, "compiled")
+cfg = k_lsh_hash.launch_config(interpret=False)
+hash_args = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_E=64, DOT_PRECISION="tf32", DOT_UPCAST=False,
+                 ROUND_TO_INPUT=True)
+shared = compile_shared(k_lsh_hash._angular_hash, hash_args, cfg["num_warps"], cfg["num_stages"], 90)
+assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], ("_angular_hash", shared)
+print("_angular_hash", "compiled")
 """
 
 
@@ -728,7 +734,7 @@ def test_kernels_compile_for_gpu() -> None:
         [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 9, result.stdout
+    assert result.stdout.count("compiled") == 10, result.stdout
 
 
 def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:

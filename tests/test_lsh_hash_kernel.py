@@ -1,12 +1,19 @@
 """LSH's hash on its Triton kernel (kernels/k_lsh_hash.py, under the interpreter at tiny shapes) gives the ids of the
 argmax over the concatenation [xR; -xR] (tests/test_lsh_hash.py's oracle), ties included, and in bf16 the ids of
-the projections rounded once from their exact sums, as a bf16 matmul rounds its output."""
+the projections rounded once from their exact sums, as a bf16 matmul rounds its output.
+
+``KERNEL_TESTS_DEVICE=cuda`` runs them on the kernel compiled for a GPU, as tests/test_kernels.py does.
+"""
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the first launch imports the @triton.jit modules
+KERNEL_DEVICE = os.environ.get("KERNEL_TESTS_DEVICE", "cpu")
+if KERNEL_DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"KERNEL_TESTS_DEVICE must be cpu or cuda; got {KERNEL_DEVICE!r}")
+if KERNEL_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the first launch imports the @triton.jit modules
 
 import importlib.util  # noqa: E402
 
@@ -19,7 +26,12 @@ from models.attention.lsh import LSHMechanism, LSHMechanismConfig, angular_argma
 from tests.test_lsh_hash import buckets_by_concatenation  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-TILE = 16  # the interpreter's BLOCK_T and BLOCK_N (k_lsh_hash.launch_config)
+if KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():
+    pytestmark = pytest.mark.skip(reason="KERNEL_TESTS_DEVICE=cuda but no CUDA GPU is visible")
+DEVICE = torch.device(KERNEL_DEVICE)
+TILE = 16
+"""The interpreter's BLOCK_T and BLOCK_N (k_lsh_hash.launch_config): the shapes below span several tiles of it. On a
+GPU (tiles of 64) the same cases check the compiled kernel, mostly within one tile."""
 
 
 def mechanism(bucket_size: int = 4, n_hashes: int = 2) -> LSHMechanism:
@@ -52,9 +64,10 @@ def test_the_kernel_gives_the_concatenations_ids_in_the_model(monkeypatch, padde
     if padded:
         mask = torch.zeros(B, T, dtype=torch.bool)
         mask[1, 41:] = True  # row 1: 41 real tokens, 10 columns per half against row 0's 18
-    assert dispatch.fused_hash(k)
-    got = mech.buckets(k, mask)
-    assert torch.equal(got, buckets_by_concatenation(mech, k, mask))
+    on_device = k.to(DEVICE)
+    assert dispatch.fused_hash(on_device)
+    got = mech.buckets(on_device, None if mask is None else mask.to(DEVICE))
+    assert torch.equal(got.cpu(), buckets_by_concatenation(mech, k, mask))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -70,7 +83,7 @@ def test_ties_go_to_the_first_maximum_within_and_across_tiles(dtype: torch.dtype
     xr = torch.einsum("bhte,hren->bhrtn", k.double(), rot.double())
     assert int(((xr.max(-1).values == -xr.min(-1).values)).sum()) > 0  # the positive half's tie
     oracle = angular_argmax(xr, None, half[:, None, None, None])
-    assert torch.equal(angular_hash(k, rot, half), oracle)
+    assert torch.equal(angular_hash(k.to(DEVICE), rot.to(DEVICE), half).cpu(), oracle)
 
 
 def test_bf16_ids_are_those_of_the_exactly_rounded_projections() -> None:
@@ -82,7 +95,8 @@ def test_bf16_ids_are_those_of_the_exactly_rounded_projections() -> None:
     rot = torch.randn(2, 2, 64, 32, generator=gen).bfloat16()
     half = torch.tensor([32, 32])
     exact = torch.einsum("bhte,hren->bhrtn", k.double(), rot.double()).bfloat16()  # one rounding of each sum
-    assert torch.equal(angular_hash(k, rot, half), angular_argmax(exact, None, half[:, None, None, None]))
+    got = angular_hash(k.to(DEVICE), rot.to(DEVICE), half).cpu()
+    assert torch.equal(got, angular_argmax(exact, None, half[:, None, None, None]))
 
 
 def test_bad_shapes_are_refused_naming_what_is_wrong() -> None:
