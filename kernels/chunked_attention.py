@@ -20,19 +20,15 @@ from kernels.flash_attention import (
     check_triton_inputs,
     dot_options,
     interpreter_enabled,
+    jit_module,
     next_power_of_two,
     strides,
 )
-from kernels.interpreter_compat import repair_index
 from kernels.reference import check_chunked_inputs
 
 
 def _kernels() -> ModuleType:
-    from kernels import k_chunked_attention
-
-    if interpreter_enabled():
-        repair_index()  # triton 3.6's interpreter under NumPy 2 (kernels/interpreter_compat.py)
-    return k_chunked_attention
+    return jit_module("k_chunked_attention")
 
 
 def round_strides(x: torch.Tensor) -> tuple[int, ...]:

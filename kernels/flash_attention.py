@@ -9,6 +9,7 @@ neither triton nor CUDA, and TRITON_INTERPRET=1 may be set any time before the f
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 import os
@@ -61,12 +62,18 @@ def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
-def _kernels() -> ModuleType:
-    from kernels import k_flash_attention
-
+def jit_module(name: str) -> ModuleType:
+    """The package's module of @triton.jit kernels `name` (k_flash_attention, k_chunked_attention, k_lsh_hash),
+    imported at the first launch so that `import kernels` needs no triton; under the interpreter, repaired for
+    triton 3.6 under NumPy 2 first (kernels/interpreter_compat.py)."""
+    module = importlib.import_module(f"kernels.{name}")
     if interpreter_enabled():
-        repair_index()  # triton 3.6's interpreter under NumPy 2 (kernels/interpreter_compat.py)
-    return k_flash_attention
+        repair_index()
+    return module
+
+
+def _kernels() -> ModuleType:
+    return jit_module("k_flash_attention")
 
 
 def strides(x: torch.Tensor) -> tuple[int, ...]:

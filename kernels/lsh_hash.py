@@ -7,8 +7,6 @@ counted and the ids buffer allocated as on a GPU (kernels/stand_in.py).
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
 from kernels import stand_in
@@ -19,18 +17,10 @@ from kernels.flash_attention import (
     cdiv,
     dot_options,
     interpreter_enabled,
+    jit_module,
     next_power_of_two,
     strides,
 )
-from kernels.interpreter_compat import repair_index
-
-
-def _kernels() -> ModuleType:
-    from kernels import k_lsh_hash
-
-    if interpreter_enabled():
-        repair_index()  # triton 3.6's interpreter under NumPy 2 (kernels/interpreter_compat.py)
-    return k_lsh_hash
 
 
 def angular_hash(k_BHTE: torch.Tensor, rot_HREN: torch.Tensor, half_B: torch.Tensor) -> torch.Tensor:
@@ -55,7 +45,7 @@ def angular_hash(k_BHTE: torch.Tensor, rot_HREN: torch.Tensor, half_B: torch.Ten
     log = stand_in.active()
     with stand_in.kernel_region(log):  # the ids are the kernel's own output, not glue
         ids_BHRT = torch.empty(B, H, n_rounds, T, device=k_BHTE.device, dtype=torch.int64)
-        kern = _kernels()
+        kern = jit_module("k_lsh_hash")
         cfg = kern.launch_config(interpreter_enabled())
         grid = (cdiv(T, cfg["BLOCK_T"]), B * H * n_rounds)
         stand_in.launch("lsh_hash", lambda: kern._angular_hash[grid](
