@@ -28,7 +28,9 @@ from kernels.reference import check_chunked_inputs
 
 
 def _kernels() -> ModuleType:
-    return jit_module("k_chunked_attention")
+    from kernels import k_chunked_attention
+
+    return jit_module(k_chunked_attention)
 
 
 def round_strides(x: torch.Tensor) -> tuple[int, ...]:

@@ -9,7 +9,6 @@ neither triton nor CUDA, and TRITON_INTERPRET=1 may be set any time before the f
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 import os
@@ -62,18 +61,20 @@ def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
-def jit_module(name: str) -> ModuleType:
-    """The package's module of @triton.jit kernels `name` (k_flash_attention, k_chunked_attention, k_lsh_hash),
-    imported at the first launch so that `import kernels` needs no triton; under the interpreter, repaired for
-    triton 3.6 under NumPy 2 first (kernels/interpreter_compat.py)."""
-    module = importlib.import_module(f"kernels.{name}")
+def jit_module(module: ModuleType) -> ModuleType:
+    """`module`, one of the package's modules of @triton.jit kernels, ready to launch: under the interpreter,
+    triton 3.6's is repaired first for NumPy 2 (kernels/interpreter_compat.py). Each wrapper imports its module
+    at its first launch (`import kernels` needs no triton) with a plain import statement, which torch.compile
+    traces."""
     if interpreter_enabled():
         repair_index()
     return module
 
 
 def _kernels() -> ModuleType:
-    return jit_module("k_flash_attention")
+    from kernels import k_flash_attention
+
+    return jit_module(k_flash_attention)
 
 
 def strides(x: torch.Tensor) -> tuple[int, ...]:

@@ -45,7 +45,9 @@ def angular_hash(k_BHTE: torch.Tensor, rot_HREN: torch.Tensor, half_B: torch.Ten
     log = stand_in.active()
     with stand_in.kernel_region(log):  # the ids are the kernel's own output, not glue
         ids_BHRT = torch.empty(B, H, n_rounds, T, device=k_BHTE.device, dtype=torch.int64)
-        kern = jit_module("k_lsh_hash")
+        from kernels import k_lsh_hash
+
+        kern = jit_module(k_lsh_hash)
         cfg = kern.launch_config(interpreter_enabled())
         grid = (cdiv(T, cfg["BLOCK_T"]), B * H * n_rounds)
         stand_in.launch("lsh_hash", lambda: kern._angular_hash[grid](
