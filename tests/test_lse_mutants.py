@@ -10,7 +10,13 @@ import math
 import pytest
 import torch
 
-from models.attention.lse import merge_lse, merge_lse_below, merge_lse_many, merge_lse_reference
+from models.attention.lse import (
+    merge_lse,
+    merge_lse_below,
+    merge_lse_many,
+    merge_lse_many_reference,
+    merge_lse_reference,
+)
 
 NEG_INF = float("-inf")
 
@@ -131,3 +137,46 @@ def test_the_fused_merge_backward_passes_gradcheck(stacked):
     leaves = tuple(x[..., :2, :3] if x.dim() == 4 else x[..., :2] for x in (out_a, lse_a, out_b, lse_b))
     leaves = tuple(x.contiguous().requires_grad_() for x in leaves)
     assert torch.autograd.gradcheck(lambda *xs: merge(*xs), leaves, eps=1e-6, atol=1e-6)
+
+
+def _rounds(dtype: torch.dtype, seed: int):
+    """out [2, 4, 5, 8] and lse [2, 4, 5] (rounds on axis 1) with rounds without keys, a row where none has
+    any, and a row where a single round has."""
+    gen = torch.Generator().manual_seed(seed)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    out = torch.randn(2, 4, 5, 8, generator=gen).to(dtype)
+    lse = torch.randn(2, 4, 5, generator=gen, dtype=lse_dtype) * 3
+    lse[0, 1, 0] = lse[1, 3, 2] = NEG_INF
+    lse[0, :, 3] = NEG_INF  # no round has keys
+    lse[1, 1:, 4] = NEG_INF  # only round 0 has
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_the_in_place_round_merge_equals_the_autograd_expression(dtype):
+    """merge_lse_many against merge_lse_many_reference (the former expression: fp32 copies of every round): the
+    lse bitwise, out and the rounds' gradients within an ulp or so of the accumulation dtype (the merge sums the
+    weighted rounds in order with fused multiply-adds), the lse gradients within a few ulps (closed form)."""
+    out, lse = _rounds(dtype, 4)
+    results = []
+    for merge in (merge_lse_many, merge_lse_many_reference):
+        leaves = [x.clone().requires_grad_() for x in (out, lse)]
+        got, got_lse = merge(*leaves, dim=1)
+        weights = torch.linspace(-1, 1, got.shape[-1], dtype=torch.float64)
+        ((got.double() * weights).sum() + (torch.where(torch.isinf(got_lse), 0, got_lse) * 0.7).sum()).backward()
+        results.append((got, got_lse, [x.grad for x in leaves]))
+    (got, got_lse, grads), (ref, ref_lse, ref_grads) = results
+    assert got.dtype == ref.dtype == dtype and torch.equal(got_lse, ref_lse)
+    tol = {torch.bfloat16: 8e-3, torch.float32: 1e-6, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(grads[0], ref_grads[0], atol=tol, rtol=tol)
+    assert torch.isfinite(grads[1]).all()
+    torch.testing.assert_close(grads[1], ref_grads[1], atol=max(tol, 1e-5), rtol=max(tol, 1e-5))
+    assert torch.equal(got[0, 3], torch.zeros_like(got[0, 3]))  # no keys in any round: zeros, no gradient
+    assert torch.equal(grads[1][0, :, 3], torch.zeros_like(grads[1][0, :, 3]))
+
+
+def test_the_in_place_round_merge_passes_gradcheck():
+    out, lse = _rounds(torch.float64, 5)  # rows 0-2: rounds without keys, each row's lse finite (none is -inf)
+    leaves = (out[:, :, :3, :3].contiguous().requires_grad_(), lse[:, :, :3].contiguous().requires_grad_())
+    assert torch.autograd.gradcheck(lambda o, l: merge_lse_many(o, l, dim=1), leaves, eps=1e-6, atol=1e-6)
