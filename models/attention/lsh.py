@@ -211,7 +211,8 @@ class LSHMechanism(nn.Module):
 
         Without a fixed n_buckets each row gets 2 * (its real length) / bucket_size buckets. The projections
         xR [B, H, R, T, n_half] grow as T^2 (n_half ~ T / bucket_size: at 128k, 16 heads and 4 rounds, 34 GB in
-        bf16), so they are made `hash_slice_rows` tokens at a time, each slice no larger than k repeated over the
+        bf16). Where the Triton kernels run, one kernel hashes without writing them (kernels/k_lsh_hash.py);
+        elsewhere they are made `hash_slice_rows` tokens at a time, each slice no larger than k repeated over the
         rounds: memory linear in T, the ids those of one argmax over the whole row (`angular_argmax`).
         """
         B, H, T, E = k_BHTE.shape
