@@ -183,10 +183,12 @@ class _MergeLseMany(torch.autograd.Function):
         g_w = torch.stack([torch.mul(g_acc, part, out=product).sum(-1) for part in out_RM.unbind(dim)], dim)
         shared = (weight * g_w).sum(dim, keepdim=True)
         g_lse_R = (weight * (g_w + g_lse.to(weight.dtype).unsqueeze(dim) - shared)).to(ctx.lse_dtype)
-        g_out_RM = torch.empty_like(out_RM)
+        # Rounds first, so that each round's gradient is a contiguous out= buffer (dynamo breaks the graph at a
+        # strided one), each g * weight rounded once into the part's dtype.
+        g_parts = out_RM.new_empty(out_RM.shape[dim], *g_acc.shape)
         for r, w in enumerate(weight.unbind(dim)):
-            torch.mul(g_acc, w[..., None], out=g_out_RM.select(dim, r))  # rounded once into the part's dtype
-        return g_out_RM, g_lse_R, None
+            torch.mul(g_acc, w[..., None], out=g_parts[r])
+        return g_parts.movedim(0, dim), g_lse_R, None
 
 
 def merge_lse_many(out_RM: torch.Tensor, lse_R: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
