@@ -183,12 +183,10 @@ class _MergeLseMany(torch.autograd.Function):
         g_w = torch.stack([torch.mul(g_acc, part, out=product).sum(-1) for part in out_RM.unbind(dim)], dim)
         shared = (weight * g_w).sum(dim, keepdim=True)
         g_lse_R = (weight * (g_w + g_lse.to(weight.dtype).unsqueeze(dim) - shared)).to(ctx.lse_dtype)
-        # Rounds first, so that each round's gradient is a contiguous out= buffer (dynamo breaks the graph at a
-        # strided one), each g * weight rounded once into the part's dtype.
-        g_parts = out_RM.new_empty(out_RM.shape[dim], *g_acc.shape)
-        for r, w in enumerate(weight.unbind(dim)):
-            torch.mul(g_acc, w[..., None], out=g_parts[r])
-        return g_parts.movedim(0, dim), g_lse_R, None
+        # Every round's g * weight in one broadcast product, rounded once into the parts' dtype and layout: no
+        # fp32 copy, and a whole out= buffer (dynamo breaks the graph at a strided slice of one).
+        g_out_RM = torch.mul(g_acc.unsqueeze(dim), weight[..., None], out=torch.empty_like(out_RM))
+        return g_out_RM, g_lse_R, None
 
 
 def merge_lse_many(out_RM: torch.Tensor, lse_R: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
