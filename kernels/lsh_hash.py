@@ -11,10 +11,8 @@ import torch
 
 from kernels import stand_in
 from kernels.flash_attention import (
-    MAX_HEAD_DIM,
-    MIN_HEAD_DIM,
-    TRITON_DTYPES,
     cdiv,
+    check_triton_inputs,
     dot_options,
     interpreter_enabled,
     jit_module,
@@ -28,15 +26,11 @@ def angular_hash(k_BHTE: torch.Tensor, rot_HREN: torch.Tensor, half_B: torch.Ten
     round, argmax over [k R; -k R] restricted to the row's first half_B[b] columns (column c of -kR is bucket
     half_B[b] + c). The products are rounded to k's dtype before they are compared, as a matmul in that dtype
     rounds its output."""
-    if k_BHTE.dim() != 4 or rot_HREN.dim() != 4:
-        raise ValueError(f"angular_hash takes k [B, H, T, E] and R [H, R, E, N]; got {tuple(k_BHTE.shape)} and "
-                         f"{tuple(rot_HREN.shape)}")
+    check_triton_inputs(k_BHTE, k_BHTE, k_BHTE)  # what every kernel of the package takes: layout, dtype, head dim
     B, H, T, E = k_BHTE.shape
-    if rot_HREN.shape[0] != H or rot_HREN.shape[2] != E:
-        raise ValueError(f"rotations {tuple(rot_HREN.shape)} do not match k's {H} heads of {E} features")
-    if k_BHTE.dtype not in TRITON_DTYPES or not MIN_HEAD_DIM <= E <= MAX_HEAD_DIM:
-        raise ValueError(f"the Triton hash takes {TRITON_DTYPES} and head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM}; "
-                         f"got {k_BHTE.dtype} and {E}")
+    if rot_HREN.dim() != 4 or rot_HREN.shape[0] != H or rot_HREN.shape[2] != E:
+        raise ValueError(f"rotations must be [H, R, E, N] with k's {H} heads of {E} features; got "
+                         f"{tuple(rot_HREN.shape)}")
     if half_B.shape != (B,):
         raise ValueError(f"half_B must hold one half count per batch row ({B}); got {tuple(half_B.shape)}")
     n_rounds, n_half = rot_HREN.shape[1], rot_HREN.shape[3]

@@ -29,9 +29,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 if KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():
     pytestmark = pytest.mark.skip(reason="KERNEL_TESTS_DEVICE=cuda but no CUDA GPU is visible")
 DEVICE = torch.device(KERNEL_DEVICE)
-TILE = 16
-"""The interpreter's BLOCK_T and BLOCK_N (k_lsh_hash.launch_config): the shapes below span several tiles of it. On a
-GPU (tiles of 64) the same cases check the compiled kernel, mostly within one tile."""
 
 
 def mechanism(bucket_size: int = 4, n_hashes: int = 2) -> LSHMechanism:
@@ -41,12 +38,16 @@ def mechanism(bucket_size: int = 4, n_hashes: int = 2) -> LSHMechanism:
 
 
 def ties_across_tiles(k_BHTE: torch.Tensor, rot_HREN: torch.Tensor) -> int:
-    """Tokens whose maximal projection is reached in two column tiles: where a kernel that let a later tile win
-    an equal maximum would give another id."""
+    """Tokens whose maximal projection is reached in two column tiles of the interpreter's launch (the shapes here
+    span several of them; a GPU's tiles of 64 hold these cases whole): where a kernel that let a later tile win an
+    equal maximum would give another id."""
+    from kernels import k_lsh_hash  # imports triton, which the module's skip already requires
+
+    tile = k_lsh_hash.launch_config(interpret=True)["BLOCK_N"]
     xr = torch.einsum("bhte,hren->bhrtn", k_BHTE.double(), rot_HREN.double())
     top = xr.max(-1, keepdim=True).values
-    at_top = torch.nn.functional.pad(xr == top, (0, -xr.shape[-1] % TILE))  # whole tiles, padding never at top
-    tiles = at_top.unflatten(-1, (-1, TILE)).any(-1).sum(-1)
+    at_top = torch.nn.functional.pad(xr == top, (0, -xr.shape[-1] % tile))  # whole tiles, padding never at top
+    tiles = at_top.unflatten(-1, (-1, tile)).any(-1).sum(-1)
     return int((tiles > 1).sum())
 
 
@@ -103,6 +104,8 @@ def test_bad_shapes_are_refused_naming_what_is_wrong() -> None:
     k = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="2 heads of 16 features"):
         angular_hash(k, torch.randn(3, 1, 16, 4), torch.tensor([4]))
+    with pytest.raises(ValueError, match=r"must be 4-D \[batch, heads, seq, head_dim\]"):
+        angular_hash(k[0], torch.randn(2, 1, 16, 4), torch.tensor([4]))
     with pytest.raises(ValueError, match="one half count per batch row"):
         angular_hash(k, torch.randn(2, 1, 16, 4), torch.tensor([4, 4]))
     with pytest.raises(ValueError, match="head_dim 16..128"):
