@@ -193,11 +193,12 @@ def select_backend(
     raise NotImplementedError("no attention backend supports these inputs:\n" + "\n".join(rejected))
 
 
-def fused_hash(k: torch.Tensor) -> bool:
-    """LSH's hash of keys `k` [B, H, T, E] runs on its Triton kernel (kernels/lsh_hash.py, or the kernel's
-    stand-in) wherever attention on `k` would run on the Triton kernels; elsewhere PyTorch computes the same ids
-    (models/attention/lsh.py `angular_argmax`, a slice of tokens at a time)."""
-    return select_backend(k, k, k).name in (TRITON.name, STAND_IN.name)
+def fused_kernels(x: torch.Tensor) -> bool:
+    """A method's own fused Triton kernels take `x` [B, H, T, E] (LSH's hash, kernels/lsh_hash.py; HyperAttention's
+    blocks + samples, kernels/hyper_blocks.py; or their stand-in while counting) wherever attention on `x` would
+    run on the Triton kernels; elsewhere the methods compute the same thing in PyTorch (models/attention/lsh.py
+    `angular_argmax` a slice of tokens at a time; models/attention/hyper.py its two parts and their merge)."""
+    return select_backend(x, x, x).name in (TRITON.name, STAND_IN.name)
 
 
 def exact_attention(

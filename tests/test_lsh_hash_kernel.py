@@ -66,7 +66,7 @@ def test_the_kernel_gives_the_concatenations_ids_in_the_model(monkeypatch, padde
         mask = torch.zeros(B, T, dtype=torch.bool)
         mask[1, 41:] = True  # row 1: 41 real tokens, 10 columns per half against row 0's 18
     on_device = k.to(DEVICE)
-    assert dispatch.fused_hash(on_device)
+    assert dispatch.fused_kernels(on_device)
     got = mech.buckets(on_device, None if mask is None else mask.to(DEVICE))
     assert torch.equal(got.cpu(), buckets_by_concatenation(mech, k, mask))
 

@@ -38,6 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import model_validator
 
+from kernels.dispatch import fused_kernels
+from kernels.hyper_blocks import hyper_block_flash_attention
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.exact import ExactMechanism
 from models.attention.lse import exact_attention, merge_lse, merge_lse_below
@@ -204,6 +206,11 @@ class HyperMechanism(nn.Module):
             x = torch.gather(x_BHNE, 2, order_BHN[..., None].expand(B, H, N, x_BHNE.shape[-1]))
             return F.pad(x, (0, 0, 0, extra)) if extra else x  # a pad of width 0 would still copy
 
+        if fused_kernels(q_BHNE):  # (1) and (2) in one softmax, read through the orders (kernels/k_hyper_blocks.py)
+            rows = lambda order_BHN: F.pad(order_BHN, (0, extra), value=-1)  # noqa: E731  fillers: -1
+            return self.blocks_and_samples(q_BHNE, k_BHNE, v_BHNE, rows(order_q_BHN), rows(order_k_BHN),
+                                           torch.arange(nb, device=q_BHNE.device).expand(B, H, nb), key_padding_BN,
+                                           level)
         q_s, k_s, v_s = sort(q_BHNE, order_q_BHN), sort(k_BHNE, order_k_BHN), sort(v_BHNE, order_k_BHN)
         kpad_BHN = torch.zeros(B, H, N, dtype=torch.bool, device=q_BHNE.device)
         if key_padding_BN is not None:
@@ -236,8 +243,7 @@ class HyperMechanism(nn.Module):
         B, H, G, b, E = q_BHGbE.shape
         m, n_keys = self.sample_size, k_s.shape[2]
         n_real_B = n_keys - kpad_s[:, 0].sum(-1)  # real keys per row (all heads share the mask)
-        j_BHM = (self._uniform(B, H, m, q_BHGbE.device, level) * n_real_B[:, None, None]).long()
-        j_BHM = j_BHM.clamp(max=n_keys - 1)
+        j_BHM = self.sample_rows(B, H, n_real_B, n_keys, q_BHGbE.device, level)
         k_J = torch.gather(k_s, 2, j_BHM[..., None].expand(B, H, m, E))
         v_J = torch.gather(v_s, 2, j_BHM[..., None].expand(B, H, m, E))
         drop_BHGM = (j_BHM // b)[:, :, None, :] == block_BHG[..., None]
@@ -248,9 +254,33 @@ class HyperMechanism(nn.Module):
             v_J[:, :, None].expand(B, H, G, m, E).reshape(B * H * G, 1, m, E),
             key_padding_mask=drop_BHGM.reshape(B * H * G, m),
         )
-        # Importance weight n / m of uniform sampling (n real keys of the row), applied in log space.
-        log_w_B11 = torch.log(n_real_B.clamp(min=1).to(lse_res.dtype) / m)[:, None, None]
+        log_w_B11 = self.sample_log_weight(n_real_B, lse_res.dtype)[:, None, None]
         return o_res.reshape(B, H, G * b, E), lse_res.reshape(B, H, G * b) + log_w_B11
+
+    def sample_rows(self, B: int, H: int, n_real_B: torch.Tensor, n_rows: int, device: torch.device, level: int):
+        """[B, H, m] rows of the sorted keys drawn uniformly, with replacement, among each batch row's n_real_B real
+        keys (sorted first): the one draw both ways of computing the sampled part take."""
+        j_BHM = (self._uniform(B, H, self.sample_size, device, level) * n_real_B[:, None, None]).long()
+        return j_BHM.clamp(max=n_rows - 1)
+
+    def sample_log_weight(self, n_real_B: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[B] log(n / m): the importance weight of uniform sampling (n real keys of the row), in log space."""
+        return torch.log(n_real_B.clamp(min=1).to(dtype) / self.sample_size)
+
+    def blocks_and_samples(self, q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG, key_padding_BN, level):
+        """(out, lse) of the block part and the sampled part in one softmax on the Triton kernels
+        (kernels/hyper_blocks.py): the queries at `q_slots`, the sorted keys at `k_rows` (-1: filler), group g
+        against key block group_block_BHG[g] and the samples, drawn as `residual` draws them."""
+        B, H, N = k_BHNE.shape[:3]
+        n_real_B = torch.full((B,), N, device=q_BHME.device) if key_padding_BN is None else (~key_padding_BN).sum(-1)
+        if self.sample_size > 0:
+            samples_BHm = self.sample_rows(B, H, n_real_B, k_rows.shape[-1], q_BHME.device, level)
+            log_w_B = self.sample_log_weight(n_real_B, torch.float32)
+        else:
+            samples_BHm = torch.zeros(B, H, 0, dtype=torch.long, device=q_BHME.device)
+            log_w_B = torch.zeros(B, device=q_BHME.device)
+        return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG.contiguous(),
+                                           samples_BHm, log_w_B, self.block_size, key_padding_mask=key_padding_BN)
 
     def _uniform(self, B: int, H: int, m: int, device: torch.device, level: int) -> torch.Tensor:
         if self.training:
@@ -271,14 +301,8 @@ class HyperMechanism(nn.Module):
         rank_k_BHN = self.bucket_rank(k_BHNE, key_padding_BN)
         order_k_BHN = torch.argsort(rank_k_BHN * N + torch.arange(N, device=dev), dim=-1)
         rank_ks_BHN = torch.gather(rank_k_BHN, 2, order_k_BHN)
-        k_s, v_s = (torch.gather(x, 2, order_k_BHN[..., None].expand(B, H, N, E)) for x in (k_BHNE, v_BHNE))
-        if nb * b > N:  # a pad of width 0 would still copy
-            k_s, v_s = (F.pad(x, (0, 0, 0, nb * b - N)) for x in (k_s, v_s))
-        kpad_BHN = torch.zeros(B, H, N, dtype=torch.bool, device=dev)
-        if key_padding_BN is not None:
-            kpad_BHN = torch.gather(key_padding_BN[:, None, :].expand(B, H, N), 2, order_k_BHN)
-        kpad_s = F.pad(kpad_BHN, (0, nb * b - N), value=True)
-        n_real_B11 = (N - kpad_BHN[:, 0].sum(-1))[:, None, None]
+        n_real_B11 = torch.full((B, 1, 1), N, device=dev) if key_padding_BN is None else \
+            (~key_padding_BN).sum(-1)[:, None, None]
 
         rank_q_BHM = self.bucket_rank(q_BHME, None)
         lo = torch.searchsorted(rank_ks_BHN, rank_q_BHM, side="left")
@@ -299,6 +323,18 @@ class HyperMechanism(nn.Module):
         block_BHG = torch.searchsorted(torch.cumsum(groups_BHn, -1),
                                        torch.arange(G, device=dev).expand(B, H, G).contiguous(), right=True)
         block_BHG = block_BHG.clamp(max=nb - 1)  # unused groups (no queries) read block nb - 1
+        if fused_kernels(q_BHME):  # one softmax read through the slots and the key order (kernels/k_hyper_blocks.py)
+            q_slots = torch.full((B, H, G * b), -1, dtype=torch.long, device=dev).scatter_(
+                2, slot_BHM, torch.arange(M, device=dev).expand(B, H, M))
+            return self.blocks_and_samples(q_BHME, k_BHNE, v_BHNE, q_slots, F.pad(order_k_BHN, (0, nb * b - N),
+                                           value=-1), block_BHG, key_padding_BN, level)
+        k_s, v_s = (torch.gather(x, 2, order_k_BHN[..., None].expand(B, H, N, E)) for x in (k_BHNE, v_BHNE))
+        if nb * b > N:  # a pad of width 0 would still copy
+            k_s, v_s = (F.pad(x, (0, 0, 0, nb * b - N)) for x in (k_s, v_s))
+        kpad_BHN = torch.zeros(B, H, N, dtype=torch.bool, device=dev)
+        if key_padding_BN is not None:
+            kpad_BHN = torch.gather(key_padding_BN[:, None, :].expand(B, H, N), 2, order_k_BHN)
+        kpad_s = F.pad(kpad_BHN, (0, nb * b - N), value=True)
 
         q_slots = torch.zeros(B, H, G * b, E, dtype=q_BHME.dtype, device=dev).scatter(
             2, slot_BHM[..., None].expand(B, H, M, E), q_BHME)

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 from pydantic import model_validator
 
-from kernels.dispatch import fused_hash
+from kernels.dispatch import fused_kernels
 from kernels.lsh_hash import angular_hash
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.lse import chunked_attention, exact_attention, merge_lse_many
@@ -228,7 +228,7 @@ class LSHMechanism(nn.Module):
             n_half = max(halves)
             uniform = min(halves) == n_half
         rot_HREN = self.rotations(H, n_half, k_BHTE.device).to(k_BHTE.dtype)
-        if fused_hash(k_BHTE):  # the projections never written (kernels/k_lsh_hash.py)
+        if fused_kernels(k_BHTE):  # the projections never written (kernels/k_lsh_hash.py)
             bucket_BHRT = angular_hash(k_BHTE, rot_HREN, half_B)
         else:
             bucket_BHRT = self._hash_in_slices(k_BHTE, rot_HREN, half_B, n_half, uniform)

@@ -1,0 +1,182 @@
+"""HyperAttention's approximate step (sortLSH blocks + uniform samples, one softmax) on the Triton kernels of
+k_hyper_blocks.py, as an autograd.Function with a FlashAttention-2 backward that also takes the gradient of lse
+(Dao, 2023, arXiv 2307.08691). The semantics, and the oracle, are
+kernels.reference.hyper_block_attention_reference.
+
+The kernels read q, k, v through the layout's indices and store out, lse, dq, dk, dv at the tokens' own rows: no
+sorted copy, no per-group copy of the samples and no merge of two parts exist (models/attention/hyper.py builds
+the layout). What the host adds: the samples sorted by row, two [NB + 1] tables (each key block's first group and
+first sample) and, in the backward, the splits' [m, D] fp32 sample gradients summed.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+
+from kernels import stand_in
+from kernels.flash_attention import (
+    backward_delta,
+    cdiv,
+    check_triton_inputs,
+    dot_options,
+    interpreter_enabled,
+    jit_module,
+    next_power_of_two,
+    strides,
+)
+from kernels.reference import check_hyper_block_inputs
+
+# Programs the samples' backward aims for per launch: it splits the groups among this many programs over every
+# (batch, head, sample tile), so that a GPU's SMs are busy while each split's fp32 partial stays small.
+SAMPLE_PROGRAMS = 512
+
+
+def _kernels() -> ModuleType:
+    from kernels import k_hyper_blocks
+
+    return jit_module(k_hyper_blocks)
+
+
+class _Layout:
+    """The indices and sizes the four kernels share for one call."""
+
+    def __init__(self, q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block, pad_BN, scale):
+        B, H, M, D = q.shape
+        self.heads, self.n_q, self.n_k = H, M, k.shape[2]
+        self.block, self.n_groups, self.n_samples = block, group_block.shape[-1], sample_rows.shape[-1]
+        self.n_blocks = k_rows.shape[-1] // block
+        self.block_d = next_power_of_two(D)
+        self.cfg = _kernels().launch_config(self.block_d, q.element_size(), block, interpreter_enabled())
+        dev = q.device
+        self.q_slots, self.k_rows = q_slots.contiguous(), k_rows.contiguous()
+        self.group_block = group_block.contiguous()
+        # Ascending rows: the block kernel finds a key block's samples as one range (their order is irrelevant
+        # to the softmax, a sum over them).
+        self.sample_rows = torch.sort(sample_rows, dim=-1).values if self.n_samples else q_slots[..., :1]
+        bounds = torch.arange(self.n_blocks + 1, device=dev)
+        self.first_group = torch.searchsorted(self.group_block, bounds.expand(B, H, -1).contiguous())
+        self.sample_start = (torch.searchsorted(self.sample_rows, (bounds * block).expand(B, H, -1).contiguous())
+                             if self.n_samples else torch.zeros(B, H, self.n_blocks + 1, dtype=torch.int64,
+                                                                  device=dev))
+        self.log_w = sample_log_weight.to(device=dev, dtype=torch.float32).contiguous()
+        self.pad = pad_BN.to(torch.uint8).contiguous() if pad_BN is not None else q_slots
+        self.scale = scale
+        self.constexprs = dict(
+            HAS_KPM=pad_BN is not None, **dot_options(q.dtype), BLOCK_M=self.cfg["BLOCK_M"],
+            BLOCK_N=self.cfg["BLOCK_N"], BLOCK_D=self.block_d, num_warps=self.cfg["num_warps"],
+            num_stages=self.cfg["num_stages"],
+        )  # fmt: skip
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.heads, self.n_q, self.n_k, self.n_groups, self.n_blocks, self.block, self.n_samples)
+
+    def query_grid(self, batch_heads: int) -> tuple[tuple[int, int], int]:
+        tiles = cdiv(self.block, self.cfg["BLOCK_M"])
+        return (self.n_groups * tiles, batch_heads), tiles
+
+
+def _forward(q, k, v, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    kern = _kernels()
+    B, H, M, D = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
+    grid, tiles = lay.query_grid(B * H)
+    stand_in.launch("hyper_fwd", lambda: kern._hyper_fwd[grid](
+        q, k, v, out, lse, lay.q_slots, lay.k_rows, lay.group_block, lay.sample_rows, lay.log_w, lay.pad,
+        *strides(q), *strides(k), *strides(v), *strides(out),
+        *lay.sizes, D, tiles, lay.scale * math.log2(math.e),
+        **lay.constexprs,
+    ))  # fmt: skip
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, dout, dlse, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kern = _kernels()
+    B, H, M, D = q.shape
+    delta = backward_delta(out, dout, dlse)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    inputs = (*strides(q), *strides(k), *strides(v), *strides(dout))
+    scales = (lay.scale * math.log2(math.e), lay.scale)
+    indices = (lay.q_slots, lay.k_rows, lay.group_block)
+
+    m, block_n = lay.n_samples, lay.cfg["BLOCK_N"]
+    dks = dvs = lse  # never read without samples (the block kernel's sample ranges are empty)
+    if m:
+        sample_tiles = cdiv(m, block_n)
+        # Under the interpreter two splits, so that the tests take the sum over splits.
+        splits = min(lay.n_groups, 2 if interpreter_enabled() else max(1, SAMPLE_PROGRAMS // (B * H * sample_tiles)))
+        groups_per_split = cdiv(lay.n_groups, splits)
+        splits = cdiv(lay.n_groups, groups_per_split)
+        dks_part = torch.empty(splits, B * H, m, lay.block_d, device=q.device, dtype=torch.float32)
+        dvs_part = torch.empty_like(dks_part)
+        stand_in.launch("hyper_bwd_samples", lambda: kern._hyper_bwd_samples[(splits * sample_tiles, B * H)](
+            q, k, v, dout, lse, delta, dks_part, dvs_part, *indices, lay.sample_rows, lay.log_w, lay.pad,
+            *inputs, *lay.sizes, D, sample_tiles, groups_per_split, scales[0],
+            **lay.constexprs,
+        ))  # fmt: skip
+        dks, dvs = dks_part.sum(0), dvs_part.sum(0)
+    tiles_per_block = cdiv(lay.block, block_n)
+    stand_in.launch("hyper_bwd_dkdv", lambda: kern._hyper_bwd_dkdv[(lay.n_blocks * tiles_per_block, B * H)](
+        q, k, v, dout, lse, delta, dk, dv, dks, dvs, *indices, lay.first_group, lay.sample_rows, lay.sample_start,
+        lay.pad, *inputs, *strides(dk), *lay.sizes, D, tiles_per_block, *scales,
+        BLOCK_S=lay.cfg["BLOCK_S"], **lay.constexprs,
+    ))  # fmt: skip
+    grid, tiles = lay.query_grid(B * H)
+    stand_in.launch("hyper_bwd_dq", lambda: kern._hyper_bwd_dq[grid](
+        q, k, v, dout, lse, delta, dq, *indices, lay.sample_rows, lay.log_w, lay.pad,
+        *inputs, *strides(dq), *lay.sizes, D, tiles, *scales,
+        **lay.constexprs,
+    ))  # fmt: skip
+    return dq, dk, dv
+
+
+class HyperBlocksFunction(torch.autograd.Function):
+    """(q, k, v) -> (out, lse), differentiable in both outputs; the layout carries the indices."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lay: _Layout):  # type: ignore[override]
+        ctx.kernel_log = stand_in.active()
+        with stand_in.kernel_region(ctx.kernel_log):
+            out, lse = _forward(q, k, v, lay)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.lay = lay
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        with stand_in.kernel_region(ctx.kernel_log):
+            dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.lay)
+        return dq, dk, dv, None
+
+
+def hyper_block_flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_slots: torch.Tensor,
+    k_rows: torch.Tensor,
+    group_block: torch.Tensor,
+    sample_rows: torch.Tensor,
+    sample_log_weight: torch.Tensor,
+    block: int,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HyperAttention's blocks + samples on the Triton kernels; arguments and semantics as
+    kernels.reference.hyper_block_attention_reference (out [B, H, M, D], lse [B, H, M] at the query tokens)."""
+    check_triton_inputs(q, k, v)
+    check_hyper_block_inputs(q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block,
+                             key_padding_mask)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    lay = _Layout(q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block, key_padding_mask, scale)
+    return HyperBlocksFunction.apply(q, k, v, lay)

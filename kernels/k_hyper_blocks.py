@@ -1,0 +1,290 @@
+"""Triton kernels of HyperAttention's approximate step (Han et al., 2023, arXiv 2310.05869, Algorithms 1-3): each
+query attends exactly to one block of keys in sortLSH order and to m uniformly sampled keys weighted by n / m, in
+ONE softmax, built on the FlashAttention-2 loops of k_flash_attention.py (Dao, 2023, arXiv 2307.08691).
+
+The paper (and models/attention/hyper.py on PyTorch) computes the block-diagonal part and the sampled part as two
+attentions and merges them through their log-sum-exp; a softmax over the union of two disjoint key sets is that
+merge, so here the sampled keys are a second loop of the same online softmax, their logits raised by log(n / m).
+Nothing sorted is copied: the kernels read q, k, v through indices and store at the tokens' own rows.
+
+Layout (int64 indices, all per (batch, head)):
+- query slots QTOK [G * b]: slot g*b + i of group g holds a query token, or -1 (a filler: nothing stored);
+- key rows KTOK [NB * b]: row kb*b + j of key block kb holds a key token, or -1 (a masked filler);
+- GBLOCK [G]: the key block group g attends to (non-causal HyperAttention: g itself; past-only routing of a causal
+  off-diagonal block: several consecutive groups share a key block, models/attention/hyper.py `placed`);
+- SROW [m]: the sampled keys as key rows, ascending; a sample in the group's own key block is masked (its key
+  is already in the block part), as is a padded or filler key. LOGW [B]: the samples' log-weight, natural log.
+Every query token sits in exactly one slot and every key token in exactly one row, so no two programs store to
+one place. A key's gradient from the samples is summed over every group: the samples kernel writes one fp32
+partial per split of the groups, the host sums the splits (a [m, E] tensor per head) and the block kernel adds
+each sample's sum to its key row's accumulator (a one-hot product), so dK and dV are each stored once, rounded
+once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.k_chunked_attention import _load_rows, _load_token_stats, _program, _row_tokens, _store_rows
+from kernels.k_flash_tiles import LOG2E, _dot, _finish_softmax, _online_softmax_step
+
+
+def launch_config(block_d: int, elem_bytes: int, block: int, interpret: bool) -> dict[str, int]:
+    """Tiles no larger than a block (rounded up to a power of two, at least the 16 tl.dot needs); fp32 gets half
+    the tile size. BLOCK_S: samples per step of the one-hot product that moves their gradients to key rows."""
+    if interpret:
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_S": 16, "num_warps": 1, "num_stages": 1}
+    tile = min(64 if elem_bytes < 4 else 32, max(16, triton.next_power_of_2(block)))
+    return {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_S": 16, "num_warps": 4 if block_d <= 64 else 8, "num_stages": 2}
+
+
+@triton.jit
+def _block_logits(s, q_tok, k_tok, pad_ptr, HAS_KPM: tl.constexpr):
+    """Masked base-2 logits of query tokens q_tok against key tokens k_tok (-1: filler) of the block part."""
+    valid = (q_tok >= 0)[:, None] & (k_tok >= 0)[None, :]
+    if HAS_KPM:
+        padded = tl.load(pad_ptr + tl.maximum(k_tok, 0), mask=k_tok >= 0, other=1)
+        valid = valid & (padded == 0)[None, :]
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _sample_logits(s, q_tok, k_tok, sample_block, key_block, logw2, pad_ptr, HAS_KPM: tl.constexpr):
+    """The samples' logits: raised by log2(n / m), masked where the sample lies in the group's own key block
+    (`key_block`), is a filler or padded, or the query is a filler."""
+    valid = (q_tok >= 0)[:, None] & ((k_tok >= 0) & (sample_block != key_block))[None, :]
+    if HAS_KPM:
+        padded = tl.load(pad_ptr + tl.maximum(k_tok, 0), mask=k_tok >= 0, other=1)
+        valid = valid & (padded == 0)[None, :]
+    return tl.where(valid, s + logw2, float("-inf"))
+
+
+@triton.jit
+def _sample_tokens(srow_ptr, ktok_ptr, j, n_samples, block):
+    """(key row, key token, key block) of samples j; -1 rows and tokens past the last sample."""
+    srow = tl.load(srow_ptr + j, mask=j < n_samples, other=-1)
+    k_tok = tl.load(ktok_ptr + tl.maximum(srow, 0), mask=srow >= 0, other=-1)
+    return srow, k_tok, tl.where(srow >= 0, srow // block, -1)
+
+
+@triton.jit
+def _hyper_fwd(
+    Q, K, V, Out, Lse, QTok, KTok, GBlock, SRow, LogW, Pad,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, tiles_per_group, qk_scale,
+    HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One tile of BLOCK_M query slots inside one group: its key block, then the samples."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h, _ = _program(pid_bh, n_heads, 1)
+    bh = pid_bh.to(tl.int64)
+    g = pid // tiles_per_group
+    rows = g * block + (pid % tiles_per_group) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    ktok_ptr = KTok + bh * n_blocks * block
+    k_ptr = K + b * stride_kb + h * stride_kh
+    v_ptr = V + b * stride_vb + h * stride_vh
+    pad_ptr = Pad + b * n_k
+    kb = tl.load(GBlock + bh * n_groups + g)
+
+    q_tok = _row_tokens(QTok + bh * n_groups * block, rows, g * block + block, True)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, q_tok, offs_d, stride_qt, stride_qd, head_dim)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(kb * block, kb * block + block, BLOCK_N):
+        k_tok = _row_tokens(ktok_ptr, start_n + offs_n, kb * block + block, True)
+        k = _load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim)
+        v = _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+        s = _block_logits(_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale, q_tok, k_tok, pad_ptr, HAS_KPM)
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST)
+    logw2 = tl.load(LogW + b) * LOG2E
+    for start_s in range(0, n_samples, BLOCK_N):
+        _, k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, n_samples, block)
+        k = _load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim)
+        v = _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+        s = _sample_logits(s, q_tok, k_tok, s_block, kb, logw2, pad_ptr, HAS_KPM)
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST)
+
+    out, lse = _finish_softmax(m_i, l_i, acc)
+    _store_rows(Out + b * stride_ob + h * stride_oh, out, q_tok, offs_d, stride_ot, stride_od, head_dim)
+    tl.store(Lse + bh * n_q + tl.maximum(q_tok, 0), lse, mask=q_tok >= 0)
+
+
+@triton.jit
+def _hyper_bwd_dq(
+    Q, K, V, DO, Lse, Delta, DQ, QTok, KTok, GBlock, SRow, LogW, Pad,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+    n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, tiles_per_group, qk_scale, sm_scale,
+    HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """dQ of one tile of query slots, over the forward's keys; stored at the query tokens' rows."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h, _ = _program(pid_bh, n_heads, 1)
+    bh = pid_bh.to(tl.int64)
+    g = pid // tiles_per_group
+    rows = g * block + (pid % tiles_per_group) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    ktok_ptr = KTok + bh * n_blocks * block
+    k_ptr = K + b * stride_kb + h * stride_kh
+    v_ptr = V + b * stride_vb + h * stride_vh
+    pad_ptr = Pad + b * n_k
+    kb = tl.load(GBlock + bh * n_groups + g)
+
+    q_tok = _row_tokens(QTok + bh * n_groups * block, rows, g * block + block, True)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, q_tok, offs_d, stride_qt, stride_qd, head_dim)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, q_tok, offs_d, stride_dot, stride_dod, head_dim)
+    lse2, delta = _load_token_stats(Lse + bh * n_q, Delta + bh * n_q, q_tok)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(kb * block, kb * block + block, BLOCK_N):
+        k_tok = _row_tokens(ktok_ptr, start_n + offs_n, kb * block + block, True)
+        k = _load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim)
+        v = _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+        s = _block_logits(_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale, q_tok, k_tok, pad_ptr, HAS_KPM)
+        p = tl.exp2(s - lse2[:, None])
+        ds = p * (_dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST) - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
+    logw2 = tl.load(LogW + b) * LOG2E
+    for start_s in range(0, n_samples, BLOCK_N):
+        _, k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, n_samples, block)
+        k = _load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim)
+        v = _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+        s = _sample_logits(s, q_tok, k_tok, s_block, kb, logw2, pad_ptr, HAS_KPM)
+        p = tl.exp2(s - lse2[:, None])
+        ds = p * (_dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST) - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
+
+    _store_rows(DQ + b * stride_dqb + h * stride_dqh, dq * sm_scale, q_tok, offs_d, stride_dqt, stride_dqd, head_dim)
+
+
+@triton.jit
+def _hyper_bwd_samples(
+    Q, K, V, DO, Lse, Delta, DKS, DVS, QTok, KTok, GBlock, SRow, LogW, Pad,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, sample_tiles, groups_per_split, qk_scale,
+    HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Unscaled fp32 dK, dV of one tile of samples from the query groups of one split: DKS, DVS [splits, B*H, m,
+    BLOCK_D] (summed over the splits by the host). A sample sees every group but its own key block's."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h, _ = _program(pid_bh, n_heads, 1)
+    bh = pid_bh.to(tl.int64)
+    split = pid // sample_tiles
+    j = (pid % sample_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qtok_ptr = QTok + bh * n_groups * block
+    q_ptr = Q + b * stride_qb + h * stride_qh
+    do_ptr = DO + b * stride_dob + h * stride_doh
+    pad_ptr = Pad + b * n_k
+
+    _, k_tok, s_block = _sample_tokens(SRow + bh * n_samples, KTok + bh * n_blocks * block, j, n_samples, block)
+    k = _load_rows(K + b * stride_kb + h * stride_kh, k_tok, offs_d, stride_kt, stride_kd, head_dim)
+    v = _load_rows(V + b * stride_vb + h * stride_vh, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+    logw2 = tl.load(LogW + b) * LOG2E
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    g_lo = split * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
+    for g in range(g_lo, g_hi):
+        kb = tl.load(GBlock + bh * n_groups + g)
+        for start_m in range(g * block, g * block + block, BLOCK_M):
+            q_tok = _row_tokens(qtok_ptr, start_m + offs_m, g * block + block, True)
+            q = _load_rows(q_ptr, q_tok, offs_d, stride_qt, stride_qd, head_dim)
+            do = _load_rows(do_ptr, q_tok, offs_d, stride_dot, stride_dod, head_dim)
+            lse2, delta = _load_token_stats(Lse + bh * n_q, Delta + bh * n_q, q_tok)
+            s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+            s = _sample_logits(s, q_tok, k_tok, s_block, kb, logw2, pad_ptr, HAS_KPM)
+            p = tl.exp2(s - lse2[:, None])
+            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION, DOT_UPCAST)
+            ds = p * (_dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST) - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION, DOT_UPCAST)
+
+    part = ((split * tl.num_programs(1) + bh) * n_samples + j)[:, None] * BLOCK_D + offs_d[None, :]
+    tl.store(DKS + part, dk, mask=(j < n_samples)[:, None])
+    tl.store(DVS + part, dv, mask=(j < n_samples)[:, None])
+
+
+@triton.jit
+def _hyper_bwd_dkdv(
+    Q, K, V, DO, Lse, Delta, DK, DV, DKS, DVS, QTok, KTok, GBlock, FirstGroup, SRow, SampleStart, Pad,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, tiles_per_block, qk_scale, sm_scale,
+    HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one tile of key rows inside key block kb: the groups FirstGroup[kb] .. FirstGroup[kb+1]-1 that
+    attend to it, plus the summed sample gradients DKS, DVS [B*H, m, BLOCK_D] of the samples at these rows (samples
+    SampleStart[kb] .. SampleStart[kb+1]-1, SROW being ascending). Stored once at the key tokens' rows."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h, _ = _program(pid_bh, n_heads, 1)
+    bh = pid_bh.to(tl.int64)
+    kb = pid // tiles_per_block
+    cols = kb * block + (pid % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qtok_ptr = QTok + bh * n_groups * block
+    q_ptr = Q + b * stride_qb + h * stride_qh
+    do_ptr = DO + b * stride_dob + h * stride_doh
+    pad_ptr = Pad + b * n_k
+
+    k_tok = _row_tokens(KTok + bh * n_blocks * block, cols, kb * block + block, True)
+    k = _load_rows(K + b * stride_kb + h * stride_kh, k_tok, offs_d, stride_kt, stride_kd, head_dim)
+    v = _load_rows(V + b * stride_vb + h * stride_vh, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    g_lo = tl.load(FirstGroup + bh * (n_blocks + 1) + kb)
+    g_hi = tl.load(FirstGroup + bh * (n_blocks + 1) + kb + 1)
+    for g in range(g_lo, g_hi):
+        for start_m in range(g * block, g * block + block, BLOCK_M):
+            q_tok = _row_tokens(qtok_ptr, start_m + offs_m, g * block + block, True)
+            q = _load_rows(q_ptr, q_tok, offs_d, stride_qt, stride_qd, head_dim)
+            do = _load_rows(do_ptr, q_tok, offs_d, stride_dot, stride_dod, head_dim)
+            lse2, delta = _load_token_stats(Lse + bh * n_q, Delta + bh * n_q, q_tok)
+            s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+            p = tl.exp2(_block_logits(s, q_tok, k_tok, pad_ptr, HAS_KPM) - lse2[:, None])
+            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION, DOT_UPCAST)
+            ds = p * (_dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST) - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION, DOT_UPCAST)
+
+    # The samples' summed gradients, each added to the accumulator of its own key row: a one-hot [BLOCK_N, BLOCK_S]
+    # times [BLOCK_S, BLOCK_D] product, exact in fp32 (each output sums the samples drawn at that row).
+    offs_s = tl.arange(0, BLOCK_S)
+    s_lo = tl.load(SampleStart + bh * (n_blocks + 1) + kb)
+    s_hi = tl.load(SampleStart + bh * (n_blocks + 1) + kb + 1)
+    for start_s in range(s_lo, s_hi, BLOCK_S):
+        j = start_s + offs_s
+        srow = tl.load(SRow + bh * n_samples + j, mask=j < s_hi, other=-1)
+        one_hot = (cols[:, None] == srow[None, :]).to(tl.float32)
+        part = (bh * n_samples + j)[:, None] * BLOCK_D + offs_d[None, :]
+        dk += tl.dot(one_hot, tl.load(DKS + part, mask=(j < s_hi)[:, None], other=0.0), input_precision="ieee")
+        dv += tl.dot(one_hot, tl.load(DVS + part, mask=(j < s_hi)[:, None], other=0.0), input_precision="ieee")
+
+    _store_rows(DK + b * stride_dkb + h * stride_dkh, dk * sm_scale, k_tok, offs_d, stride_dkt, stride_dkd, head_dim)
+    _store_rows(DV + b * stride_dkb + h * stride_dkh, dv, k_tok, offs_d, stride_dkt, stride_dkd, head_dim)

@@ -1,0 +1,202 @@
+"""HyperAttention's blocks + samples on one Triton kernel (kernels/k_hyper_blocks.py, under the interpreter at tiny
+shapes) equal the reference (kernels/reference.py `hyper_block_attention_reference`) in out, lse and the gradients
+of q, k, v through both, for the two layouts models/attention/hyper.py builds: non-causal sortLSH (group g reads
+key block g) and past-only routing (several groups per key block, key blocks no group reads, unused groups of
+filler slots), with filler key rows, padded keys, samples drawn twice and samples inside a group's own block.
+
+``KERNEL_TESTS_DEVICE=cuda`` runs them on the kernels compiled for a GPU, as tests/test_kernels.py does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+KERNEL_DEVICE = os.environ.get("KERNEL_TESTS_DEVICE", "cpu")
+if KERNEL_DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"KERNEL_TESTS_DEVICE must be cpu or cuda; got {KERNEL_DEVICE!r}")
+if KERNEL_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the first launch imports the @triton.jit modules
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels.hyper_blocks import hyper_block_flash_attention  # noqa: E402
+from kernels.reference import hyper_block_attention_reference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+if KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():
+    pytestmark = pytest.mark.skip(reason="KERNEL_TESTS_DEVICE=cuda but no CUDA GPU is visible")
+DEVICE = torch.device(KERNEL_DEVICE)
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def sorted_layout(B: int, H: int, n: int, b: int, gen: torch.Generator) -> torch.Tensor:
+    """A random order of n tokens in whole blocks of b rows, the fillers (-1) last: [B, H, ceil(n / b) * b]."""
+    order = torch.argsort(torch.rand(B, H, n, generator=gen), dim=-1)
+    return torch.nn.functional.pad(order, (0, -n % b), value=-1)
+
+
+def non_causal_layout(B, H, n, b, m, gen):
+    """Group g reads key block g; samples anywhere among the real rows (so some in a group's own block)."""
+    q_slots, k_rows = sorted_layout(B, H, n, b, gen), sorted_layout(B, H, n, b, gen)
+    nb = k_rows.shape[-1] // b
+    group_block = torch.arange(nb).expand(B, H, nb).contiguous()
+    samples = torch.randint(0, n, (B, H, m), generator=gen)
+    samples[..., -1] = samples[..., 0]  # a key drawn twice
+    return q_slots, k_rows, group_block, samples
+
+
+def placed_layout(B, H, M, n, b, m, gen):
+    """Past-only routing's layout: each query in some key block, each block's queries in ceil(count / b) groups of
+    b slots, G = ceil(M / b) + NB groups (the unused ones at the end read the last block with filler slots)."""
+    k_rows = sorted_layout(B, H, n, b, gen)
+    nb = k_rows.shape[-1] // b
+    block_BHM = torch.randint(0, max(nb - 1, 1), (B, H, M), generator=gen)  # the last block read by nobody
+    G = -(-M // b) + nb
+    q_slots = torch.full((B, H, G * b), -1, dtype=torch.int64)
+    group_block = torch.full((B, H, G), nb - 1, dtype=torch.int64)
+    for i in range(B):
+        for j in range(H):
+            g = 0
+            for kb in range(nb):
+                queries = torch.nonzero(block_BHM[i, j] == kb).flatten()
+                for start in range(0, len(queries), b):
+                    part = queries[start:start + b]
+                    q_slots[i, j, g * b:g * b + len(part)] = part
+                    group_block[i, j, g] = kb
+                    g += 1
+    samples = torch.randint(0, n, (B, H, m), generator=gen)
+    return q_slots, k_rows, group_block, samples
+
+
+def run_both(q, k, v, layout, b, log_w, pad, dtype):
+    """(out, lse, dq, dk, dv) of the kernel and of the reference (in fp64 for an fp32 kernel, else in fp32)."""
+    g_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    g_lse = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    results = []
+    for fn, work in ((hyper_block_flash_attention, dtype),
+                     (hyper_block_attention_reference, torch.float64 if dtype == torch.float32 else dtype)):
+        leaves = [x.detach().to(DEVICE, work, copy=True).requires_grad_() for x in (q, k, v)]
+        args = [x.to(DEVICE) for x in layout]
+        out, lse = fn(*leaves, *args, log_w.to(DEVICE), b, key_padding_mask=None if pad is None else pad.to(DEVICE))
+        finite = torch.isfinite(lse)
+        ((out.double() * g_out).sum() + (torch.where(finite, lse, 0).double() * g_lse).sum()).backward()
+        results.append([out.detach(), lse.detach(), *(x.grad for x in leaves)])
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["non_causal", "placed"])
+def test_the_kernel_equals_the_reference(kind: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    B, H, E, b, m = 2, 2, 16, 16, 20
+    n = 45  # three key blocks, the last with 3 filler rows
+    M = n if kind == "non_causal" else 37
+    layout = (non_causal_layout(B, H, n, b, m, gen) if kind == "non_causal"
+              else placed_layout(B, H, M, n, b, m, gen))
+    q, k, v = (torch.randn(B, H, t, E, generator=gen) for t in (M, n, n))
+    pad = torch.zeros(B, n, dtype=torch.bool)
+    pad[1, -7:] = True  # row 1's last keys padded: never seen, in a block or as a sample
+    log_w = torch.tensor([math.log(n / m), math.log((n - 7) / m)])
+    if kind == "non_causal":  # the model's own block rule holds: a sample in the group's block is masked
+        own = (layout[3] // b)[:, :, None, :] == layout[2][..., None]
+        assert own.any() and not own.all()
+    kernel, reference = run_both(q, k, v, layout, b, log_w, pad, dtype)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), kernel, reference):
+        torch.testing.assert_close(got.to(want.dtype), want, **TOL[dtype], msg=lambda s, n=name: f"{n}: {s}")
+    assert kernel[3][1, :, -7:].abs().max() == 0  # padded keys get no gradient
+
+
+def test_without_samples_the_kernel_is_block_diagonal_attention() -> None:
+    """m = 0: each query attends to its key block only, which the reference computes as exact attention."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, E, b, n = 1, 2, 16, 16, 40
+    q_slots, k_rows, group_block, _ = non_causal_layout(B, H, n, b, 1, gen)
+    layout = (q_slots, k_rows, group_block, torch.zeros(B, H, 0, dtype=torch.int64))
+    q, k, v = (torch.randn(B, H, n, E, generator=gen) for _ in range(3))
+    kernel, reference = run_both(q, k, v, layout, b, torch.zeros(B), None, torch.float32)
+    for got, want in zip(kernel, reference):
+        torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
+
+
+def test_the_reference_is_the_merge_of_blocks_and_samples() -> None:
+    """The reference's one softmax over block keys and weighted samples = exact attention over the block merged
+    with exact attention over the samples outside the block (weights n / m), the two parts the paper merges: checked
+    on one group written out by hand."""
+    gen = torch.Generator().manual_seed(4)
+    B, H, E, b, n, m = 1, 1, 8, 4, 12, 5
+    q_slots, k_rows, group_block, samples = non_causal_layout(B, H, n, b, m, gen)
+    q, k, v = (torch.randn(B, H, n, E, generator=gen, dtype=torch.float64) for _ in range(3))
+    log_w = torch.tensor([math.log(n / m)])
+    out, lse = hyper_block_attention_reference(q, k, v, q_slots, k_rows, group_block, samples, log_w, b)
+    g = 1
+    queries = q_slots[0, 0, g * b:(g + 1) * b]
+    block_keys = k_rows[0, 0, g * b:(g + 1) * b]
+    outside = samples[0, 0][samples[0, 0] // b != g]
+    sample_keys = k_rows[0, 0, outside]
+    logits = q[0, 0, queries] @ torch.cat([k[0, 0, block_keys], k[0, 0, sample_keys]]).T / math.sqrt(E)
+    logits[:, b:] += math.log(n / m)
+    want_lse = torch.logsumexp(logits, -1)
+    want = torch.softmax(logits, -1) @ torch.cat([v[0, 0, block_keys], v[0, 0, sample_keys]])
+    torch.testing.assert_close(out[0, 0, queries], want)
+    torch.testing.assert_close(lse[0, 0, queries], want_lse)
+
+
+def test_bad_layouts_are_refused() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    q_slots, k_rows, group_block, samples = non_causal_layout(1, 2, 8, 4, 3, torch.Generator().manual_seed(0))
+    log_w = torch.zeros(1)
+    with pytest.raises(ValueError, match="q_slots must be int64"):
+        hyper_block_flash_attention(q, q, q, q_slots[..., :-1], k_rows, group_block, samples, log_w, 4)
+    with pytest.raises(ValueError, match="whole key blocks of 4"):
+        hyper_block_flash_attention(q, q, q, q_slots, k_rows[..., :-1], group_block, samples, log_w, 4)
+    with pytest.raises(ValueError, match="one log-weight per batch row"):
+        hyper_block_flash_attention(q, q, q, q_slots, k_rows, group_block, samples, torch.zeros(2), 4)
+    twice = q_slots.clone()
+    twice[..., 1] = twice[..., 0]
+    with pytest.raises(ValueError, match="every query token exactly once"):
+        hyper_block_attention_reference(q, q, q, twice, k_rows, group_block, samples, log_w, 4)
+
+
+@pytest.mark.parametrize("mode", ["non_causal", "causal_past_only", "causal_paper"])
+def test_the_model_on_the_kernel_equals_the_model_in_pytorch(monkeypatch, mode: str) -> None:
+    """HyperMechanism with ATTN_BACKEND=triton (the fused blocks + samples, read through the sort orders) against
+    the same mechanism on the PyTorch reference (the two parts and their lse merge): the same samples from the same
+    seed in training and from each recursion level's own generator in evaluation (non-causal and paper routing),
+    padded keys in the non-causal case, and both causal routings (the off-diagonal blocks of every recursion level
+    on the kernel)."""
+    from kernels import dispatch
+    from models.attention.hyper import HyperMechanism, HyperMechanismConfig
+
+    routing = "paper" if mode == "causal_paper" else "past_only"
+    cfg = HyperMechanismConfig(block_size=16, sample_size=8, min_seq_len=32, lsh_bits=3, causal_routing=routing)
+    mech = HyperMechanism(cfg, head_dim=16, layer_index=0).train(mode == "causal_past_only")
+    gen = torch.Generator().manual_seed(5)
+    B, H, T = 2, 2, 100
+    q, k, v = (torch.randn(B, H, T, 16, generator=gen) for _ in range(3))
+    pad = None
+    if mode == "non_causal":
+        pad = torch.zeros(B, T, dtype=torch.bool)
+        pad[1, 70:] = True
+    g_out = torch.randn(B, H, T, 16, generator=gen)
+    results = []
+    for backend in ("triton", "reference"):
+        monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
+        leaves = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v)]
+        torch.manual_seed(7)  # the samples' draw
+        with pytest.warns(UserWarning, match="leaks the future") if routing == "paper" else _no_warning():
+            out = mech.to(DEVICE)(*leaves, key_padding_mask_BS=None if pad is None else pad.to(DEVICE),
+                                  causal=mode != "non_causal")
+        (out * g_out.to(DEVICE)).sum().backward()
+        results.append([out.detach().cpu(), *(x.grad.cpu() for x in leaves)])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5, msg=lambda s, n=name: f"{n}: {s}")
+
+
+def _no_warning():
+    import contextlib
+
+    return contextlib.nullcontext()
