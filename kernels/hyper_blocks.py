@@ -82,7 +82,7 @@ class _Layout:
 def _forward(q, k, v, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
     kern = _kernels()
     B, H, M, D = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty_like(q)  # q's strides: a layer's [B, T, H, E] view of it back to [B, T, D] then copies nothing
     lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
     grid, tiles = lay.query_grid(B * H)
     stand_in.launch("hyper_fwd", lambda: kern._hyper_fwd[grid](
@@ -98,9 +98,8 @@ def _backward(q, k, v, out, lse, dout, dlse, lay: _Layout) -> tuple[torch.Tensor
     kern = _kernels()
     B, H, M, D = q.shape
     delta = backward_delta(out, dout, dlse)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    # The inputs' strides, so that the gradients of a layer's views of its projections need no copy.
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     inputs = (*strides(q), *strides(k), *strides(v), *strides(dout))
     scales = (lay.scale * math.log2(math.e), lay.scale)
     indices = (lay.q_slots, lay.k_rows, lay.group_block)
@@ -124,7 +123,7 @@ def _backward(q, k, v, out, lse, dout, dlse, lay: _Layout) -> tuple[torch.Tensor
     tiles_per_block = cdiv(lay.block, block_n)
     stand_in.launch("hyper_bwd_dkdv", lambda: kern._hyper_bwd_dkdv[(lay.n_blocks * tiles_per_block, B * H)](
         q, k, v, dout, lse, delta, dk, dv, dks, dvs, *indices, lay.first_group, lay.sample_rows, lay.sample_start,
-        lay.pad, *inputs, *strides(dk), *lay.sizes, D, tiles_per_block, *scales,
+        lay.pad, *inputs, *strides(dk), *strides(dv), *lay.sizes, D, tiles_per_block, *scales,
         BLOCK_S=lay.cfg["BLOCK_S"], **lay.constexprs,
     ))  # fmt: skip
     grid, tiles = lay.query_grid(B * H)

@@ -234,6 +234,7 @@ def _hyper_bwd_dkdv(
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_dob, stride_doh, stride_dot, stride_dod,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvt, stride_dvd,
     n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, tiles_per_block, qk_scale, sm_scale,
     HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -287,4 +288,4 @@ def _hyper_bwd_dkdv(
         dv += tl.dot(one_hot, tl.load(DVS + part, mask=(j < s_hi)[:, None], other=0.0), input_precision="ieee")
 
     _store_rows(DK + b * stride_dkb + h * stride_dkh, dk * sm_scale, k_tok, offs_d, stride_dkt, stride_dkd, head_dim)
-    _store_rows(DV + b * stride_dkb + h * stride_dkh, dv, k_tok, offs_d, stride_dkt, stride_dkd, head_dim)
+    _store_rows(DV + b * stride_dvb + h * stride_dvh, dv, k_tok, offs_d, stride_dvt, stride_dvd, head_dim)

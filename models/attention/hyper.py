@@ -165,7 +165,9 @@ class HyperMechanism(nn.Module):
     def bucket_rank(self, x_BHTE: torch.Tensor, padding_BT: torch.Tensor | None) -> torch.Tensor:
         """Gray-ordered bucket [B, H, T]; padded rows get 2^bits, after every real bucket."""
         bits_BHTR = (x_BHTE.detach() @ self.hyperplanes.to(x_BHTE.dtype)) > 0
-        code_BHT = (bits_BHTR.long() << torch.arange(self.bits, device=x_BHTE.device)).sum(-1)
+        # Weighted in int32 and summed into int64: no int64 copy of the [B, H, T, r] bits (8x the bool tensor).
+        code_BHT = (bits_BHTR * (1 << torch.arange(self.bits, device=x_BHTE.device, dtype=torch.int32))).sum(
+            -1, dtype=torch.long)
         rank_BHT = gray_rank(code_BHT, self.bits)
         if padding_BT is not None:
             rank_BHT = rank_BHT.masked_fill(padding_BT[:, None, :], 1 << self.bits)
