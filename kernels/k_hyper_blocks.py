@@ -62,10 +62,10 @@ def _sample_logits(s, q_tok, k_tok, sample_block, key_block, logw2, pad_ptr, HAS
 
 @triton.jit
 def _sample_tokens(srow_ptr, ktok_ptr, j, n_samples, block):
-    """(key row, key token, key block) of samples j; -1 rows and tokens past the last sample."""
+    """(key token, key block) of samples j; -1 for both past the last sample."""
     srow = tl.load(srow_ptr + j, mask=j < n_samples, other=-1)
     k_tok = tl.load(ktok_ptr + tl.maximum(srow, 0), mask=srow >= 0, other=-1)
-    return srow, k_tok, tl.where(srow >= 0, srow // block, -1)
+    return k_tok, tl.where(srow >= 0, srow // block, -1)
 
 
 @triton.jit
@@ -82,7 +82,7 @@ def _hyper_fwd(
     """One tile of BLOCK_M query slots inside one group: its key block, then the samples."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b, h, _ = _program(pid_bh, n_heads, 1)
+    b, h, _r = _program(pid_bh, n_heads, 1)
     bh = pid_bh.to(tl.int64)
     g = pid // tiles_per_group
     rows = g * block + (pid % tiles_per_group) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,7 +107,7 @@ def _hyper_fwd(
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST)
     logw2 = tl.load(LogW + b) * LOG2E
     for start_s in range(0, n_samples, BLOCK_N):
-        _, k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, n_samples, block)
+        k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, n_samples, block)
         k = _load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim)
         v = _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim)
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
@@ -134,7 +134,7 @@ def _hyper_bwd_dq(
     """dQ of one tile of query slots, over the forward's keys; stored at the query tokens' rows."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b, h, _ = _program(pid_bh, n_heads, 1)
+    b, h, _r = _program(pid_bh, n_heads, 1)
     bh = pid_bh.to(tl.int64)
     g = pid // tiles_per_group
     rows = g * block + (pid % tiles_per_group) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -161,7 +161,7 @@ def _hyper_bwd_dq(
         dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
     logw2 = tl.load(LogW + b) * LOG2E
     for start_s in range(0, n_samples, BLOCK_N):
-        _, k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, n_samples, block)
+        k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, n_samples, block)
         k = _load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim)
         v = _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim)
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
@@ -188,7 +188,7 @@ def _hyper_bwd_samples(
     BLOCK_D] (summed over the splits by the host). A sample sees every group but its own key block's."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b, h, _ = _program(pid_bh, n_heads, 1)
+    b, h, _r = _program(pid_bh, n_heads, 1)
     bh = pid_bh.to(tl.int64)
     split = pid // sample_tiles
     j = (pid % sample_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,7 +199,7 @@ def _hyper_bwd_samples(
     do_ptr = DO + b * stride_dob + h * stride_doh
     pad_ptr = Pad + b * n_k
 
-    _, k_tok, s_block = _sample_tokens(SRow + bh * n_samples, KTok + bh * n_blocks * block, j, n_samples, block)
+    k_tok, s_block = _sample_tokens(SRow + bh * n_samples, KTok + bh * n_blocks * block, j, n_samples, block)
     k = _load_rows(K + b * stride_kb + h * stride_kh, k_tok, offs_d, stride_kt, stride_kd, head_dim)
     v = _load_rows(V + b * stride_vb + h * stride_vh, k_tok, offs_d, stride_vt, stride_vd, head_dim)
     logw2 = tl.load(LogW + b) * LOG2E
@@ -244,7 +244,7 @@ def _hyper_bwd_dkdv(
     SampleStart[kb] .. SampleStart[kb+1]-1, SROW being ascending). Stored once at the key tokens' rows."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b, h, _ = _program(pid_bh, n_heads, 1)
+    b, h, _r = _program(pid_bh, n_heads, 1)
     bh = pid_bh.to(tl.int64)
     kb = pid // tiles_per_block
     cols = kb * block + (pid % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)
