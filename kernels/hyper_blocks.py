@@ -1,7 +1,6 @@
 """HyperAttention's approximate step (sortLSH blocks + uniform samples, one softmax) on the Triton kernels of
 k_hyper_blocks.py, as an autograd.Function with a FlashAttention-2 backward that also takes the gradient of lse
-(Dao, 2023, arXiv 2307.08691). The semantics, and the oracle, are
-kernels.reference.hyper_block_attention_reference.
+(Dao, 2023, arXiv 2307.08691). The semantics, and the oracle: kernels/hyper_blocks_reference.py.
 
 The kernels read q, k, v through the layout's indices and store out, lse, dq, dk, dv at the tokens' own rows: no
 sorted copy, no per-group copy of the samples and no merge of two parts exist (models/attention/hyper.py builds
@@ -27,7 +26,7 @@ from kernels.flash_attention import (
     next_power_of_two,
     strides,
 )
-from kernels.reference import check_hyper_block_inputs
+from kernels.hyper_blocks_reference import check_hyper_block_inputs
 
 # Programs the samples' backward aims for per launch: it splits the groups among this many programs over every
 # (batch, head, sample tile), so that a GPU's SMs are busy while each split's fp32 partial stays small.
@@ -172,7 +171,8 @@ def hyper_block_flash_attention(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HyperAttention's blocks + samples on the Triton kernels; arguments and semantics as
-    kernels.reference.hyper_block_attention_reference (out [B, H, M, D], lse [B, H, M] at the query tokens)."""
+    kernels.hyper_blocks_reference.hyper_block_attention_reference (out [B, H, M, D], lse [B, H, M] at the query
+    tokens)."""
     check_triton_inputs(q, k, v)
     check_hyper_block_inputs(q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block,
                              key_padding_mask)

@@ -1,5 +1,5 @@
 """HyperAttention's blocks + samples on one Triton kernel (kernels/k_hyper_blocks.py, under the interpreter at tiny
-shapes) equal the reference (kernels/reference.py `hyper_block_attention_reference`) in out, lse and the gradients
+shapes) equal the reference (kernels/hyper_blocks_reference.py) in out, lse and the gradients
 of q, k, v through both, for the two layouts models/attention/hyper.py builds: non-causal sortLSH (group g reads
 key block g) and past-only routing (several groups per key block, key blocks no group reads, unused groups of
 filler slots), with filler key rows, padded keys, samples drawn twice and samples inside a group's own block.
@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels.hyper_blocks import hyper_block_flash_attention  # noqa: E402
-from kernels.reference import hyper_block_attention_reference  # noqa: E402
+from kernels.hyper_blocks_reference import hyper_block_attention_reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 if KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():
