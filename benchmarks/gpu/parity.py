@@ -7,7 +7,11 @@ block size, and one that is not) x mask:
   -inf and its output zero, row 2 its second half);
 - `chunked`, the sorted-chunk kernel (kernels.chunked_attention.chunked_flash_attention against
   chunked_attention_reference) as LSH attention calls it: mask `lsh` = causal over a random permutation of
-  positions per head, self-mask and padding, one chunk of look-back with wrap-around.
+  positions per head, self-mask and padding, one chunk of look-back with wrap-around;
+- `hyper`, HyperAttention's blocks + samples in one softmax (kernels.hyper_blocks.hyper_block_flash_attention
+  against kernels/hyper_blocks_reference.py) as its non-causal sortLSH calls it: mask `sortlsh` = queries and keys
+  in random orders per head cut into blocks of the chunk size (the last with filler rows), 2 chunks' worth of
+  samples drawn with replacement (some in a query's own block, masked), the padding above.
 Each case compares out and lse, the gradients dq, dk, dv of sum(out * dout) + sum(lse * dlse) (the backward with
 the lse gradient folded into delta, docs/kernels.md), and dq, dk of sum(lse * dlse) alone (the backward's
 dout = None path): one CSV row per quantity, `passed` when the max abs error is within
@@ -38,12 +42,18 @@ from benchmarks.gpu.common import PartResult, SuiteContext, release_memory, row_
 from benchmarks.harness import Row, cases
 from kernels.chunked_attention import chunked_flash_attention
 from kernels.flash_attention import fixed_launch_config, flash_attention
+from kernels.hyper_blocks import hyper_block_flash_attention
+from kernels.hyper_blocks_reference import hyper_block_attention_reference
 from kernels.parity import PARITY_TOLERANCE, parity_error
 from kernels.reference import chunked_attention_reference, exact_attention_reference
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
-MASKS = {"flash": ("causal", "padded"), "chunked": ("lsh",)}
+MASKS = {"flash": ("causal", "padded"), "chunked": ("lsh",), "hyper": ("sortlsh",)}
+KERNELS = {"flash": (flash_attention, exact_attention_reference),
+           "chunked": (chunked_flash_attention, chunked_attention_reference),
+           "hyper": (hyper_block_flash_attention, hyper_block_attention_reference)}
+"""Each kernel kind's (Triton function, PyTorch reference)."""
 BATCH, HEADS = 3, 2
 """Three batch rows: the padded cases give each its own pattern (see the module docstring)."""
 GPU_BLOCKS = ((64, 64), (32, 32))
@@ -108,11 +118,30 @@ def make_inputs(case: dict[str, Any], ctx: SuiteContext) -> tuple[torch.Tensor, 
     if case["kernel"] == "flash":
         padded = case["mask"] == "padded"
         kwargs = {"causal": not padded, "key_padding_mask": pad_BN if padded else None}
-    else:
+    elif case["kernel"] == "chunked":
         positions = torch.stack([torch.randperm(n) for _ in range(BATCH * HEADS)]).view(BATCH, HEADS, n)
         kwargs = {"chunk": DRY_CHUNK if ctx.dry_run else GPU_CHUNK, "lookback": 1, "positions": positions.to(device),
                   "causal": True, "self_mask": True, "key_padding_mask": pad_BN, "wrap": True}
+    else:
+        kwargs = {**hyper_layout(n, DRY_CHUNK if ctx.dry_run else GPU_CHUNK, pad_BN), "key_padding_mask": pad_BN}
     return q, k, v, dout, dlse, kwargs
+
+
+def hyper_layout(n: int, block: int, pad_BN: torch.Tensor) -> dict[str, Any]:
+    """Non-causal sortLSH's layout for the `hyper` kernel: random query and key orders per head in whole blocks
+    (fillers -1 last), group g on key block g, 2 * block samples among the rows of real tokens, weight n / m."""
+    device = pad_BN.device
+
+    def order() -> torch.Tensor:
+        rows = torch.stack([torch.randperm(n) for _ in range(BATCH * HEADS)]).view(BATCH, HEADS, n)
+        return torch.nn.functional.pad(rows, (0, -n % block), value=-1).to(device)
+
+    n_blocks, m = -(-n // block), 2 * block
+    real_B = (~pad_BN).sum(-1)
+    return {"q_slots": order(), "k_rows": order(),
+            "group_block": torch.arange(n_blocks, device=device).expand(BATCH, HEADS, n_blocks).contiguous(),
+            "sample_rows": torch.randint(0, n, (BATCH, HEADS, m)).to(device), "block": block,
+            "sample_log_weight": torch.log(real_B.clamp(min=1).float() / m)}
 
 
 def _outputs(fn: Callable, q, k, v, dout, dlse, kwargs) -> dict[str, torch.Tensor]:
@@ -128,13 +157,13 @@ def _outputs(fn: Callable, q, k, v, dout, dlse, kwargs) -> dict[str, torch.Tenso
 
 def run_case(case: dict[str, Any], ctx: SuiteContext) -> list[Row]:
     q, k, v, dout, dlse, kwargs = make_inputs(case, ctx)
-    kernel, reference = ((flash_attention, exact_attention_reference) if case["kernel"] == "flash"
-                         else (chunked_flash_attention, chunked_attention_reference))
+    kernel, reference = KERNELS[case["kernel"]]
     blocks = launch_blocks(case["dtype"], case["head_dim"], ctx.device) if case["kernel"] == "flash" else None
     dtype_name = str(case["dtype"]).removeprefix("torch.")
     base: Row = {"kernel": case["kernel"], "dtype": dtype_name, "head_dim": case["head_dim"], "seq": q.shape[2],
-                 "block_multiple": case["block_multiple"], "mask": case["mask"], "chunk": kwargs.get("chunk", ""),
-                 "blocks": "interpreter" if ctx.dry_run else f"{blocks[0]}x{blocks[1]}" if blocks else "chunk kernel's own",
+                 "block_multiple": case["block_multiple"], "mask": case["mask"],
+                 "chunk": kwargs.get("chunk", kwargs.get("block", "")),
+                 "blocks": "interpreter" if ctx.dry_run else f"{blocks[0]}x{blocks[1]}" if blocks else "the kernel's own",
                  "tolerance": PARITY_TOLERANCE[case["dtype"]]}
     try:
         if blocks is not None:
