@@ -22,7 +22,7 @@ On CUDA every case runs at one fixed launch configuration (64 x 64 blocks, or 32
 device's shared memory): autotuning would compile and time every candidate (~16 per kernel set) for each
 compiled variant of the kernels, minutes that the suite does not have. The autotuned configurations are what
 part (b) times, and it records their error against SDPA. A dry run takes the interpreter's 16 x 16 blocks,
-lengths 32 and 37, and a covering subset of the cases: every value of every axis at least once.
+lengths 32 and 37, one head, and a covering subset of the cases: every value of every axis at least once.
 
 A case's time is compilation (CPU-bound), so with `ctx.parity_workers` > 1 (the suite's `--parity-workers`; on a GPU
 min(8, cores) by default) the cases run in that many spawned processes at once (`parallel_cases`), each compiling
@@ -54,8 +54,9 @@ KERNELS = {"flash": (flash_attention, exact_attention_reference),
            "chunked": (chunked_flash_attention, chunked_attention_reference),
            "hyper": (hyper_block_flash_attention, hyper_block_attention_reference)}
 """Each kernel kind's (Triton function, PyTorch reference)."""
-BATCH, HEADS = 3, 2
-"""Three batch rows: the padded cases give each its own pattern (see the module docstring)."""
+BATCH, HEADS, DRY_HEADS = 3, 2, 1
+"""Three batch rows: the padded cases give each its own pattern (see the module docstring). Two heads on a GPU; a
+dry run, whose interpreted time is per program, takes one (tests/test_kernels.py runs the kernels with several)."""
 GPU_BLOCKS = ((64, 64), (32, 32))
 """Fixed launch blocks on CUDA, largest first; the first that fits the shared memory of all three kernels."""
 GPU_LENGTHS = {True: 512, False: 500}
@@ -108,9 +109,9 @@ def make_inputs(case: dict[str, Any], ctx: SuiteContext) -> tuple[torch.Tensor, 
     """q, k, v [B, H, n, d], dout, dlse, and the keyword arguments of both the kernel and the reference."""
     torch.manual_seed(0)
     n = (DRY_LENGTHS if ctx.dry_run else GPU_LENGTHS)[case["block_multiple"]]
-    dtype, device = case["dtype"], ctx.device
-    q, k, v, dout = (torch.randn(BATCH, HEADS, n, case["head_dim"], dtype=dtype, device=device) for _ in range(4))
-    dlse = torch.randn(BATCH, HEADS, n, device=device)
+    dtype, device, heads = case["dtype"], ctx.device, DRY_HEADS if ctx.dry_run else HEADS
+    q, k, v, dout = (torch.randn(BATCH, heads, n, case["head_dim"], dtype=dtype, device=device) for _ in range(4))
+    dlse = torch.randn(BATCH, heads, n, device=device)
     pad_BN = torch.zeros(BATCH, n, dtype=torch.bool, device=device)
     pad_BN[0, :3] = True
     pad_BN[1, :] = True
@@ -119,28 +120,28 @@ def make_inputs(case: dict[str, Any], ctx: SuiteContext) -> tuple[torch.Tensor, 
         padded = case["mask"] == "padded"
         kwargs = {"causal": not padded, "key_padding_mask": pad_BN if padded else None}
     elif case["kernel"] == "chunked":
-        positions = torch.stack([torch.randperm(n) for _ in range(BATCH * HEADS)]).view(BATCH, HEADS, n)
+        positions = torch.stack([torch.randperm(n) for _ in range(BATCH * heads)]).view(BATCH, heads, n)
         kwargs = {"chunk": DRY_CHUNK if ctx.dry_run else GPU_CHUNK, "lookback": 1, "positions": positions.to(device),
                   "causal": True, "self_mask": True, "key_padding_mask": pad_BN, "wrap": True}
     else:
-        kwargs = {**hyper_layout(n, DRY_CHUNK if ctx.dry_run else GPU_CHUNK, pad_BN), "key_padding_mask": pad_BN}
+        kwargs = {**hyper_layout(n, heads, DRY_CHUNK if ctx.dry_run else GPU_CHUNK, pad_BN), "key_padding_mask": pad_BN}
     return q, k, v, dout, dlse, kwargs
 
 
-def hyper_layout(n: int, block: int, pad_BN: torch.Tensor) -> dict[str, Any]:
+def hyper_layout(n: int, heads: int, block: int, pad_BN: torch.Tensor) -> dict[str, Any]:
     """Non-causal sortLSH's layout for the `hyper` kernel: random query and key orders per head in whole blocks
     (fillers -1 last), group g on key block g, 2 * block samples among the rows of real tokens, weight n / m."""
     device = pad_BN.device
 
     def order() -> torch.Tensor:
-        rows = torch.stack([torch.randperm(n) for _ in range(BATCH * HEADS)]).view(BATCH, HEADS, n)
+        rows = torch.stack([torch.randperm(n) for _ in range(BATCH * heads)]).view(BATCH, heads, n)
         return torch.nn.functional.pad(rows, (0, -n % block), value=-1).to(device)
 
     n_blocks, m = -(-n // block), 2 * block
     real_B = (~pad_BN).sum(-1)
     return {"q_slots": order(), "k_rows": order(),
-            "group_block": torch.arange(n_blocks, device=device).expand(BATCH, HEADS, n_blocks).contiguous(),
-            "sample_rows": torch.randint(0, n, (BATCH, HEADS, m)).to(device), "block": block,
+            "group_block": torch.arange(n_blocks, device=device).expand(BATCH, heads, n_blocks).contiguous(),
+            "sample_rows": torch.randint(0, n, (BATCH, heads, m)).to(device), "block": block,
             "sample_log_weight": torch.log(real_B.clamp(min=1).float() / m)}
 
 
