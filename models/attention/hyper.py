@@ -55,6 +55,9 @@ PAPER_ROUTING_LEAK = (
 
 MAX_LSH_BITS = 30
 """Hash codes are int64 sort keys multiplied by the sequence length, so 2^30 buckets is a safe ceiling."""
+RANK_TABLE_BITS = 16
+"""Up to 2^16 buckets the Gray rank of a code is read from a table (one gather; the prefix XOR is 2 log2(r) launches
+per hash, which on a GPU cost more than their bytes); above, the table would outgrow the tokens it ranks."""
 
 
 class HyperMechanismConfig(_MechanismConfig):
@@ -154,6 +157,8 @@ class HyperMechanism(nn.Module):
         gen = torch.Generator().manual_seed(layer_seed)
         # Fixed per layer, not a parameter: a buffer follows .to(device) but is not trained or saved.
         self.register_buffer("hyperplanes", torch.randn(head_dim, self.bits, generator=gen), persistent=False)
+        table = gray_rank(torch.arange(1 << self.bits), self.bits) if self.bits <= RANK_TABLE_BITS else None
+        self.register_buffer("rank_of_code", table, persistent=False)
 
     @classmethod
     def from_config(
@@ -168,7 +173,7 @@ class HyperMechanism(nn.Module):
         # Weighted in int32 and summed into int64: no int64 copy of the [B, H, T, r] bits (8x the bool tensor).
         code_BHT = (bits_BHTR * (1 << torch.arange(self.bits, device=x_BHTE.device, dtype=torch.int32))).sum(
             -1, dtype=torch.long)
-        rank_BHT = gray_rank(code_BHT, self.bits)
+        rank_BHT = gray_rank(code_BHT, self.bits) if self.rank_of_code is None else self.rank_of_code[code_BHT]
         if padding_BT is not None:
             rank_BHT = rank_BHT.masked_fill(padding_BT[:, None, :], 1 << self.bits)
         return rank_BHT
