@@ -10,26 +10,17 @@ filler slots), with filler key rows, padded keys, samples drawn twice and sample
 from __future__ import annotations
 
 import math
-import os
 
-KERNEL_DEVICE = os.environ.get("KERNEL_TESTS_DEVICE", "cpu")
-if KERNEL_DEVICE not in ("cpu", "cuda"):
-    raise ValueError(f"KERNEL_TESTS_DEVICE must be cpu or cuda; got {KERNEL_DEVICE!r}")
-if KERNEL_DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before the first launch imports the @triton.jit modules
+# First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
+from tests.kernel_device import DEVICE, needs_triton
 
-import importlib.util  # noqa: E402
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from kernels.hyper_blocks import hyper_block_flash_attention
+from kernels.hyper_blocks_reference import hyper_block_attention_reference
 
-from kernels.hyper_blocks import hyper_block_flash_attention  # noqa: E402
-from kernels.hyper_blocks_reference import hyper_block_attention_reference  # noqa: E402
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-if KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():
-    pytestmark = pytest.mark.skip(reason="KERNEL_TESTS_DEVICE=cuda but no CUDA GPU is visible")
-DEVICE = torch.device(KERNEL_DEVICE)
+pytestmark = needs_triton
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 

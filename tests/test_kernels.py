@@ -15,45 +15,36 @@ from __future__ import annotations
 
 import os
 
-KERNEL_DEVICE = os.environ.get("KERNEL_TESTS_DEVICE", "cpu")
-if KERNEL_DEVICE not in ("cpu", "cuda"):
-    raise ValueError(f"KERNEL_TESTS_DEVICE must be cpu or cuda; got {KERNEL_DEVICE!r}")
-if KERNEL_DEVICE == "cpu":
-    # Must precede the first import of the @triton.jit modules (kernels.k_*), which happens on first launch.
-    os.environ["TRITON_INTERPRET"] = "1"
+# First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
+from tests.kernel_device import DEVICE, HAS_TRITON, KERNEL_DEVICE, needs_triton
 
-import importlib.util  # noqa: E402
-import inspect  # noqa: E402
-import math  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+import importlib.util
+import inspect
+import math
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from kernels import chunked_attention, exact_attention, select_backend  # noqa: E402
-from kernels.chunked_attention import chunked_flash_attention  # noqa: E402
-from kernels.flash_attention import (  # noqa: E402
+from kernels import chunked_attention, exact_attention, select_backend
+from kernels.chunked_attention import chunked_flash_attention
+from kernels.flash_attention import (
     backward_delta,
     fixed_launch_config,
     flash_attention,
     tuned_launch_configs,
 )
-from kernels.parity import parity_error  # noqa: E402
-from kernels.reference import (  # noqa: E402
+from kernels.parity import parity_error
+from kernels.reference import (
     SELF_LOGIT,
     chunk_neighbours,
     chunked_attention_reference,
     exact_attention_reference,
 )
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed; the kernels cannot run")
-if KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():
-    needs_triton = pytest.mark.skip(reason="KERNEL_TESTS_DEVICE=cuda but no CUDA GPU is visible")
-DEVICE = torch.device(KERNEL_DEVICE)
 # Longer sequences on a GPU, where they cost nothing, so that the production block sizes (64, 128) still
 # leave several blocks, tails and a diagonal band.
 SEQ_SCALE = 8 if KERNEL_DEVICE == "cuda" else 1

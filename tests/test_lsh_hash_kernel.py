@@ -7,28 +7,18 @@ the projections rounded once from their exact sums, as a bf16 matmul rounds its 
 
 from __future__ import annotations
 
-import os
+# First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
+from tests.kernel_device import DEVICE, needs_triton
 
-KERNEL_DEVICE = os.environ.get("KERNEL_TESTS_DEVICE", "cpu")
-if KERNEL_DEVICE not in ("cpu", "cuda"):
-    raise ValueError(f"KERNEL_TESTS_DEVICE must be cpu or cuda; got {KERNEL_DEVICE!r}")
-if KERNEL_DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before the first launch imports the @triton.jit modules
+import pytest
+import torch
 
-import importlib.util  # noqa: E402
+from kernels import dispatch
+from kernels.lsh_hash import angular_hash
+from models.attention.lsh import LSHMechanism, LSHMechanismConfig, angular_argmax
+from tests.test_lsh_hash import buckets_by_concatenation
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kernels import dispatch  # noqa: E402
-from kernels.lsh_hash import angular_hash  # noqa: E402
-from models.attention.lsh import LSHMechanism, LSHMechanismConfig, angular_argmax  # noqa: E402
-from tests.test_lsh_hash import buckets_by_concatenation  # noqa: E402
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-if KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():
-    pytestmark = pytest.mark.skip(reason="KERNEL_TESTS_DEVICE=cuda but no CUDA GPU is visible")
-DEVICE = torch.device(KERNEL_DEVICE)
+pytestmark = needs_triton
 
 
 def mechanism(bucket_size: int = 4, n_hashes: int = 2) -> LSHMechanism:

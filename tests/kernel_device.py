@@ -1,0 +1,25 @@
+"""Where the kernel tests run (tests/test_kernels.py, test_lsh_hash_kernel.py, test_hyper_blocks_kernel.py):
+``KERNEL_TESTS_DEVICE=cpu`` (the default: the Triton interpreter at small shapes) or ``cuda`` (the kernels compiled
+on a GPU). Import it before anything launches a kernel: on the CPU it sets TRITON_INTERPRET=1, which must precede
+the first import of the @triton.jit modules (kernels.k_*, imported at the first launch)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+KERNEL_DEVICE = os.environ.get("KERNEL_TESTS_DEVICE", "cpu")
+if KERNEL_DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"KERNEL_TESTS_DEVICE must be cpu or cuda; got {KERNEL_DEVICE!r}")
+if KERNEL_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed; the kernels cannot run")
+"""The mark of a test that launches a kernel: skipped without triton, or asked for cuda without a GPU."""
+if KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():
+    needs_triton = pytest.mark.skip(reason="KERNEL_TESTS_DEVICE=cuda but no CUDA GPU is visible")
+DEVICE = torch.device(KERNEL_DEVICE)
