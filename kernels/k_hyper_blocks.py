@@ -69,6 +69,41 @@ def _sample_tokens(srow_ptr, ktok_ptr, j, n_samples, block):
 
 
 @triton.jit
+def _key_tile(k_ptr, v_ptr, k_tok, offs_d, stride_kt, stride_kd, stride_vt, stride_vd, head_dim):
+    return (_load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim),
+            _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim))
+
+
+@triton.jit
+def _query_tile(qtok_ptr, rows, row_end, q_ptr, do_ptr, lse_ptr, delta_ptr, offs_d, stride_qt, stride_qd, stride_dot,
+                stride_dod, head_dim):
+    """A backward's tile of query slots: tokens, q, dO, lse in base 2 and delta."""
+    q_tok = _row_tokens(qtok_ptr, rows, row_end, True)
+    q = _load_rows(q_ptr, q_tok, offs_d, stride_qt, stride_qd, head_dim)
+    do = _load_rows(do_ptr, q_tok, offs_d, stride_dot, stride_dod, head_dim)
+    lse2, delta = _load_token_stats(lse_ptr, delta_ptr, q_tok)
+    return q_tok, q, do, lse2, delta
+
+
+@triton.jit
+def _key_gradients(q, do, lse2, delta, k, v, s, dk, dv, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One (query tile, key tile) step of dK, dV (unscaled) from the masked base-2 logits s."""
+    p = tl.exp2(s - lse2[:, None])
+    dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION, DOT_UPCAST)
+    ds = p * (_dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST) - delta[:, None])
+    dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION, DOT_UPCAST)
+    return dk, dv
+
+
+@triton.jit
+def _query_gradient(q, do, lse2, delta, k, v, s, dq, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One (query tile, key tile) step of dQ (unscaled)."""
+    p = tl.exp2(s - lse2[:, None])
+    ds = p * (_dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST) - delta[:, None])
+    return dq + _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
+
+
+@triton.jit
 def _hyper_fwd(
     Q, K, V, Out, Lse, QTok, KTok, GBlock, SRow, LogW, Pad,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -93,6 +128,7 @@ def _hyper_fwd(
     v_ptr = V + b * stride_vb + h * stride_vh
     pad_ptr = Pad + b * n_k
     kb = tl.load(GBlock + bh * n_groups + g)
+    logw2 = tl.load(LogW + b) * LOG2E
 
     q_tok = _row_tokens(QTok + bh * n_groups * block, rows, g * block + block, True)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, q_tok, offs_d, stride_qt, stride_qd, head_dim)
@@ -101,15 +137,12 @@ def _hyper_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(kb * block, kb * block + block, BLOCK_N):
         k_tok = _row_tokens(ktok_ptr, start_n + offs_n, kb * block + block, True)
-        k = _load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim)
-        v = _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+        k, v = _key_tile(k_ptr, v_ptr, k_tok, offs_d, stride_kt, stride_kd, stride_vt, stride_vd, head_dim)
         s = _block_logits(_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale, q_tok, k_tok, pad_ptr, HAS_KPM)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST)
-    logw2 = tl.load(LogW + b) * LOG2E
     for start_s in range(0, n_samples, BLOCK_N):
         k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, n_samples, block)
-        k = _load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim)
-        v = _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+        k, v = _key_tile(k_ptr, v_ptr, k_tok, offs_d, stride_kt, stride_kd, stride_vt, stride_vd, head_dim)
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
         s = _sample_logits(s, q_tok, k_tok, s_block, kb, logw2, pad_ptr, HAS_KPM)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST)
@@ -145,30 +178,24 @@ def _hyper_bwd_dq(
     v_ptr = V + b * stride_vb + h * stride_vh
     pad_ptr = Pad + b * n_k
     kb = tl.load(GBlock + bh * n_groups + g)
+    logw2 = tl.load(LogW + b) * LOG2E
 
-    q_tok = _row_tokens(QTok + bh * n_groups * block, rows, g * block + block, True)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, q_tok, offs_d, stride_qt, stride_qd, head_dim)
-    do = _load_rows(DO + b * stride_dob + h * stride_doh, q_tok, offs_d, stride_dot, stride_dod, head_dim)
-    lse2, delta = _load_token_stats(Lse + bh * n_q, Delta + bh * n_q, q_tok)
+    q_tok, q, do, lse2, delta = _query_tile(
+        QTok + bh * n_groups * block, rows, g * block + block, Q + b * stride_qb + h * stride_qh,
+        DO + b * stride_dob + h * stride_doh, Lse + bh * n_q, Delta + bh * n_q, offs_d, stride_qt, stride_qd,
+        stride_dot, stride_dod, head_dim)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(kb * block, kb * block + block, BLOCK_N):
         k_tok = _row_tokens(ktok_ptr, start_n + offs_n, kb * block + block, True)
-        k = _load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim)
-        v = _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+        k, v = _key_tile(k_ptr, v_ptr, k_tok, offs_d, stride_kt, stride_kd, stride_vt, stride_vd, head_dim)
         s = _block_logits(_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale, q_tok, k_tok, pad_ptr, HAS_KPM)
-        p = tl.exp2(s - lse2[:, None])
-        ds = p * (_dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST) - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
-    logw2 = tl.load(LogW + b) * LOG2E
+        dq = _query_gradient(q, do, lse2, delta, k, v, s, dq, DOT_PRECISION, DOT_UPCAST)
     for start_s in range(0, n_samples, BLOCK_N):
         k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, n_samples, block)
-        k = _load_rows(k_ptr, k_tok, offs_d, stride_kt, stride_kd, head_dim)
-        v = _load_rows(v_ptr, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+        k, v = _key_tile(k_ptr, v_ptr, k_tok, offs_d, stride_kt, stride_kd, stride_vt, stride_vd, head_dim)
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
         s = _sample_logits(s, q_tok, k_tok, s_block, kb, logw2, pad_ptr, HAS_KPM)
-        p = tl.exp2(s - lse2[:, None])
-        ds = p * (_dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST) - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION, DOT_UPCAST)
+        dq = _query_gradient(q, do, lse2, delta, k, v, s, dq, DOT_PRECISION, DOT_UPCAST)
 
     _store_rows(DQ + b * stride_dqb + h * stride_dqh, dq * sm_scale, q_tok, offs_d, stride_dqt, stride_dqd, head_dim)
 
@@ -198,11 +225,11 @@ def _hyper_bwd_samples(
     q_ptr = Q + b * stride_qb + h * stride_qh
     do_ptr = DO + b * stride_dob + h * stride_doh
     pad_ptr = Pad + b * n_k
+    logw2 = tl.load(LogW + b) * LOG2E
 
     k_tok, s_block = _sample_tokens(SRow + bh * n_samples, KTok + bh * n_blocks * block, j, n_samples, block)
-    k = _load_rows(K + b * stride_kb + h * stride_kh, k_tok, offs_d, stride_kt, stride_kd, head_dim)
-    v = _load_rows(V + b * stride_vb + h * stride_vh, k_tok, offs_d, stride_vt, stride_vd, head_dim)
-    logw2 = tl.load(LogW + b) * LOG2E
+    k, v = _key_tile(K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh, k_tok, offs_d, stride_kt,
+                     stride_kd, stride_vt, stride_vd, head_dim)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     g_lo = split * groups_per_split
@@ -210,16 +237,12 @@ def _hyper_bwd_samples(
     for g in range(g_lo, g_hi):
         kb = tl.load(GBlock + bh * n_groups + g)
         for start_m in range(g * block, g * block + block, BLOCK_M):
-            q_tok = _row_tokens(qtok_ptr, start_m + offs_m, g * block + block, True)
-            q = _load_rows(q_ptr, q_tok, offs_d, stride_qt, stride_qd, head_dim)
-            do = _load_rows(do_ptr, q_tok, offs_d, stride_dot, stride_dod, head_dim)
-            lse2, delta = _load_token_stats(Lse + bh * n_q, Delta + bh * n_q, q_tok)
+            q_tok, q, do, lse2, delta = _query_tile(
+                qtok_ptr, start_m + offs_m, g * block + block, q_ptr, do_ptr, Lse + bh * n_q, Delta + bh * n_q,
+                offs_d, stride_qt, stride_qd, stride_dot, stride_dod, head_dim)
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
             s = _sample_logits(s, q_tok, k_tok, s_block, kb, logw2, pad_ptr, HAS_KPM)
-            p = tl.exp2(s - lse2[:, None])
-            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION, DOT_UPCAST)
-            ds = p * (_dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST) - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION, DOT_UPCAST)
+            dk, dv = _key_gradients(q, do, lse2, delta, k, v, s, dk, dv, DOT_PRECISION, DOT_UPCAST)
 
     part = ((split * tl.num_programs(1) + bh) * n_samples + j)[:, None] * BLOCK_D + offs_d[None, :]
     tl.store(DKS + part, dk, mask=(j < n_samples)[:, None])
@@ -256,23 +279,20 @@ def _hyper_bwd_dkdv(
     pad_ptr = Pad + b * n_k
 
     k_tok = _row_tokens(KTok + bh * n_blocks * block, cols, kb * block + block, True)
-    k = _load_rows(K + b * stride_kb + h * stride_kh, k_tok, offs_d, stride_kt, stride_kd, head_dim)
-    v = _load_rows(V + b * stride_vb + h * stride_vh, k_tok, offs_d, stride_vt, stride_vd, head_dim)
+    k, v = _key_tile(K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh, k_tok, offs_d, stride_kt,
+                     stride_kd, stride_vt, stride_vd, head_dim)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     g_lo = tl.load(FirstGroup + bh * (n_blocks + 1) + kb)
     g_hi = tl.load(FirstGroup + bh * (n_blocks + 1) + kb + 1)
     for g in range(g_lo, g_hi):
         for start_m in range(g * block, g * block + block, BLOCK_M):
-            q_tok = _row_tokens(qtok_ptr, start_m + offs_m, g * block + block, True)
-            q = _load_rows(q_ptr, q_tok, offs_d, stride_qt, stride_qd, head_dim)
-            do = _load_rows(do_ptr, q_tok, offs_d, stride_dot, stride_dod, head_dim)
-            lse2, delta = _load_token_stats(Lse + bh * n_q, Delta + bh * n_q, q_tok)
-            s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
-            p = tl.exp2(_block_logits(s, q_tok, k_tok, pad_ptr, HAS_KPM) - lse2[:, None])
-            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PRECISION, DOT_UPCAST)
-            ds = p * (_dot(do, tl.trans(v), DOT_PRECISION, DOT_UPCAST) - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION, DOT_UPCAST)
+            q_tok, q, do, lse2, delta = _query_tile(
+                qtok_ptr, start_m + offs_m, g * block + block, q_ptr, do_ptr, Lse + bh * n_q, Delta + bh * n_q,
+                offs_d, stride_qt, stride_qd, stride_dot, stride_dod, head_dim)
+            s = _block_logits(_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale, q_tok, k_tok, pad_ptr,
+                              HAS_KPM)
+            dk, dv = _key_gradients(q, do, lse2, delta, k, v, s, dk, dv, DOT_PRECISION, DOT_UPCAST)
 
     # The samples' summed gradients, each added to the accumulator of its own key row: a one-hot [BLOCK_N, BLOCK_S]
     # times [BLOCK_S, BLOCK_D] product, exact in fp32 (each output sums the samples drawn at that row).
