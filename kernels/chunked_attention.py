@@ -1,6 +1,6 @@
-"""Chunked attention over a sorted sequence with the Triton kernels of k_chunked_attention.py, as an
-autograd.Function (forward, and a FlashAttention-2 backward that also takes the gradient of lse; Dao, 2023,
-arXiv 2307.08691). The semantics, and the oracle, are kernels.reference.chunked_attention_reference.
+"""Chunked attention over a sorted sequence with the Triton kernels of k_chunked_attention.py, through
+kernels.flash_attention.LayoutKernelFunction (forward, and a FlashAttention-2 backward that also takes the gradient
+of lse; Dao, 2023, arXiv 2307.08691). The semantics, and the oracle, are kernels.reference.chunked_attention_reference.
 
 With `token_of_row` the kernels read the rows of q, k, v through the index and write out, lse and the per-round
 gradients at the tokens' own rows (k_chunked_attention.py): the sorted layout exists only as that index.
@@ -15,6 +15,7 @@ import torch
 
 from kernels import stand_in
 from kernels.flash_attention import (
+    LayoutKernelFunction,
     backward_delta,
     cdiv,
     check_triton_inputs,
@@ -101,6 +102,12 @@ class _Layout:
     def mask_args(self) -> tuple:
         return (*self.pos_strides, *self.pad_strides)
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(q, k, v, self)
+
+    def backward(self, q, k, v, out, lse, dout, dlse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(q, k, v, out, lse, dout, dlse, self)
+
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: _Layout
@@ -158,37 +165,6 @@ def _backward(
     return dq, dk, dv
 
 
-class ChunkedAttentionFunction(torch.autograd.Function):
-    """(q, k, v) -> (out, lse), differentiable in both outputs; the layout carries the non-tensor arguments."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lay: _Layout,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.kernel_log = stand_in.active()
-        with stand_in.kernel_region(ctx.kernel_log):
-            out, lse = _forward(q, k, v, lay)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.lay = lay
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor | None, dlse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        with stand_in.kernel_region(ctx.kernel_log):
-            dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.lay)
-        return dq, dk, dv, None
-
-
 def chunked_flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -210,4 +186,4 @@ def chunked_flash_attention(
     pos, pad_BHT = check_chunked_inputs(q, k, chunk, lookback, positions, key_padding_mask, token_of_row)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     lay = _Layout(q, chunk, lookback, pos, pad_BHT, token_of_row, causal, self_mask, wrap, scale)
-    return ChunkedAttentionFunction.apply(q, k, v, lay)
+    return LayoutKernelFunction.apply(q, k, v, lay)

@@ -81,6 +81,32 @@ def strides(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(x.stride())
 
 
+class LayoutKernelFunction(torch.autograd.Function):
+    """(q, k, v) -> (out, lse) of a kernel pair described by `lay`, differentiable in both outputs: `lay.forward(q,
+    k, v)` launches the forward, `lay.backward(q, k, v, out, lse, dout, dlse)` the backward (kernels/chunked_attention.py
+    and hyper_blocks.py, whose layouts carry the indices and constexprs). Inside `kernels.stand_in.kernel_region`,
+    so that a counter tells the kernels' own buffers from the glue."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lay):  # type: ignore[override]
+        ctx.kernel_log = stand_in.active()
+        with stand_in.kernel_region(ctx.kernel_log):
+            out, lse = lay.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.lay = lay
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        with stand_in.kernel_region(ctx.kernel_log):
+            dq, dk, dv = ctx.lay.backward(q, k, v, out, lse, dout, dlse)
+        return dq, dk, dv, None
+
+
 # Rows per program of the delta pre-processing kernel: a memory-bound row reduction, so large blocks.
 DELTA_BLOCK_M = 128
 

@@ -1,6 +1,6 @@
 """HyperAttention's approximate step (sortLSH blocks + uniform samples, one softmax) on the Triton kernels of
-k_hyper_blocks.py, as an autograd.Function with a FlashAttention-2 backward that also takes the gradient of lse
-(Dao, 2023, arXiv 2307.08691). The semantics, and the oracle: kernels/hyper_blocks_reference.py.
+k_hyper_blocks.py, through kernels.flash_attention.LayoutKernelFunction, with a FlashAttention-2 backward that also
+takes the gradient of lse (Dao, 2023, arXiv 2307.08691). The semantics, and the oracle: kernels/hyper_blocks_reference.py.
 
 The kernels read q, k, v through the layout's indices and store out, lse, dq, dk, dv at the tokens' own rows: no
 sorted copy, no per-group copy of the samples and no merge of two parts exist (models/attention/hyper.py builds
@@ -17,6 +17,7 @@ import torch
 
 from kernels import stand_in
 from kernels.flash_attention import (
+    LayoutKernelFunction,
     backward_delta,
     cdiv,
     check_triton_inputs,
@@ -77,6 +78,12 @@ class _Layout:
         tiles = cdiv(self.block, self.cfg["BLOCK_M"])
         return (self.n_groups * tiles, batch_heads), tiles
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(q, k, v, self)
+
+    def backward(self, q, k, v, out, lse, dout, dlse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(q, k, v, out, lse, dout, dlse, self)
+
 
 def _forward(q, k, v, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
     kern = _kernels()
@@ -134,29 +141,6 @@ def _backward(q, k, v, out, lse, dout, dlse, lay: _Layout) -> tuple[torch.Tensor
     return dq, dk, dv
 
 
-class HyperBlocksFunction(torch.autograd.Function):
-    """(q, k, v) -> (out, lse), differentiable in both outputs; the layout carries the indices."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, lay: _Layout):  # type: ignore[override]
-        ctx.kernel_log = stand_in.active()
-        with stand_in.kernel_region(ctx.kernel_log):
-            out, lse = _forward(q, k, v, lay)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.lay = lay
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        with stand_in.kernel_region(ctx.kernel_log):
-            dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.lay)
-        return dq, dk, dv, None
-
-
 def hyper_block_flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,4 +162,4 @@ def hyper_block_flash_attention(
                              key_padding_mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     lay = _Layout(q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block, key_padding_mask, scale)
-    return HyperBlocksFunction.apply(q, k, v, lay)
+    return LayoutKernelFunction.apply(q, k, v, lay)

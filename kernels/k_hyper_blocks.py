@@ -104,6 +104,19 @@ def _query_gradient(q, do, lse2, delta, k, v, s, dq, DOT_PRECISION: tl.constexpr
 
 
 @triton.jit
+def _query_program(GBlock, LogW, n_heads, n_groups, block, tiles_per_group, BLOCK_M: tl.constexpr):
+    """What a program of the forward or of dQ owns: (batch, head, their flat index as int64, group, its slots' rows,
+    the key block it reads, the samples' log2 weight)."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h, _r = _program(pid_bh, n_heads, 1)
+    bh = pid_bh.to(tl.int64)
+    g = pid // tiles_per_group
+    rows = g * block + (pid % tiles_per_group) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return b, h, bh, g, rows, tl.load(GBlock + bh * n_groups + g), tl.load(LogW + b) * LOG2E
+
+
+@triton.jit
 def _hyper_fwd(
     Q, K, V, Out, Lse, QTok, KTok, GBlock, SRow, LogW, Pad,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -115,20 +128,13 @@ def _hyper_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One tile of BLOCK_M query slots inside one group: its key block, then the samples."""
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h, _r = _program(pid_bh, n_heads, 1)
-    bh = pid_bh.to(tl.int64)
-    g = pid // tiles_per_group
-    rows = g * block + (pid % tiles_per_group) * BLOCK_M + tl.arange(0, BLOCK_M)
+    b, h, bh, g, rows, kb, logw2 = _query_program(GBlock, LogW, n_heads, n_groups, block, tiles_per_group, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     ktok_ptr = KTok + bh * n_blocks * block
     k_ptr = K + b * stride_kb + h * stride_kh
     v_ptr = V + b * stride_vb + h * stride_vh
     pad_ptr = Pad + b * n_k
-    kb = tl.load(GBlock + bh * n_groups + g)
-    logw2 = tl.load(LogW + b) * LOG2E
 
     q_tok = _row_tokens(QTok + bh * n_groups * block, rows, g * block + block, True)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, q_tok, offs_d, stride_qt, stride_qd, head_dim)
@@ -165,20 +171,13 @@ def _hyper_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """dQ of one tile of query slots, over the forward's keys; stored at the query tokens' rows."""
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h, _r = _program(pid_bh, n_heads, 1)
-    bh = pid_bh.to(tl.int64)
-    g = pid // tiles_per_group
-    rows = g * block + (pid % tiles_per_group) * BLOCK_M + tl.arange(0, BLOCK_M)
+    b, h, bh, g, rows, kb, logw2 = _query_program(GBlock, LogW, n_heads, n_groups, block, tiles_per_group, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     ktok_ptr = KTok + bh * n_blocks * block
     k_ptr = K + b * stride_kb + h * stride_kh
     v_ptr = V + b * stride_vb + h * stride_vh
     pad_ptr = Pad + b * n_k
-    kb = tl.load(GBlock + bh * n_groups + g)
-    logw2 = tl.load(LogW + b) * LOG2E
 
     q_tok, q, do, lse2, delta = _query_tile(
         QTok + bh * n_groups * block, rows, g * block + block, Q + b * stride_qb + h * stride_qh,
