@@ -82,10 +82,10 @@ def strides(x: torch.Tensor) -> tuple[int, ...]:
 
 
 class LayoutKernelFunction(torch.autograd.Function):
-    """(q, k, v) -> (out, lse) of a kernel pair described by `lay`, differentiable in both outputs: `lay.forward(q,
-    k, v)` launches the forward, `lay.backward(q, k, v, out, lse, dout, dlse)` the backward (kernels/chunked_attention.py
-    and hyper_blocks.py, whose layouts carry the indices and constexprs). Inside `kernels.stand_in.kernel_region`,
-    so that a counter tells the kernels' own buffers from the glue."""
+    """(q, k, v) -> (out, lse) of a kernel pair described by `lay`, differentiable in both outputs:
+    `lay.forward(q, k, v)` launches the forward, `lay.backward(q, k, v, out, lse, dout, dlse)` the backward
+    (kernels/chunked_attention.py and hyper_blocks.py, whose layouts carry the indices and constexprs). Inside
+    `kernels.stand_in.kernel_region`, so that a counter tells the kernels' own buffers from the glue."""
 
     @staticmethod
     def forward(ctx, q, k, v, lay):  # type: ignore[override]

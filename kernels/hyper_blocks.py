@@ -1,6 +1,7 @@
 """HyperAttention's approximate step (sortLSH blocks + uniform samples, one softmax) on the Triton kernels of
 k_hyper_blocks.py, through kernels.flash_attention.LayoutKernelFunction, with a FlashAttention-2 backward that also
-takes the gradient of lse (Dao, 2023, arXiv 2307.08691). The semantics, and the oracle: kernels/hyper_blocks_reference.py.
+takes the gradient of lse (Dao, 2023, arXiv 2307.08691). The semantics, and the oracle:
+kernels/hyper_blocks_reference.py.
 
 The kernels read q, k, v through the layout's indices and store out, lse, dq, dk, dv at the tokens' own rows: no
 sorted copy, no per-group copy of the samples and no merge of two parts exist (models/attention/hyper.py builds
