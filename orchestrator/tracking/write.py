@@ -95,7 +95,22 @@ def start_system_metrics(uri: str, run_id: str, interval_s: float) -> Callable[[
         warnings.warn(f"system metrics are not logged ({type(err).__name__}: {str(err)[:200]})", TrackingWarning,
                       stacklevel=2)
         return lambda: None
-    return monitor.finish
+
+    def stop() -> None:
+        monitor.finish()
+        # MLflow's loop returns on the stop without publishing the samples of the interval the stop cut short, so a
+        # run shorter than one interval logged no system metrics at all (a test's 4-step trial did so or not by the
+        # machine's speed). Those samples go out as one last step.
+        try:
+            last = monitor.aggregate_metrics()
+            if last:
+                monitor.publish_metrics(last)
+                monitor.mlflow_logger.flush()
+        except Exception as err:  # noqa: BLE001 - the run goes on; its system metrics miss their last interval
+            warnings.warn(f"the last system metrics were not logged ({type(err).__name__}: {str(err)[:200]})",
+                          TrackingWarning, stacklevel=2)
+
+    return stop
 
 
 class MlflowTracker:
