@@ -44,7 +44,8 @@ from orchestrator.storage.locations import join, remove_folder, storage_fs
 from orchestrator.storage.object_store import use_storage
 from orchestrator.tracking.describe import RunHandle, device_tags
 from orchestrator.tracking.loggers import ConsoleLogger, MetricsLogger, MlflowLogger
-from orchestrator.tracking.write import MlflowTracker, start_system_metrics
+from orchestrator.tracking.system_metrics import start_system_metrics
+from orchestrator.tracking.write import MlflowTracker
 from orchestrator.training.checkpoint import (
     TrainingState,
     read_checkpoint,
