@@ -116,6 +116,11 @@ def gray_rank(code: torch.Tensor, bits: int) -> torch.Tensor:
     return rank
 
 
+def real_keys(key_padding_BN: torch.Tensor | None, B: int, N: int, device: torch.device) -> torch.Tensor:
+    """Real (unpadded) keys of each of the B batch rows, [B] int64 (N each without a mask)."""
+    return torch.full((B,), N, device=device) if key_padding_BN is None else (~key_padding_BN).sum(-1)
+
+
 def longest_real_row(key_padding_BN: torch.Tensor | None, N: int) -> int:
     """Real (unpadded) keys of the batch's longest row."""
     return N if key_padding_BN is None else int((~key_padding_BN).sum(-1).max().item())
@@ -279,14 +284,14 @@ class HyperMechanism(nn.Module):
         (kernels/hyper_blocks.py): the queries at `q_slots`, the sorted keys at `k_rows` (-1: filler), group g
         against key block group_block_BHG[g] and the samples, drawn as `residual` draws them."""
         B, H, N = k_BHNE.shape[:3]
-        n_real_B = torch.full((B,), N, device=q_BHME.device) if key_padding_BN is None else (~key_padding_BN).sum(-1)
+        n_real_B = real_keys(key_padding_BN, B, N, q_BHME.device)
         if self.sample_size > 0:
             samples_BHm = self.sample_rows(B, H, n_real_B, k_rows.shape[-1], q_BHME.device, level)
             log_w_B = self.sample_log_weight(n_real_B, torch.float32)
         else:
             samples_BHm = torch.zeros(B, H, 0, dtype=torch.long, device=q_BHME.device)
             log_w_B = torch.zeros(B, device=q_BHME.device)
-        return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG.contiguous(),
+        return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG,
                                            samples_BHm, log_w_B, self.block_size, key_padding_mask=key_padding_BN)
 
     def _uniform(self, B: int, H: int, m: int, device: torch.device, level: int) -> torch.Tensor:
@@ -308,8 +313,7 @@ class HyperMechanism(nn.Module):
         rank_k_BHN = self.bucket_rank(k_BHNE, key_padding_BN)
         order_k_BHN = torch.argsort(rank_k_BHN * N + torch.arange(N, device=dev), dim=-1)
         rank_ks_BHN = torch.gather(rank_k_BHN, 2, order_k_BHN)
-        n_real_B11 = torch.full((B, 1, 1), N, device=dev) if key_padding_BN is None else \
-            (~key_padding_BN).sum(-1)[:, None, None]
+        n_real_B11 = real_keys(key_padding_BN, B, N, dev)[:, None, None]
 
         rank_q_BHM = self.bucket_rank(q_BHME, None)
         lo = torch.searchsorted(rank_ks_BHN, rank_q_BHM, side="left")
