@@ -284,13 +284,11 @@ class HyperMechanism(nn.Module):
         (kernels/hyper_blocks.py): the queries at `q_slots`, the sorted keys at `k_rows` (-1: filler), group g
         against key block group_block_BHG[g] and the samples, drawn as `residual` draws them."""
         B, H, N = k_BHNE.shape[:3]
-        n_real_B = real_keys(key_padding_BN, B, N, q_BHME.device)
-        if self.sample_size > 0:
-            samples_BHm = self.sample_rows(B, H, n_real_B, k_rows.shape[-1], q_BHME.device, level)
+        dev, n_real_B = q_BHME.device, real_keys(key_padding_BN, B, N, q_BHME.device)
+        samples_BHm, log_w_B = torch.zeros(B, H, 0, dtype=torch.long, device=dev), torch.zeros(B, device=dev)
+        if self.sample_size > 0:  # else blocks only: no samples, their weight unused
+            samples_BHm = self.sample_rows(B, H, n_real_B, k_rows.shape[-1], dev, level)
             log_w_B = self.sample_log_weight(n_real_B, torch.float32)
-        else:
-            samples_BHm = torch.zeros(B, H, 0, dtype=torch.long, device=q_BHME.device)
-            log_w_B = torch.zeros(B, device=q_BHME.device)
         return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG,
                                            samples_BHm, log_w_B, self.block_size, key_padding_mask=key_padding_BN)
 
