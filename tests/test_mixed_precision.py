@@ -197,3 +197,22 @@ def test_the_curves_benchmark_writes_each_precisions_gap_to_fp32(tmp_path):
     assert any(r["gap"] != 0.0 for r in rows if r["run"] == "bf16")
     written = read_csv(next(tmp_path.glob("*/cpu_curves.csv")))
     assert len(written) == 9 and next(tmp_path.glob("*/cpu_curves.png")).stat().st_size > 0
+
+
+def test_the_fused_adamw_a_gpu_steps_with_follows_the_foreach_curve_under_bf16(tmp_path):
+    """On a GPU the core steps AdamW fused (optimizer_step.adamw; benchmarks/gpu/training.py times it against the
+    foreach one). The same update on the CPU, where torch has both: 20 bf16-autocast steps of the core's
+    train_step from the same seed give the same losses, up to float rounding."""
+    from orchestrator.training.optimizer_step import adamw
+
+    curves = {}
+    for fused in (False, True):
+        trainer = trainer_of(kind_raw("mha", max_steps=20, lr=3e-3), tmp_path, precision="bf16")
+        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        trainer.opt.optimizer = adamw(params, trainer.spec.optim, fused=fused)
+        trainer.opt.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.opt.optimizer, lambda _: 1.0)
+        assert bool(trainer.opt.optimizer.defaults["fused"]) is fused
+        curves[fused] = steps_under_watch(trainer, 20)[1]
+    gaps = [abs(a - b) for a, b in zip(curves[False], curves[True], strict=True)]
+    assert max(gaps) <= 2e-3, f"fused AdamW left the foreach curve by {max(gaps):.2e} nats"
+    assert curves[True][-1] < curves[True][0] - 0.3  # the steps moved the model, so a wrong update would show

@@ -45,6 +45,8 @@ class SuiteContext:
     cases: tuple[int, int] | None = None
     """The slice [start, stop) of the part's cases (in the part's own order) that this run takes: the `--budget`
     planner shrinks a part by it; None: all."""
+    long_lengths: tuple[int, ...] | None = None
+    """long_attention's lengths (`--long-lengths`); None: the part's own."""
     parity_workers: int = 1
     """Processes that run kernel parity's cases side by side (`--parity-workers`): its time is Triton's compilation,
     which is CPU-bound, so a GPU node's cores compile the cases' kernel variants in parallel (parity.py)."""

@@ -55,6 +55,9 @@ FLASH_HEAD_DIM, DRY_FLASH_HEAD_DIM = 128, 16
 DRY_FLASH_SHAPE = (1, 2)
 """(batch, heads) of a dry run; a GPU run takes benchmarks.methods.kernels.shapes(n, d)."""
 LONG_LENGTHS, DRY_LONG_LENGTHS = tuple(2**p for p in range(12, 18)), (32,)
+NON_CAUSAL_ONLY_LENGTHS = (2**18,)
+"""256k runs non-causal only, at batch 1 as every case: causal SDPA there (about 4 x its 128k time) would take the
+part's time for the one row that the non-causal one already gives (whether the methods fit and scale)."""
 LONG_MODEL = {"d_model": 1024, "heads": 16, "chunk": 64,
               "knobs": {"lsh": {"bucket_size": 64, "n_hashes": 2}, "hyper": {}, "linformer": {"k": 256, "sharing": "headwise"}}}
 DRY_LONG_MODEL = {"d_model": 32, "heads": 2, "chunk": 16,
@@ -204,7 +207,9 @@ def long_impls(causal: bool) -> list[str]:
 
 def long_cases(ctx: SuiteContext) -> list[tuple[int, bool]]:
     """(n, causal) of every case, shortest first."""
-    return [(n, causal) for n in (DRY_LONG_LENGTHS if ctx.dry_run else LONG_LENGTHS) for causal in (False, True)]
+    lengths = ctx.long_lengths or (DRY_LONG_LENGTHS if ctx.dry_run else LONG_LENGTHS + NON_CAUSAL_ONLY_LENGTHS)
+    return [(n, causal) for n in sorted(lengths)
+            for causal in ((False,) if n in NON_CAUSAL_ONLY_LENGTHS else (False, True))]
 
 
 def run_long(ctx: SuiteContext) -> PartResult:

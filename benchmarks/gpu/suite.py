@@ -125,6 +125,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parity-workers", type=budget.positive_count, default=None, metavar="N",
                         help="processes that run kernel parity's cases side by side, compiling their kernels in "
                              "parallel (default: on a GPU, min(8, CPU cores); a dry run, 1)")
+    parser.add_argument("--long-lengths", type=budget.positive_count, nargs="+", default=None, metavar="N",
+                        help="long_attention's sequence lengths (default: 4k ... 128k, and 256k non-causal)")
     return parser.parse_args(argv)
 
 
@@ -301,11 +303,11 @@ def write_summary(folder: Path, device_name: str, args: argparse.Namespace, reco
 
 def case_counts(ctx, parts: Sequence[str]) -> tuple[dict[str, int], int]:
     """part -> its number of cases in this run, and kernel parity's covering subset's (parity and speed modules
-    import no triton; the training step and the sweep are one case each)."""
-    from benchmarks.gpu import parity, speed
+    import no triton, nor does training; the sweep is one case)."""
+    from benchmarks.gpu import parity, speed, training
 
     counts = {"kernel_parity": len(parity.ordered_cases(ctx)), "flash_vs_sdpa": len(speed.flash_cases(ctx)),
-              "long_attention": len(speed.long_cases(ctx)), "train_step": 1, "sweep": 1}
+              "long_attention": len(speed.long_cases(ctx)), "train_step": len(training.variants(ctx)), "sweep": 1}
     cover = len(parity.covering_subset(parity.case_grid()))
     return {part: counts[part] for part in parts}, min(cover, counts["kernel_parity"])
 
@@ -381,7 +383,8 @@ def main(argv: Sequence[str] | None = None, clock: Callable[[], float] | None = 
     deadline = None if args.budget is None else started + args.budget
     table = part_table()
     ctx = SuiteContext(device=device, dry_run=args.dry_run, folder=results_dir(args.out, device),
-                       parity_workers=budget.parity_workers(args.parity_workers, args.dry_run))
+                       parity_workers=budget.parity_workers(args.parity_workers, args.dry_run),
+                       long_lengths=tuple(args.long_lengths) if args.long_lengths else None)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_label(device)
     print(f"gpu_suite: {device_name}, {'dry run' if args.dry_run else 'GPU run'}, writing to {ctx.folder}", flush=True)
     parts = [name for name in PARTS if name in args.parts]

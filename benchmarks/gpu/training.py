@@ -17,7 +17,14 @@ counted over the full n x n even though causal attention needs half, as PaLM doe
 the count against torch's FlopCounterMode.
 MFU = FLOPs / step time / the device's peak dense bf16 FLOP/s, by the function the trainer's `train/mfu` uses
 (orchestrator.spec.gpus.model_flops_utilization, on the one GPU table, with its sources; a GPU not in the table gets
-no MFU). A dry run trains a one-layer toy on the CPU with the aot_eager backend (dynamo and AOTAutograd without
+no MFU).
+
+The part times the step in `VARIANTS`, one case each, in the same run, so the MFU before and after a change of the
+core sits side by side: `before` steps AdamW with the multi-tensor (`foreach`) update the core used before it took
+the fused one on a GPU (orchestrator/training/optimizer_step.py `adamw`); `core` is the core as it is; `core,
+batch 32` the core at four times the tokens per step (the optimizer's and the clipping's time per step, which do
+not grow with the batch, spread over more tokens). Each variant builds its model afresh and resets dynamo, so each
+compiles its own graph (no shape left from the previous one turns dynamic). A dry run trains a one-layer toy on the CPU with the aot_eager backend (dynamo and AOTAutograd without
 inductor's code generation, which tests/test_compile_families.py exercises); its MFU column stays blank (a CPU has
 no peak), and it checks the MFU function against an H100's peak instead (`mfu_check`).
 """
@@ -38,12 +45,19 @@ from models import LanguageModel, ModelConfig
 from orchestrator.spec import OptimConfig, peak_bf16_flops
 from orchestrator.spec.gpus import model_flops_utilization
 from orchestrator.training import Optimization, train_step
+from orchestrator.training.optimizer_step import adamw
 from tasks import Batch
 
 GPU_SIZE = {"d_model": 1024, "layers": 8, "heads": 16, "ffn": 4096, "vocab": 32768, "batch": 8, "n": 1024}
 DRY_SIZE = {"d_model": 32, "layers": 1, "heads": 2, "ffn": 64, "vocab": 128, "batch": 2, "n": 64}
 WARMUP_STEPS = 3
 TIMED_STEPS, DRY_TIMED_STEPS = 20, 2
+VARIANTS = ({"variant": "before: foreach AdamW", "batch": 8, "fused": False},
+            {"variant": "core", "batch": 8, "fused": None},
+            {"variant": "core, batch 32", "batch": 32, "fused": None})
+"""The cases of the part (the module docstring says what each is); `fused` None: as the core builds it."""
+DRY_VARIANTS = VARIANTS[1:2]
+"""On a CPU the core's AdamW is the foreach one either way, so a dry run times the core alone."""
 DRY_RUN_DEVICE = "NVIDIA H100 80GB HBM3"
 """The device name a dry run checks the MFU function with (torch.cuda.get_device_name of an H100 SXM)."""
 def matmul_parameters(model: LanguageModel) -> int:
@@ -62,10 +76,31 @@ def next_token_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(logits_BTV.flatten(0, 1), batch.tensors["targets"].flatten())
 
 
+def variants(ctx: SuiteContext) -> tuple[dict, ...]:
+    return DRY_VARIANTS if ctx.dry_run else VARIANTS
+
+
 def run(ctx: SuiteContext) -> PartResult:
-    ctx.case_started("the one training step case")
+    rows = []
+    for variant in ctx.select(variants(ctx)):
+        ctx.case_started(f"the training step, {variant['variant']}")
+        rows.append(run_variant(ctx, variant))
+        ctx.record(rows[-1:])
+        ctx.case_finished()
+    failed = [row["status"] for row in rows if row["status"] != "ok"]
+    status = failed[0] if failed else ctx.passed
+    notes = sorted({row.pop("note") for row in rows} - {""})
     size = DRY_SIZE if ctx.dry_run else GPU_SIZE
+    return PartResult(rows, status, "; ".join(notes), {"compile": rows[0]["compile_backend"] if rows else "",
+                                                       "n": size["n"], "layers": size["layers"],
+                                                       "d_model": size["d_model"],
+                                                       "batch": "/".join(str(row["batch"]) for row in rows)})
+
+
+def run_variant(ctx: SuiteContext, variant: dict) -> Row:
+    size = {**(DRY_SIZE if ctx.dry_run else GPU_SIZE), "batch": variant["batch"] if not ctx.dry_run else DRY_SIZE["batch"]}
     backend = "aot_eager" if ctx.dry_run else "inductor"
+    torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=size["d_model"], layers=size["layers"], ffn=size["ffn"], dropout=0.0,
                       max_seq_len=size["n"], attention={"kind": "mha", "heads": size["heads"]})
@@ -74,6 +109,10 @@ def run(ctx: SuiteContext) -> PartResult:
     model.compile(backend=backend)
     optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", max_steps=10**6)
     opt = Optimization.build(model, optim, ctx.device, precision="bf16")
+    if variant["fused"] is not None:
+        opt.optimizer = adamw([p for p in model.parameters() if p.requires_grad], optim, fused=variant["fused"])
+        opt.scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, opt.scheduler.lr_lambdas[0])
+    fused = bool(opt.optimizer.defaults.get("fused"))
     tokens_BT = torch.randint(0, size["vocab"], (size["batch"], size["n"] + 1), device=ctx.device)
     batch = Batch({"inputs": tokens_BT[:, :-1], "targets": tokens_BT[:, 1:]}, n_tokens=size["batch"] * size["n"])
     batches = itertools.repeat(batch)
@@ -94,7 +133,8 @@ def run(ctx: SuiteContext) -> PartResult:
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
     peak = peak_bf16_flops(device_name)
     mfu = model_flops_utilization(tokens / step_s, flops / tokens, device_name)
-    row: Row = {**size, "params_matmul": n_params, "compile_backend": backend,
+    row: Row = {"variant": variant["variant"], **size, "adamw": "fused" if fused else "foreach",
+                "params_matmul": n_params, "compile_backend": backend,
                 "autocast": str(opt.autocast_dtype).removeprefix("torch.") if opt.autocast_dtype else "none (fp32)",
                 "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
                 "warmup_s": warmup_s, "step_ms": 1e3 * step_s, "step_ms_min": 1e3 * min(times), "timed_steps": len(times),
@@ -110,13 +150,14 @@ def run(ctx: SuiteContext) -> PartResult:
         row["mfu_check"] = check if check is not None else ""
         if check is None or abs(check - expected) > 1e-9 * expected:
             row["status"] = f"fail: MFU of {DRY_RUN_DEVICE} gave {check}, expected {expected:.6g}"
-    print(f"  train step: {row['tokens_per_s']:.4g} tokens/s, {row['achieved_tflops']:.4g} TFLOP/s, "
-          f"MFU {row['mfu'] if row['mfu'] == '' else format(row['mfu'], '.3f')}, autocast {row['autocast']}, "
-          f"{row['graph_breaks']} graph breaks", flush=True)
+    print(f"  train step ({variant['variant']}): {row['tokens_per_s']:.4g} tokens/s, "
+          f"{row['achieved_tflops']:.4g} TFLOP/s, MFU {row['mfu'] if row['mfu'] == '' else format(row['mfu'], '.3f')}, "
+          f"autocast {row['autocast']}, {row['graph_breaks']} graph breaks", flush=True)
     if opt.autocast_dtype != torch.bfloat16:
         note = f"{note}; the training core did not autocast to bf16 here".lstrip("; ")
-    ctx.record([row])
-    ctx.case_finished()
-    status = row["status"] if row["status"] != "ok" else ctx.passed
-    return PartResult([row], status, note, {"compile": backend, "n": size["n"], "layers": size["layers"],
-                                            "d_model": size["d_model"], "batch": size["batch"]})
+    del model, opt, step
+    release = getattr(torch.cuda, "empty_cache", None)
+    if ctx.device.type == "cuda" and release is not None:
+        release()
+    row["note"] = note
+    return row
