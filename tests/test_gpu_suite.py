@@ -128,12 +128,15 @@ def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     assert {row["status"] for row in long if row["impl"] not in gpu_speed.LONG_BASELINES} == {"ok"}
     assert all(row["status"].startswith("unavailable: ") for row in long if row["impl"] in gpu_speed.LONG_BASELINES)
 
-    (train,) = tables["train_step"]
-    assert int(train["n"]) == gpu_training.DRY_SIZE["n"] and float(train["tokens_per_s"]) > 0
-    assert train["mfu"] == ""  # no peak FLOP/s for a CPU: blank, not a made-up figure
-    # the trainer's MFU function, checked with an H100's name: achieved FLOP/s over the H100's peak
-    # both columns are written with 6 significant digits, so their ratio is exact to about 1e-5
-    assert float(train["mfu_check"]) == pytest.approx(float(train["achieved_tflops"]) / 989.4, rel=2e-5)
+    trains = tables["train_step"]
+    assert [train["variant"] for train in trains] == [v["variant"] for v in gpu_training.DRY_VARIANTS]
+    for train in trains:  # every variant timed in the same round-robin
+        assert int(train["n"]) == gpu_training.DRY_SIZE["n"] and float(train["tokens_per_s"]) > 0
+        assert int(train["timed_steps"]) == gpu_training.DRY_TIMED_STEPS and train["timing"] == "round-robin"
+        assert train["mfu"] == ""  # no peak FLOP/s for a CPU: blank, not a made-up figure
+        # the trainer's MFU function, checked with an H100's name: achieved FLOP/s over the H100's peak
+        # both columns are written with 6 significant digits, so their ratio is exact to about 1e-5
+        assert float(train["mfu_check"]) == pytest.approx(float(train["achieved_tflops"]) / 989.4, rel=2e-5)
 
 
 
@@ -401,7 +404,7 @@ def test_a_signal_stops_the_running_part_and_keeps_its_rows(tmp_path, fake_parts
     summary = summary_rows((folder / gpu_suite.SUMMARY).read_text())
     assert summary["train_step"]["status"] == "stopped"
     assert summary["train_step"]["run"] == (f"stopped{':' if signum == signal.SIGALRM else ''} {why} during case "
-                                            "'case two' (1 of 1 cases done)")
+                                            f"'case two' (1 of {len(gpu_training.DRY_VARIANTS)} cases done)")
     assert read_csv(folder / "gpu_train_step.csv") == [{"x": "1"}]
     assert summary["sweep"]["run"] == f"not run: the suite was stopped{':' if signum == signal.SIGALRM else ''} {why}"
 

@@ -58,9 +58,16 @@ def _flex_attention(compiled: bool) -> Callable:
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
+FLEX_RECOMPILE_LIMIT = 64
+"""Graphs dynamo may compile for `flex_attention` in one run. Each length, mask (causal or none) and grad mode
+(the forward alone, then with its backward) is a graph of its own (`dynamic=False`); past dynamo's default of 8,
+it would run the rest uncompiled, the scores materialised: the first H200 run's flex rows from n = 2048 causal
+on (10-25 TFLOP/s, out of memory at 32k) measured that fallback, not FlexAttention."""
+
+
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     block_mask = _causal_block_mask(q.shape[2], str(q.device)) if causal else None
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
         # On the CPU (a dry run) it runs uncompiled on purpose; torch warns about that at every first call.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return _flex_attention(q.is_cuda)(q, k, v, block_mask=block_mask)

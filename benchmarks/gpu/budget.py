@@ -9,8 +9,8 @@ time left as its reason; then the next step is weighed, so a cheap part after a 
 applies `decide` to every remaining step at once, which the suite prints before it starts.
 
 Estimates (`Estimates`): a part costs `setup + cases x per_case` seconds. Before a part has run, its cost comes
-from `H100_COSTS`, measured on the first H100 run (benchmarks/results/nvidia-h100-80gb-hbm3/, commit cce97ac,
-torch 2.11.0+cu130, triton 3.6.0), times the ratio of measured to estimated seconds over the steps that ran so
+from `GPU_COSTS`, the latest GPU run's (`H200_COSTS`: benchmarks/results/nvidia-h200/, commit 4c388e2, torch
+2.11.0+cu130, triton 3.6.0, with the parts as they are now; `H100_COSTS` were the first run's, at commit cce97ac), times the ratio of measured to estimated seconds over the steps that ran so
 far in this run (a slower card, or a dry run's toy sizes on a CPU, scale every estimate alike). Once a part has
 run, its own measured seconds per case replace its row. A dry run starts from `DRY_COSTS` instead (its toy sizes
 have nothing to do with an H100's seconds).
@@ -84,6 +84,24 @@ H100_COSTS = {
     "sweep": Cost(0.0, 111.6),  # one case (2 trials), 111.6 s (the second call)
 }
 """Seconds on one H100 80GB HBM3 (results/nvidia-h100-80gb-hbm3/README.md and console.txt)."""
+
+H200_COSTS = {
+    # One process's seconds a case: the 4 covering cases ran in 4 processes side by side in 35.6 s, 9.8, 11.6, 18.5
+    # and 31.8 s each (console.txt), mean 17.9 s.
+    "kernel_parity": Cost(0.0, 17.9),
+    # 107.4 s for 10 cases with the cuDNN and FlexAttention baselines: the first two 23.7 and 33.4 s (compiles and
+    # autotuning), the other eight 4.0-8.7 s (mean 6.3): setup 107.4 - 10 x 6.3 = 44.4 s.
+    "flash_vs_sdpa": Cost(44.4, 6.3),
+    # 90.8 s for the 11 cases n = 4k ... 128k non-causal, and 136.6 s for 64k and 128k both ways plus 256k stopped
+    # in its second row (a second call): about 200 s for all 13, 15.4 s a case (larger n cost more: the planner
+    # keeps the shortest, so its estimate of a shrunk part errs long).
+    "long_attention": Cost(0.0, 15.4),
+    "train_step": Cost(0.0, 16.8),  # 3 variants in 50.3 s
+    "sweep": Cost(0.0, 122.4),  # one case (2 trials)
+}
+"""Seconds on one NVIDIA H200 (results/nvidia-h200/README.md and console.txt)."""
+GPU_COSTS = H200_COSTS
+"""The table a GPU run starts from: the latest run's, whose parts are the suite's current ones."""
 
 DRY_COSTS = {
     # The fast tier's dry run (tests/test_gpu_suite.py's fixture) on the shared 2-core CPU (cpu-2core), 2026-11-27,

@@ -390,7 +390,7 @@ def main(argv: Sequence[str] | None = None, clock: Callable[[], float] | None = 
     parts = [name for name in PARTS if name in args.parts]
     counts, cover = case_counts(ctx, parts)
     todo = budget.steps(counts, cover)
-    estimates = budget.Estimates(budget.with_parity_workers(budget.DRY_COSTS if args.dry_run else budget.H100_COSTS,
+    estimates = budget.Estimates(budget.with_parity_workers(budget.DRY_COSTS if args.dry_run else budget.GPU_COSTS,
                                                             ctx.parity_workers))
     records = {name: PartRecord(counts[name]) for name in parts}
     logs: dict[str, PartLog] = {}

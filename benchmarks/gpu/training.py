@@ -23,8 +23,10 @@ The part times the step in `VARIANTS`, one case each, in the same run, so the MF
 core sits side by side: `before` steps AdamW with the multi-tensor (`foreach`) update the core used before it took
 the fused one on a GPU (orchestrator/training/optimizer_step.py `adamw`); `core` is the core as it is; `core,
 batch 32` the core at four times the tokens per step (the optimizer's and the clipping's time per step, which do
-not grow with the batch, spread over more tokens). Each variant builds its model afresh and resets dynamo, so each
-compiles its own graph (no shape left from the previous one turns dynamic). A dry run trains a one-layer toy on the CPU with the aot_eager backend (dynamo and AOTAutograd without
+not grow with the batch, spread over more tokens). Each variant builds and compiles its own model (static shapes:
+no batch size left from another variant turns dynamic), then the variants' timed steps run in turn, so an order
+effect (the first H200 run timed them one after the other, and the first variant's median step was 1.6x its
+fastest) falls on all alike. A dry run trains a one-layer toy on the CPU with the aot_eager backend (dynamo and AOTAutograd without
 inductor's code generation, which tests/test_compile_families.py exercises); its MFU column stays blank (a CPU has
 no peak), and it checks the MFU function against an H100's peak instead (`mfu_check`).
 """
@@ -34,6 +36,8 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +60,8 @@ VARIANTS = ({"variant": "before: foreach AdamW", "batch": 8, "fused": False},
             {"variant": "core", "batch": 8, "fused": None},
             {"variant": "core, batch 32", "batch": 32, "fused": None})
 """The cases of the part (the module docstring says what each is); `fused` None: as the core builds it."""
-DRY_VARIANTS = VARIANTS[1:2]
-"""On a CPU the core's AdamW is the foreach one either way, so a dry run times the core alone."""
+DRY_VARIANTS = VARIANTS[:2]
+"""On a CPU both are foreach AdamW (fused is the GPU's): a dry run runs the two for the part's round-robin, not to compare."""
 DRY_RUN_DEVICE = "NVIDIA H100 80GB HBM3"
 """The device name a dry run checks the MFU function with (torch.cuda.get_device_name of an H100 SXM)."""
 def matmul_parameters(model: LanguageModel) -> int:
@@ -81,10 +85,20 @@ def variants(ctx: SuiteContext) -> tuple[dict, ...]:
 
 
 def run(ctx: SuiteContext) -> PartResult:
+    chosen = ctx.select(variants(ctx))
+    prepared = []
+    for variant in chosen:
+        ctx.case_started(f"compiling the training step, {variant['variant']}")
+        prepared.append(Prepared.build(ctx, variant))
+    # Timed round-robin, one step of each variant in turn: whatever drifts during the part (clocks, the host's
+    # other work) falls on every variant alike, and no variant is timed first.
+    ctx.case_started("timing the variants' steps in turn")
+    for _ in range(DRY_TIMED_STEPS if ctx.dry_run else TIMED_STEPS):
+        for one in prepared:
+            one.times.append(timed_call(one.step, ctx.device))
     rows = []
-    for variant in ctx.select(variants(ctx)):
-        ctx.case_started(f"the training step, {variant['variant']}")
-        rows.append(run_variant(ctx, variant))
+    for one in prepared:
+        rows.append(one.row(ctx))
         ctx.record(rows[-1:])
         ctx.case_finished()
     failed = [row["status"] for row in rows if row["status"] != "ok"]
@@ -97,67 +111,84 @@ def run(ctx: SuiteContext) -> PartResult:
                                                        "batch": "/".join(str(row["batch"]) for row in rows)})
 
 
-def run_variant(ctx: SuiteContext, variant: dict) -> Row:
-    size = {**(DRY_SIZE if ctx.dry_run else GPU_SIZE), "batch": variant["batch"] if not ctx.dry_run else DRY_SIZE["batch"]}
-    backend = "aot_eager" if ctx.dry_run else "inductor"
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = ModelConfig(d_model=size["d_model"], layers=size["layers"], ffn=size["ffn"], dropout=0.0,
-                      max_seq_len=size["n"], attention={"kind": "mha", "heads": size["heads"]})
-    model = LanguageModel(cfg, size["vocab"], causal=True).to(ctx.device).train()
-    n_params = matmul_parameters(model)
-    model.compile(backend=backend)
-    optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", max_steps=10**6)
-    opt = Optimization.build(model, optim, ctx.device, precision="bf16")
-    if variant["fused"] is not None:
-        opt.optimizer = adamw([p for p in model.parameters() if p.requires_grad], optim, fused=variant["fused"])
-        opt.scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, opt.scheduler.lr_lambdas[0])
-    fused = bool(opt.optimizer.defaults.get("fused"))
-    tokens_BT = torch.randint(0, size["vocab"], (size["batch"], size["n"] + 1), device=ctx.device)
-    batch = Batch({"inputs": tokens_BT[:, :-1], "targets": tokens_BT[:, 1:]}, n_tokens=size["batch"] * size["n"])
-    batches = itertools.repeat(batch)
-    torch._dynamo.utils.counters.clear()
+@dataclass
+class Prepared:
+    """One variant's model, compiled and warmed up, its step, and its timed steps' seconds."""
 
-    def step() -> None:
-        train_step(model, batches, next_token_loss, opt, ctx.device)
+    variant: dict
+    size: dict
+    backend: str
+    n_params: int
+    opt: Optimization
+    step: Callable[[], None]
+    warmup_s: float
+    times: list[float] = field(default_factory=list)
+    graph_breaks: int = 0
 
-    start = time.perf_counter()
-    for _ in range(WARMUP_STEPS):
-        step()
-    synchronize(ctx.device)
-    warmup_s = time.perf_counter() - start
-    times = [timed_call(step, ctx.device) for _ in range(DRY_TIMED_STEPS if ctx.dry_run else TIMED_STEPS)]
-    step_s = statistics.median(times)
-    tokens = size["batch"] * size["n"]
-    flops = step_flops(n_params, size["layers"], size["d_model"], size["n"], tokens)
-    device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
-    peak = peak_bf16_flops(device_name)
-    mfu = model_flops_utilization(tokens / step_s, flops / tokens, device_name)
-    row: Row = {"variant": variant["variant"], **size, "adamw": "fused" if fused else "foreach",
-                "params_matmul": n_params, "compile_backend": backend,
-                "autocast": str(opt.autocast_dtype).removeprefix("torch.") if opt.autocast_dtype else "none (fp32)",
-                "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-                "warmup_s": warmup_s, "step_ms": 1e3 * step_s, "step_ms_min": 1e3 * min(times), "timed_steps": len(times),
-                "tokens_per_s": tokens / step_s, "flops_per_step": flops, "achieved_tflops": flops / step_s / 1e12,
-                "peak_bf16_tflops": peak / 1e12 if peak else "", "mfu": "" if mfu is None else mfu,
-                "status": "ok"}
-    note = "" if peak else "MFU blank: no peak bf16 FLOP/s known for this device"
-    if ctx.dry_run:
-        # The trainer's MFU path without a GPU: the same function, with an H100's name, against the achieved FLOP/s
-        # over the H100 row's peak.
-        check = model_flops_utilization(tokens / step_s, flops / tokens, DRY_RUN_DEVICE)
-        expected = flops / step_s / peak_bf16_flops(DRY_RUN_DEVICE)
-        row["mfu_check"] = check if check is not None else ""
-        if check is None or abs(check - expected) > 1e-9 * expected:
-            row["status"] = f"fail: MFU of {DRY_RUN_DEVICE} gave {check}, expected {expected:.6g}"
-    print(f"  train step ({variant['variant']}): {row['tokens_per_s']:.4g} tokens/s, "
-          f"{row['achieved_tflops']:.4g} TFLOP/s, MFU {row['mfu'] if row['mfu'] == '' else format(row['mfu'], '.3f')}, "
-          f"autocast {row['autocast']}, {row['graph_breaks']} graph breaks", flush=True)
-    if opt.autocast_dtype != torch.bfloat16:
-        note = f"{note}; the training core did not autocast to bf16 here".lstrip("; ")
-    del model, opt, step
-    release = getattr(torch.cuda, "empty_cache", None)
-    if ctx.device.type == "cuda" and release is not None:
-        release()
-    row["note"] = note
-    return row
+    @classmethod
+    def build(cls, ctx: SuiteContext, variant: dict) -> Prepared:
+        size = {**(DRY_SIZE if ctx.dry_run else GPU_SIZE),
+                "batch": DRY_SIZE["batch"] if ctx.dry_run else variant["batch"]}
+        backend = "aot_eager" if ctx.dry_run else "inductor"
+        torch.manual_seed(0)
+        cfg = ModelConfig(d_model=size["d_model"], layers=size["layers"], ffn=size["ffn"], dropout=0.0,
+                          max_seq_len=size["n"], attention={"kind": "mha", "heads": size["heads"]})
+        model = LanguageModel(cfg, size["vocab"], causal=True).to(ctx.device).train()
+        n_params = matmul_parameters(model)
+        # dynamic=False: each variant's batch gets a graph of its own; without it dynamo would compile the second
+        # batch size with a dynamic batch dimension (its automatic dynamic shapes), slower than the core's graph.
+        model.compile(backend=backend, dynamic=False)
+        optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", max_steps=10**6)
+        opt = Optimization.build(model, optim, ctx.device, precision="bf16")
+        if variant["fused"] is not None:
+            opt.optimizer = adamw([p for p in model.parameters() if p.requires_grad], optim, fused=variant["fused"])
+            opt.scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, opt.scheduler.lr_lambdas[0])
+        tokens_BT = torch.randint(0, size["vocab"], (size["batch"], size["n"] + 1), device=ctx.device)
+        batch = Batch({"inputs": tokens_BT[:, :-1], "targets": tokens_BT[:, 1:]}, n_tokens=size["batch"] * size["n"])
+        batches = itertools.repeat(batch)
+
+        def step() -> None:
+            train_step(model, batches, next_token_loss, opt, ctx.device)
+
+        breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
+        start = time.perf_counter()
+        for _ in range(WARMUP_STEPS):
+            step()
+        synchronize(ctx.device)
+        prepared = cls(variant, size, backend, n_params, opt, step, time.perf_counter() - start)
+        prepared.graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
+        return prepared
+
+    def row(self, ctx: SuiteContext) -> Row:
+        size, opt, times = self.size, self.opt, self.times
+        step_s = statistics.median(times)
+        tokens = size["batch"] * size["n"]
+        flops = step_flops(self.n_params, size["layers"], size["d_model"], size["n"], tokens)
+        device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
+        peak = peak_bf16_flops(device_name)
+        mfu = model_flops_utilization(tokens / step_s, flops / tokens, device_name)
+        row: Row = {"variant": self.variant["variant"], **size,
+                    "adamw": "fused" if opt.optimizer.defaults.get("fused") else "foreach",
+                    "params_matmul": self.n_params, "compile_backend": self.backend,
+                    "autocast": str(opt.autocast_dtype).removeprefix("torch.") if opt.autocast_dtype else "none (fp32)",
+                    "graph_breaks": self.graph_breaks, "warmup_s": self.warmup_s, "step_ms": 1e3 * step_s,
+                    "step_ms_min": 1e3 * min(times), "timed_steps": len(times), "timing": "round-robin",
+                    "tokens_per_s": tokens / step_s, "flops_per_step": flops, "achieved_tflops": flops / step_s / 1e12,
+                    "peak_bf16_tflops": peak / 1e12 if peak else "", "mfu": "" if mfu is None else mfu,
+                    "status": "ok"}
+        note = "" if peak else "MFU blank: no peak bf16 FLOP/s known for this device"
+        if ctx.dry_run:
+            # The trainer's MFU path without a GPU: the same function, with an H100's name, against the achieved
+            # FLOP/s over the H100 row's peak.
+            check = model_flops_utilization(tokens / step_s, flops / tokens, DRY_RUN_DEVICE)
+            expected = flops / step_s / peak_bf16_flops(DRY_RUN_DEVICE)
+            row["mfu_check"] = check if check is not None else ""
+            if check is None or abs(check - expected) > 1e-9 * expected:
+                row["status"] = f"fail: MFU of {DRY_RUN_DEVICE} gave {check}, expected {expected:.6g}"
+        print(f"  train step ({row['variant']}): {row['tokens_per_s']:.4g} tokens/s, "
+              f"{row['achieved_tflops']:.4g} TFLOP/s, MFU {row['mfu'] if row['mfu'] == '' else format(row['mfu'], '.3f')}, "
+              f"autocast {row['autocast']}, {row['graph_breaks']} graph breaks", flush=True)
+        if opt.autocast_dtype != torch.bfloat16:
+            note = f"{note}; the training core did not autocast to bf16 here".lstrip("; ")
+        row["note"] = note
+        return row
