@@ -7,8 +7,9 @@ small shapes below still cover several blocks, sequence tails and causal block s
 tests force 32 x 16 and 16 x 32 through kernels.flash_attention.fixed_launch_config.
 
 ``KERNEL_TESTS_DEVICE=cuda`` runs the same parity tests compiled on a GPU instead (no interpreter),
-through the autotuner, with every sequence length (and chunk) SEQ_SCALE = 8 times longer and the
-block-shape tests at 128 x 64 and 64 x 128.
+at one launch configuration (64 x 64; tests/kernel_device.py, as the GPU suite's parity part: the autotuner's
+candidates made a case 77 s of compilation), the autotuner itself in test_autotuned_launch_path, with every
+sequence length (and chunk) SEQ_SCALE = 8 times longer and the block-shape tests at 128 x 64 and 64 x 128.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 
 # First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
-from tests.kernel_device import DEVICE, HAS_TRITON, KERNEL_DEVICE, needs_triton
+from tests.kernel_device import DEVICE, HAS_TRITON, KERNEL_DEVICE, needs_triton, one_gpu_launch_config  # noqa: F401 (an autouse fixture)
 
 import importlib.util
 import inspect
@@ -339,6 +340,7 @@ def test_loop_splits_are_tight(causal: bool, blocks: tuple[int, int]) -> None:
 
 
 @needs_triton
+@pytest.mark.autotuned
 def test_autotuned_launch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA launch path: triton.autotune over the heuristics-wrapped kernels, grids that follow the
     tuned block sizes, the backward tuned on its own, and tuned_launch_configs reading the tuner's cache.

@@ -8,7 +8,7 @@ the projections rounded once from their exact sums, as a bf16 matmul rounds its 
 from __future__ import annotations
 
 # First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
-from tests.kernel_device import DEVICE, needs_triton
+from tests.kernel_device import DEVICE, needs_triton, one_gpu_launch_config  # noqa: F401 (an autouse fixture)
 
 import pytest
 import torch
