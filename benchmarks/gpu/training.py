@@ -48,8 +48,7 @@ from benchmarks.harness import Row, synchronize, timed_call
 from models import LanguageModel, ModelConfig
 from orchestrator.spec import OptimConfig, peak_bf16_flops
 from orchestrator.spec.gpus import model_flops_utilization
-from orchestrator.training import Optimization, train_step
-from orchestrator.training.optimizer_step import adamw
+from orchestrator.training import Optimization, adamw, train_step
 from tasks import Batch
 
 GPU_SIZE = {"d_model": 1024, "layers": 8, "heads": 16, "ffn": 4096, "vocab": 32768, "batch": 8, "n": 1024}
