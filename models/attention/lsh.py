@@ -295,8 +295,10 @@ class LSHMechanism(nn.Module):
         chunk, and the layout's length L (the longest over rows, heads and rounds; one host sync)."""
         C, T = self.bucket_size, bucket_BHRT.shape[-1]
         bounded = _BOUNDED_LAYOUT.get()
-        # Ids run below 2 * n_half, padding's is 2 * n_half (`buckets`); n_half from the rotation's columns.
-        n_ids = 2 * self.n_half_bound(T) + 1 if bounded else int(bucket_BHRT.max()) + 1
+        # Ids run below 2 * n_half, padding's is 2 * n_half (`buckets`), and no row's n_half exceeds the bound: the
+        # counts take the bound's columns, those of ids no token has staying zero (no chunk, no row), so the count
+        # needs no host sync (reading the largest id was one, besides L's below).
+        n_ids = 2 * self.n_half_bound(T) + 1
         count_BHRN = torch.zeros(*bucket_BHRT.shape[:3], n_ids, dtype=torch.long, device=bucket_BHRT.device)
         count_BHRN.scatter_add_(3, bucket_BHRT, torch.ones_like(bucket_BHRT))
         chunks_BHRN = -(-count_BHRN // C)
