@@ -15,7 +15,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Aliased: the tests' own names (`parity`, `sweep`: a part's rows) would shadow the modules.
-from benchmarks.gpu import baselines as gpu_baselines, budget as gpu_budget, parity as gpu_parity
+from benchmarks.gpu import attention_profile as gpu_profile, baselines as gpu_baselines, budget as gpu_budget
+from benchmarks.gpu import parity as gpu_parity
 from benchmarks.gpu import speed as gpu_speed, suite as gpu_suite, sweep as gpu_sweep, training as gpu_training
 from benchmarks.gpu.common import DRY_RUN, PartResult
 from benchmarks.harness import read_csv
@@ -31,6 +32,8 @@ COLUMNS = {
     "train_step": {"n", "batch", "params_matmul", "compile_backend", "autocast", "graph_breaks", "step_ms",
                    "tokens_per_s", "flops_per_step", "achieved_tflops", "peak_bf16_tflops", "mfu", "mfu_check",
                    "status"},
+    "attention_profile": {"impl", "n", "causal", "host_ms", "total_ms", "device_ms", "device_kernels", "host_reads",
+                          "top_kernels", "status"},
     "sweep": {"run", "run_id", "status", "optim.lr", "run.precision", "run.strategy", "run.compile", "val/ppl",
               "flops_per_token", "train/mfu"},
 }
@@ -127,6 +130,16 @@ def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     assert len(long) == len(expected) * len(gpu_speed.DRY_LONG_LENGTHS)
     assert {row["status"] for row in long if row["impl"] not in gpu_speed.LONG_BASELINES} == {"ok"}
     assert all(row["status"].startswith("unavailable: ") for row in long if row["impl"] in gpu_speed.LONG_BASELINES)
+
+    # The layers read nothing back from the device (each read waits for it: the host can no longer queue ahead)
+    # but LSH's causal layout length; the profile counts the reads on any device, so these are a GPU run's too.
+    profiled = tables["attention_profile"]
+    assert {(row["impl"], row["causal"]) for row in profiled} == {
+        (kind, str(causal)) for kind in gpu_profile.PROFILE_KINDS for causal in (False, True)}
+    assert {row["status"] for row in profiled} == {"ok"}
+    reads = {(row["impl"], row["causal"]): int(row["host_reads"]) for row in profiled}
+    assert reads == {**dict.fromkeys(reads, 0), ("lsh", "True"): 1}, reads
+    assert all(float(row["total_ms"]) >= float(row["host_ms"]) > 0 and row["top_kernels"] for row in profiled)
 
     trains = tables["train_step"]
     assert [train["variant"] for train in trains] == [v["variant"] for v in gpu_training.DRY_VARIANTS]

@@ -1,8 +1,8 @@
 """`--budget SECONDS` of benchmarks.gpu.suite: which parts, and how many of each part's cases, fit the time left.
 
 The suite runs its steps in order of value (`STEPS`): correctness first (kernel parity on its covering subset,
-every axis value once), then the training step, the sweep, flash vs SDPA, long attention, and last the rest of
-kernel parity. Before each step the planner (`decide`) takes the seconds left and the step's estimate: the step
+every axis value once), then the training step, the sweep, flash vs SDPA, long attention, its profile, and last
+the rest of kernel parity. Before each step the planner (`decide`) takes the seconds left and the step's estimate: the step
 runs whole if it fits, shrinks to the most leading cases that fit (each part orders its cases so the leading ones
 are the ones to keep: parity's covering subset, the shortest lengths), or is skipped with the estimate and the
 time left as its reason; then the next step is weighed, so a cheap part after a skipped one still runs. `plan`
@@ -100,6 +100,9 @@ H200_COSTS = {
     "long_attention": Cost(0.0, 15.4),
     "train_step": Cost(0.0, 16.8),  # 3 variants in 50.3 s
     "sweep": Cost(0.0, 122.4),  # one case (2 trials)
+    # Not yet run on a GPU: long_attention's cost of a case at its two lengths (a build, an untimed call, a call
+    # and a profiled one: about long_attention's per-case time for three layers instead of nine).
+    "attention_profile": Cost(0.0, 6.0),
 }
 """Seconds on one NVIDIA H200 (results/nvidia-h200/README.md and console.txt)."""
 GPU_COSTS = H200_COSTS
@@ -113,6 +116,7 @@ DRY_COSTS = {
     "flash_vs_sdpa": Cost(0.0, 3.5),
     "long_attention": Cost(0.0, 3.4),
     "train_step": Cost(0.0, 13.1),
+    "attention_profile": Cost(0.0, 1.0),  # an estimate: three toy layers a case
     # Not measured on the CPU (the slow tier's): the H100's 111.6 s, until this run's own measurements scale it.
     "sweep": H100_COSTS["sweep"],
 }
@@ -134,7 +138,7 @@ class Step:
         return self.stop - self.start
 
 
-VALUE_ORDER = ("kernel_parity", "train_step", "sweep", "flash_vs_sdpa", "long_attention")
+VALUE_ORDER = ("kernel_parity", "train_step", "sweep", "flash_vs_sdpa", "long_attention", "attention_profile")
 
 
 def steps(case_counts: Mapping[str, int], parity_cover: int) -> list[Step]:

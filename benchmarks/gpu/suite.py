@@ -12,6 +12,8 @@ Parts, each in its own module, each writing `<out>/<machine label>/gpu_<part>.cs
   causal and not, bf16.
 - `long_attention` (speed.py): the sorted-chunk kernel and the lsh / hyper / linformer layers against SDPA,
   forward + backward, n = 4k ... 128k; sizes that run out of memory are recorded and skipped.
+- `attention_profile` (attention_profile.py): where the mha / lsh / hyper layers' time goes (host and device time,
+  kernels, values read back from the device, the top kernels).
 - `train_step` (training.py): an mha LM's training step at n = 1024, bf16 autocast, torch.compile: tokens/s
   and MFU against the analytic FLOPs.
 - `sweep` (sweep.py): a 2-trial `orchestrator sweep` with bf16, FSDP and compile, checked in MLflow.
@@ -27,9 +29,9 @@ Nothing lost to a time limit: each part appends every finished case's rows to it
 stopped in, the parts after it are `not run`, and the exit status is 128 + the signal's number.
 
 `--budget SECONDS`: the parts run in order of value (correctness first: kernel parity on its covering subset,
-then train_step, sweep, flash_vs_sdpa, long_attention, then the rest of kernel parity), each run whole, shrunk
-to the cases that fit or skipped, by benchmarks/gpu/budget.py's estimates (from the first H100 run's times,
-updated by this run's own); when the time is out, the running part is stopped as by a signal. Without a budget
+then train_step, sweep, flash_vs_sdpa, long_attention, attention_profile, then the rest of kernel parity), each
+whole, shrunk or skipped, by benchmarks/gpu/budget.py's estimates (the latest GPU run's times, updated by this
+run's own); when the time is out, the running part is stopped as by a signal. Without a budget
 the parts run in that order too, whole. The first run on one H100 (2026-11-27) took 280 s for 6 of kernel
 parity's 36 cases: the whole suite does not fit a 15-minute window, and `--budget` is how it uses one.
 
@@ -69,7 +71,7 @@ import torch
 from benchmarks.gpu import budget
 from benchmarks.harness import describe_error, machine_label, results_dir
 
-PARTS = ("kernel_parity", "flash_vs_sdpa", "long_attention", "train_step", "sweep")
+PARTS = ("kernel_parity", "flash_vs_sdpa", "long_attention", "attention_profile", "train_step", "sweep")
 SUMMARY = "gpu_suite_summary.md"
 INTERPRET = "TRITON_INTERPRET"
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,6 +89,8 @@ def part_table() -> dict[str, tuple[str, Callable]]:
                           _part("speed", "run_flash")),
         "long_attention": (("sorted-chunk kernel and lsh / hyper / linformer layers vs SDPA, fwd+bwd, bf16, "
                             "n = 4k-128k"), _part("speed", "run_long")),
+        "attention_profile": (("where the mha / lsh / hyper layers' time goes: host vs device time, kernels, "
+                               "host reads, the top kernels (torch.profiler)"), _part("attention_profile", "run")),
         "train_step": ("mha LM training step, n = 1024, bf16 autocast, torch.compile: tokens/s and MFU",
                        _part("training", "run")),
         "sweep": ("2-trial orchestrator sweep, bf16 + fsdp + compile, MLflow runs checked", _part("sweep", "run")),
@@ -304,10 +308,11 @@ def write_summary(folder: Path, device_name: str, args: argparse.Namespace, reco
 def case_counts(ctx, parts: Sequence[str]) -> tuple[dict[str, int], int]:
     """part -> its number of cases in this run, and kernel parity's covering subset's (parity and speed modules
     import no triton, nor does training; the sweep is one case)."""
-    from benchmarks.gpu import parity, speed, training
+    from benchmarks.gpu import attention_profile, parity, speed, training
 
     counts = {"kernel_parity": len(parity.ordered_cases(ctx)), "flash_vs_sdpa": len(speed.flash_cases(ctx)),
-              "long_attention": len(speed.long_cases(ctx)), "train_step": len(training.variants(ctx)), "sweep": 1}
+              "long_attention": len(speed.long_cases(ctx)), "train_step": len(training.variants(ctx)), "sweep": 1,
+              "attention_profile": len(attention_profile.profile_cases(ctx))}
     cover = len(parity.covering_subset(parity.case_grid()))
     return {part: counts[part] for part in parts}, min(cover, counts["kernel_parity"])
 

@@ -1,0 +1,103 @@
+"""Part (f) of benchmarks.gpu.suite, `attention_profile`: where one long_attention layer's forward + backward spends
+its time, the question long_attention's totals leave open (the first H200 run: the lsh and hyper layers took 3-5 ms
+at 4k-16k where their kernels take well under 1 ms, and causal hyper 111 ms at 128k).
+
+For the mha, lsh and hyper layers of long_attention (speed.long_calls: the same shapes, knobs and closure) at
+`PROFILE_LENGTHS`, causal and not, after one untimed call, one row per case:
+- `host_ms`: until the call returns, without a synchronisation of ours: the host's Python, dispatch and launches,
+  plus the device's time up to the last point where the call itself waited for the device;
+- `total_ms`: until the device has finished too (`torch.cuda.synchronize`); total well above the device's time
+  means the host's side, not the device's work, sets the layer's time;
+- `device_ms`, `device_kernels`: the device kernels' own time summed, and their number (torch.profiler, one call);
+- `host_reads`: values the call read back from the device (`aten::_local_scalar_dense`: `.item()`, `int(t)`,
+  `.tolist()`), each a wait for the device at that point. Counted on any device, so a dry run counts them too;
+- `top_kernels`: the `TOP_KERNELS` kernels (or, on a CPU, ops) with the most own time, `name:ms:calls`.
+A dry run profiles the toy layers on the CPU (the Triton kernels under the interpreter): its times are not results,
+its `host_reads` are the GPU run's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.gpu.common import PartResult, SuiteContext, release_memory, row_status, status_of_rows
+from benchmarks.gpu.speed import DRY_LONG_LENGTHS, long_calls
+from benchmarks.harness import Row, synchronize
+
+PROFILE_KINDS = ("mha", "lsh", "hyper")
+PROFILE_LENGTHS = (16384, 131072)
+"""One length where the host's side may set the layer's time and one where the device's work must."""
+TOP_KERNELS = 8
+HOST_READ = "aten::_local_scalar_dense"
+
+
+def profile_cases(ctx: SuiteContext) -> list[tuple[int, bool, str]]:
+    """(n, causal, kind) of every case, shortest first."""
+    lengths = DRY_LONG_LENGTHS if ctx.dry_run else PROFILE_LENGTHS
+    return [(n, causal, kind) for n in lengths for causal in (False, True) for kind in PROFILE_KINDS]
+
+
+def own_time_us(event, on_device: bool) -> float:
+    """An averaged profiler event's own (self) time in microseconds, on the device or the host."""
+    if on_device:
+        return float(getattr(event, "self_device_time_total", 0.0) or 0.0)
+    return float(event.self_cpu_time_total)
+
+
+def profiled_row(step, ctx: SuiteContext) -> Row:
+    """host_ms, total_ms, device_ms, device_kernels, host_reads and top_kernels of one call of `step`."""
+    on_gpu = ctx.device.type == "cuda"
+    synchronize(ctx.device)
+    start = time.perf_counter()
+    step()
+    host_s = time.perf_counter() - start
+    synchronize(ctx.device)
+    total_s = time.perf_counter() - start
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(ctx.device)
+    events = prof.key_averages()
+    host_reads = sum(e.count for e in events if e.key == HOST_READ)
+    if on_gpu:
+        kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA") and own_time_us(e, True) > 0]
+    else:  # no device: the ops' own host time stands in (not a result)
+        kernels = [e for e in events if e.key.startswith("aten::")]
+    kernels.sort(key=lambda e: own_time_us(e, on_gpu), reverse=True)
+    device_ms = sum(own_time_us(e, on_gpu) for e in kernels) / 1e3
+    top = "; ".join(f"{e.key[:60]}:{own_time_us(e, on_gpu) / 1e3:.3g}:{e.count}" for e in kernels[:TOP_KERNELS])
+    return {"host_ms": 1e3 * host_s, "total_ms": 1e3 * total_s, "device_ms": device_ms if on_gpu else "",
+            "device_kernels": sum(e.count for e in kernels) if on_gpu else "", "host_reads": host_reads,
+            "top_kernels": top, "status": "ok"}
+
+
+def run(ctx: SuiteContext) -> PartResult:
+    rows: list[Row] = []
+    for n, causal, kind in ctx.select(profile_cases(ctx)):
+        ctx.case_started(f"n={n} causal={causal}, {kind}")
+        row: Row = {"case": f"n={n} causal={causal}", "impl": kind, "n": n, "causal": causal}
+        step = None
+        try:
+            step = long_calls(kind, n, causal, ctx)
+            step()  # autotuning, compiles, the allocator's first blocks: not profiled
+            row.update(profiled_row(step, ctx))
+        except Exception as err:  # noqa: BLE001 - recorded in the row; the part's status names it
+            row["status"] = row_status(err)
+        finally:
+            del step
+            release_memory(ctx.device)
+        rows.append(row)
+        ctx.record([row])
+        ctx.case_finished()
+        if row["status"] == "ok":
+            device = f", device {row['device_ms']:.3g} ms in {row['device_kernels']} kernels" if row["device_ms"] != "" else ""
+            print(f"  profile n={n:6d} causal={causal!s:5} {kind:6}: host {row['host_ms']:.3g} ms, total "
+                  f"{row['total_ms']:.3g} ms{device}, {row['host_reads']} host reads", flush=True)
+        else:
+            print(f"  profile n={n:6d} causal={causal!s:5} {kind:6}: {row['status'][:80]}", flush=True)
+    lengths = tuple(dict.fromkeys(n for n, _, _ in ctx.select(profile_cases(ctx))))
+    return PartResult(rows, status_of_rows(rows, ctx), settings={"n": lengths, "kinds": PROFILE_KINDS,
+                                                                 "top": TOP_KERNELS})
