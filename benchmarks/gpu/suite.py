@@ -10,7 +10,7 @@ Parts, each in its own module, each writing `<out>/<machine label>/gpu_<part>.cs
   block multiples; head dims 64 and 128; max errors against stated tolerances.
 - `flash_vs_sdpa` (speed.py): the fused flash kernel against SDPA's flash backend in TFLOP/s, n = 1k ... 16k,
   causal and not, bf16.
-- `long_attention` (speed.py): the sorted-chunk kernel and the lsh / hyper / linformer layers against SDPA,
+- `long_attention` (speed.py): the sorted-chunk kernel and the lsh (2 and 4 hash rounds) / hyper / linformer layers against SDPA,
   forward + backward, n = 4k ... 128k; sizes that run out of memory are recorded and skipped.
 - `attention_profile` (attention_profile.py): where the mha / lsh / hyper layers' time goes (host and device time,
   kernels, values read back from the device, the top kernels).
