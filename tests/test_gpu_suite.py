@@ -32,8 +32,8 @@ COLUMNS = {
     "train_step": {"n", "batch", "params_matmul", "compile_backend", "autocast", "graph_breaks", "step_ms",
                    "tokens_per_s", "flops_per_step", "achieved_tflops", "peak_bf16_tflops", "mfu", "mfu_check",
                    "status"},
-    "attention_profile": {"impl", "n", "causal", "host_ms", "total_ms", "device_ms", "device_kernels", "host_reads",
-                          "top_kernels", "status"},
+    "attention_profile": {"impl", "n", "causal", "host_ms", "total_ms", "peak_mib", "device_ms", "device_kernels",
+                          "host_reads", "top_kernels", "status"},
     "sweep": {"run", "run_id", "status", "optim.lr", "run.precision", "run.strategy", "run.compile", "val/ppl",
               "flops_per_token", "train/mfu"},
 }

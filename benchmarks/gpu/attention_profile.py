@@ -9,6 +9,8 @@ For the mha, lsh and hyper layers of long_attention (speed.long_calls: the same 
 - `total_ms`: until the device has finished too (`torch.cuda.synchronize`); total well above the device's time
   means the host's side, not the device's work, sets the layer's time;
 - `device_ms`, `device_kernels`: the device kernels' own time summed, and their number (torch.profiler, one call);
+- `peak_mib`: the allocator's peak during the call (`torch.cuda.max_memory_allocated`, the layer's weights and
+  input included), beside which benchmarks/methods/attention_glue.py's counted peaks can be read; blank on a CPU;
 - `host_reads`: values the call read back from the device (`aten::_local_scalar_dense`: `.item()`, `int(t)`,
   `.tolist()`), each a wait for the device at that point. Counted on any device, so a dry run counts them too;
 - `top_kernels`: the `TOP_KERNELS` kernels (or, on a CPU, ops) with the most own time, `name:ms:calls`.
@@ -51,11 +53,14 @@ def profiled_row(step, ctx: SuiteContext) -> Row:
     """host_ms, total_ms, device_ms, device_kernels, host_reads and top_kernels of one call of `step`."""
     on_gpu = ctx.device.type == "cuda"
     synchronize(ctx.device)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     start = time.perf_counter()
     step()
     host_s = time.perf_counter() - start
     synchronize(ctx.device)
     total_s = time.perf_counter() - start
+    peak_mib = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if on_gpu else ""
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
     with profile(activities=activities) as prof:
         step()
@@ -63,13 +68,15 @@ def profiled_row(step, ctx: SuiteContext) -> Row:
     events = prof.key_averages()
     host_reads = sum(e.count for e in events if e.key == HOST_READ)
     if on_gpu:
-        kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA") and own_time_us(e, True) > 0]
+        kernels = [e for e in events
+                   if str(getattr(e, "device_type", "")).endswith("CUDA") and own_time_us(e, True) > 0]
     else:  # no device: the ops' own host time stands in (not a result)
         kernels = [e for e in events if e.key.startswith("aten::")]
     kernels.sort(key=lambda e: own_time_us(e, on_gpu), reverse=True)
     device_ms = sum(own_time_us(e, on_gpu) for e in kernels) / 1e3
     top = "; ".join(f"{e.key[:60]}:{own_time_us(e, on_gpu) / 1e3:.3g}:{e.count}" for e in kernels[:TOP_KERNELS])
-    return {"host_ms": 1e3 * host_s, "total_ms": 1e3 * total_s, "device_ms": device_ms if on_gpu else "",
+    return {"host_ms": 1e3 * host_s, "total_ms": 1e3 * total_s, "peak_mib": peak_mib,
+            "device_ms": device_ms if on_gpu else "",
             "device_kernels": sum(e.count for e in kernels) if on_gpu else "", "host_reads": host_reads,
             "top_kernels": top, "status": "ok"}
 
@@ -93,7 +100,8 @@ def run(ctx: SuiteContext) -> PartResult:
         ctx.record([row])
         ctx.case_finished()
         if row["status"] == "ok":
-            device = f", device {row['device_ms']:.3g} ms in {row['device_kernels']} kernels" if row["device_ms"] != "" else ""
+            device = (f", device {row['device_ms']:.3g} ms in {row['device_kernels']} kernels, peak "
+                      f"{row['peak_mib']:.0f} MiB" if row["device_ms"] != "" else "")
             print(f"  profile n={n:6d} causal={causal!s:5} {kind:6}: host {row['host_ms']:.3g} ms, total "
                   f"{row['total_ms']:.3g} ms{device}, {row['host_reads']} host reads", flush=True)
         else:
