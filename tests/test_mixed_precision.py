@@ -23,7 +23,7 @@ import kernels.reference
 from models.attention import ATTENTION_KINDS
 from orchestrator.launch.local_run import train_locally
 from orchestrator.spec import validate_spec
-from orchestrator.training.optimizer_step import train_step
+from orchestrator.training.optimizer_step import Optimization, train_step
 from orchestrator.training.trainer import Trainer
 from tasks import WorkerContext
 from tests.attention_cases import tiny_knobs
@@ -200,17 +200,13 @@ def test_the_curves_benchmark_writes_each_precisions_gap_to_fp32(tmp_path):
 
 
 def test_the_fused_adamw_a_gpu_steps_with_follows_the_foreach_curve_under_bf16(tmp_path):
-    """On a GPU the core steps AdamW fused (optimizer_step.adamw; benchmarks/gpu/training.py times it against the
+    """On a GPU the core steps AdamW fused (Optimization.build; benchmarks/gpu/training.py times it against the
     foreach one). The same update on the CPU, where torch has both: 20 bf16-autocast steps of the core's
     train_step from the same seed give the same losses, up to float rounding."""
-    from orchestrator.training.optimizer_step import adamw
-
     curves = {}
     for fused in (False, True):
         trainer = trainer_of(kind_raw("mha", max_steps=20, lr=3e-3), tmp_path, precision="bf16")
-        params = [p for p in trainer.model.parameters() if p.requires_grad]
-        trainer.opt.optimizer = adamw(params, trainer.spec.optim, fused=fused)
-        trainer.opt.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.opt.optimizer, lambda _: 1.0)
+        trainer.opt = Optimization.build(trainer.model, trainer.spec.optim, trainer.device, "bf16", fused=fused)
         assert bool(trainer.opt.optimizer.defaults["fused"]) is fused
         curves[fused] = steps_under_watch(trainer, 20)[1]
     gaps = [abs(a - b) for a, b in zip(curves[False], curves[True], strict=True)]

@@ -83,7 +83,8 @@ def profiled_row(step, ctx: SuiteContext) -> Row:
 
 def run(ctx: SuiteContext) -> PartResult:
     rows: list[Row] = []
-    for n, causal, kind in ctx.select(profile_cases(ctx)):
+    chosen = ctx.select(profile_cases(ctx))
+    for n, causal, kind in chosen:
         ctx.case_started(f"n={n} causal={causal}, {kind}")
         row: Row = {"case": f"n={n} causal={causal}", "impl": kind, "n": n, "causal": causal}
         step = None
@@ -106,6 +107,6 @@ def run(ctx: SuiteContext) -> PartResult:
                   f"{row['total_ms']:.3g} ms{device}, {row['host_reads']} host reads", flush=True)
         else:
             print(f"  profile n={n:6d} causal={causal!s:5} {kind:6}: {row['status'][:80]}", flush=True)
-    lengths = tuple(dict.fromkeys(n for n, _, _ in ctx.select(profile_cases(ctx))))
+    lengths = tuple(dict.fromkeys(n for n, _, _ in chosen))
     return PartResult(rows, status_of_rows(rows, ctx), settings={"n": lengths, "kinds": PROFILE_KINDS,
                                                                  "top": TOP_KERNELS})

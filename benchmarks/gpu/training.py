@@ -21,14 +21,14 @@ no MFU).
 
 The part times the step in `VARIANTS`, one case each, in the same run, so the MFU before and after a change of the
 core sits side by side: `before` steps AdamW with the multi-tensor (`foreach`) update the core used before it took
-the fused one on a GPU (orchestrator/training/optimizer_step.py `adamw`); `core` is the core as it is; `core,
-batch 32` the core at four times the tokens per step (the optimizer's and the clipping's time per step, which do
-not grow with the batch, spread over more tokens). Each variant builds and compiles its own model (static shapes:
-no batch size left from another variant turns dynamic), then the variants' timed steps run in turn, so an order
-effect (the first H200 run timed them one after the other, and the first variant's median step was 1.6x its
-fastest) falls on all alike. A dry run trains a one-layer toy on the CPU with the aot_eager backend (dynamo and AOTAutograd without
-inductor's code generation, which tests/test_compile_families.py exercises); its MFU column stays blank (a CPU has
-no peak), and it checks the MFU function against an H100's peak instead (`mfu_check`).
+the fused one on a GPU (orchestrator/training/optimizer_step.py `Optimization.build`); `core` is the core as it is;
+`core, batch 32` the core at four times the tokens per step (the optimizer's and the clipping's time per step,
+which do not grow with the batch, spread over more tokens). Each variant builds and compiles its own model (static
+shapes: no batch size left from another variant turns dynamic), then the variants' timed steps run in turn, so an
+order effect (the first H200 run timed them one after the other, and the first variant's median step was 1.6x its
+fastest) falls on all alike. A dry run trains a one-layer toy on the CPU with the aot_eager backend (dynamo and
+AOTAutograd without inductor's code generation, which tests/test_compile_families.py exercises); its MFU column stays
+blank (a CPU has no peak), and it checks the MFU function against an H100's peak instead (`mfu_check`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from benchmarks.harness import Row, synchronize, timed_call
 from models import LanguageModel, ModelConfig
 from orchestrator.spec import OptimConfig, peak_bf16_flops
 from orchestrator.spec.gpus import model_flops_utilization
-from orchestrator.training import Optimization, adamw, train_step
+from orchestrator.training import Optimization, train_step
 from tasks import Batch
 
 GPU_SIZE = {"d_model": 1024, "layers": 8, "heads": 16, "ffn": 4096, "vocab": 32768, "batch": 8, "n": 1024}
@@ -60,7 +60,8 @@ VARIANTS = ({"variant": "before: foreach AdamW", "batch": 8, "fused": False},
             {"variant": "core, batch 32", "batch": 32, "fused": None})
 """The cases of the part (the module docstring says what each is); `fused` None: as the core builds it."""
 DRY_VARIANTS = VARIANTS[:2]
-"""On a CPU both are foreach AdamW (fused is the GPU's): a dry run runs the two for the part's round-robin, not to compare."""
+"""On a CPU both are foreach AdamW (fused is the GPU's): a dry run runs the two for the part's round-robin, not to
+compare them."""
 DRY_RUN_DEVICE = "NVIDIA H100 80GB HBM3"
 """The device name a dry run checks the MFU function with (torch.cuda.get_device_name of an H100 SXM)."""
 def matmul_parameters(model: LanguageModel) -> int:
@@ -121,8 +122,8 @@ class Prepared:
     opt: Optimization
     step: Callable[[], None]
     warmup_s: float
+    graph_breaks: int
     times: list[float] = field(default_factory=list)
-    graph_breaks: int = 0
 
     @classmethod
     def build(cls, ctx: SuiteContext, variant: dict) -> Prepared:
@@ -138,10 +139,7 @@ class Prepared:
         # batch size with a dynamic batch dimension (its automatic dynamic shapes), slower than the core's graph.
         model.compile(backend=backend, dynamic=False)
         optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", max_steps=10**6)
-        opt = Optimization.build(model, optim, ctx.device, precision="bf16")
-        if variant["fused"] is not None:
-            opt.optimizer = adamw([p for p in model.parameters() if p.requires_grad], optim, fused=variant["fused"])
-            opt.scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, opt.scheduler.lr_lambdas[0])
+        opt = Optimization.build(model, optim, ctx.device, precision="bf16", fused=variant["fused"])
         tokens_BT = torch.randint(0, size["vocab"], (size["batch"], size["n"] + 1), device=ctx.device)
         batch = Batch({"inputs": tokens_BT[:, :-1], "targets": tokens_BT[:, 1:]}, n_tokens=size["batch"] * size["n"])
         batches = itertools.repeat(batch)
@@ -154,9 +152,9 @@ class Prepared:
         for _ in range(WARMUP_STEPS):
             step()
         synchronize(ctx.device)
-        prepared = cls(variant, size, backend, n_params, opt, step, time.perf_counter() - start)
-        prepared.graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
-        return prepared
+        warmup_s = time.perf_counter() - start
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
+        return cls(variant, size, backend, n_params, opt, step, warmup_s, breaks)
 
     def row(self, ctx: SuiteContext) -> Row:
         size, opt, times = self.size, self.opt, self.times
@@ -185,7 +183,8 @@ class Prepared:
             if check is None or abs(check - expected) > 1e-9 * expected:
                 row["status"] = f"fail: MFU of {DRY_RUN_DEVICE} gave {check}, expected {expected:.6g}"
         print(f"  train step ({row['variant']}): {row['tokens_per_s']:.4g} tokens/s, "
-              f"{row['achieved_tflops']:.4g} TFLOP/s, MFU {row['mfu'] if row['mfu'] == '' else format(row['mfu'], '.3f')}, "
+              f"{row['achieved_tflops']:.4g} TFLOP/s, "
+              f"MFU {row['mfu'] if row['mfu'] == '' else format(row['mfu'], '.3f')}, "
               f"autocast {row['autocast']}, {row['graph_breaks']} graph breaks", flush=True)
         if opt.autocast_dtype != torch.bfloat16:
             note = f"{note}; the training core did not autocast to bf16 here".lstrip("; ")

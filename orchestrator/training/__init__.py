@@ -10,7 +10,7 @@ from orchestrator import lazy_face
 
 OFFERS = {
     **dict.fromkeys(["Trainer", "Cadence", "Best", "NonFiniteLoss"], "trainer"),
-    **dict.fromkeys(["train_step", "Optimization", "LossFn", "LossMeter", "lr_lambda", "adamw"], "optimizer_step"),
+    **dict.fromkeys(["train_step", "Optimization", "LossFn", "LossMeter", "lr_lambda"], "optimizer_step"),
     **dict.fromkeys(["TrainingState", "read_checkpoint", "write_checkpoint"], "checkpoint"),
     **dict.fromkeys(["Evaluation", "evaluate_checkpoint"], "scoring"),
     **dict.fromkeys(["export_model", "load_model"], "export"),

@@ -104,15 +104,6 @@ class LossMeter:
         return out
 
 
-def adamw(params: list[nn.Parameter], optim: OptimConfig, fused: bool) -> torch.optim.AdamW:
-    """AdamW over `params`. On a GPU, `fused`: one kernel updates every parameter (the same update as the
-    multi-tensor `foreach` one, which launches several kernels per step; torchtitan trains FSDP2 models with it too),
-    a step's optimizer time being what a small model's step spends outside its matmuls (benchmarks/gpu/training.py
-    times both)."""
-    return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
-                             fused=True if fused else None)
-
-
 @dataclass
 class Optimization:
     """AdamW, its warmup + decay schedule and the gradient scaler of `optim` (enabled for fp16 only)."""
@@ -129,9 +120,16 @@ class Optimization:
     """fp16 steps skipped so far in this process because a gradient overflowed (inf/NaN after unscaling)."""
 
     @classmethod
-    def build(cls, model: nn.Module, optim: OptimConfig, device: torch.device, precision: str = "fp32") -> Optimization:
+    def build(cls, model: nn.Module, optim: OptimConfig, device: torch.device, precision: str = "fp32",
+              fused: bool | None = None) -> Optimization:
+        """`fused` (None: on a GPU): AdamW's update in one kernel for every parameter, the same update as the
+        multi-tensor `foreach` one, which launches several kernels per step (torchtitan trains FSDP2 models with it
+        too); a small model's step spends its time outside the matmuls there (benchmarks/gpu/training.py times
+        both; tests/test_mixed_precision.py holds the two to one loss curve)."""
+        fused = device.type == "cuda" if fused is None else fused
         # Frozen parameters (model.freeze) stay out of the optimizer: weight decay would still move them.
-        optimizer = adamw([p for p in model.parameters() if p.requires_grad], optim, fused=device.type == "cuda")
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
+                                      betas=optim.betas, weight_decay=optim.weight_decay, fused=True if fused else None)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
         # bf16 keeps fp32's exponent range, so only fp16 scales the loss (its gradients would underflow); the
         # disabled scaler of the other precisions keeps one checkpoint format.
