@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.gpu import attention_profile as gpu_profile, baselines as gpu_baselines, budget as gpu_budget
 from benchmarks.gpu import parity as gpu_parity
 from benchmarks.gpu import speed as gpu_speed, suite as gpu_suite, sweep as gpu_sweep, training as gpu_training
+from benchmarks.gpu import common as gpu_common
 from benchmarks.gpu.common import DRY_RUN, PartResult
 from benchmarks.harness import read_csv
 from models import LanguageModel, ModelConfig
@@ -445,6 +447,18 @@ def test_parity_workers_default_and_bad_values():
     for bad in ("0", "-2", "two", "1.5"):
         with pytest.raises(SystemExit):
             gpu_suite.parse_args(["--parity-workers", bad])
+
+
+def test_long_lengths_are_taken_in_order_and_bad_ones_refused_naming_the_flag(capsys):
+    args = gpu_suite.parse_args(["--long-lengths", "262144", "65536"])
+    ctx = gpu_common.SuiteContext(device=torch.device("cpu"), dry_run=False, folder=Path("."),
+                                  long_lengths=tuple(args.long_lengths))
+    # shortest first (what a budget keeps); 256k non-causal only
+    assert gpu_speed.long_cases(ctx) == [(65536, False), (65536, True), (262144, False)]
+    for bad in ("0", "-4", "4k"):
+        with pytest.raises(SystemExit):
+            gpu_suite.parse_args(["--long-lengths", bad])
+        assert "--long-lengths" in capsys.readouterr().err
 
 
 def test_parallel_parity_estimate_counts_rounds_of_cases_not_cases():
