@@ -312,6 +312,75 @@ def test_a_dry_run_stopped_by_sigterm_keeps_its_rows_and_says_where_it_stopped(t
     assert "The run was stopped by SIGTERM" in (csv_path.parent / gpu_suite.SUMMARY).read_text()
 
 
+PARITY_STOP_SCRIPT = """
+import sys, time
+import torch
+from pathlib import Path
+from benchmarks.gpu import parity, suite
+from benchmarks.gpu.common import SuiteContext
+
+def work(job):  # case 0 finishes at once, its process then waits idle for a job; case 1 runs on
+    if job[0] == 1:
+        time.sleep(600)
+    return job[0], [], 0.0
+
+if __name__ == "__main__":
+    ctx = SuiteContext(device=torch.device("cpu"), dry_run=True, folder=Path("."), parity_workers=2)
+    try:
+        with suite.stop_on_signals(alarm=False):
+            for index, _rows, _seconds in parity.parallel_cases([{}, {}], ctx, work=work):
+                print("finished", index, flush=True)
+    except suite.SuiteStopped as stop:
+        print("stopped", flush=True)
+        sys.exit(stop.exit_code)
+"""
+
+
+@pytest.mark.slow  # a real process and its two spawned parity processes
+@pytest.mark.parametrize("to", ["group", "suite"])
+def test_a_signal_during_parallel_parity_ends_every_process(tmp_path, to):
+    """`timeout` signals the whole process group (`group`), `kill PID` the suite alone (`suite`): either way the
+    suite's wait for parity's cases ends at once with its stop, and no parity process is left. The signal comes
+    while one process is idle (its case done, nothing left for it) and the other in its case: the H200 window of
+    2026-11-28 lost its kernel tests to that state, a `timeout -s TERM` leaving the suite in multiprocessing.Pool's
+    `terminate` for ever, on the task queue's lock that the idle worker killed by the signal had held."""
+    import signal
+    import time
+
+    script = tmp_path / "stop_parity.py"
+    script.write_text(PARITY_STOP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(gpu_suite.ROOT)}
+    child = subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    group = child.pid  # its own session: the group is the script and its processes alone
+
+    def group_alive() -> bool:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    try:
+        lines = iter(child.stdout.readline, "")
+        assert "finished 0\n" in lines, "the script ended before its first case"
+        time.sleep(0.5)  # the idle process back in its wait for a job (a shorter wait tests less, never fails)
+        if to == "group":
+            os.killpg(group, signal.SIGTERM)
+        else:
+            child.send_signal(signal.SIGTERM)
+        output, _ = child.communicate(timeout=60)
+        deadline = time.monotonic() + 30
+        while group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not group_alive(), "a parity process outlived the suite"
+    finally:
+        if group_alive():
+            os.killpg(group, signal.SIGKILL)
+    assert child.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert output.strip().endswith("stopped"), output[-3000:]
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "abc", "nan", "inf"])
 def test_a_budget_that_is_not_a_positive_number_of_seconds_is_refused_naming_the_flag(value, capsys):
     with pytest.raises(SystemExit) as exit_:

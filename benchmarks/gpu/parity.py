@@ -199,37 +199,73 @@ def case_label(case: dict[str, Any]) -> str:
 
 
 def _case_in_worker(job: tuple[int, dict[str, Any], str, bool]) -> tuple[int, list[Row], float]:
-    """One case in a pool process (`parallel_cases`): its index, rows and seconds."""
+    """One case in a parity process (`parallel_cases`): its index, rows and seconds."""
     index, case, device, dry_run = job
     start = time.perf_counter()
     rows = run_case(case, SuiteContext(device=torch.device(device), dry_run=dry_run, folder=Path(".")))
     return index, rows, time.perf_counter() - start
 
 
-def parallel_cases(chosen: Sequence[dict[str, Any]], ctx: SuiteContext) -> Iterator[tuple[int, list[Row], float]]:
+def _worker_loop(work: Callable[[Any], Any], jobs: Any, results: Any) -> None:
+    """A parity process: jobs until the None that ends them. Ctrl-C is the suite's to handle (it ends the processes);
+    SIGTERM keeps its default, so that a `timeout` that signals the whole group ends them too."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for job in iter(jobs.get, None):
+        results.put(work(job))
+
+
+def parallel_cases(chosen: Sequence[dict[str, Any]], ctx: SuiteContext,
+                   work: Callable[[Any], tuple[int, list[Row], float]] = _case_in_worker,
+                   ) -> Iterator[tuple[int, list[Row], float]]:
     """(index into `chosen`, rows, seconds) of every case as it finishes, in `ctx.parity_workers` processes.
 
     A case's time is almost all Triton compiling its kernel variants (the H100's first run: 12-77 s a case, 6 of 36
     cases in 280 s), and compiling is CPU-bound, one core per process: the processes compile different cases'
     variants at once, into Triton's one on-disk cache. The processes are spawned (CUDA cannot be forked) and
     inherit the environment, the interpreter's switch of a dry run included. A stop (a signal, the budget's alarm)
-    raises in this process while it waits; the processes are then terminated, and the cases that finished have
-    already been recorded."""
+    raises in this process while it waits; every process is then killed, and the cases that finished have already
+    been recorded. Plain processes and queues rather than multiprocessing.Pool: a `timeout` signals the whole
+    process group, and a Pool whose idle worker died holding its task queue's lock waits in `terminate` for ever
+    (the H200 window of 2026-11-28 lost its kernel tests to that). A process that dies without its result (out
+    of memory, a crash in the compiler) is an error naming its exit code, not a wait."""
     import multiprocessing
+    import queue
 
-    workers = min(ctx.parity_workers, len(chosen))
-    jobs = [(i, case, ctx.device.type, ctx.dry_run) for i, case in enumerate(chosen)]
-    pool = multiprocessing.get_context("spawn").Pool(workers)
+    spawn = multiprocessing.get_context("spawn")
+    jobs, results = spawn.Queue(), spawn.Queue()
+    count = min(ctx.parity_workers, len(chosen))
+    for index, case in enumerate(chosen):
+        jobs.put((index, case, ctx.device.type, ctx.dry_run))
+    for _ in range(count):
+        jobs.put(None)
+    processes = [spawn.Process(target=_worker_loop, args=(work, jobs, results), daemon=True) for _ in range(count)]
     try:
-        in_flight = f"{len(chosen)} cases in {workers} processes"
+        for process in processes:
+            process.start()
+        in_flight = f"{len(chosen)} cases in {count} processes"
         ctx.case_started(in_flight)
-        for done, result in enumerate(pool.imap_unordered(_case_in_worker, jobs), 1):
+        for done in range(1, len(chosen) + 1):
+            while True:
+                try:
+                    result = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"a kernel parity process died (exit code {dead[0]}) before its case "
+                                           f"finished; {len(chosen) - done + 1} of {len(chosen)} cases unfinished")
             yield result
             ctx.case_started(f"{len(chosen) - done} of {in_flight}")
-        pool.close()
     finally:
-        pool.terminate()
-        pool.join()
+        for process in processes:
+            if process.pid is not None:
+                process.kill()
+                process.join()
+        for channel in (jobs, results):  # their feeder threads may hold items nobody reads now
+            channel.cancel_join_thread()
+            channel.close()
 
 
 def sequential_cases(chosen: Sequence[dict[str, Any]], ctx: SuiteContext) -> Iterator[tuple[int, list[Row], float]]:
