@@ -105,6 +105,8 @@ def run(ctx: SuiteContext) -> PartResult:
                       f"{row['peak_mib']:.0f} MiB" if row["device_ms"] != "" else "")
             print(f"  profile n={n:6d} causal={causal!s:5} {kind:6}: host {row['host_ms']:.3g} ms, total "
                   f"{row['total_ms']:.3g} ms{device}, {row['host_reads']} host reads", flush=True)
+            # On the console too: a window's call can end before the CSV is copied out (2026-11-28's second did).
+            print(f"    top (name:ms:count): {row['top_kernels']}", flush=True)
         else:
             print(f"  profile n={n:6d} causal={causal!s:5} {kind:6}: {row['status'][:80]}", flush=True)
     lengths = tuple(dict.fromkeys(n for n, _, _ in chosen))
