@@ -13,7 +13,9 @@ For the mha, lsh and hyper layers of long_attention (speed.long_calls: the same 
   input included), beside which benchmarks/methods/attention_glue.py's counted peaks can be read; blank on a CPU;
 - `host_reads`: values the call read back from the device (`aten::_local_scalar_dense`: `.item()`, `int(t)`,
   `.tolist()`), each a wait for the device at that point. Counted on any device, so a dry run counts them too;
-- `top_kernels`: the `TOP_KERNELS` kernels (or, on a CPU, ops) with the most own time, `name:ms:calls`.
+- `top_kernels`: the `TOP_KERNELS` kernels (or, on a CPU, ops) with the most own time, `name:ms:calls`;
+- `graphs`, `graph_breaks` (the `+inductor` layers, `COMPILED_KINDS`, at the shorter length): what dynamo captured
+  of the layer in its first call.
 A dry run profiles the toy layers on the CPU (the Triton kernels under the interpreter): its times are not results,
 its `host_reads` are the GPU run's.
 """
@@ -26,12 +28,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu.common import PartResult, SuiteContext, release_memory, row_status, status_of_rows
-from benchmarks.gpu.speed import DRY_LONG_LENGTHS, long_calls
+from benchmarks.gpu.speed import COMPILED, DRY_LONG_LENGTHS, long_calls
 from benchmarks.harness import Row, synchronize
 
 PROFILE_KINDS = ("mha", "lsh", "hyper")
 PROFILE_LENGTHS = (16384, 131072)
 """One length where the host's side may set the layer's time and one where the device's work must."""
+COMPILED_KINDS = tuple(kind + COMPILED for kind in PROFILE_KINDS)
+"""The same layers under torch.compile (speed.COMPILED), at the shorter length only: whether inductor's fused glue
+takes the host's side out of the layers' time there (each case compiles for its shape: seconds a case)."""
 TOP_KERNELS = 8
 HOST_READ = "aten::_local_scalar_dense"
 
@@ -39,7 +44,15 @@ HOST_READ = "aten::_local_scalar_dense"
 def profile_cases(ctx: SuiteContext) -> list[tuple[int, bool, str]]:
     """(n, causal, kind) of every case, shortest first."""
     lengths = DRY_LONG_LENGTHS if ctx.dry_run else PROFILE_LENGTHS
-    return [(n, causal, kind) for n in lengths for causal in (False, True) for kind in PROFILE_KINDS]
+    return [(n, causal, kind) for n in lengths for causal in (False, True)
+            for kind in PROFILE_KINDS + (COMPILED_KINDS if n == lengths[0] else ())]
+
+
+def compile_counts() -> dict[str, int]:
+    """Dynamo's running counts: graphs captured and graph breaks (a compiled case's row takes their growth)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def own_time_us(event, on_device: bool) -> float:
@@ -90,7 +103,10 @@ def run(ctx: SuiteContext) -> PartResult:
         step = None
         try:
             step = long_calls(kind, n, causal, ctx)
+            before = compile_counts()
             step()  # autotuning, compiles, the allocator's first blocks: not profiled
+            if kind.endswith(COMPILED):  # how much of the layer dynamo captured, and where it broke off
+                row.update({key: after - before[key] for key, after in compile_counts().items()})
             row.update(profiled_row(step, ctx))
         except Exception as err:  # noqa: BLE001 - recorded in the row; the part's status names it
             row["status"] = row_status(err)
@@ -106,6 +122,8 @@ def run(ctx: SuiteContext) -> PartResult:
             print(f"  profile n={n:6d} causal={causal!s:5} {kind:6}: host {row['host_ms']:.3g} ms, total "
                   f"{row['total_ms']:.3g} ms{device}, {row['host_reads']} host reads", flush=True)
             # On the console too: a window's call can end before the CSV is copied out (2026-11-28's second did).
+            if "graphs" in row:
+                print(f"    compiled: {row['graphs']} graphs, {row['graph_breaks']} graph breaks", flush=True)
             print(f"    top (name:ms:count): {row['top_kernels']}", flush=True)
         else:
             print(f"  profile n={n:6d} causal={causal!s:5} {kind:6}: {row['status'][:80]}", flush=True)

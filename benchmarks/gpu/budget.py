@@ -88,9 +88,11 @@ H100_COSTS = {
 """Seconds on one H100 80GB HBM3 (results/nvidia-h100-80gb-hbm3/README.md and console.txt)."""
 
 H200_COSTS = {
-    # One process's seconds a case: the 4 covering cases ran in 4 processes side by side in 35.6 s, 9.8, 11.6, 18.5
-    # and 31.8 s each (console.txt), mean 17.9 s.
-    "kernel_parity": Cost(0.0, 17.9),
+    # Seconds a round of cases side by side (one case per process): a round lasts about its longest case. The
+    # first window: the 4 covering cases in 4 processes in 35.6 s (9.8-31.8 s each, console.txt). The second
+    # (window2_console.txt): the covering 4 in 39.2 s; the other 44 in 14 processes (4 rounds) were unfinished at
+    # 161 s, fp32 flash cases taking 44-112 s each and the rest 2-12 s: at least 40 s a round.
+    "kernel_parity": Cost(0.0, 40.0),
     # 107.4 s for 10 cases with the cuDNN and FlexAttention baselines: the first two 23.7 and 33.4 s (compiles and
     # autotuning), the other eight 4.0-8.7 s (mean 6.3): setup 107.4 - 10 x 6.3 = 44.4 s. But from the third case
     # on FlexAttention ran uncompiled (dynamo's recompile limit, since raised: baselines.FLEX_RECOMPILE_LIMIT), so
@@ -102,9 +104,9 @@ H200_COSTS = {
     "long_attention": Cost(0.0, 15.4),
     "train_step": Cost(0.0, 16.8),  # 3 variants in 50.3 s
     "sweep": Cost(0.0, 122.4),  # one case (2 trials)
-    # Not yet run on a GPU: long_attention's cost of a case at its two lengths (a build, an untimed call, a call
-    # and a profiled one: about long_attention's per-case time for three layers instead of nine).
-    "attention_profile": Cost(0.0, 6.0),
+    # The second window: 12 cases in 49.8 s (4.2 s a case). The 6 `+inductor` cases since then are not yet run on
+    # a GPU; guessed at 30 s each (inductor compiles a layer's forward and backward): (12 x 4.2 + 6 x 30) / 18.
+    "attention_profile": Cost(0.0, 12.8),
 }
 """Seconds on one NVIDIA H200 (results/nvidia-h200/README.md and console.txt)."""
 GPU_COSTS = H200_COSTS

@@ -71,6 +71,10 @@ LAYER_KINDS = ("mha", "lsh", "lsh-r4", "hyper", "linformer")
 speed figures), beside the 2 rounds the first GPU runs timed."""
 LAYER_KIND_OF = {"lsh-r4": "lsh"}
 """A layer's attention kind where its name is not one (a kind at other knobs)."""
+COMPILED = "+inductor"
+"""A layer name ending so (`lsh+inductor`) is that layer under `torch.compile` (inductor on a GPU, as the training
+core's `run.compile`; AOTAutograd's eager backend in a dry run, which checks the plumbing, not the speed): whether
+fusing the glue's elementwise ops and cutting its launches is what the methods' short lengths lack."""
 
 
 def triton_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -190,11 +194,17 @@ def long_calls(impl: str, n: int, causal: bool, ctx: SuiteContext) -> Callable[[
 
         return fwd_and_fwd_bwd(chunked, [q, k, v])[1]
     settings = Settings(lengths=(n,), d_model=d_model, heads=heads, batch=1, dtype=DTYPE)
-    layer, shared_state = build_layer(Variant(impl, LAYER_KIND_OF.get(impl, impl), model["knobs"].get(impl, {})), n,
+    name = impl.removesuffix(COMPILED)
+    layer, shared_state = build_layer(Variant(name, LAYER_KIND_OF.get(name, name), model["knobs"].get(name, {})), n,
                                       settings)
     layer = layer.to(device=ctx.device, dtype=DTYPE).train()
     shared_state.to(device=ctx.device, dtype=DTYPE)
     x_BTD = torch.randn(1, n, d_model, device=ctx.device, dtype=DTYPE)
+    if impl.endswith(COMPILED):  # compiled by the first (untimed) call
+        # Each case compiles from scratch: the layers share their forward's code, whose recompiles for each new
+        # layer and shape would reach dynamo's recompile limit and fall back to eager unannounced.
+        torch._dynamo.reset()
+        layer = torch.compile(layer, backend="inductor" if ctx.device.type == "cuda" else "aot_eager")
 
     def apply(x_BTD: torch.Tensor) -> torch.Tensor:
         return layer(x_BTD, causal=causal)
@@ -223,6 +233,8 @@ def run_long(ctx: SuiteContext) -> PartResult:
     stopped: dict[tuple[str, bool], str] = {}  # (impl, causal) -> why its larger sizes are skipped
     chosen = ctx.select(long_cases(ctx))
     for n, causal in chosen:
+        # Each row's time is printed as it lands (one line per case): a call stopped mid-case keeps them on its console.
+        print(f"  long n={n:6d} causal={causal!s:5}: ", end="", flush=True)
         line = []
         for impl in long_impls(causal):
             ctx.case_started(f"n={n} causal={causal}, {impl}")
@@ -237,6 +249,7 @@ def run_long(ctx: SuiteContext) -> PartResult:
                 rows.append({**row, "status": f"unavailable: {missing}"})
                 ctx.record(rows[-1:])
                 line.append(f"{impl} unavailable")
+                print(f"{' | ' if len(line) > 1 else ''}{line[-1]}", end="", flush=True)
                 continue
             step = None
             try:
@@ -255,7 +268,8 @@ def run_long(ctx: SuiteContext) -> PartResult:
             rows.append(row)
             ctx.record([row])
             line.append(f"{impl} {row['fwd_bwd_ms']:.3g} ms" if row["status"] == "ok" else f"{impl} {row['status'][:40]}")
-        print(f"  long n={n:6d} causal={causal!s:5}: {' | '.join(line)}", flush=True)
+            print(f"{' | ' if len(line) > 1 else ''}{line[-1]}", end="", flush=True)
+        print(flush=True)
         ctx.case_finished()
     add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "sdpa", columns={"fwd_bwd_ms": "speedup_vs_sdpa"})
     add_ratios(rows, key="case", baseline=lambda r: r["impl"] == "mha", columns={"fwd_bwd_ms": "speedup_vs_mha"})
