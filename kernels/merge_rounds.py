@@ -1,0 +1,75 @@
+"""Attention parts merged by their log-sum-exp on the Triton kernels of k_merge_rounds.py: the values of
+models/attention/lse.py `merge_lse_many` (the rounds of Reformer's LSH attention) in one launch forward and one
+backward instead of about 30 PyTorch ops.
+
+`merge_rounds(out [P.., R, M, E], lse [P.., R, M], dim)` merges along `dim` of lse (out has one more trailing
+feature axis), as `merge_lse_many`; inputs are made contiguous, lse is taken in fp32 (the kernels' lse dtype) and
+the merged lse returned in lse's dtype. Inside `kernels.dispatch.stand_in_kernels()` the launches are counted and
+the buffers allocated as on a GPU (kernels/stand_in.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from kernels import stand_in
+from kernels.flash_attention import cdiv, interpreter_enabled, jit_module, next_power_of_two
+
+
+def _launch(name: str, kernel_name: str, rows: int, slices: int, args: tuple, **constexprs) -> None:
+    from kernels import k_merge_rounds
+
+    kern = jit_module(k_merge_rounds)
+    cfg = kern.launch_config(interpreter_enabled())
+    grid = (cdiv(rows, cfg["BLOCK_M"]), slices)
+    stand_in.launch(name, lambda: getattr(kern, kernel_name)[grid](*args, **constexprs, **cfg))
+
+
+class _MergeRounds(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out_PRME, lse_PRM):  # type: ignore[override]
+        P, R, M, E = out_PRME.shape
+        log = stand_in.active()
+        with stand_in.kernel_region(log):
+            merged_PME = torch.empty(P, M, E, device=out_PRME.device, dtype=out_PRME.dtype)
+            lse_PM = torch.empty(P, M, device=out_PRME.device, dtype=torch.float32)
+            weight_PRM = torch.empty(P, R, M, device=out_PRME.device, dtype=torch.float32)
+            _launch("merge_rounds_fwd", "_merge_rounds_fwd", M, P,
+                    (out_PRME, lse_PRM, merged_PME, lse_PM, weight_PRM, M, E),
+                    R=R, BLOCK_E=max(16, next_power_of_two(E)))
+        ctx.save_for_backward(out_PRME, weight_PRM)
+        return merged_PME, lse_PM
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_out_PME, g_lse_PM):  # type: ignore[override]
+        out_PRME, weight_PRM = ctx.saved_tensors
+        P, R, M, E = out_PRME.shape
+        if g_out_PME is None:  # only the merged lse was used
+            g_out_PME = torch.zeros(P, M, E, device=out_PRME.device, dtype=out_PRME.dtype)
+        log = stand_in.active()
+        with stand_in.kernel_region(log):
+            g_out_PRME = torch.empty_like(out_PRME)
+            g_lse_PRM = torch.empty(P, R, M, device=out_PRME.device, dtype=torch.float32)
+            has_g_lse = g_lse_PM is not None
+            _launch("merge_rounds_bwd", "_merge_rounds_bwd", M, P,
+                    (g_out_PME.contiguous(), g_lse_PM.contiguous() if has_g_lse else g_out_PME, out_PRME,
+                     weight_PRM, g_out_PRME, g_lse_PRM, M, E),
+                    HAS_G_LSE=has_g_lse, R=R, BLOCK_E=max(16, next_power_of_two(E)))
+        return g_out_PRME, g_lse_PRM
+
+
+def merge_rounds(out_RM: torch.Tensor, lse_R: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_lse_many(out_RM, lse_R, dim)` on the kernels: (merged out, merged lse), `dim` dropped."""
+    dim = dim % lse_R.dim()
+    if out_RM.shape[:-1] != lse_R.shape:
+        raise ValueError(f"out must be lse's shape with a feature axis after it; got {tuple(out_RM.shape)} and "
+                         f"{tuple(lse_R.shape)}")
+    lead, R, rest = lse_R.shape[:dim], lse_R.shape[dim], lse_R.shape[dim + 1:]
+    P, M, E = math.prod(lead), math.prod(rest), out_RM.shape[-1]
+    merged_PME, lse_PM = _MergeRounds.apply(out_RM.contiguous().view(P, R, M, E),
+                                            lse_R.to(torch.float32).contiguous().view(P, R, M))
+    return merged_PME.view(*lead, *rest, E), lse_PM.view(*lead, *rest).to(lse_R.dtype)

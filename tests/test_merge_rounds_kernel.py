@@ -1,0 +1,91 @@
+"""The rounds' merge on its Triton kernels (kernels/k_merge_rounds.py, under the interpreter at tiny shapes) gives
+`merge_lse_many_reference`'s out, lse and gradients (autograd through the weights), rows that no part has keys
+for included, and the LSH layer on it equals the layer on the PyTorch merge.
+
+``KERNEL_TESTS_DEVICE=cuda`` runs them on the kernels compiled for a GPU, as tests/test_kernels.py does.
+"""
+
+from __future__ import annotations
+
+# First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
+from tests.kernel_device import DEVICE, needs_triton, one_gpu_launch_config  # noqa: F401 (an autouse fixture)
+
+import pytest
+import torch
+
+from kernels.merge_rounds import merge_rounds
+from models.attention.lse import merge_lse_many_reference
+
+pytestmark = needs_triton
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def parts(shape_R: tuple[int, ...], dim: int, E: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [.., E] and lse with rows every part of which is -inf (no keys: weights 0, lse -inf, out 0), rows one
+    part of which is -inf, and spread lse values, so the weights are far from uniform."""
+    torch.manual_seed(0)
+    lse = torch.randn(shape_R) * 4
+    flat = lse.movedim(dim, -1)  # [.., R] view: the parts of each row last
+    flat[0, 0, :] = float("-inf")
+    flat[..., 1, 0] = float("-inf")
+    out = torch.randn(*shape_R, E).to(dtype)
+    return out.to(DEVICE), lse.to(DEVICE)
+
+
+def merged_and_grads(merge, out, lse, dim, use_lse: bool):
+    out = out.detach().clone().requires_grad_(True)
+    lse = lse.detach().clone().requires_grad_(True)
+    m_out, m_lse = merge(out, lse, dim)
+    torch.manual_seed(1)
+    g_out = torch.randn(m_out.shape).to(device=m_out.device, dtype=m_out.dtype)
+    g_lse = torch.randn(m_lse.shape, device=m_lse.device)
+    loss = (m_out.float() * g_out.float()).sum()
+    if use_lse:
+        loss = loss + (torch.where(torch.isinf(m_lse), 0.0, m_lse) * g_lse).sum()
+    loss.backward()
+    return m_out, m_lse, out.grad, lse.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("shape_R", "dim", "use_lse"), [((2, 2, 3, 37), 2, True),  # LSH's [B, H, R, T]
+                                                         ((3, 2, 21), 1, False)])   # R at 1, lse unused
+def test_the_kernels_give_the_references_values_and_gradients(shape_R, dim, use_lse, dtype):
+    E = 24  # not a power of two: the feature tile is masked
+    out, lse = parts(shape_R, dim, E, dtype)
+    got = merged_and_grads(merge_rounds, out, lse, dim, use_lse)
+    expected = merged_and_grads(merge_lse_many_reference, out, lse, dim, use_lse)
+    tol = TOLERANCE[dtype]
+    for name, g, e in zip(("out", "lse", "d out", "d lse"), got, expected, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype, name
+        finite = torch.isfinite(e)
+        assert torch.equal(finite, torch.isfinite(g)), name  # -inf exactly where the reference has it
+        err = (g[finite].float() - e[finite].float()).abs().max().item()
+        assert err <= tol * max(1.0, e[finite].float().abs().max().item()), (name, err)
+    no_keys = torch.isinf(expected[1]) & (expected[1] < 0)
+    assert no_keys.any() and (got[0][no_keys] == 0).all()
+
+
+def test_the_lsh_layer_on_the_kernels_equals_the_layer_on_the_pytorch_merge(monkeypatch):
+    """The whole LSH mechanism with the kernels (ATTN_BACKEND=triton: the chunked kernel, the hash kernel and this
+    merge) against the same with the merge in PyTorch: outputs and input gradients, causal."""
+    from kernels import dispatch
+    from models.attention import lsh
+
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+    mech = lsh.LSHMechanism(lsh.LSHMechanismConfig(bucket_size=4, n_hashes=3), head_dim=16, layer_index=0).eval()
+    torch.manual_seed(0)
+    shape = (1, 1, 11, 16)  # small: the chunked kernels run under the interpreter, program by program
+    q = torch.randn(shape, device=DEVICE, requires_grad=True)
+    k = torch.nn.functional.normalize(q.detach(), dim=-1).requires_grad_(True)
+    v = torch.randn(shape, device=DEVICE, requires_grad=True)
+    g = torch.randn(shape, device=DEVICE)
+    assert lsh.round_merge(q) is merge_rounds  # the layer's own choice on the kernels
+    results = []
+    for merge in (merge_rounds, merge_lse_many_reference):
+        monkeypatch.setattr(lsh, "round_merge", lambda x, merge=merge: merge)
+        out = mech(q, k, v, causal=True)
+        grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+        results.append((out, *grads))
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
