@@ -32,65 +32,65 @@ def launch_config(interpret: bool) -> dict[str, int]:
 
 
 @triton.jit
-def _row_max(LSE, base, rows, row_ok, M, R: tl.constexpr):
+def _row_max(LSE, base, rows, row_ok, n_rows, R: tl.constexpr):
     """The largest lse over the parts, 0 where every part's is -inf (as `_round_weights`)."""
     m = tl.full(rows.shape, float("-inf"), tl.float32)
     for r in tl.static_range(R):
-        m = tl.maximum(m, tl.load(LSE + base + r * M + rows, mask=row_ok, other=float("-inf")).to(tl.float32))
+        m = tl.maximum(m, tl.load(LSE + base + r * n_rows + rows, mask=row_ok, other=float("-inf")).to(tl.float32))
     return tl.where(m == float("-inf"), 0.0, m)
 
 
 @triton.jit
-def _merge_rounds_fwd(OUT, LSE, MERGED, LSE_OUT, WEIGHT, M, E,
+def _merge_rounds_fwd(OUT, LSE, MERGED, LSE_OUT, WEIGHT, n_rows, n_feat,
                       R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_E)
     p = tl.program_id(1).to(tl.int64)
-    row_ok = rows < M
-    tile_ok = row_ok[:, None] & (cols < E)[None, :]
-    base = p * R * M  # the (p, r = 0) rows of lse and the weights
-    m = _row_max(LSE, base, rows, row_ok, M, R)
+    row_ok = rows < n_rows
+    tile_ok = row_ok[:, None] & (cols < n_feat)[None, :]
+    base = p * R * n_rows  # the (p, r = 0) rows of lse and the weights
+    m = _row_max(LSE, base, rows, row_ok, n_rows, R)
     total = tl.zeros([BLOCK_M], tl.float32)
     for r in tl.static_range(R):
-        lse_r = tl.load(LSE + base + r * M + rows, mask=row_ok, other=float("-inf")).to(tl.float32)
+        lse_r = tl.load(LSE + base + r * n_rows + rows, mask=row_ok, other=float("-inf")).to(tl.float32)
         total += tl.exp(lse_r - m)
     has_keys = total > 0
     safe = tl.where(has_keys, total, 1.0)
-    tl.store(LSE_OUT + p * M + rows, tl.where(has_keys, m + tl.log(safe), float("-inf")), mask=row_ok)
+    tl.store(LSE_OUT + p * n_rows + rows, tl.where(has_keys, m + tl.log(safe), float("-inf")), mask=row_ok)
     acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     for r in tl.static_range(R):
-        lse_r = tl.load(LSE + base + r * M + rows, mask=row_ok, other=float("-inf")).to(tl.float32)
+        lse_r = tl.load(LSE + base + r * n_rows + rows, mask=row_ok, other=float("-inf")).to(tl.float32)
         w = tl.exp(lse_r - m) / safe
-        tl.store(WEIGHT + base + r * M + rows, w, mask=row_ok)
-        part = tl.load(OUT + (base + r * M + rows[:, None]) * E + cols[None, :], mask=tile_ok, other=0.0)
+        tl.store(WEIGHT + base + r * n_rows + rows, w, mask=row_ok)
+        part = tl.load(OUT + (base + r * n_rows + rows[:, None]) * n_feat + cols[None, :], mask=tile_ok, other=0.0)
         acc += part.to(tl.float32) * w[:, None]
-    tl.store(MERGED + (p * M + rows[:, None]) * E + cols[None, :], acc.to(MERGED.dtype.element_ty), mask=tile_ok)
+    tl.store(MERGED + (p * n_rows + rows[:, None]) * n_feat + cols[None, :], acc.to(MERGED.dtype.element_ty), mask=tile_ok)
 
 
 @triton.jit
-def _merge_rounds_bwd(G_OUT, G_LSE, OUT, WEIGHT, G_OUT_R, G_LSE_R, M, E,
+def _merge_rounds_bwd(G_OUT, G_LSE, OUT, WEIGHT, G_OUT_R, G_LSE_R, n_rows, n_feat,
                       HAS_G_LSE: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_E)
     p = tl.program_id(1).to(tl.int64)
-    row_ok = rows < M
-    tile_ok = row_ok[:, None] & (cols < E)[None, :]
-    base = p * R * M
-    g = tl.load(G_OUT + (p * M + rows[:, None]) * E + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+    row_ok = rows < n_rows
+    tile_ok = row_ok[:, None] & (cols < n_feat)[None, :]
+    base = p * R * n_rows
+    g = tl.load(G_OUT + (p * n_rows + rows[:, None]) * n_feat + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     g_lse = tl.zeros([BLOCK_M], tl.float32)
     if HAS_G_LSE:
-        g_lse = tl.load(G_LSE + p * M + rows, mask=row_ok, other=0.0).to(tl.float32)
+        g_lse = tl.load(G_LSE + p * n_rows + rows, mask=row_ok, other=0.0).to(tl.float32)
     shared = tl.zeros([BLOCK_M], tl.float32)
     for r in tl.static_range(R):
-        w = tl.load(WEIGHT + base + r * M + rows, mask=row_ok, other=0.0)
-        part = tl.load(OUT + (base + r * M + rows[:, None]) * E + cols[None, :], mask=tile_ok, other=0.0)
+        w = tl.load(WEIGHT + base + r * n_rows + rows, mask=row_ok, other=0.0)
+        part = tl.load(OUT + (base + r * n_rows + rows[:, None]) * n_feat + cols[None, :], mask=tile_ok, other=0.0)
         g_r = tl.sum(g * part.to(tl.float32), 1)
         shared += w * g_r
-        tl.store(G_LSE_R + base + r * M + rows, g_r, mask=row_ok)  # scratch until the second loop
-        tl.store(G_OUT_R + (base + r * M + rows[:, None]) * E + cols[None, :],
+        tl.store(G_LSE_R + base + r * n_rows + rows, g_r, mask=row_ok)  # scratch until the second loop
+        tl.store(G_OUT_R + (base + r * n_rows + rows[:, None]) * n_feat + cols[None, :],
                  (g * w[:, None]).to(G_OUT_R.dtype.element_ty), mask=tile_ok)
     tl.debug_barrier()  # every thread's g_r stored before any is read back in another thread's layout
     for r in tl.static_range(R):
-        w = tl.load(WEIGHT + base + r * M + rows, mask=row_ok, other=0.0)
-        g_r = tl.load(G_LSE_R + base + r * M + rows, mask=row_ok, other=0.0)
-        tl.store(G_LSE_R + base + r * M + rows, w * (g_r + g_lse - shared), mask=row_ok)
+        w = tl.load(WEIGHT + base + r * n_rows + rows, mask=row_ok, other=0.0)
+        g_r = tl.load(G_LSE_R + base + r * n_rows + rows, mask=row_ok, other=0.0)
+        tl.store(G_LSE_R + base + r * n_rows + rows, w * (g_r + g_lse - shared), mask=row_ok)
