@@ -73,7 +73,7 @@ LAYER_KIND_OF = {"lsh-r4": "lsh"}
 """A layer's attention kind where its name is not one (a kind at other knobs)."""
 COMPILED = "+inductor"
 """A layer name ending so (`lsh+inductor`) is that layer under `torch.compile` (inductor on a GPU, as the training
-core's `run.compile`; AOTAutograd's eager backend in a dry run, which checks the plumbing, not the speed): whether
+core's `run.compile`; dynamo's eager backend in a dry run, which checks the plumbing, not the speed): whether
 fusing the glue's elementwise ops and cutting its launches is what the methods' short lengths lack."""
 
 
@@ -204,7 +204,7 @@ def long_calls(impl: str, n: int, causal: bool, ctx: SuiteContext) -> Callable[[
         # Each case compiles from scratch: the layers share their forward's code, whose recompiles for each new
         # layer and shape would reach dynamo's recompile limit and fall back to eager unannounced.
         torch._dynamo.reset()
-        layer = torch.compile(layer, backend="inductor" if ctx.device.type == "cuda" else "aot_eager")
+        layer = torch.compile(layer, backend="inductor" if ctx.device.type == "cuda" else "eager")
 
     def apply(x_BTD: torch.Tensor) -> torch.Tensor:
         return layer(x_BTD, causal=causal)
