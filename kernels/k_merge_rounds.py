@@ -94,3 +94,80 @@ def _merge_rounds_bwd(G_OUT, G_LSE, OUT, WEIGHT, G_OUT_R, G_LSE_R, n_rows, n_fea
         w = tl.load(WEIGHT + base + r * n_rows + rows, mask=row_ok, other=0.0)
         g_r = tl.load(G_LSE_R + base + r * n_rows + rows, mask=row_ok, other=0.0)
         tl.store(G_LSE_R + base + r * n_rows + rows, w * (g_r + g_lse - shared), mask=row_ok)
+
+
+@triton.jit
+def _merge_below_fwd(OUT_A, LSE_A, OUT_B, LSE_B, OUT, LSE_OUT, ALPHA, BETA, n_slices, n_rows, n_feat,
+                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """HyperAttention's causal level (models/attention/lse.py `merge_lse_below`): out_a [2B, H, h, E] holds the
+    diagonal halves (rows :B the first, B: the second), out_b [B, H, h, E] the off-diagonal block. The joined out
+    [B, H, 2h, E]: its first h rows are the first halves (program axis 2 = 0: a copy), its last h the second halves
+    merged with out_b (axis 2 = 1). `n_slices` = B * H, `n_rows` = h."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_E)
+    p = tl.program_id(1).to(tl.int64)
+    second = tl.program_id(2)
+    row_ok = rows < n_rows
+    tile_ok = row_ok[:, None] & (cols < n_feat)[None, :]
+    a_rows = (p + second * n_slices) * n_rows + rows  # rows of out_a's slice p of the half
+    out_rows = (p * 2 + second) * n_rows + rows
+    lse_a = tl.load(LSE_A + a_rows, mask=row_ok, other=float("-inf")).to(tl.float32)
+    part_a = tl.load(OUT_A + a_rows[:, None] * n_feat + cols[None, :], mask=tile_ok, other=0.0)
+    if second == 0:
+        tl.store(OUT + out_rows[:, None] * n_feat + cols[None, :], part_a, mask=tile_ok)
+        tl.store(LSE_OUT + out_rows, lse_a, mask=row_ok)
+    else:
+        b_rows = p * n_rows + rows
+        lse_b = tl.load(LSE_B + b_rows, mask=row_ok, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(lse_a, lse_b)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w_a, w_b = tl.exp(lse_a - m), tl.exp(lse_b - m)
+        total = w_a + w_b
+        has_keys = total > 0
+        safe = tl.where(has_keys, total, 1.0)
+        alpha, beta = w_a / safe, w_b / safe
+        tl.store(ALPHA + b_rows, alpha, mask=row_ok)
+        tl.store(BETA + b_rows, beta, mask=row_ok)
+        tl.store(LSE_OUT + out_rows, tl.where(has_keys, m + tl.log(safe), float("-inf")), mask=row_ok)
+        part_b = tl.load(OUT_B + b_rows[:, None] * n_feat + cols[None, :], mask=tile_ok, other=0.0)
+        merged = part_a.to(tl.float32) * alpha[:, None] + part_b.to(tl.float32) * beta[:, None]
+        tl.store(OUT + out_rows[:, None] * n_feat + cols[None, :], merged.to(OUT.dtype.element_ty), mask=tile_ok)
+
+
+@triton.jit
+def _merge_below_bwd(G_OUT, G_LSE, OUT_A, OUT_B, ALPHA, BETA, G_OUT_A, G_LSE_A, G_OUT_B, G_LSE_B,
+                     n_slices, n_rows, n_feat, HAS_G_LSE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_E: tl.constexpr):
+    """The backward of `_merge_below_fwd`: the first halves take the joined gradient's first h rows as they are;
+    the second halves and out_b the closed form of `_MergeLseMany` with two parts."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_E)
+    p = tl.program_id(1).to(tl.int64)
+    second = tl.program_id(2)
+    row_ok = rows < n_rows
+    tile_ok = row_ok[:, None] & (cols < n_feat)[None, :]
+    a_rows = (p + second * n_slices) * n_rows + rows
+    out_rows = (p * 2 + second) * n_rows + rows
+    g = tl.load(G_OUT + out_rows[:, None] * n_feat + cols[None, :], mask=tile_ok, other=0.0)
+    g_lse = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_G_LSE:
+        g_lse = tl.load(G_LSE + out_rows, mask=row_ok, other=0.0).to(tl.float32)
+    if second == 0:
+        tl.store(G_OUT_A + a_rows[:, None] * n_feat + cols[None, :], g.to(G_OUT_A.dtype.element_ty), mask=tile_ok)
+        tl.store(G_LSE_A + a_rows, g_lse, mask=row_ok)
+    else:
+        b_rows = p * n_rows + rows
+        alpha = tl.load(ALPHA + b_rows, mask=row_ok, other=0.0)
+        beta = tl.load(BETA + b_rows, mask=row_ok, other=0.0)
+        g32 = g.to(tl.float32)
+        part_a = tl.load(OUT_A + a_rows[:, None] * n_feat + cols[None, :], mask=tile_ok, other=0.0)
+        part_b = tl.load(OUT_B + b_rows[:, None] * n_feat + cols[None, :], mask=tile_ok, other=0.0)
+        g_alpha = tl.sum(g32 * part_a.to(tl.float32), 1)
+        g_beta = tl.sum(g32 * part_b.to(tl.float32), 1)
+        shared = alpha * g_alpha + beta * g_beta
+        tl.store(G_LSE_A + a_rows, alpha * (g_alpha + g_lse - shared), mask=row_ok)
+        tl.store(G_LSE_B + b_rows, beta * (g_beta + g_lse - shared), mask=row_ok)
+        tl.store(G_OUT_A + a_rows[:, None] * n_feat + cols[None, :], (g32 * alpha[:, None]).to(G_OUT_A.dtype.element_ty),
+                 mask=tile_ok)
+        tl.store(G_OUT_B + b_rows[:, None] * n_feat + cols[None, :], (g32 * beta[:, None]).to(G_OUT_B.dtype.element_ty),
+                 mask=tile_ok)

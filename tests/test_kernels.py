@@ -672,7 +672,8 @@ from kernels import k_chunked_attention, k_flash_attention as kf, k_hyper_blocks
 TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32", "Kpm": "*u8", "Pad": "*u8",
          "Pos": "*i64", "HALF": "*i32", "IDS": "*i64", "QTok": "*i64", "KTok": "*i64", "GBlock": "*i64",
          "SRow": "*i64", "FirstGroup": "*i64", "SampleStart": "*i64", "LogW": "*fp32", "DKS": "*fp32",
-         "DVS": "*fp32", "LSE": "*fp32", "LSE_OUT": "*fp32", "WEIGHT": "*fp32", "G_LSE": "*fp32", "G_LSE_R": "*fp32"}
+         "DVS": "*fp32", "LSE": "*fp32", "LSE_OUT": "*fp32", "WEIGHT": "*fp32", "G_LSE": "*fp32", "G_LSE_R": "*fp32",
+         "LSE_A": "*fp32", "LSE_B": "*fp32", "ALPHA": "*fp32", "BETA": "*fp32", "G_LSE_A": "*fp32", "G_LSE_B": "*fp32"}
 
 def compile_shared(fn, constexprs, num_warps, num_stages, arch):
     if isinstance(fn, triton.runtime.autotuner.Heuristics):
@@ -725,8 +726,10 @@ for fn in (k_hyper_blocks._hyper_fwd, k_hyper_blocks._hyper_bwd_dq, k_hyper_bloc
     assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], (fn.__name__, shared)
     print(fn.__name__, "compiled")
 cfg = k_merge_rounds.launch_config(interpret=False)
-for fn, extra in ((k_merge_rounds._merge_rounds_fwd, {}), (k_merge_rounds._merge_rounds_bwd, {"HAS_G_LSE": True})):
-    shared = compile_shared(fn, {"R": 4, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_E": 64, **extra}, cfg["num_warps"], 1, 90)
+for fn, extra in ((k_merge_rounds._merge_rounds_fwd, {"R": 4}), (k_merge_rounds._merge_rounds_bwd,
+                   {"R": 4, "HAS_G_LSE": True}), (k_merge_rounds._merge_below_fwd, {}),
+                  (k_merge_rounds._merge_below_bwd, {"HAS_G_LSE": True})):
+    shared = compile_shared(fn, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_E": 64, **extra}, cfg["num_warps"], 1, 90)
     assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], (fn.__name__, shared)
     print(fn.__name__, "compiled")
 """
@@ -744,7 +747,7 @@ def test_kernels_compile_for_gpu() -> None:
         [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 16, result.stdout
+    assert result.stdout.count("compiled") == 18, result.stdout
 
 
 def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:

@@ -1,6 +1,7 @@
-"""The rounds' merge on its Triton kernels (kernels/k_merge_rounds.py, under the interpreter at tiny shapes) gives
-`merge_lse_many_reference`'s out, lse and gradients (autograd through the weights), rows that no part has keys
-for included, and the LSH layer on it equals the layer on the PyTorch merge.
+"""The merges by lse on their Triton kernels (kernels/k_merge_rounds.py, under the interpreter at tiny shapes):
+LSH's rounds give `merge_lse_many_reference`'s out, lse and gradients (autograd through the weights), rows that no
+part has keys for included, and the LSH layer on them equals the layer on the PyTorch merge; HyperAttention's
+causal level (`merge_below`) gives the joined reference's, and the causal layer on it equals the layer on PyTorch's.
 
 ``KERNEL_TESTS_DEVICE=cuda`` runs them on the kernels compiled for a GPU, as tests/test_kernels.py does.
 """
@@ -13,8 +14,8 @@ from tests.kernel_device import DEVICE, needs_triton, one_gpu_launch_config  # n
 import pytest
 import torch
 
-from kernels.merge_rounds import merge_rounds
-from models.attention.lse import merge_lse_many_reference
+from kernels.merge_rounds import merge_below, merge_rounds
+from models.attention.lse import merge_lse_many_reference, merge_lse_reference
 
 pytestmark = needs_triton
 
@@ -89,3 +90,43 @@ def test_the_lsh_layer_on_the_kernels_equals_the_layer_on_the_pytorch_merge(monk
         results.append((out, *grads))
     for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def below_reference(out_a, lse_a, out_b, lse_b):
+    """`merge_lse_below` as one autograd expression: the first halves, then the second merged with out_b."""
+    B = out_b.shape[0]
+    merged, lse = merge_lse_reference(out_a[B:], lse_a[B:], out_b, lse_b)
+    return torch.cat([out_a[:B], merged], dim=-2), torch.cat([lse_a[:B], lse], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_lse", [True, False])
+def test_the_causal_level_merge_gives_the_references_values_and_gradients(dtype, use_lse):
+    B, H, h, E = 2, 2, 19, 24
+    torch.manual_seed(0)
+    lse_a, lse_b = torch.randn(2 * B, H, h) * 4, torch.randn(B, H, h) * 4
+    lse_a[B:, 0, :3] = float("-inf")  # second halves without keys: the off-diagonal part alone
+    lse_b[:, 0, 2:5] = float("-inf")  # rows 2, 3, 4 of head 0: no off-diagonal keys; rows 0-2 have neither part
+    lse_a[:B, 1, 0] = float("-inf")  # a first-half row without keys passes through as it is
+    out_a, out_b = torch.randn(2 * B, H, h, E).to(dtype), torch.randn(B, H, h, E).to(dtype)
+    args = [x.to(DEVICE) for x in (out_a, lse_a, out_b, lse_b)]
+
+    def run(merge):
+        leaves = [x.detach().clone().requires_grad_(True) for x in args]
+        out, lse = merge(*leaves)
+        torch.manual_seed(1)
+        g = torch.randn(out.shape).to(device=out.device, dtype=out.dtype)
+        loss = (out.float() * g.float()).sum()
+        if use_lse:
+            loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * torch.randn(lse.shape, device=lse.device)).sum()
+        loss.backward()
+        return out, lse, *(leaf.grad for leaf in leaves)
+
+    tol = TOLERANCE[dtype]
+    names = ("out", "lse", "d out_a", "d lse_a", "d out_b", "d lse_b")
+    for name, got, expected in zip(names, run(merge_below), run(below_reference), strict=True):
+        assert got.shape == expected.shape and got.dtype == expected.dtype, name
+        finite = torch.isfinite(expected)
+        assert torch.equal(finite, torch.isfinite(got)), name
+        err = (got[finite].float() - expected[finite].float()).abs().max().item()
+        assert err <= tol * max(1.0, expected[finite].float().abs().max().item()), (name, err)

@@ -40,6 +40,7 @@ from pydantic import model_validator
 
 from kernels.dispatch import fused_kernels
 from kernels.hyper_blocks import hyper_block_flash_attention
+from kernels.merge_rounds import merge_below
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.exact import ExactMechanism
 from models.attention.lse import exact_attention, merge_lse, merge_lse_below
@@ -390,7 +391,8 @@ class HyperMechanism(nn.Module):
             out_off, lse_off = self.placed(q_bot, k_top, v_top, first_pad, level)
         else:
             out_off, lse_off = self.non_causal(q_bot, k_top, v_top, first_pad, second_pad, level)
-        out, lse = merge_lse_below(out_d, lse_d, out_off, lse_off)  # (B, H, 2h, E): first half, merged second
+        merge = merge_below if fused_kernels(q_BHNE) else merge_lse_below  # one kernel each way on the kernels
+        out, lse = merge(out_d, lse_d, out_off, lse_off)  # (B, H, 2h, E): first half, merged second
         return (out[:, :, :N], lse[:, :, :N]) if odd else (out, lse)
 
     def causal_last_rows(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSE: torch.Tensor) -> torch.Tensor:
