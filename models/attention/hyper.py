@@ -381,8 +381,7 @@ class HyperMechanism(nn.Module):
         # slices would each allocate a zero-filled gradient of the whole input in the backward, then add them.
         (q_top, q_bot), (k_top, k_bot), (v_top, v_bot) = (x.unflatten(2, (2, h)).unbind(2)  # 2 x (B, H, h, E)
                                                            for x in (q_BHNE, k_BHNE, v_BHNE))
-        first_pad, second_pad = (None, None) if key_padding_BN is None else \
-            key_padding_BN.unflatten(1, (2, h)).unbind(1)
+        first_pad, second_pad = (None, None) if key_padding_BN is None else key_padding_BN.unflatten(1, (2, h)).unbind(1)
         pad_halves = None if key_padding_BN is None else torch.cat([first_pad, second_pad])
         out_d, lse_d = self.causal(torch.cat([q_top, q_bot]), torch.cat([k_top, k_bot]), torch.cat([v_top, v_bot]),
                                    pad_halves, level + 1)  # (2B, H, h, E): every piece of a level in one batch
