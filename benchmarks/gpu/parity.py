@@ -19,7 +19,7 @@ kernels.parity.PARITY_TOLERANCE of the reference (relative to max(1, max |refere
 asserts too.
 
 On CUDA every case runs at one fixed launch configuration (64 x 64 blocks, or 32 x 32 where those do not fit the
-device's shared memory): autotuning would compile and time every candidate (~16 per kernel set) for each
+device's shared memory; fp32 32 x 32, which compiles several times faster: `FP32_GPU_BLOCKS`): autotuning would compile and time every candidate (~16 per kernel set) for each
 compiled variant of the kernels, minutes that the suite does not have. The autotuned configurations are what
 part (b) times, and it records their error against SDPA. A dry run takes the interpreter's 16 x 16 blocks,
 lengths 32 and 37, one head, and a covering subset of the cases: every value of every axis at least once.
@@ -59,6 +59,12 @@ BATCH, HEADS, DRY_HEADS = 3, 2, 1
 dry run, whose interpreted time is per program, takes one (tests/test_kernels.py runs the kernels with several)."""
 GPU_BLOCKS = ((64, 64), (32, 32))
 """Fixed launch blocks on CUDA, largest first; the first that fits the shared memory of all three kernels."""
+FP32_GPU_BLOCKS = ((32, 32),)
+"""fp32's: its dots are full-precision fp32 (`dot_options`: no tensor cores), whose unrolled code at 64 x 64 takes
+Triton minutes to compile. For sm_90 at head dim 128, causal, uneven lengths, on a 2-core CPU (Triton's own ptxas,
+the script of tests/test_kernels.py `test_kernels_compile_for_gpu` with fp32 pointers): 64 x 64 forward 23.1 s,
+dK/dV 114.8 s, dQ 38.4 s; 32 x 32 4.8, 15.3 and 9.4 s. The H200's second window saw it as fp32 flash cases of
+44-112 s against 2-12 s for the others (results/nvidia-h200/window2_console.txt). Parity checks values, not speed."""
 GPU_LENGTHS = {True: 512, False: 500}
 """Sequence length by `block_multiple` on CUDA (500 is a multiple of neither 64 nor 32)."""
 DRY_LENGTHS = {True: 32, False: 37}
@@ -98,7 +104,7 @@ def launch_blocks(dtype: torch.dtype, head_dim: int, device: torch.device) -> tu
     limit = getattr(props, "shared_memory_per_block_optin", kf.SHARED_MEMORY_BY_ARCH.get(arch, 99 * 1024))
     elem_bytes = torch.empty((), dtype=dtype).element_size()
     block_d = 1 << (head_dim - 1).bit_length()
-    for block_m, block_n in GPU_BLOCKS:
+    for block_m, block_n in FP32_GPU_BLOCKS if dtype == torch.float32 else GPU_BLOCKS:
         cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_stages": 2}
         if all(kf.shared_memory_estimate(name, cfg, block_d, elem_bytes) <= limit for name in kf.CONFIGS):
             return block_m, block_n
