@@ -32,6 +32,32 @@ def launch_config(interpret: bool) -> dict[str, int]:
 
 
 @triton.jit
+def _tile(n_rows, n_feat, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """This program's rows (axis 0: BLOCK_M of them) and slice (axis 1), the feature columns and both masks."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < n_rows
+    return rows, cols, tl.program_id(1).to(tl.int64), row_ok, row_ok[:, None] & (cols < n_feat)[None, :]
+
+
+@triton.jit
+def _below_rows(p, rows, n_slices, n_rows):
+    """Axis 2 of a causal level's program: 0 the first halves, 1 the second. Its rows in out_a [2B, H, h, ..], in
+    out_b [B, H, h, ..] and in the joined out [B, H, 2h, ..] (`n_slices` = B * H, `n_rows` = h)."""
+    second = tl.program_id(2)
+    return second, (p + second * n_slices) * n_rows + rows, p * n_rows + rows, (p * 2 + second) * n_rows + rows
+
+
+@triton.jit
+def _normaliser(m, total):
+    """(the weights' divisor, the merged lse) of rows whose parts' e^(lse - m) sum to `total`: a row no part has
+    keys for (total 0) divides by 1, so its weights are 0, and gets lse -inf."""
+    has_keys = total > 0
+    safe = tl.where(has_keys, total, 1.0)
+    return safe, tl.where(has_keys, m + tl.log(safe), float("-inf"))
+
+
+@triton.jit
 def _row_max(LSE, base, rows, row_ok, n_rows, R: tl.constexpr):
     """The largest lse over the parts, 0 where every part's is -inf (as `_round_weights`)."""
     m = tl.full(rows.shape, float("-inf"), tl.float32)
@@ -43,20 +69,15 @@ def _row_max(LSE, base, rows, row_ok, n_rows, R: tl.constexpr):
 @triton.jit
 def _merge_rounds_fwd(OUT, LSE, MERGED, LSE_OUT, WEIGHT, n_rows, n_feat,
                       R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_E)
-    p = tl.program_id(1).to(tl.int64)
-    row_ok = rows < n_rows
-    tile_ok = row_ok[:, None] & (cols < n_feat)[None, :]
+    rows, cols, p, row_ok, tile_ok = _tile(n_rows, n_feat, BLOCK_M, BLOCK_E)
     base = p * R * n_rows  # the (p, r = 0) rows of lse and the weights
     m = _row_max(LSE, base, rows, row_ok, n_rows, R)
     total = tl.zeros([BLOCK_M], tl.float32)
     for r in tl.static_range(R):
         lse_r = tl.load(LSE + base + r * n_rows + rows, mask=row_ok, other=float("-inf")).to(tl.float32)
         total += tl.exp(lse_r - m)
-    has_keys = total > 0
-    safe = tl.where(has_keys, total, 1.0)
-    tl.store(LSE_OUT + p * n_rows + rows, tl.where(has_keys, m + tl.log(safe), float("-inf")), mask=row_ok)
+    safe, lse = _normaliser(m, total)
+    tl.store(LSE_OUT + p * n_rows + rows, lse, mask=row_ok)
     acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     for r in tl.static_range(R):
         lse_r = tl.load(LSE + base + r * n_rows + rows, mask=row_ok, other=float("-inf")).to(tl.float32)
@@ -70,11 +91,7 @@ def _merge_rounds_fwd(OUT, LSE, MERGED, LSE_OUT, WEIGHT, n_rows, n_feat,
 @triton.jit
 def _merge_rounds_bwd(G_OUT, G_LSE, OUT, WEIGHT, G_OUT_R, G_LSE_R, n_rows, n_feat,
                       HAS_G_LSE: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_E)
-    p = tl.program_id(1).to(tl.int64)
-    row_ok = rows < n_rows
-    tile_ok = row_ok[:, None] & (cols < n_feat)[None, :]
+    rows, cols, p, row_ok, tile_ok = _tile(n_rows, n_feat, BLOCK_M, BLOCK_E)
     base = p * R * n_rows
     g = tl.load(G_OUT + (p * n_rows + rows[:, None]) * n_feat + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     g_lse = tl.zeros([BLOCK_M], tl.float32)
@@ -103,32 +120,23 @@ def _merge_below_fwd(OUT_A, LSE_A, OUT_B, LSE_B, OUT, LSE_OUT, ALPHA, BETA, n_sl
     diagonal halves (rows :B the first, B: the second), out_b [B, H, h, E] the off-diagonal block. The joined out
     [B, H, 2h, E]: its first h rows are the first halves (program axis 2 = 0: a copy), its last h the second halves
     merged with out_b (axis 2 = 1). `n_slices` = B * H, `n_rows` = h."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_E)
-    p = tl.program_id(1).to(tl.int64)
-    second = tl.program_id(2)
-    row_ok = rows < n_rows
-    tile_ok = row_ok[:, None] & (cols < n_feat)[None, :]
-    a_rows = (p + second * n_slices) * n_rows + rows  # rows of out_a's slice p of the half
-    out_rows = (p * 2 + second) * n_rows + rows
+    rows, cols, p, row_ok, tile_ok = _tile(n_rows, n_feat, BLOCK_M, BLOCK_E)
+    second, a_rows, b_rows, out_rows = _below_rows(p, rows, n_slices, n_rows)
     lse_a = tl.load(LSE_A + a_rows, mask=row_ok, other=float("-inf")).to(tl.float32)
     part_a = tl.load(OUT_A + a_rows[:, None] * n_feat + cols[None, :], mask=tile_ok, other=0.0)
     if second == 0:
         tl.store(OUT + out_rows[:, None] * n_feat + cols[None, :], part_a, mask=tile_ok)
         tl.store(LSE_OUT + out_rows, lse_a, mask=row_ok)
     else:
-        b_rows = p * n_rows + rows
         lse_b = tl.load(LSE_B + b_rows, mask=row_ok, other=float("-inf")).to(tl.float32)
         m = tl.maximum(lse_a, lse_b)
         m = tl.where(m == float("-inf"), 0.0, m)
         w_a, w_b = tl.exp(lse_a - m), tl.exp(lse_b - m)
-        total = w_a + w_b
-        has_keys = total > 0
-        safe = tl.where(has_keys, total, 1.0)
+        safe, lse = _normaliser(m, w_a + w_b)
         alpha, beta = w_a / safe, w_b / safe
         tl.store(ALPHA + b_rows, alpha, mask=row_ok)
         tl.store(BETA + b_rows, beta, mask=row_ok)
-        tl.store(LSE_OUT + out_rows, tl.where(has_keys, m + tl.log(safe), float("-inf")), mask=row_ok)
+        tl.store(LSE_OUT + out_rows, lse, mask=row_ok)
         part_b = tl.load(OUT_B + b_rows[:, None] * n_feat + cols[None, :], mask=tile_ok, other=0.0)
         merged = part_a.to(tl.float32) * alpha[:, None] + part_b.to(tl.float32) * beta[:, None]
         tl.store(OUT + out_rows[:, None] * n_feat + cols[None, :], merged.to(OUT.dtype.element_ty), mask=tile_ok)
@@ -140,14 +148,8 @@ def _merge_below_bwd(G_OUT, G_LSE, OUT_A, OUT_B, ALPHA, BETA, G_OUT_A, G_LSE_A, 
                      BLOCK_E: tl.constexpr):
     """The backward of `_merge_below_fwd`: the first halves take the joined gradient's first h rows as they are;
     the second halves and out_b the closed form of `_MergeLseMany` with two parts."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_E)
-    p = tl.program_id(1).to(tl.int64)
-    second = tl.program_id(2)
-    row_ok = rows < n_rows
-    tile_ok = row_ok[:, None] & (cols < n_feat)[None, :]
-    a_rows = (p + second * n_slices) * n_rows + rows
-    out_rows = (p * 2 + second) * n_rows + rows
+    rows, cols, p, row_ok, tile_ok = _tile(n_rows, n_feat, BLOCK_M, BLOCK_E)
+    second, a_rows, b_rows, out_rows = _below_rows(p, rows, n_slices, n_rows)
     g = tl.load(G_OUT + out_rows[:, None] * n_feat + cols[None, :], mask=tile_ok, other=0.0)
     g_lse = tl.zeros([BLOCK_M], tl.float32)
     if HAS_G_LSE:
@@ -156,7 +158,6 @@ def _merge_below_bwd(G_OUT, G_LSE, OUT_A, OUT_B, ALPHA, BETA, G_OUT_A, G_LSE_A, 
         tl.store(G_OUT_A + a_rows[:, None] * n_feat + cols[None, :], g.to(G_OUT_A.dtype.element_ty), mask=tile_ok)
         tl.store(G_LSE_A + a_rows, g_lse, mask=row_ok)
     else:
-        b_rows = p * n_rows + rows
         alpha = tl.load(ALPHA + b_rows, mask=row_ok, other=0.0)
         beta = tl.load(BETA + b_rows, mask=row_ok, other=0.0)
         g32 = g.to(tl.float32)
