@@ -48,6 +48,15 @@ def _chunk_bounds(chunk_id, chunk, seq_len):
 
 
 @triton.jit
+def _looks_of(n_look, tok):
+    """`n_look`, or 0 when no row of the program's block holds a token (all -1): it has nothing to load, compute or
+    store. LSH's causal layout on the kernels is sized for the worst case of the hashes, so that no length is read
+    back from the device (models/attention/lsh.py `bucket_aligned_slots`): its last chunks are filler rows only, and
+    their programs end here at the cost of one index load."""
+    return tl.where(tl.max(tok) < 0, 0, n_look)
+
+
+@triton.jit
 def _row_tokens(tok_ptr, rows, row_hi, INDEXED: tl.constexpr):
     """Token of each layout row (int64); -1 for rows past the chunk's end and for filler rows."""
     if INDEXED:
@@ -153,6 +162,7 @@ def _chunked_fwd(
     n_look_c = n_look
     if not WRAP:
         n_look_c = tl.minimum(n_look - 1, c) + 1  # chunk c has only c chunks before it
+    n_look_c = _looks_of(n_look_c, q_tok)
     for look in range(0, n_look_c):
         kc = c - look
         if WRAP:
@@ -216,6 +226,7 @@ def _chunked_bwd_dkdv(
     n_look_k = n_look
     if not WRAP:
         n_look_k = tl.minimum(n_look - 1, n_chunks - 1 - kc) + 1  # no chunk after the last one
+    n_look_k = _looks_of(n_look_k, k_tok)
     for look in range(0, n_look_k):
         qc = kc + look
         if WRAP:
@@ -283,6 +294,7 @@ def _chunked_bwd_dq(
     n_look_c = n_look
     if not WRAP:
         n_look_c = tl.minimum(n_look - 1, c) + 1
+    n_look_c = _looks_of(n_look_c, q_tok)
     for look in range(0, n_look_c):
         kc = c - look
         if WRAP:

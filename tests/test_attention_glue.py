@@ -97,3 +97,34 @@ def test_benchmark_row_of_a_small_layer() -> None:
                               "merge_rounds_bwd:1 merge_rounds_fwd:1")
     assert row["kernel_launches"] == 7
     assert 0 < row["peak_mib"] and 0 < row["glue_mib"] and row["glue_launches"] > 0
+
+
+def _layer_on_fake_tensors(kind: str, causal: bool, stood_in: bool) -> None:
+    """Forward + backward of a toy layer of the GPU suite's long_attention (speed.DRY_LONG_MODEL) on fake tensors,
+    with the Triton kernels stood in for (`stood_in`: the path a GPU takes) or on PyTorch's path."""
+    from benchmarks.gpu.speed import DRY_LONG_MODEL
+    from benchmarks.methods.attention_scaling import Settings, Variant, build_layer
+
+    n, d_model, heads = 64, DRY_LONG_MODEL["d_model"], DRY_LONG_MODEL["heads"]
+    settings = Settings(lengths=(n,), d_model=d_model, heads=heads)
+    with FakeTensorMode():
+        layer, _ = build_layer(Variant(kind, kind, DRY_LONG_MODEL["knobs"][kind]), n, settings)
+        x_BTD = torch.randn(1, n, d_model, requires_grad=True)
+        with stand_in_kernels() if stood_in else torch.device("cpu"):
+            layer.train()(x_BTD, causal=causal).sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["lsh", "hyper"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_the_layers_on_the_kernels_read_nothing_back_from_the_device(kind: str, causal: bool) -> None:
+    """On the kernels' path (a GPU's), the lsh and hyper layers' forward and backward read no value back from the
+    device and make no tensor whose shape depends on values: each would be a wait for the device in the middle of
+    the layer and would make the layer impossible to capture in a CUDA graph (benchmarks/gpu/speed.py GRAPHED).
+    Fake tensors have no values, so either raises here. PyTorch's path for causal LSH sizes its layout from the
+    hashes (one read: cheap on a CPU), which shows that the check sees such a read."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    _layer_on_fake_tensors(kind, causal, stood_in=True)
+    if kind == "lsh" and causal:
+        with pytest.raises(DataDependentOutputException):
+            _layer_on_fake_tensors(kind, causal, stood_in=False)

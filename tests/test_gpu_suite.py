@@ -130,11 +130,14 @@ def test_dry_run_csvs_have_their_columns_and_rows(dry_run):
     expected = {(impl, str(causal)) for causal in (False, True) for impl in gpu_speed.long_impls(causal)}
     assert {(row["impl"], row["causal"]) for row in long} == expected
     assert len(long) == len(expected) * len(gpu_speed.DRY_LONG_LENGTHS)
-    assert {row["status"] for row in long if row["impl"] not in gpu_speed.LONG_BASELINES} == {"ok"}
+    graphed = {kind + gpu_speed.GRAPHED for kind in gpu_speed.GRAPHED_KINDS}
+    assert {row["status"] for row in long if row["impl"] not in {*gpu_speed.LONG_BASELINES, *graphed}} == {"ok"}
     assert all(row["status"].startswith("unavailable: ") for row in long if row["impl"] in gpu_speed.LONG_BASELINES)
+    assert {row["status"] for row in long if row["impl"] in graphed} == {"unavailable: CUDA graphs need a CUDA GPU"}
 
     # The layers read nothing back from the device (each read waits for it: the host can no longer queue ahead)
-    # but LSH's causal layout length; the profile counts the reads on any device, so these are a GPU run's too.
+    # but LSH's causal layout length on PyTorch's path, the CPU's (on the kernels' path, a GPU's, it takes its
+    # bound: tests/test_attention_glue.py checks that path on fake tensors).
     profiled = tables["attention_profile"]
     assert {(row["impl"], row["causal"]) for row in profiled} == {
         *((kind, str(causal)) for kind in gpu_profile.PROFILE_KINDS for causal in (False, True)),

@@ -15,7 +15,7 @@ For the mha, lsh and hyper layers of long_attention (speed.long_calls: the same 
   `.tolist()`), each a wait for the device at that point. Counted on any device, so a dry run counts them too;
 - `top_kernels`: the `TOP_KERNELS` kernels (or, on a CPU, ops) with the most own time, `name:ms:calls`;
 - `graphs`, `graph_breaks` (the `+inductor` layers, `COMPILED_KINDS`, at the shorter length): what dynamo captured
-  of the layer in its first call.
+  of the layer in its first call; the `+graphs` layers (`GRAPHED_KINDS`, same length) are replayed from CUDA graphs.
 A dry run profiles the toy layers on the CPU (the Triton kernels under the interpreter): its times are not results,
 its `host_reads` are the GPU run's.
 """
@@ -28,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu.common import PartResult, SuiteContext, release_memory, row_status, status_of_rows
-from benchmarks.gpu.speed import COMPILED, DRY_LONG_LENGTHS, long_calls
+from benchmarks.gpu.speed import COMPILED, DRY_LONG_LENGTHS, GRAPHED, long_calls
 from benchmarks.harness import Row, synchronize
 
 PROFILE_KINDS = ("mha", "lsh", "hyper")
@@ -40,6 +40,9 @@ takes the host's side out of the layers' time there (each case compiles for its 
 compiles causal lsh only (the layer with a host read, hence graph breaks) with dynamo's eager backend: the plumbing
 checked in the fast tier's time."""
 DRY_COMPILED_KINDS = ("lsh" + COMPILED,)
+GRAPHED_KINDS = tuple(kind + GRAPHED for kind in PROFILE_KINDS)
+"""The same layers replayed from CUDA graphs (speed.GRAPHED), at the shorter length on a GPU: host_ms near zero and
+total_ms the device's alone if the capture holds the whole layer (a dry run has no CUDA graphs)."""
 TOP_KERNELS = 8
 HOST_READ = "aten::_local_scalar_dense"
 
@@ -48,7 +51,7 @@ def profile_cases(ctx: SuiteContext) -> list[tuple[int, bool, str]]:
     """(n, causal, kind) of every case, shortest first."""
     lengths = DRY_LONG_LENGTHS if ctx.dry_run else PROFILE_LENGTHS
     cases = [(n, causal, kind) for n in lengths for causal in (False, True)
-             for kind in PROFILE_KINDS + (COMPILED_KINDS if n == lengths[0] and not ctx.dry_run else ())]
+             for kind in PROFILE_KINDS + (COMPILED_KINDS + GRAPHED_KINDS if n == lengths[0] and not ctx.dry_run else ())]
     return cases + [(lengths[0], True, kind) for kind in DRY_COMPILED_KINDS if ctx.dry_run]
 
 

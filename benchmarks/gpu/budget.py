@@ -100,13 +100,16 @@ H200_COSTS = {
     "flash_vs_sdpa": Cost(44.4, 14.3),
     # 90.8 s for the 11 cases n = 4k ... 128k non-causal, and 136.6 s for 64k and 128k both ways plus 256k stopped
     # in its second row (a second call): about 200 s for all 13, 15.4 s a case (larger n cost more: the planner
-    # keeps the shortest, so its estimate of a shrunk part errs long).
-    "long_attention": Cost(0.0, 15.4),
+    # keeps the shortest, so its estimate of a shrunk part errs long). Since then each case also times the three
+    # `+graphs` layers (speed.GRAPHED_KINDS; 13 rows a case instead of 10, each a capture after 3 warm-up calls),
+    # not yet run on a GPU: 15.4 x 13 / 10, an estimate.
+    "long_attention": Cost(0.0, 20.0),
     "train_step": Cost(0.0, 16.8),  # 3 variants in 50.3 s
     "sweep": Cost(0.0, 122.4),  # one case (2 trials)
-    # The second window: 12 cases in 49.8 s (4.2 s a case). The 6 `+inductor` cases since then are not yet run on
-    # a GPU; guessed at 30 s each (inductor compiles a layer's forward and backward): (12 x 4.2 + 6 x 30) / 18.
-    "attention_profile": Cost(0.0, 12.8),
+    # The second window: 12 cases in 49.8 s (4.2 s a case). The 6 `+inductor` and 6 `+graphs` cases since then
+    # are not yet run on a GPU; guessed at 30 s each (inductor compiles a layer's forward and backward) and at the
+    # plain cases' 4.2 s plus 1 s of capture: (12 x 4.2 + 6 x 30 + 6 x 5.2) / 24.
+    "attention_profile": Cost(0.0, 10.9),
 }
 """Seconds on one NVIDIA H200 (results/nvidia-h200/README.md and console.txt)."""
 GPU_COSTS = H200_COSTS

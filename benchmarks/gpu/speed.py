@@ -75,6 +75,37 @@ COMPILED = "+inductor"
 """A layer name ending so (`lsh+inductor`) is that layer under `torch.compile` (inductor on a GPU, as the training
 core's `run.compile`; dynamo's eager backend in a dry run, which checks the plumbing, not the speed): whether
 fusing the glue's elementwise ops and cutting its launches is what the methods' short lengths lack."""
+GRAPHED = "+graphs"
+"""A layer name ending so (`lsh+graphs`) is that layer with its forward and its backward each replayed from one CUDA
+graph (`torch.cuda.make_graphed_callables`, after its warm-up calls): the same kernels with the host's Python,
+dispatch and launches taken out, which set the lsh and hyper layers' time up to 16k on the second H200 window
+(attention_profile: about 50 us of host per launch). The layers can be captured because on the kernels they read
+nothing back from the device (tests/test_attention_glue.py). On a CPU the row is `unavailable`."""
+GRAPHED_KINDS = ("lsh", "lsh-r4", "hyper")
+"""The layers long_attention also times as CUDA graphs: the methods whose launches outnumber the exact layer's."""
+
+
+def graphs_unavailable(device: torch.device) -> str | None:
+    return None if device.type == "cuda" else "CUDA graphs need a CUDA GPU"
+
+
+class FixedCausal(torch.nn.Module):
+    """`layer(x, causal=causal)` as a module of one tensor: what `make_graphed_callables` captures (a module, so that
+    the backward graph computes its parameters' gradients too, as a training step's backward does)."""
+
+    def __init__(self, layer: torch.nn.Module, causal: bool) -> None:
+        super().__init__()
+        self.layer, self.causal = layer, causal
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.layer(x_BTD, causal=self.causal)
+
+
+def graphed_layer(layer: torch.nn.Module, x_BTD: torch.Tensor, causal: bool) -> torch.nn.Module:
+    """The layer's forward and backward captured in CUDA graphs (warm-up calls first: autotuning and Triton's
+    compiles happen there, never in the capture); called as `module(x)` from then on."""
+    sample_BTD = x_BTD.detach().requires_grad_(True)
+    return torch.cuda.make_graphed_callables(FixedCausal(layer, causal), (sample_BTD,), allow_unused_input=True)
 
 
 def triton_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -194,7 +225,7 @@ def long_calls(impl: str, n: int, causal: bool, ctx: SuiteContext) -> Callable[[
 
         return fwd_and_fwd_bwd(chunked, [q, k, v])[1]
     settings = Settings(lengths=(n,), d_model=d_model, heads=heads, batch=1, dtype=DTYPE)
-    name = impl.removesuffix(COMPILED)
+    name = impl.removesuffix(COMPILED).removesuffix(GRAPHED)
     layer, shared_state = build_layer(Variant(name, LAYER_KIND_OF.get(name, name), model["knobs"].get(name, {})), n,
                                       settings)
     layer = layer.to(device=ctx.device, dtype=DTYPE).train()
@@ -205,6 +236,8 @@ def long_calls(impl: str, n: int, causal: bool, ctx: SuiteContext) -> Callable[[
         # layer and shape would reach dynamo's recompile limit and fall back to eager unannounced.
         torch._dynamo.reset()
         layer = torch.compile(layer, backend="inductor" if ctx.device.type == "cuda" else "eager")
+    if impl.endswith(GRAPHED):
+        return fwd_and_fwd_bwd(graphed_layer(layer, x_BTD, causal), [x_BTD])[1]
 
     def apply(x_BTD: torch.Tensor) -> torch.Tensor:
         return layer(x_BTD, causal=causal)
@@ -218,7 +251,8 @@ LONG_BASELINES = ("sdpa-cudnn", "flex", "fa3")
 
 def long_impls(causal: bool) -> list[str]:
     """Linformer compresses the keys of the whole sequence: it has no causal form (its mechanism says so)."""
-    return ["sdpa", *LONG_BASELINES, "chunked", *(kind for kind in LAYER_KINDS if not (causal and kind == "linformer"))]
+    return ["sdpa", *LONG_BASELINES, "chunked", *(kind for kind in LAYER_KINDS if not (causal and kind == "linformer")),
+            *(kind + GRAPHED for kind in GRAPHED_KINDS)]
 
 
 def long_cases(ctx: SuiteContext) -> list[tuple[int, bool]]:
@@ -244,8 +278,9 @@ def run_long(ctx: SuiteContext) -> PartResult:
                 rows.append({**row, "status": f"skipped: {stopped[impl, causal]}"})
                 ctx.record(rows[-1:])
                 continue
-            missing = (unavailable(impl, ctx.device) or backward_unavailable(impl, ctx.device)) if impl in BASELINES else None
-            if missing:  # a baseline that cannot run here (baselines.py): recorded, not an error
+            missing = ((unavailable(impl, ctx.device) or backward_unavailable(impl, ctx.device)) if impl in BASELINES
+                       else graphs_unavailable(ctx.device) if impl.endswith(GRAPHED) else None)
+            if missing:  # a baseline (baselines.py) or CUDA graphs that cannot run here: recorded, not an error
                 rows.append({**row, "status": f"unavailable: {missing}"})
                 ctx.record(rows[-1:])
                 line.append(f"{impl} unavailable")

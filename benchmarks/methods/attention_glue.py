@@ -16,8 +16,9 @@ allocate what they allocate on a GPU and each launch is counted instead of run. 
 
 The counter is `GlueCounter`; what it counts as a kernel is everything between the kernels' autograd.Function
 boundaries (kernels/stand_in.py `kernel_region`) and SDPA's fused ops. It counts the ops the CPU dispatches;
-where a GPU run would take another path (SDPA's CPU kernel, LSH's layout sized for the worst case because fake
-tensors have no values: models.attention.lsh.bounded_layout) the docstring of `run_case` says so.
+where a GPU run would take another path (SDPA's CPU kernel) the docstring of `run_case` says so. Fake tensors have
+no values, so a layer that reads one back from the device (a host sync) fails here, as it would fail a CUDA graph's
+capture.
 
     python -m benchmarks.methods.attention_glue --label before        # rows of this code version, into the CSV
     python -m benchmarks.methods.attention_glue --label after --kinds lsh lsh-r4 --max-n 65536
@@ -116,12 +117,11 @@ def run_case(label: str, n: int, causal: bool) -> Row:
 
     Differences from a GPU run, all in the glue's favour or neutral: SDPA runs its CPU kernel
     (`_scaled_dot_product_flash_attention_for_cpu`, whose buffers are those of the GPU's flash backend: out and
-    an fp32 lse); LSH's causal (past-only) layout takes its bound for any hash distribution (about 3n rows where
-    random keys give about 2n: models.attention.lsh.bounded_layout), since fake tensors have no values to size it.
+    an fp32 lse). LSH's causal (past-only) layout takes its bound for any hash distribution (about 3n rows where
+    random keys give about 2n) as on a GPU: on the kernels' path no length is read back (models/attention/lsh.py).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from models.attention.lsh import bounded_layout
     from orchestrator.spec.counting import peak_tracker
 
     kind, knobs = LAYERS[label]
@@ -142,7 +142,7 @@ def run_case(label: str, n: int, causal: bool) -> Row:
         tracker = peak_tracker()
         tracker.track_external(layer, shared_state, x_BTD, grad_BTD)
         counter = GlueCounter()
-        with tracker, counter, stand_in_kernels() as log, bounded_layout():
+        with tracker, counter, stand_in_kernels() as log:
             layer(x_BTD, causal=causal).backward(grad_BTD)
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
     triton_launches = sum(log.launches.values())

@@ -168,10 +168,10 @@ def angular_argmax(
     return torch.where(top_BHRT >= -low_BHRT, top_idx_BHRT, low_idx_BHRT + half_B111)
 
 
-def round_merge(x_BHTE: torch.Tensor):
+def round_merge(fused: bool):
     """The merge of the rounds by their lse: one Triton kernel each way where the layer's attention runs on the
-    kernels (kernels/merge_rounds.py: about 30 launches fewer a layer), else `merge_lse_many` in PyTorch."""
-    return merge_rounds if fused_kernels(x_BHTE) else merge_lse_many
+    kernels (`fused`; kernels/merge_rounds.py: about 30 launches fewer a layer), else `merge_lse_many` in PyTorch."""
+    return merge_rounds if fused else merge_lse_many
 
 
 class LSHMechanism(nn.Module):
@@ -213,7 +213,8 @@ class LSHMechanism(nn.Module):
         rot_REN = torch.stack(self._rotation_columns[:n_half], dim=-1).to(device)
         return rot_REN.expand(heads, *rot_REN.shape)
 
-    def buckets(self, k_BHTE: torch.Tensor, key_padding_mask_BT: torch.Tensor | None) -> torch.Tensor:
+    def buckets(self, k_BHTE: torch.Tensor, key_padding_mask_BT: torch.Tensor | None,
+                fused: bool | None = None) -> torch.Tensor:
         """Bucket ids [B, H, R, T]; padded tokens get an id after every real bucket so they sort last.
 
         Without a fixed n_buckets each row gets 2 * (its real length) / bucket_size buckets. The projections
@@ -235,7 +236,8 @@ class LSHMechanism(nn.Module):
             n_half = max(halves)
             uniform = min(halves) == n_half
         rot_HREN = self.rotations(H, n_half, k_BHTE.device).to(k_BHTE.dtype)
-        if fused_kernels(k_BHTE):  # the projections never written (kernels/k_lsh_hash.py)
+        fused = fused_kernels(k_BHTE) if fused is None else fused  # the caller's choice, when it made it
+        if fused:  # the projections never written (kernels/k_lsh_hash.py)
             bucket_BHRT = angular_hash(k_BHTE, rot_HREN, half_B)
         else:
             bucket_BHRT = self._hash_in_slices(k_BHTE, rot_HREN, half_B, n_half, uniform)
@@ -270,7 +272,8 @@ class LSHMechanism(nn.Module):
         past_only = causal and self.causal_routing == "past_only"
         if causal and not past_only:
             warnings.warn(PAPER_ROUTING_LEAK, UserWarning, stacklevel=2)
-        bucket_BHRT = self.buckets(k_BHSE.detach(), key_padding_mask_BS)
+        fused = fused_kernels(q_BHTE)  # the hash, the chunks and the merge on the Triton kernels
+        bucket_BHRT = self.buckets(k_BHSE.detach(), key_padding_mask_BS, fused=fused)
         pos_T = torch.arange(T, device=q_BHTE.device)
         # Sort by (bucket, position): one int64 key, stable because positions are distinct.
         order_BHRT = torch.argsort(bucket_BHRT * T + pos_T, dim=-1)
@@ -278,7 +281,10 @@ class LSHMechanism(nn.Module):
         # filler row). They load q, k, v through it and write each round's out and lse at the tokens' places, so no
         # sorted copy of q, k, v, out or their gradients exists.
         if past_only:
-            slot_BHRT, L = self.bucket_aligned_slots(bucket_BHRT, order_BHRT)
+            # On the kernels the layout takes its bound: no length read back from the device, so nothing in the
+            # layer's forward or backward waits for it (a CUDA graph can hold the whole layer); the chunks past
+            # the real layout are filler rows only, whose programs the kernels end at once.
+            slot_BHRT, L = self.bucket_aligned_slots(bucket_BHRT, order_BHRT, bounded=fused)
             # Shifting positions by -bucket * T makes the causal test (key <= query) also drop the keys of the
             # lower bucket that may fill the previous chunk; inside a bucket it is the plain causal test.
             positions_BHRT = pos_T - bucket_BHRT * T
@@ -294,14 +300,16 @@ class LSHMechanism(nn.Module):
             self_mask=self.self_mask, key_padding_mask=key_padding_mask_BS, wrap=False,
             dropout_p=self.dropout if self.training else 0.0, scale=self.scale, token_of_row=token_BHRL,
         )
-        out_BHTE, _ = round_merge(q_BHTE)(out_BHRTE, lse_BHRT, dim=2)
+        out_BHTE, _ = round_merge(fused)(out_BHRTE, lse_BHRT, dim=2)
         return out_BHTE
 
-    def bucket_aligned_slots(self, bucket_BHRT: torch.Tensor, order_BHRT: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def bucket_aligned_slots(self, bucket_BHRT: torch.Tensor, order_BHRT: torch.Tensor,
+                             bounded: bool = False) -> tuple[torch.Tensor, int]:
         """Row of each token [B, H, R, T] in the (bucket, position) order with every bucket's run starting a new
-        chunk, and the layout's length L (the longest over rows, heads and rounds; one host sync)."""
+        chunk, and the layout's length L: the longest over rows, heads and rounds (one host sync), or, `bounded`
+        (or inside `bounded_layout`), `layout_length_bound`'s for any hashes."""
         C, T = self.bucket_size, bucket_BHRT.shape[-1]
-        bounded = _BOUNDED_LAYOUT.get()
+        bounded = bounded or _BOUNDED_LAYOUT.get()
         # Ids run below 2 * n_half, padding's is 2 * n_half (`buckets`), and no row's n_half exceeds the bound: the
         # counts take the bound's columns, those of ids no token has staying zero (no chunk, no row), so the count
         # needs no host sync (reading the largest id was one, besides L's below).
