@@ -121,7 +121,8 @@ def test_the_layers_on_the_kernels_read_nothing_back_from_the_device(kind: str, 
     device and make no tensor whose shape depends on values: each would be a wait for the device in the middle of
     the layer and would make the layer impossible to capture in a CUDA graph (benchmarks/gpu/speed.py GRAPHED).
     Fake tensors have no values, so either raises here. PyTorch's path for causal LSH sizes its layout from the
-    hashes (one read: cheap on a CPU), which shows that the check sees such a read."""
+    hashes (one read: cheap on a CPU), which shows that the check sees such a read. Unpadded inputs, as the GPU
+    suite's: a padded batch still reads each row's real length (lsh's bucket counts, hyper's longest row)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     _layer_on_fake_tensors(kind, causal, stood_in=True)
