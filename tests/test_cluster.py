@@ -78,16 +78,17 @@ def test_node_local_storage_is_refused_on_a_multi_node_cluster(tmp_path, cluster
     assert runs_of(server.uri, "local-storage") == []  # refused before the sweep's parent run: nothing to clean up
 
 def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server, s3):
-    """3 trials on 3 nodes (drivers on the head, one Train worker each on the 2 worker nodes), checkpoints in an
-    S3 bucket; once every trial has a checkpoint there, the worker node holding a Train worker is removed (all
-    its processes SIGKILLed, as a machine lost without notice) and a replacement joins. The lost trials' Train
-    runs restart from their last checkpoint in the bucket on the other nodes under their living drivers: the
-    sweep ends with 1 parent + 3 children, all FINISHED, each child holding one point per metric at every step
-    (none missing, none logged twice)."""
+    """2 trials on 3 nodes (drivers on the head, one Train worker each on the 2 worker nodes), checkpoints in an
+    S3 bucket; once every trial has a checkpoint there, the worker node holding the most Train workers is removed
+    (all its processes SIGKILLed, as a machine lost without notice) and a replacement joins. The lost trials'
+    Train runs restart from their last checkpoint in the bucket on the other nodes under their living drivers:
+    the sweep ends with 1 parent + 2 children, all FINISHED, each child holding one point per metric at every
+    step (none missing, none logged twice). (A third trial, run until 2026-11-28, trained the same path once
+    more: a Train run's worth of CI time.)"""
     cluster, workers = cluster
     s3_server, root = s3
     steps = 32  # room after the first checkpoints for the node loss to land mid-run
-    spec = write_spec(tmp_path, "node-loss", server.uri, optim={"lr": {"grid": [3e-3, 2e-3, 1e-3]}, "max_steps": steps},
+    spec = write_spec(tmp_path, "node-loss", server.uri, optim={"lr": {"grid": [3e-3, 1e-3]}, "max_steps": steps},
                       run={"storage_path": f"{root}/runs"})
     proc = orchestrator(tmp_path, "sweep", str(spec), env={**joined(cluster), **s3_server.env})
     bucket, prefix = root.removeprefix("s3://").split("/", 1)
@@ -98,7 +99,7 @@ def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server, s3):
             parts = key.split("/")
             if len(parts) > 2 and parts[-1] == "state.pt":
                 steps_of[parts[-3]].add(int(parts[-2].removeprefix("checkpoint_")))
-        return len(steps_of) == 3 and all(max(s) >= CHECKPOINT_EVERY for s in steps_of.values())
+        return len(steps_of) == 2 and all(max(s) >= CHECKPOINT_EVERY for s in steps_of.values())
 
     wait_for(all_checkpointed, 400, "a checkpoint of every trial", proc)
     hosting = {w["node_id"]: [pid for pid, cmd in descendants(w["raylet_pid"]) if cmd.startswith(TRAIN_WORKER)]
@@ -110,7 +111,7 @@ def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server, s3):
     print("on the workers:", {w["node_id"][:8]: sorted({c.split(" ")[0] for _, c in descendants(w["raylet_pid"])})
                               for w in workers})
     assert not any(cmd.startswith(TRAIN_WORKER) for cmd in on_head)
-    # Drivers outlive any worker node: they run on the head only. Not "3 of them" at this instant: a trial that
+    # Drivers outlive any worker node: they run on the head only. Not "2 of them" at this instant: a trial that
     # ran ahead may already have ended (seen once on a busy machine: 2 drivers and 1 Train worker left).
     assert any(cmd.startswith(TRIAL_DRIVER) for cmd in on_head), on_head
     assert not any(cmd.startswith(TRIAL_DRIVER) for w in workers for _, cmd in descendants(w["raylet_pid"]))
@@ -119,14 +120,14 @@ def test_sweep_survives_losing_a_worker_node(tmp_path, cluster, server, s3):
     moved = len(hosting[lost["node_id"]])
 
     assert proc.wait(600) == 0, proc.output[-5000:]
-    assert "3 trials: 3 finished, 0 errored, 0 unfinished" in proc.output, proc.output[-3000:]
+    assert "2 trials: 2 finished, 0 errored, 0 unfinished" in proc.output, proc.output[-3000:]
     resumed = [int(s) for s in re.findall(r"resumed from step (\d+)", proc.output)]
     print(f"node loss: {moved} Train worker(s) on the lost node; resumed from steps {resumed}")
     # A trial lost right after its last checkpoint resumes at max_steps and ends at once: still no step lost.
     assert len(resumed) >= moved and all(CHECKPOINT_EVERY <= s <= steps for s in resumed), proc.output[-5000:]
     [parent], kids = children(server.uri, "node-loss")
     assert parent.info.status == "FINISHED"
-    assert len(kids) == 3 and {k.info.status for k in kids} == {"FINISHED"}, [(k.info.run_name, k.info.status) for k in kids]
+    assert len(kids) == 2 and {k.info.status for k in kids} == {"FINISHED"}, [(k.info.run_name, k.info.status) for k in kids]
     for kid in kids:
         assert kid.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert kid.data.tags[CHECKPOINTS_TAG].startswith(f"{root}/runs/node-loss/trials/train-")
