@@ -16,6 +16,7 @@ Dry-run times are there to exercise the code, never to be read as results.
 from __future__ import annotations
 
 import csv
+import gc
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -146,8 +147,11 @@ def row_status(err: BaseException) -> str:
 
 
 def release_memory(device: torch.device) -> None:
-    """Give cached blocks back after a case, so the next (larger) one starts from an empty allocator."""
+    """Give cached blocks back after a case, so the next (larger) one starts from an empty allocator. A collection
+    first: a CUDA-graphed layer (speed.GRAPHED) and its memory pool are held in a reference cycle
+    (`make_graphed_callables` gives the module a forward that refers to the module), which only the collector ends."""
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
 
 
