@@ -3,6 +3,8 @@ of the former one-shot argmax over the concatenation [xR; -xR], ties included.""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -112,3 +114,57 @@ def test_hash_slices_hold_no_more_than_the_keys():
     assert hash_slice_rows(10, 8, 1000) == 1
     for T, E, half in ((131072, 64, 1024), (4096, 64, 32), (300, 8, 150)):
         assert hash_slice_rows(T, E, half) * half <= max(T * E, half)
+
+
+def factorized_by_concatenation(k_BHTE, rot_HREN, factors):
+    """Hugging Face's `LSHSelfAttention._hash_vectors` for a list of n_buckets, written out: the rotated keys' columns
+    cut into consecutive runs of f/2, each factor's argmax over [xR_f; -xR_f], the ids combined as b1 + f1 * b2 +
+    f1 * f2 * b3 ... The oracle of factorized hashing."""
+    xr_BHRTN = torch.einsum("bhte,hren->bhrtn", k_BHTE, rot_HREN)
+    bucket_BHRT, first, stride = torch.zeros(xr_BHRTN.shape[:4], dtype=torch.long), 0, 1
+    for factor in factors:
+        part = xr_BHRTN[..., first:first + factor // 2]
+        bucket_BHRT = bucket_BHRT + stride * torch.cat([part, -part], dim=-1).argmax(-1)
+        first, stride = first + factor // 2, stride * factor
+    return bucket_BHRT
+
+
+@pytest.mark.parametrize("factors", [[4, 6], [2, 4, 6]])
+def test_factorized_buckets_are_the_authors_combination_of_each_factors_argmax(factors):
+    """n_buckets as a list: each factor hashes over its own f/2 rotation columns, in order, and the ids combine with
+    the first factor lowest (trax, Hugging Face); padding takes the id after every bucket, as unfactorized."""
+    mech = LSHMechanism(LSHMechanismConfig(bucket_size=4, n_hashes=2, n_buckets=factors), head_dim=8,
+                        layer_index=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 3, 50, 8, generator=gen)
+    mask = torch.zeros(2, 50, dtype=torch.bool)
+    mask[1, 31:] = True
+    rot = mech.rotations(3, sum(f // 2 for f in factors), k.device)
+    expected = factorized_by_concatenation(k, rot, factors).masked_fill(mask[:, None, None, :], mech.n_buckets)
+    got = mech.buckets(k, mask)
+    assert torch.equal(got, expected)
+    assert mech.n_buckets == math.prod(factors) and int(got[~mask[:, None, None, :].expand_as(got)].max()) < mech.n_buckets
+    # Every bucket id is reachable: with 50 x 2 x 3 x 2 hashes, the factors' products (24, 48) are mostly seen.
+    assert len(torch.unique(got)) > mech.n_buckets // 2
+
+
+def test_a_factorized_layer_is_causal_in_value():
+    """The past-only causal layer with factorized buckets: outputs before a cut do not move when only later inputs
+    change (exactly), and the layer runs both ways."""
+    mech = LSHMechanism(LSHMechanismConfig(bucket_size=4, n_hashes=2, n_buckets=[4, 4]), head_dim=8,
+                        layer_index=0).eval()
+    gen = torch.Generator().manual_seed(1)
+    q, v = torch.randn(1, 2, 40, 8, generator=gen), torch.randn(1, 2, 40, 8, generator=gen)
+    q2, v2 = q.clone(), v.clone()
+    q2[:, :, 25:] = torch.randn(1, 2, 15, 8, generator=gen)
+    v2[:, :, 25:] = torch.randn(1, 2, 15, 8, generator=gen)
+    unit = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731 - shared QK: the keys are the unit queries
+    out, out2 = (mech(a, unit(a), b, causal=True) for a, b in ((q, v), (q2, v2)))
+    assert torch.equal(out[:, :, :25], out2[:, :, :25]) and not torch.equal(out[:, :, 25:], out2[:, :, 25:])
+    assert mech(q, unit(q), v).shape == q.shape
+
+
+@pytest.mark.parametrize("n_buckets", [[4, 5], [], [0, 4]])
+def test_bad_bucket_factors_are_refused_naming_the_field(n_buckets):
+    with pytest.raises(ValueError, match=r"model.attention.n_buckets must be an even number >= 2, or a list"):
+        LSHMechanismConfig(n_buckets=n_buckets)

@@ -16,7 +16,7 @@ import torch
 from kernels import dispatch
 from kernels.lsh_hash import angular_hash
 from models.attention.lsh import LSHMechanism, LSHMechanismConfig, angular_argmax
-from tests.test_lsh_hash import buckets_by_concatenation
+from tests.test_lsh_hash import buckets_by_concatenation, factorized_by_concatenation
 
 pytestmark = needs_triton
 
@@ -59,6 +59,20 @@ def test_the_kernel_gives_the_concatenations_ids_in_the_model(monkeypatch, padde
     assert dispatch.fused_kernels(on_device)
     got = mech.buckets(on_device, None if mask is None else mask.to(DEVICE))
     assert torch.equal(got.cpu(), buckets_by_concatenation(mech, k, mask))
+
+
+def test_factorized_buckets_on_the_kernel_are_the_authors_combination(monkeypatch) -> None:
+    """n_buckets as factors on the kernel: one launch per factor over its slice of the rotation (strided columns),
+    the ids combined as Hugging Face combines them (tests/test_lsh_hash.py's oracle)."""
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+    factors = [6, 36]  # the second factor's 18 columns span two of the interpreter's column tiles
+    mech = LSHMechanism(LSHMechanismConfig(bucket_size=4, n_hashes=2, n_buckets=factors), head_dim=16,
+                        layer_index=0).eval()
+    torch.manual_seed(0)
+    k = torch.randn(1, 2, 37, 16)
+    got = mech.buckets(k.to(DEVICE), None)
+    rot = mech.rotations(2, sum(f // 2 for f in factors), k.device)
+    assert torch.equal(got.cpu(), factorized_by_concatenation(k, rot, factors))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

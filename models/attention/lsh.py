@@ -98,8 +98,11 @@ class LSHMechanismConfig(_MechanismConfig):
     """Chunk length of the sorted sequence; each chunk attends to itself and the previous chunk."""
     n_hashes: int = 4
     """Hash rounds, combined through their log-sum-exp; more rounds approach full attention."""
-    n_buckets: int | None = None
-    """Buckets per round (even); default 2 * seq_len / bucket_size rounded to an even number >= 2."""
+    n_buckets: int | list[int] | None = None
+    """Buckets per round (even); default 2 * seq_len / bucket_size rounded to an even number >= 2. Or a list of even
+    factors [f1, f2, ...]: f1 * f2 * ... buckets hashed with f1/2 + f2/2 + ... rotation columns instead of their
+    product's half (trax's and Hugging Face's factorized hashing; google/reformer-crime-and-punishment hashes
+    524,288 tokens into [64, 128]), the hash's cost no longer growing with the bucket count."""
     seed: int = 0
     """Seed of the fixed rotations (evaluation, and training with rotations=fixed); each layer derives its own."""
     rotations: Literal["redraw", "fixed"] = "redraw"
@@ -118,10 +121,11 @@ class LSHMechanismConfig(_MechanismConfig):
                              "typical values are 32 or 64")
         if self.n_hashes < 1:
             raise ValueError(f"model.attention.n_hashes must be >= 1 (got {self.n_hashes}); the paper uses 1-8")
-        if self.n_buckets is not None and (self.n_buckets < 2 or self.n_buckets % 2):
-            raise ValueError(f"model.attention.n_buckets must be an even number >= 2 (got {self.n_buckets}): "
-                             "angular LSH takes the argmax over [xR; -xR]; leave it unset for "
-                             "2 * seq_len / bucket_size")
+        counts = self.n_buckets if isinstance(self.n_buckets, list) else [self.n_buckets]
+        if self.n_buckets is not None and (not counts or any(n < 2 or n % 2 for n in counts)):
+            raise ValueError(f"model.attention.n_buckets must be an even number >= 2, or a list of them (factors; "
+                             f"got {self.n_buckets}): angular LSH takes the argmax over [xR; -xR]; leave it unset "
+                             "for 2 * seq_len / bucket_size")
         return self
 
 
@@ -182,7 +186,10 @@ class LSHMechanism(nn.Module):
 
     def __init__(self, cfg: LSHMechanismConfig, head_dim: int, layer_index: int, dropout: float = 0.0):
         super().__init__()
-        self.bucket_size, self.n_hashes, self.n_buckets = cfg.bucket_size, cfg.n_hashes, cfg.n_buckets
+        self.bucket_size, self.n_hashes = cfg.bucket_size, cfg.n_hashes
+        # A list of factors hashes each over its own columns (`_factorized_buckets`); n_buckets is their product.
+        self.bucket_factors = tuple(cfg.n_buckets) if isinstance(cfg.n_buckets, list) else None
+        self.n_buckets = math.prod(self.bucket_factors) if self.bucket_factors else cfg.n_buckets
         self.head_dim, self.dropout = head_dim, dropout
         self.redraw, self.causal_routing = cfg.rotations == "redraw", cfg.causal_routing
         # trax/HF: the key is unit-normalised and the logit is q.k with no further scale; None = 1/sqrt(d).
@@ -224,6 +231,12 @@ class LSHMechanism(nn.Module):
         rounds: memory linear in T, the ids those of one argmax over the whole row (`angular_argmax`).
         """
         B, H, T, E = k_BHTE.shape
+        fused = fused_kernels(k_BHTE) if fused is None else fused  # the caller's choice, when it made it
+        if self.bucket_factors:
+            bucket_BHRT = self._factorized_buckets(k_BHTE, fused)
+            if key_padding_mask_BT is not None:
+                bucket_BHRT = bucket_BHRT.masked_fill(key_padding_mask_BT[:, None, None, :], self.n_buckets)
+            return bucket_BHRT
         if self.n_buckets is not None or key_padding_mask_BT is None or _BOUNDED_LAYOUT.get():
             # One count for every row, with no host sync (bounded: as if every row were T tokens long).
             n_half = self.n_half_bound(T)
@@ -236,13 +249,29 @@ class LSHMechanism(nn.Module):
             n_half = max(halves)
             uniform = min(halves) == n_half
         rot_HREN = self.rotations(H, n_half, k_BHTE.device).to(k_BHTE.dtype)
-        fused = fused_kernels(k_BHTE) if fused is None else fused  # the caller's choice, when it made it
         if fused:  # the projections never written (kernels/k_lsh_hash.py)
             bucket_BHRT = angular_hash(k_BHTE, rot_HREN, half_B)
         else:
             bucket_BHRT = self._hash_in_slices(k_BHTE, rot_HREN, half_B, n_half, uniform)
         if key_padding_mask_BT is not None:
             bucket_BHRT = bucket_BHRT.masked_fill(key_padding_mask_BT[:, None, None, :], 2 * n_half)
+        return bucket_BHRT
+
+    def _factorized_buckets(self, k_BHTE: torch.Tensor, fused: bool) -> torch.Tensor:
+        """Bucket ids of factorized hashing (trax `hash_vecs` with a list of n_buckets; Hugging Face
+        `LSHSelfAttention._hash_vectors`): factor i takes the next f_i / 2 rotation columns, its own angular
+        argmax b_i over them, and the id is b_1 + f_1 * b_2 + f_1 * f_2 * b_3 + ..."""
+        B, H, T, E = k_BHTE.shape
+        rot_HREN = self.rotations(H, sum(f // 2 for f in self.bucket_factors), k_BHTE.device).to(k_BHTE.dtype)
+        bucket_BHRT, first_column, stride = None, 0, 1
+        for factor in self.bucket_factors:
+            half = factor // 2
+            rot_factor_HREN = rot_HREN[..., first_column:first_column + half]
+            half_B = torch.full((B,), half, device=k_BHTE.device)
+            ids_BHRT = (angular_hash(k_BHTE, rot_factor_HREN, half_B) if fused
+                        else self._hash_in_slices(k_BHTE, rot_factor_HREN, half_B, half, uniform=True))
+            bucket_BHRT = ids_BHRT if bucket_BHRT is None else bucket_BHRT + stride * ids_BHRT
+            first_column, stride = first_column + half, stride * factor
         return bucket_BHRT
 
     @staticmethod
