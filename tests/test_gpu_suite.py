@@ -5,6 +5,7 @@ row of the summary, the FLOP count of the training step, the peak table, the dry
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -551,3 +552,17 @@ def test_parallel_parity_estimate_counts_rounds_of_cases_not_cases():
     sequential.update("kernel_parity", 3, 60.0)
     assert sequential.seconds("kernel_parity", 33) == 33 * 20.0
     assert table["train_step"] == gpu_budget.H100_COSTS["train_step"]
+
+
+@pytest.mark.parametrize("n, bucket_size, factors", [
+    (32, 8, [2, 4]), (4096, 64, [8, 16]), (131072, 64, [64, 64]), (262144, 64, [64, 128]), (5000, 64, [6, 26]),
+    (192, 64, [6]),  # 6 = 2 x 3: no split into even factors, so the count alone
+])
+def test_the_factorized_lsh_layer_has_the_default_bucket_count_in_even_factors(n, bucket_size, factors):
+    from models.attention.lsh import default_n_buckets
+
+    got = gpu_speed.factorized_buckets(n, bucket_size)
+    assert got == factors
+    assert math.prod(got) == default_n_buckets(n, bucket_size) and all(f % 2 == 0 for f in got)
+    knobs = gpu_speed.layer_knobs("lsh-r4f", n, {"knobs": {"lsh-r4f": {"bucket_size": bucket_size, "n_hashes": 4}}})
+    assert knobs == {"bucket_size": bucket_size, "n_hashes": 4, "n_buckets": factors}

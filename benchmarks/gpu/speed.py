@@ -15,7 +15,7 @@ FlexAttention and FlashAttention 3 where importable; one that cannot run here is
 (`sdpa-cudnn`, `flex`, `fa3`; unavailable ones recorded); the bare sorted-chunk kernel
 (kernels.chunked_attention, chunk 64, one chunk of look-back), as Reformer's LSH attention calls it after its
 sort; and whole attention layers (projections included) of `mha` (SDPA inside), `lsh` (Reformer; buckets of 64,
-2 hash rounds; `lsh-r4` the same with 4), `hyper` (HyperAttention, Han et al., 2023, arXiv 2310.05869, at its defaults: blocks and samples
+2 hash rounds; `lsh-r4` the same with 4, `lsh-r4f` with 4 and factorized hashing), `hyper` (HyperAttention, Han et al., 2023, arXiv 2310.05869, at its defaults: blocks and samples
 of 256, exact below 4096 tokens) and `linformer` (Wang et al., 2020, arXiv 2006.04768, k = 256 shared per head;
 no causal form, so non-causal only). `speedup_vs_sdpa` divides bare SDPA's time by each row's, `speedup_vs_mha`
 the mha layer's: HyperAttention's paper reports 5.4x (causal) and 54x (non-causal) over FlashAttention-2 at
@@ -28,6 +28,7 @@ the Triton kernels under the interpreter.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,7 @@ from benchmarks.harness import Row, add_ratios
 from benchmarks.methods.kernels import attention_flops, format_config, shapes
 from kernels.chunked_attention import chunked_flash_attention
 from kernels.flash_attention import KERNEL_NAMES, flash_attention, tuned_launch_configs
+from models.attention.lsh import default_n_buckets
 
 DTYPE = torch.bfloat16
 FLASH_LENGTHS, DRY_FLASH_LENGTHS = (1024, 2048, 4096, 8192, 16384), (32,)
@@ -60,17 +62,38 @@ NON_CAUSAL_ONLY_LENGTHS = (2**18,)
 part's time for the one row that the non-causal one already gives (whether the methods fit and scale)."""
 LONG_MODEL = {"d_model": 1024, "heads": 16, "chunk": 64,
               "knobs": {"lsh": {"bucket_size": 64, "n_hashes": 2}, "lsh-r4": {"bucket_size": 64, "n_hashes": 4},
+                        "lsh-r4f": {"bucket_size": 64, "n_hashes": 4},
                         "hyper": {}, "linformer": {"k": 256, "sharing": "headwise"}}}
 DRY_LONG_MODEL = {"d_model": 32, "heads": 2, "chunk": 16,
                   "knobs": {"lsh": {"bucket_size": 8, "n_hashes": 2}, "lsh-r4": {"bucket_size": 8, "n_hashes": 4},
+                            "lsh-r4f": {"bucket_size": 8, "n_hashes": 4},
                             "hyper": {"block_size": 8, "sample_size": 8, "min_seq_len": 16},
                             "linformer": {"k": 8, "sharing": "headwise"}}}
 """Toy sizes at which every layer still takes its approximate path (hyper's exact base case is shorter than n)."""
-LAYER_KINDS = ("mha", "lsh", "lsh-r4", "hyper", "linformer")
+LAYER_KINDS = ("mha", "lsh", "lsh-r4", "lsh-r4f", "hyper", "linformer")
 """The layers long_attention times; `lsh-r4` is the lsh layer with 4 hash rounds (Reformer's own setting in its
-speed figures), beside the 2 rounds the first GPU runs timed."""
-LAYER_KIND_OF = {"lsh-r4": "lsh"}
+speed figures), beside the 2 rounds the first GPU runs timed; `lsh-r4f` the same with its bucket count factorized
+(`FACTORIZED`)."""
+LAYER_KIND_OF = {"lsh-r4": "lsh", "lsh-r4f": "lsh"}
 """A layer's attention kind where its name is not one (a kind at other knobs)."""
+FACTORIZED = ("lsh-r4f",)
+"""Layers whose n_buckets is the default count at each n as two factors (`factorized_buckets`; trax's and Hugging
+Face's factorized hashing, docs/long_attention.md): the same number of buckets, the hash's cost growing as n
+instead of n^2, which at 128k is about twice the chunked attention's FLOPs."""
+
+
+def factorized_buckets(n: int, bucket_size: int) -> list[int]:
+    """The default bucket count at n (`default_n_buckets`) as two even factors, the smaller as large as it can be
+    (64 x 64 at 128k and buckets of 64); the count alone when it has no such split (2, or twice an odd number)."""
+    count = default_n_buckets(n, bucket_size)
+    splits = [low for low in range(2, math.isqrt(count) + 1, 2) if count % low == 0 and (count // low) % 2 == 0]
+    return [splits[-1], count // splits[-1]] if splits else [count]
+
+
+def layer_knobs(name: str, n: int, model: dict) -> dict:
+    """The knobs of layer `name` at n tokens: the model's, with the factorized bucket count where it has one."""
+    knobs = model["knobs"].get(name, {})
+    return {**knobs, "n_buckets": factorized_buckets(n, knobs["bucket_size"])} if name in FACTORIZED else knobs
 COMPILED = "+inductor"
 """A layer name ending so (`lsh+inductor`) is that layer under `torch.compile` (inductor on a GPU, as the training
 core's `run.compile`; dynamo's eager backend in a dry run, which checks the plumbing, not the speed): whether
@@ -226,7 +249,7 @@ def long_calls(impl: str, n: int, causal: bool, ctx: SuiteContext) -> Callable[[
         return fwd_and_fwd_bwd(chunked, [q, k, v])[1]
     settings = Settings(lengths=(n,), d_model=d_model, heads=heads, batch=1, dtype=DTYPE)
     name = impl.removesuffix(COMPILED).removesuffix(GRAPHED)
-    layer, shared_state = build_layer(Variant(name, LAYER_KIND_OF.get(name, name), model["knobs"].get(name, {})), n,
+    layer, shared_state = build_layer(Variant(name, LAYER_KIND_OF.get(name, name), layer_knobs(name, n, model)), n,
                                       settings)
     layer = layer.to(device=ctx.device, dtype=DTYPE).train()
     shared_state.to(device=ctx.device, dtype=DTYPE)

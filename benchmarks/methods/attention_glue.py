@@ -40,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.methods.attention_scaling import Settings, Variant, build_layer
-from benchmarks.gpu.speed import LAYER_KINDS, LONG_MODEL
+from benchmarks.gpu.speed import LAYER_KIND_OF, LAYER_KINDS, LONG_MODEL, layer_knobs
 from benchmarks.harness import Row, read_csv, results_dir, write_csv
 from kernels import stand_in
 from kernels.dispatch import stand_in_kernels
@@ -48,11 +48,9 @@ from kernels.dispatch import stand_in_kernels
 DTYPE = torch.bfloat16
 LENGTHS = tuple(2**p for p in range(12, 18)) + (2**18,)
 """4k ... 128k as the GPU suite, and 256k (every case is batch 1)."""
-LAYERS: dict[str, tuple[str, dict]] = {
-    **{kind: (kind, LONG_MODEL["knobs"].get(kind, {})) for kind in LAYER_KINDS},
-    "lsh-r4": ("lsh", {**LONG_MODEL["knobs"]["lsh"], "n_hashes": 4}),
-}
-"""label -> (kind, knobs): the GPU suite's layers, and LSH at the 4 rounds of the issue's bar."""
+LAYERS: dict[str, str] = {label: LAYER_KIND_OF.get(label, label) for label in LAYER_KINDS}
+"""label -> kind: the GPU suite's layers (LSH at 2 and at the 4 rounds of the issue's bar, and at 4 factorized);
+their knobs at each n are speed.layer_knobs'."""
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 """aten ops (by name, any overload) that only allocate: no launch on a GPU, and inside a kernel's Function they are
 the kernel's buffers."""
@@ -124,7 +122,7 @@ def run_case(label: str, n: int, causal: bool) -> Row:
 
     from orchestrator.spec.counting import peak_tracker
 
-    kind, knobs = LAYERS[label]
+    kind, knobs = LAYERS[label], layer_knobs(label, n, LONG_MODEL)
     d_model, heads = LONG_MODEL["d_model"], LONG_MODEL["heads"]
     settings = Settings(lengths=(n,), d_model=d_model, heads=heads, batch=1, dtype=DTYPE)
     default_dtype = torch.get_default_dtype()
@@ -174,7 +172,7 @@ def code_version(repo: Path) -> str:
 def cases(labels: Sequence[str], lengths: Sequence[int]) -> list[tuple[str, int, bool]]:
     """(layer, n, causal), shortest first; linformer has no causal form (its mechanism refuses it)."""
     return [(label, n, causal) for n in lengths for causal in (False, True) for label in labels
-            if not (causal and LAYERS[label][0] == "linformer")]
+            if not (causal and LAYERS[label] == "linformer")]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
