@@ -261,7 +261,7 @@ class LSHMechanism(nn.Module):
         """Bucket ids of factorized hashing (trax `hash_vecs` with a list of n_buckets; Hugging Face
         `LSHSelfAttention._hash_vectors`): factor i takes the next f_i / 2 rotation columns, its own angular
         argmax b_i over them, and the id is b_1 + f_1 * b_2 + f_1 * f_2 * b_3 + ..."""
-        B, H, T, E = k_BHTE.shape
+        B, H = k_BHTE.shape[:2]
         rot_HREN = self.rotations(H, sum(f // 2 for f in self.bucket_factors), k_BHTE.device).to(k_BHTE.dtype)
         bucket_BHRT, first_column, stride = None, 0, 1
         for factor in self.bucket_factors:
