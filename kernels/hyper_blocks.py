@@ -42,13 +42,18 @@ def _kernels() -> ModuleType:
 
 
 class _Layout:
-    """The indices and sizes the four kernels share for one call."""
+    """The indices and sizes the four kernels share for one call. With `segments` S > 1 the key blocks and the
+    samples fall into S equal runs, and a group sees its own run's samples only, weighted by sample_log_weight
+    [B, S] (k_hyper_blocks.py, "Segments")."""
 
-    def __init__(self, q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block, pad_BN, scale):
+    def __init__(self, q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block, pad_BN, scale,
+                 segments: int = 1):
         B, H, M, D = q.shape
         self.heads, self.n_q, self.n_k = H, M, k.shape[2]
         self.block, self.n_groups, self.n_samples = block, group_block.shape[-1], sample_rows.shape[-1]
         self.n_blocks = k_rows.shape[-1] // block
+        self.segments = segments
+        self.seg_blocks, self.seg_samples = self.n_blocks // segments, self.n_samples // segments
         self.block_d = next_power_of_two(D)
         self.cfg = _kernels().launch_config(self.block_d, q.element_size(), block, interpreter_enabled())
         dev = q.device
@@ -62,7 +67,7 @@ class _Layout:
         self.sample_start = (torch.searchsorted(self.sample_rows, (bounds * block).expand(B, H, -1).contiguous())
                              if self.n_samples else torch.zeros(B, H, self.n_blocks + 1, dtype=torch.int64,
                                                                   device=dev))
-        self.log_w = sample_log_weight.to(device=dev, dtype=torch.float32).contiguous()
+        self.log_w = sample_log_weight.to(device=dev, dtype=torch.float32).reshape(B, segments).contiguous()
         self.pad = pad_BN.to(torch.uint8).contiguous() if pad_BN is not None else q_slots
         self.scale = scale
         self.constexprs = dict(
@@ -75,38 +80,50 @@ class _Layout:
     def sizes(self) -> tuple[int, ...]:
         return (self.heads, self.n_q, self.n_k, self.n_groups, self.n_blocks, self.block, self.n_samples)
 
+    @property
+    def segment_sizes(self) -> tuple[int, int, int]:
+        return (self.seg_blocks, self.seg_samples, self.segments)
+
     def query_grid(self, batch_heads: int) -> tuple[tuple[int, int], int]:
         tiles = cdiv(self.block, self.cfg["BLOCK_M"])
         return (self.n_groups * tiles, batch_heads), tiles
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(q, k, v, self)
+        return hyper_forward(q, k, v, self)
 
     def backward(self, q, k, v, out, lse, dout, dlse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward(q, k, v, out, lse, dout, dlse, self)
+        return hyper_backward(q, k, v, out, lse, dout, self, delta=backward_delta(out, dout, dlse))
 
 
-def _forward(q, k, v, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+def hyper_forward(q, k, v, lay: _Layout, merge_into: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """(out, lse) of the blocks + samples; with `merge_into` (out, lse at the query tokens, q's shape) the result is
+    merged into those buffers in place and they are returned."""
     kern = _kernels()
     B, H, M, D = q.shape
-    out = torch.empty_like(q)  # q's strides: a layer's [B, T, H, E] view of it back to [B, T, D] then copies nothing
-    lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
+    if merge_into is None:
+        out = torch.empty_like(q)  # q's strides: a layer's [B, T, H, E] view back to [B, T, D] then copies nothing
+        lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
+    else:
+        out, lse = merge_into
     grid, tiles = lay.query_grid(B * H)
     stand_in.launch("hyper_fwd", lambda: kern._hyper_fwd[grid](
         q, k, v, out, lse, lay.q_slots, lay.k_rows, lay.group_block, lay.sample_rows, lay.log_w, lay.pad,
         *strides(q), *strides(k), *strides(v), *strides(out),
-        *lay.sizes, D, tiles, lay.scale * math.log2(math.e),
-        **lay.constexprs,
+        *lay.sizes, D, tiles, lay.scale * math.log2(math.e), *lay.segment_sizes,
+        MERGE=merge_into is not None, **lay.constexprs,
     ))  # fmt: skip
     return out, lse
 
 
-def _backward(q, k, v, out, lse, dout, dlse, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hyper_backward(q, k, v, out, lse, dout, lay: _Layout, delta: torch.Tensor,
+                   add_to: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """(dq, dk, dv) of the blocks + samples from the final out's lse and delta (backward_delta); with `add_to` the
+    gradients are added to those buffers in place and they are returned."""
     kern = _kernels()
     B, H, M, D = q.shape
-    delta = backward_delta(out, dout, dlse)
+    accumulate = add_to is not None
     # The inputs' strides, so that the gradients of a layer's views of its projections need no copy.
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = add_to if accumulate else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     inputs = (*strides(q), *strides(k), *strides(v), *strides(dout))
     scales = (lay.scale * math.log2(math.e), lay.scale)
     indices = (lay.q_slots, lay.k_rows, lay.group_block)
@@ -114,16 +131,18 @@ def _backward(q, k, v, out, lse, dout, dlse, lay: _Layout) -> tuple[torch.Tensor
     m, block_n = lay.n_samples, lay.cfg["BLOCK_N"]
     dks = dvs = lse  # never read without samples (the block kernel's sample ranges are empty)
     if m:
-        sample_tiles = cdiv(m, block_n)
+        sample_tiles = cdiv(lay.seg_samples, block_n)  # per segment
         # Under the interpreter two splits, so that the tests take the sum over splits.
-        splits = min(lay.n_groups, 2 if interpreter_enabled() else max(1, SAMPLE_PROGRAMS // (B * H * sample_tiles)))
-        groups_per_split = cdiv(lay.n_groups, splits)
-        splits = cdiv(lay.n_groups, groups_per_split)
+        programs = B * H * lay.segments * sample_tiles
+        splits = min(max(1, lay.n_groups // lay.segments),
+                     2 if interpreter_enabled() else max(1, SAMPLE_PROGRAMS // programs))
+        # Every split's rows are written (a split past a segment's last group writes zeros).
         dks_part = torch.empty(splits, B * H, m, lay.block_d, device=q.device, dtype=torch.float32)
         dvs_part = torch.empty_like(dks_part)
-        stand_in.launch("hyper_bwd_samples", lambda: kern._hyper_bwd_samples[(splits * sample_tiles, B * H)](
-            q, k, v, dout, lse, delta, dks_part, dvs_part, *indices, lay.sample_rows, lay.log_w, lay.pad,
-            *inputs, *lay.sizes, D, sample_tiles, groups_per_split, scales[0],
+        grid = (splits * lay.segments * sample_tiles, B * H)
+        stand_in.launch("hyper_bwd_samples", lambda: kern._hyper_bwd_samples[grid](
+            q, k, v, dout, lse, delta, dks_part, dvs_part, *indices, lay.first_group, lay.sample_rows, lay.log_w,
+            lay.pad, *inputs, *lay.sizes, D, sample_tiles, splits, scales[0], *lay.segment_sizes,
             **lay.constexprs,
         ))  # fmt: skip
         dks, dvs = dks_part.sum(0), dvs_part.sum(0)
@@ -131,13 +150,13 @@ def _backward(q, k, v, out, lse, dout, dlse, lay: _Layout) -> tuple[torch.Tensor
     stand_in.launch("hyper_bwd_dkdv", lambda: kern._hyper_bwd_dkdv[(lay.n_blocks * tiles_per_block, B * H)](
         q, k, v, dout, lse, delta, dk, dv, dks, dvs, *indices, lay.first_group, lay.sample_rows, lay.sample_start,
         lay.pad, *inputs, *strides(dk), *strides(dv), *lay.sizes, D, tiles_per_block, *scales,
-        BLOCK_S=lay.cfg["BLOCK_S"], **lay.constexprs,
+        BLOCK_S=lay.cfg["BLOCK_S"], ACCUMULATE=accumulate, **lay.constexprs,
     ))  # fmt: skip
     grid, tiles = lay.query_grid(B * H)
     stand_in.launch("hyper_bwd_dq", lambda: kern._hyper_bwd_dq[grid](
         q, k, v, dout, lse, delta, dq, *indices, lay.sample_rows, lay.log_w, lay.pad,
-        *inputs, *strides(dq), *lay.sizes, D, tiles, *scales,
-        **lay.constexprs,
+        *inputs, *strides(dq), *lay.sizes, D, tiles, *scales, *lay.segment_sizes,
+        ACCUMULATE=accumulate, **lay.constexprs,
     ))  # fmt: skip
     return dq, dk, dv
 

@@ -13,7 +13,14 @@ Layout (int64 indices, all per (batch, head)):
 - GBLOCK [G]: the key block group g attends to (non-causal HyperAttention: g itself; past-only routing of a causal
   off-diagonal block: several consecutive groups share a key block, models/attention/hyper.py `placed`);
 - SROW [m]: the sampled keys as key rows, ascending; a sample in the group's own key block is masked (its key
-  is already in the block part), as is a padded or filler key. LOGW [B]: the samples' log-weight, natural log.
+  is already in the block part), as is a padded or filler key. LOGW [B, S]: the samples' log-weight, natural log.
+- Segments (S >= 1, the levels of the causal recursion laid side by side: models/attention/hyper_levels.py): the key
+  blocks fall into S runs of `seg_blocks` blocks and the samples into S runs of `seg_samples`; a group sees only its
+  own segment's samples, weighted by its segment's LOGW. One segment is the plain layout.
+- MERGE (forward): the result is merged through the log-sum-exp into the out and lse already stored at the query
+  tokens (the causal recursion's earlier parts) instead of overwriting them; ACCUMULATE (backward): dq, dk, dv are
+  added to what the buffers hold. The backward of such a merged softmax takes the final out's lse and delta, with
+  which each part's gradient is its own FlashAttention-2 backward (docs/kernels.md).
 Every query token sits in exactly one slot and every key token in exactly one row, so no two programs store to
 one place. A key's gradient from the samples is summed over every group: the samples kernel writes one fp32
 partial per split of the groups, the host sums the splits (a [m, E] tensor per head) and the block kernel adds
@@ -61,9 +68,9 @@ def _sample_logits(s, q_tok, k_tok, sample_block, key_block, logw2, pad_ptr, HAS
 
 
 @triton.jit
-def _sample_tokens(srow_ptr, ktok_ptr, j, n_samples, block):
-    """(key token, key block) of samples j; -1 for both past the last sample."""
-    srow = tl.load(srow_ptr + j, mask=j < n_samples, other=-1)
+def _sample_tokens(srow_ptr, ktok_ptr, j, j_end, block):
+    """(key token, key block) of samples j; -1 for both from sample j_end on (the segment's end)."""
+    srow = tl.load(srow_ptr + j, mask=j < j_end, other=-1)
     k_tok = tl.load(ktok_ptr + tl.maximum(srow, 0), mask=srow >= 0, other=-1)
     return k_tok, tl.where(srow >= 0, srow // block, -1)
 
@@ -104,16 +111,43 @@ def _query_gradient(q, do, lse2, delta, k, v, s, dq, DOT_PRECISION: tl.constexpr
 
 
 @triton.jit
-def _query_program(GBlock, LogW, n_heads, n_groups, block, tiles_per_group, BLOCK_M: tl.constexpr):
+def _query_program(GBlock, LogW, n_heads, n_groups, block, tiles_per_group, seg_blocks, n_segs,
+                   BLOCK_M: tl.constexpr):
     """What a program of the forward or of dQ owns: (batch, head, their flat index as int64, group, its slots' rows,
-    the key block it reads, the samples' log2 weight)."""
+    the key block it reads, its segment, the samples' log2 weight)."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h, _r = _program(pid_bh, n_heads, 1)
     bh = pid_bh.to(tl.int64)
     g = pid // tiles_per_group
     rows = g * block + (pid % tiles_per_group) * BLOCK_M + tl.arange(0, BLOCK_M)
-    return b, h, bh, g, rows, tl.load(GBlock + bh * n_groups + g), tl.load(LogW + b) * LOG2E
+    kb = tl.load(GBlock + bh * n_groups + g)
+    seg = kb // seg_blocks
+    return b, h, bh, g, rows, kb, seg, tl.load(LogW + b * n_segs + seg) * LOG2E
+
+
+@triton.jit
+def _merge_into(out, lse, Out, Lse, q_tok, offs_d, stride_ot, stride_od, head_dim):
+    """(out, lse) merged through the log-sum-exp with what is stored at the query tokens, as kernels/k_merge_rounds.py
+    `_merge_below_fwd` merges a level's two parts (fp32; a row neither part has keys for keeps zeros, lse -inf)."""
+    lse_prev = tl.load(Lse + tl.maximum(q_tok, 0), mask=q_tok >= 0, other=float("-inf"))
+    out_prev = _load_rows(Out, q_tok, offs_d, stride_ot, stride_od, head_dim).to(tl.float32)
+    m = tl.maximum(lse_prev, lse)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_prev, w_new = tl.exp(lse_prev - m), tl.exp(lse - m)
+    total = w_prev + w_new
+    has_keys = total > 0
+    safe = tl.where(has_keys, total, 1.0)
+    merged = out_prev * (w_prev / safe)[:, None] + out * (w_new / safe)[:, None]
+    return merged, tl.where(has_keys, m + tl.log(safe), float("-inf"))
+
+
+@triton.jit
+def _store_grad(ptr, x, tok, offs_d, stride_t, stride_d, head_dim, ACCUMULATE: tl.constexpr):
+    """Store a gradient tile at the tokens' rows, or add it to what is there (ACCUMULATE)."""
+    if ACCUMULATE:
+        x += _load_rows(ptr, tok, offs_d, stride_t, stride_d, head_dim).to(tl.float32)
+    _store_rows(ptr, x, tok, offs_d, stride_t, stride_d, head_dim)
 
 
 @triton.jit
@@ -124,11 +158,13 @@ def _hyper_fwd(
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_ob, stride_oh, stride_ot, stride_od,
     n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, tiles_per_group, qk_scale,
+    seg_blocks, seg_samples, n_segs,
     HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MERGE: tl.constexpr = False,
 ):  # fmt: skip
-    """One tile of BLOCK_M query slots inside one group: its key block, then the samples."""
-    b, h, bh, g, rows, kb, logw2 = _query_program(GBlock, LogW, n_heads, n_groups, block, tiles_per_group, BLOCK_M)
+    """One tile of BLOCK_M query slots inside one group: its key block, then its segment's samples."""
+    b, h, bh, g, rows, kb, seg, logw2 = _query_program(GBlock, LogW, n_heads, n_groups, block, tiles_per_group,
+                                                       seg_blocks, n_segs, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     ktok_ptr = KTok + bh * n_blocks * block
@@ -146,15 +182,19 @@ def _hyper_fwd(
         k, v = _key_tile(k_ptr, v_ptr, k_tok, offs_d, stride_kt, stride_kd, stride_vt, stride_vd, head_dim)
         s = _block_logits(_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale, q_tok, k_tok, pad_ptr, HAS_KPM)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST)
-    for start_s in range(0, n_samples, BLOCK_N):
-        k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, n_samples, block)
+    s_end = seg * seg_samples + seg_samples
+    for start_s in range(seg * seg_samples, s_end, BLOCK_N):
+        k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, s_end, block)
         k, v = _key_tile(k_ptr, v_ptr, k_tok, offs_d, stride_kt, stride_kd, stride_vt, stride_vd, head_dim)
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
         s = _sample_logits(s, q_tok, k_tok, s_block, kb, logw2, pad_ptr, HAS_KPM)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST)
 
     out, lse = _finish_softmax(m_i, l_i, acc)
-    _store_rows(Out + b * stride_ob + h * stride_oh, out, q_tok, offs_d, stride_ot, stride_od, head_dim)
+    out_ptr = Out + b * stride_ob + h * stride_oh
+    if MERGE:
+        out, lse = _merge_into(out, lse, out_ptr, Lse + bh * n_q, q_tok, offs_d, stride_ot, stride_od, head_dim)
+    _store_rows(out_ptr, out, q_tok, offs_d, stride_ot, stride_od, head_dim)
     tl.store(Lse + bh * n_q + tl.maximum(q_tok, 0), lse, mask=q_tok >= 0)
 
 
@@ -167,11 +207,13 @@ def _hyper_bwd_dq(
     stride_dob, stride_doh, stride_dot, stride_dod,
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, tiles_per_group, qk_scale, sm_scale,
+    seg_blocks, seg_samples, n_segs,
     HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):  # fmt: skip
     """dQ of one tile of query slots, over the forward's keys; stored at the query tokens' rows."""
-    b, h, bh, g, rows, kb, logw2 = _query_program(GBlock, LogW, n_heads, n_groups, block, tiles_per_group, BLOCK_M)
+    b, h, bh, g, rows, kb, seg, logw2 = _query_program(GBlock, LogW, n_heads, n_groups, block, tiles_per_group,
+                                                       seg_blocks, n_segs, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     ktok_ptr = KTok + bh * n_blocks * block
@@ -189,50 +231,60 @@ def _hyper_bwd_dq(
         k, v = _key_tile(k_ptr, v_ptr, k_tok, offs_d, stride_kt, stride_kd, stride_vt, stride_vd, head_dim)
         s = _block_logits(_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale, q_tok, k_tok, pad_ptr, HAS_KPM)
         dq = _query_gradient(q, do, lse2, delta, k, v, s, dq, DOT_PRECISION, DOT_UPCAST)
-    for start_s in range(0, n_samples, BLOCK_N):
-        k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, n_samples, block)
+    s_end = seg * seg_samples + seg_samples
+    for start_s in range(seg * seg_samples, s_end, BLOCK_N):
+        k_tok, s_block = _sample_tokens(SRow + bh * n_samples, ktok_ptr, start_s + offs_n, s_end, block)
         k, v = _key_tile(k_ptr, v_ptr, k_tok, offs_d, stride_kt, stride_kd, stride_vt, stride_vd, head_dim)
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
         s = _sample_logits(s, q_tok, k_tok, s_block, kb, logw2, pad_ptr, HAS_KPM)
         dq = _query_gradient(q, do, lse2, delta, k, v, s, dq, DOT_PRECISION, DOT_UPCAST)
 
-    _store_rows(DQ + b * stride_dqb + h * stride_dqh, dq * sm_scale, q_tok, offs_d, stride_dqt, stride_dqd, head_dim)
+    _store_grad(DQ + b * stride_dqb + h * stride_dqh, dq * sm_scale, q_tok, offs_d, stride_dqt, stride_dqd, head_dim,
+                ACCUMULATE)
 
 
 @triton.jit
 def _hyper_bwd_samples(
-    Q, K, V, DO, Lse, Delta, DKS, DVS, QTok, KTok, GBlock, SRow, LogW, Pad,
+    Q, K, V, DO, Lse, Delta, DKS, DVS, QTok, KTok, GBlock, FirstGroup, SRow, LogW, Pad,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_dob, stride_doh, stride_dot, stride_dod,
-    n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, sample_tiles, groups_per_split, qk_scale,
+    n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, sample_tiles, splits, qk_scale,
+    seg_blocks, seg_samples, n_segs,
     HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Unscaled fp32 dK, dV of one tile of samples from the query groups of one split: DKS, DVS [splits, B*H, m,
-    BLOCK_D] (summed over the splits by the host). A sample sees every group but its own key block's."""
+    """Unscaled fp32 dK, dV of one tile of one segment's samples (`sample_tiles` tiles a segment) from that
+    segment's query groups in one split of them: DKS, DVS [splits, B*H, m, BLOCK_D] (summed over the splits by the
+    host). A sample sees every group of its segment but its own key block's."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h, _r = _program(pid_bh, n_heads, 1)
     bh = pid_bh.to(tl.int64)
-    split = pid // sample_tiles
-    j = (pid % sample_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = pid // (sample_tiles * n_segs)
+    seg = (pid // sample_tiles) % n_segs
+    s_end = seg * seg_samples + seg_samples
+    j = seg * seg_samples + (pid % sample_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     qtok_ptr = QTok + bh * n_groups * block
     q_ptr = Q + b * stride_qb + h * stride_qh
     do_ptr = DO + b * stride_dob + h * stride_doh
     pad_ptr = Pad + b * n_k
-    logw2 = tl.load(LogW + b) * LOG2E
+    logw2 = tl.load(LogW + b * n_segs + seg) * LOG2E
 
-    k_tok, s_block = _sample_tokens(SRow + bh * n_samples, KTok + bh * n_blocks * block, j, n_samples, block)
+    k_tok, s_block = _sample_tokens(SRow + bh * n_samples, KTok + bh * n_blocks * block, j, s_end, block)
     k, v = _key_tile(K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh, k_tok, offs_d, stride_kt,
                      stride_kd, stride_vt, stride_vd, head_dim)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    g_lo = split * groups_per_split
-    g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
+    # The segment's groups (groups come in key-block order), split `splits` ways.
+    seg_g_lo = tl.load(FirstGroup + bh * (n_blocks + 1) + seg * seg_blocks)
+    seg_g_hi = tl.load(FirstGroup + bh * (n_blocks + 1) + seg * seg_blocks + seg_blocks)
+    groups_per_split = (seg_g_hi - seg_g_lo + splits - 1) // splits
+    g_lo = seg_g_lo + split * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, seg_g_hi)
     for g in range(g_lo, g_hi):
         kb = tl.load(GBlock + bh * n_groups + g)
         for start_m in range(g * block, g * block + block, BLOCK_M):
@@ -244,8 +296,8 @@ def _hyper_bwd_samples(
             dk, dv = _key_gradients(q, do, lse2, delta, k, v, s, dk, dv, DOT_PRECISION, DOT_UPCAST)
 
     part = ((split * tl.num_programs(1) + bh) * n_samples + j)[:, None] * BLOCK_D + offs_d[None, :]
-    tl.store(DKS + part, dk, mask=(j < n_samples)[:, None])
-    tl.store(DVS + part, dv, mask=(j < n_samples)[:, None])
+    tl.store(DKS + part, dk, mask=(j < s_end)[:, None])
+    tl.store(DVS + part, dv, mask=(j < s_end)[:, None])
 
 
 @triton.jit
@@ -260,6 +312,7 @@ def _hyper_bwd_dkdv(
     n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, tiles_per_block, qk_scale, sm_scale,
     HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    ACCUMULATE: tl.constexpr = False,
 ):  # fmt: skip
     """dK, dV of one tile of key rows inside key block kb: the groups FirstGroup[kb] .. FirstGroup[kb+1]-1 that
     attend to it, plus the summed sample gradients DKS, DVS [B*H, m, BLOCK_D] of the samples at these rows (samples
@@ -306,5 +359,6 @@ def _hyper_bwd_dkdv(
         dk += tl.dot(one_hot, tl.load(DKS + part, mask=(j < s_hi)[:, None], other=0.0), input_precision="ieee")
         dv += tl.dot(one_hot, tl.load(DVS + part, mask=(j < s_hi)[:, None], other=0.0), input_precision="ieee")
 
-    _store_rows(DK + b * stride_dkb + h * stride_dkh, dk * sm_scale, k_tok, offs_d, stride_dkt, stride_dkd, head_dim)
-    _store_rows(DV + b * stride_dvb + h * stride_dvh, dv, k_tok, offs_d, stride_dvt, stride_dvd, head_dim)
+    _store_grad(DK + b * stride_dkb + h * stride_dkh, dk * sm_scale, k_tok, offs_d, stride_dkt, stride_dkd, head_dim,
+                ACCUMULATE)
+    _store_grad(DV + b * stride_dvb + h * stride_dvh, dv, k_tok, offs_d, stride_dvt, stride_dvd, head_dim, ACCUMULATE)
