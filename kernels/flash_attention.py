@@ -247,10 +247,12 @@ def _forward(
     mask_BN: torch.Tensor | None,
     scale: float,
     cfg: dict[str, int] | None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); `out` (q's shape, any strides) is written in place of a new contiguous buffer when given."""
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
     kpm, stride_kpm_b, stride_kpm_n = _mask_args(mask_BN, q)
     args = (
@@ -278,13 +280,15 @@ def _backward(
     mask_BN: torch.Tensor | None,
     scale: float,
     cfg: dict[str, int] | None,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); `grads` (buffers of q's, k's and v's shapes, any strides) are written when given."""
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     delta = backward_delta(out, dout, dlse)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if grads is None:
+        grads = tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    dq, dk, dv = grads
     kpm, stride_kpm_b, stride_kpm_n = _mask_args(mask_BN, q)
     constexprs = dict(
         CAUSAL=causal, HAS_KPM=mask_BN is not None, **dot_options(q.dtype), BLOCK_D=next_power_of_two(head_dim)

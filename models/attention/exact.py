@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import exact_attention
 from models.attention.base import _AttentionConfig, _MechanismConfig
 
 
@@ -83,3 +84,19 @@ class ExactMechanism(nn.Module):
 
     def attention_parameters(self) -> int:
         return 0
+
+
+def exact_causal_rows(q_BHTE, first: int, k_BHNE, v_BHNE, key_padding_BN):
+    """(out [B, H, T, E], lse [B, H, T]) of rows first .. first+T-1 of `exact_attention(causal=True)` over N keys,
+    from those rows' queries: row first+t sees the unpadded keys j <= first+t. Each row goes into the batch with its
+    own key mask, so only the keys up to the last row are read (one row, the usual decoding step, reads them once)."""
+    B, H, T, E = q_BHTE.shape
+    S, dev = first + T, q_BHTE.device
+    later_TS = torch.arange(S, device=dev) > (first + torch.arange(T, device=dev))[:, None]
+    pad_TBS = later_TS[:, None, :].expand(T, B, S)
+    if key_padding_BN is not None:
+        pad_TBS = pad_TBS | key_padding_BN[None, :, :S]
+    fold = lambda x: x[None, :, :, :S].expand(T, B, H, S, E).reshape(T * B, H, S, E)  # noqa: E731
+    out_XH1E, lse_XH1 = exact_attention(q_BHTE.permute(2, 0, 1, 3).reshape(T * B, H, 1, E), fold(k_BHNE),
+                                        fold(v_BHNE), key_padding_mask=pad_TBS.reshape(T * B, S))
+    return out_XH1E.view(T, B, H, E).permute(1, 2, 0, 3), lse_XH1.view(T, B, H).permute(1, 2, 0)

@@ -42,7 +42,8 @@ from kernels.dispatch import fused_kernels
 from kernels.hyper_blocks import hyper_block_flash_attention
 from kernels.merge_rounds import merge_below
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
-from models.attention.exact import ExactMechanism
+from models.attention.exact import ExactMechanism, exact_causal_rows
+from models.attention.hyper_levels import causal_levels, stacked_levels
 from models.attention.lse import exact_attention, merge_lse, merge_lse_below
 
 _LAYER_SEED_STRIDE = 1_000_003
@@ -125,22 +126,6 @@ def real_keys(key_padding_BN: torch.Tensor | None, B: int, N: int, device: torch
 def longest_real_row(key_padding_BN: torch.Tensor | None, N: int) -> int:
     """Real (unpadded) keys of the batch's longest row."""
     return N if key_padding_BN is None else int((~key_padding_BN).sum(-1).max().item())
-
-
-def exact_causal_rows(q_BHTE, first: int, k_BHNE, v_BHNE, key_padding_BN):
-    """(out [B, H, T, E], lse [B, H, T]) of rows first .. first+T-1 of `exact_attention(causal=True)` over N keys,
-    from those rows' queries: row first+t sees the unpadded keys j <= first+t. Each row goes into the batch with its
-    own key mask, so only the keys up to the last row are read (one row, the usual decoding step, reads them once)."""
-    B, H, T, E = q_BHTE.shape
-    S, dev = first + T, q_BHTE.device
-    later_TS = torch.arange(S, device=dev) > (first + torch.arange(T, device=dev))[:, None]
-    pad_TBS = later_TS[:, None, :].expand(T, B, S)
-    if key_padding_BN is not None:
-        pad_TBS = pad_TBS | key_padding_BN[None, :, :S]
-    fold = lambda x: x[None, :, :, :S].expand(T, B, H, S, E).reshape(T * B, H, S, E)  # noqa: E731
-    out_XH1E, lse_XH1 = exact_attention(q_BHTE.permute(2, 0, 1, 3).reshape(T * B, H, 1, E), fold(k_BHNE),
-                                        fold(v_BHNE), key_padding_mask=pad_TBS.reshape(T * B, S))
-    return out_XH1E.view(T, B, H, E).permute(1, 2, 0, 3), lse_XH1.view(T, B, H).permute(1, 2, 0)
 
 
 class HyperMechanism(nn.Module):
@@ -369,6 +354,10 @@ class HyperMechanism(nn.Module):
         B, H, N, E = q_BHNE.shape
         if N <= self.min_seq_len:
             return exact_attention(q_BHNE, k_BHNE, v_BHNE, causal=True, key_padding_mask=key_padding_BN)
+        if level == 0 and key_padding_BN is None and self.past_only and fused_kernels(q_BHNE):
+            levels = stacked_levels(N, self.min_seq_len, self.block_size, self.bits)
+            if levels:  # every level's layout in one batch, one pass on the kernels (models/attention/hyper_levels.py)
+                return causal_levels(self, q_BHNE, k_BHNE, v_BHNE, levels)
         odd = N % 2
         if odd:
             # One padded row at the end: under the causal mask only itself could see it, and it is dropped.

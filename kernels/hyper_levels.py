@@ -1,0 +1,96 @@
+"""HyperAttention's causal recursion (Han et al., 2023, arXiv 2310.05869, Algorithm 4) as one pass on the kernels:
+the exact causal pieces on the flash kernel, then every level's off-diagonal blocks merged into them, forward and
+backward, with no per-level copy, merge or gradient of the recursion's own.
+
+Algorithm 4 halves the sequence until pieces are at most `min_seq_len` long, attends exactly and causally inside
+each piece, and at every level lets the second half of each block attend (approximately) to its first half, merging
+the two through their log-sum-exp on the way back up. Each query's result is therefore one softmax over the union of
+its piece's earlier keys and the keys each level chose for it, and a softmax over a union is its parts merged in any
+order. So: `pieces` exact causal pieces (the flash kernel on a view of q, k, v with the pieces as batch rows), then
+one blocks + samples launch per level (kernels/k_hyper_blocks.py with `MERGE`, the level's blocks as segments),
+deepest level first, as the recursion merges. The backward of a merged softmax needs only the final lse and delta:
+each part's gradient is its own FlashAttention-2 backward with them (Dao, 2023, arXiv 2307.08691), added into one
+dq, dk, dv (`ACCUMULATE`). The layouts come from models/attention/hyper_levels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import stand_in
+from kernels.flash_attention import _backward as flash_backward
+from kernels.flash_attention import _current_fixed_config
+from kernels.flash_attention import _forward as flash_forward
+from kernels.flash_attention import backward_delta
+from kernels.hyper_blocks import _Layout, hyper_backward, hyper_forward
+
+
+def token_major_like(x: torch.Tensor) -> torch.Tensor:
+    """An empty [B, H, N, E] buffer laid out [B, N, H, E] (a layer's projections' layout), whose pieces are a view."""
+    B, H, N, E = x.shape
+    return torch.empty(B, N, H, E, dtype=x.dtype, device=x.device).transpose(1, 2)
+
+
+def as_pieces(x: torch.Tensor, pieces: int, view: bool = False) -> torch.Tensor:
+    """[B, H, N, ...] -> [B * pieces, H, N / pieces, ...]: consecutive pieces of the sequence as batch rows. A view
+    where x's strides allow it (token-major buffers), else a copy; `view=True` (a buffer to write into) refuses to
+    copy."""
+    B, H, N = x.shape[:3]
+    x = x.unflatten(2, (pieces, N // pieces)).transpose(1, 2)
+    shape = (B * pieces, H, N // pieces, *x.shape[4:])
+    return x.view(shape) if view else x.reshape(shape)
+
+
+def from_pieces(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """The inverse of `as_pieces` for [B * pieces, H, n] statistics: contiguous [B, H, pieces * n] (the kernels
+    index lse and delta as contiguous rows)."""
+    P, H, n = x.shape[0] // batch, x.shape[1], x.shape[2]
+    return x.view(batch, P, H, n).transpose(1, 2).reshape(batch, H, P * n).contiguous()
+
+
+def stat_pieces(x: torch.Tensor, pieces: int) -> torch.Tensor:
+    """[B, H, N] statistics as contiguous [B * pieces, H, N / pieces] (a reshape alone is a strided view at B = 1)."""
+    return as_pieces(x, pieces).contiguous()
+
+
+class HyperCausalFunction(torch.autograd.Function):
+    """(q, k, v) -> (out, lse) of Algorithm 4: exact causal pieces, then each level's layout merged in."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pieces: int, levels: list[_Layout], scale: float):  # type: ignore[override]
+        cfg = _current_fixed_config()
+        ctx.kernel_log = stand_in.active()
+        with stand_in.kernel_region(ctx.kernel_log):
+            out = token_major_like(q)
+            _, lse_pieces = flash_forward(as_pieces(q, pieces), as_pieces(k, pieces), as_pieces(v, pieces), True,
+                                          None, scale, cfg, out=as_pieces(out, pieces, view=True))
+            lse = from_pieces(lse_pieces, q.shape[0])
+            for lay in levels:  # deepest level first, as the recursion merges on its way back up
+                hyper_forward(q, k, v, lay, merge_into=(out, lse))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pieces, ctx.levels, ctx.scale, ctx.cfg = pieces, levels, scale, cfg
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        P = ctx.pieces
+        with stand_in.kernel_region(ctx.kernel_log):
+            grads = tuple(token_major_like(x) for x in (q, k, v))
+            flash_backward(as_pieces(q, P), as_pieces(k, P), as_pieces(v, P), as_pieces(out, P), stat_pieces(lse, P),
+                           as_pieces(dout, P), None if dlse is None else stat_pieces(dlse, P), True, None, ctx.scale,
+                           ctx.cfg, grads=tuple(as_pieces(g, P, view=True) for g in grads))
+            delta = backward_delta(out, dout, dlse)
+            for lay in ctx.levels:
+                hyper_backward(q, k, v, out, lse, dout, lay, delta, add_to=grads)
+        return (*grads, None, None, None)
+
+
+def hyper_causal_levels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: int, levels: list[_Layout],
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, H, N, E] (token-major) and lse [B, H, N] of Algorithm 4 over `pieces` exact causal pieces and the
+    levels' blocks + samples (`levels`: their layouts, deepest level first)."""
+    return HyperCausalFunction.apply(q, k, v, pieces, levels, scale)

@@ -1,0 +1,108 @@
+"""The layouts of every level of HyperAttention's causal recursion at once, for kernels/hyper_levels.py.
+
+`HyperMechanism.causal` (models/attention/hyper.py) recurses: each level halves its blocks, routes the second half's
+queries to key blocks of the first half (`placed`, past-only routing), draws samples, and merges. On a GPU that was
+about 90 launches a level, most of them small index ops, and the host's time per launch set the causal layer's
+time (benchmarks/RESULTS.md, the second H200 window). Here the index work of all L levels is one batch: at every
+level the keys are the first halves of its 2^l blocks and the queries the second halves, N / 2 tokens each, so the
+levels stack as [B, H, L, N / 2], and a level's blocks are segments of that row. Sorting by (segment, bucket rank,
+position) and searching with the segment in the key keeps every query inside its own block's keys; key blocks of b
+rows never straddle segments because b divides every half.
+
+The result equals the recursion's (same routing, same samples, the same merge order); values differ only by the
+rounding of the merges (the recursion rounds each level's part to q's dtype before merging it; here the kernel
+merges the level's unrounded part). The recursion's samples are drawn level by level, deepest first, for its
+batch of 2^l pieces in the order its concatenations made (bit-reversed piece index); here they are drawn in that
+order and put back in position order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.hyper_blocks import _Layout
+from kernels.hyper_levels import hyper_causal_levels
+
+if TYPE_CHECKING:
+    from models.attention.hyper import HyperMechanism
+
+
+def stacked_levels(n: int, min_seq_len: int, block_size: int, bits: int) -> int:
+    """The recursion's level count L when n halves exactly down to pieces of at most min_seq_len, every level's
+    half holds whole blocks of block_size and takes the approximate path (at least min_seq_len keys), and the sort
+    keys fit int64; 0 otherwise (the recursion then runs level by level)."""
+    levels = 0
+    while n > min_seq_len:
+        half = n // 2
+        if n % 2 or half % block_size or half < min_seq_len:
+            return 0
+        n, levels = half, levels + 1
+    max_key = (1 << levels) * ((1 << bits) + 1) * (n << levels)
+    return levels if max_key < 2**62 else 0
+
+
+def piece_order(samples_SB: torch.Tensor, levels: int) -> torch.Tensor:
+    """[2^l * B, ...] rows in the recursion's batch order -> [2^l, B, ...] in position order: the recursion's batch
+    index of piece s is s with its l bits reversed (each level concatenates [first halves, second halves])."""
+    if levels == 0:
+        return samples_SB[None]
+    rest = samples_SB.shape[1:]
+    bits = samples_SB.view(*([2] * levels), -1, *rest)
+    return bits.permute(*reversed(range(levels)), *range(levels, bits.dim())).reshape(1 << levels, -1, *rest)
+
+
+def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of `mech.causal` without key padding under past-only routing, on the kernels, for a length whose
+    recursion has `levels` levels (`stacked_levels`)."""
+    B, H, N, E = q_BHNE.shape
+    b, m, dev = mech.block_size, mech.sample_size, q_BHNE.device
+    M, L = N // 2, levels
+    half_L1 = torch.tensor([N >> (level + 1) for level in range(L)], device=dev)[:, None]
+    i_M = torch.arange(M, device=dev)
+    seg_LM = i_M // half_L1
+    pos_k_LM = seg_LM * 2 * half_L1 + i_M % half_L1  # level l's keys: the first half of each of its blocks
+    pos_q_LM = pos_k_LM + half_L1  # its queries: the second halves
+    buckets = (1 << mech.bits) + 1  # ranks 0 .. 2^bits (padding's rank, unused here)
+    key_k = seg_LM * buckets + mech.bucket_rank(k_BHNE, None)[:, :, pos_k_LM]  # [B, H, L, M]
+    key_q = seg_LM * buckets + mech.bucket_rank(q_BHNE, None)[:, :, pos_q_LM]
+    order_k = torch.argsort(key_k * M + i_M, dim=-1)  # by segment, bucket, position
+    key_sorted = torch.gather(key_k, -1, order_k)
+    lo = torch.searchsorted(key_sorted, key_q, side="left")
+    hi = torch.searchsorted(key_sorted, key_q, side="right")
+    # As `placed`: the key block at the middle of the query's bucket's run in its segment (or where it would be).
+    block = torch.minimum((lo + hi) // 2, (seg_LM + 1) * half_L1 - 1) // b
+    nb = M // b
+    count = torch.zeros(B, H, L, nb, dtype=torch.long, device=dev).scatter_add_(-1, block, torch.ones_like(block))
+    groups = -(-count // b)
+    G = M // b + nb
+    order_q = torch.argsort(block * M + i_M, dim=-1)
+    block_sorted = torch.gather(block, -1, order_q)
+    first_query = torch.cumsum(count, -1) - count
+    first_group = torch.cumsum(groups, -1) - groups
+    slot_sorted = torch.gather(first_group, -1, block_sorted) * b + i_M - torch.gather(first_query, -1, block_sorted)
+    slot = torch.empty_like(slot_sorted).scatter_(-1, order_q, slot_sorted)
+    group_block = torch.searchsorted(torch.cumsum(groups, -1), torch.arange(G, device=dev).expand(B, H, L, G)
+                                     .contiguous(), right=True).clamp(max=nb - 1)
+    q_slots = torch.full((B, H, L, G * b), -1, dtype=torch.long, device=dev).scatter_(
+        -1, slot, pos_q_LM.expand(B, H, L, M))
+    k_rows = torch.gather(pos_k_LM.expand(B, H, L, M), -1, order_k)
+    q_slots, k_rows, group_block = (x.movedim(2, 0).contiguous() for x in (q_slots, k_rows, group_block))
+
+    scale = 1.0 / math.sqrt(E)
+    layouts = []
+    for level in reversed(range(L)):  # the recursion's order of draws and merges: deepest first
+        pieces, half = 1 << level, N >> (level + 1)
+        real = torch.full((pieces * B,), half, device=dev)
+        if m > 0:
+            rows = mech.sample_rows(pieces * B, H, real, half, dev, level)  # [2^l B, H, m] in the recursion's order
+            rows = piece_order(rows, level) + half * torch.arange(pieces, device=dev)[:, None, None, None]
+            rows = rows.permute(1, 2, 0, 3).reshape(B, H, pieces * m)  # piece s's samples among its rows
+        else:
+            rows = torch.zeros(B, H, 0, dtype=torch.long, device=dev)
+        log_w = piece_order(mech.sample_log_weight(real, torch.float32), level).T.contiguous()  # [B, 2^l]
+        layouts.append(_Layout(q_BHNE, k_BHNE, q_slots[level], k_rows[level], group_block[level], rows, log_w, b,
+                               None, scale, segments=pieces))
+    return hyper_causal_levels(q_BHNE, k_BHNE, v_BHNE, 1 << L, layouts, scale)
