@@ -151,7 +151,19 @@ def test_bad_layouts_are_refused() -> None:
 
 
 # The paper routing's off-diagonal blocks are the non-causal path (its own case, with padding) at every level.
-@pytest.mark.parametrize("mode", ["non_causal", "causal_past_only"])
+# Causal cases (past-only routing): "causal_past_only" 64 -> 32 -> 16 tokens in blocks of 16, two levels stacked in
+# one pass (models/attention/hyper_levels.py); "causal_three_levels" 64 -> 32 -> 16 -> 8 in blocks of 4, where the
+# recursion's draw order of its pieces' samples is bit-reversed (tests/test_hyper_levels.py: with batch rows); "causal_level_by_level" 72
+# tokens, whose halves of 36 are not whole blocks of 16, so the recursion runs level by level on the kernel.
+CASES = {  # mode: (B, H, T, block_size, min_seq_len, causal)
+    "non_causal": (2, 1, 70, 16, 16, False),
+    "causal_past_only": (1, 2, 64, 16, 16, True),
+    "causal_three_levels": (1, 1, 64, 4, 8, True),
+    "causal_level_by_level": (1, 2, 72, 16, 16, True),
+}
+
+
+@pytest.mark.parametrize("mode", list(CASES))
 def test_the_model_on_the_kernel_equals_the_model_in_pytorch(monkeypatch, mode: str) -> None:
     """HyperMechanism with ATTN_BACKEND=triton (the fused blocks + samples, read through the sort orders) against
     the same mechanism on the PyTorch reference (the two parts and their lse merge): the same samples from the same
@@ -160,14 +172,13 @@ def test_the_model_on_the_kernel_equals_the_model_in_pytorch(monkeypatch, mode: 
     from kernels import dispatch
     from models.attention.hyper import HyperMechanism, HyperMechanismConfig
 
-    # Causal: 64 -> 32 -> 16 tokens, two levels of off-diagonal blocks and four exact pieces of 16.
-    cfg = HyperMechanismConfig(block_size=16, sample_size=8, min_seq_len=16, lsh_bits=3)
-    mech = HyperMechanism(cfg, head_dim=16, layer_index=0).train(mode == "causal_past_only")
+    B, H, T, block, min_seq_len, causal = CASES[mode]
+    cfg = HyperMechanismConfig(block_size=block, sample_size=8, min_seq_len=min_seq_len, lsh_bits=3)
+    mech = HyperMechanism(cfg, head_dim=16, layer_index=0).train(causal)
     gen = torch.Generator().manual_seed(5)
-    B, H, T = (2, 1, 70) if mode == "non_causal" else (1, 2, 64)  # padding needs two rows; causal has none
     q, k, v = (torch.randn(B, H, T, 16, generator=gen) for _ in range(3))
     pad = None
-    if mode == "non_causal":
+    if not causal:  # padding needs two rows
         pad = torch.zeros(B, T, dtype=torch.bool)
         pad[1, 50:] = True
     g_out = torch.randn(B, H, T, 16, generator=gen)
@@ -176,10 +187,8 @@ def test_the_model_on_the_kernel_equals_the_model_in_pytorch(monkeypatch, mode: 
         monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
         leaves = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v)]
         torch.manual_seed(7)  # the samples' draw
-        out = mech.to(DEVICE)(*leaves, key_padding_mask_BS=None if pad is None else pad.to(DEVICE),
-                              causal=mode != "non_causal")
+        out = mech.to(DEVICE)(*leaves, key_padding_mask_BS=None if pad is None else pad.to(DEVICE), causal=causal)
         (out * g_out.to(DEVICE)).sum().backward()
         results.append([out.detach().cpu(), *(x.grad.cpu() for x in leaves)])
     for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
         torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5, msg=lambda s, n=name: f"{n}: {s}")
-

@@ -1,0 +1,74 @@
+"""HyperAttention's causal recursion in one pass on the kernels (models/attention/hyper_levels.py,
+kernels/hyper_levels.py): where it applies, how the recursion's samples are put in position order, and that on the
+kernels (the interpreter at small shapes) the output at i depends on nothing after i, in value. Its equality with
+the recursion on PyTorch, samples included, is tests/test_hyper_blocks_kernel.py's model test."""
+
+from __future__ import annotations
+
+# First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
+from tests.kernel_device import DEVICE, needs_triton, one_gpu_launch_config  # noqa: F401 (an autouse fixture)
+
+import pytest
+import torch
+
+from models.attention.hyper import HyperMechanism, HyperMechanismConfig
+from models.attention.hyper_levels import piece_order, stacked_levels
+
+
+@pytest.mark.parametrize("n, min_seq_len, block, levels", [
+    (64, 16, 16, 2),   # 64 -> 32 -> 16: halves of 32 and 16 keys, whole blocks
+    (128, 16, 8, 3),
+    (16, 16, 4, 0),    # exact: no level at all
+    (72, 16, 16, 0),   # a half of 36 keys is not whole blocks of 16
+    (96, 16, 4, 0),    # 96 -> 48 -> 24 -> 12: 12 keys at the last level, fewer than min_seq_len (exact there)
+    (88, 8, 1, 0),     # 88 -> 44 -> 22 -> 11 (odd: the recursion pads a row)
+])
+def test_levels_are_stacked_only_where_the_recursion_halves_into_whole_blocks(n, min_seq_len, block, levels):
+    assert stacked_levels(n, min_seq_len, block, bits=3) == levels
+
+
+def test_sort_keys_that_would_overflow_int64_are_not_stacked():
+    assert stacked_levels(1 << 20, 1 << 12, 64, bits=7) == 8
+    assert stacked_levels(1 << 40, 1 << 12, 64, bits=30) == 0
+
+
+def test_piece_order_undoes_the_recursions_concatenations():
+    """The recursion's batch at level l lists its pieces as each level's cat([first halves, second halves]) left
+    them; piece_order puts the rows of that batch back in position order."""
+    for levels in range(4):
+        batch = [0]  # position index of the piece in each batch row, built as the recursion concatenates
+        for _ in range(levels):
+            batch = [2 * p for p in batch] + [2 * p + 1 for p in batch]
+        B = 2
+        rows = torch.tensor(batch).repeat_interleave(B)[:, None] * 10 + torch.arange(B).repeat(len(batch))[:, None]
+        placed = piece_order(rows, levels)  # [2^l, B, 1]
+        assert placed.shape == (1 << levels, B, 1)
+        assert placed[..., 0].tolist() == [[10 * p + b for b in range(B)] for p in range(1 << levels)]
+
+
+@needs_triton
+def test_on_the_kernels_the_output_at_i_depends_on_nothing_after_i(monkeypatch):
+    """Two stacked levels (32 -> 16 -> 8 tokens, blocks of 4), in training: inputs after position i are replaced,
+    and the outputs up to i stay bitwise the same (the samples' draw repeated from one seed)."""
+    from kernels import dispatch
+
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+    cfg = HyperMechanismConfig(block_size=4, sample_size=8, min_seq_len=8, lsh_bits=3)
+    mech = HyperMechanism(cfg, head_dim=16, layer_index=0).train().to(DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    B, H, T = 1, 1, 32
+    assert stacked_levels(T, cfg.min_seq_len, cfg.block_size, cfg.lsh_bits) == 2
+    q, k, v = (torch.randn(B, H, T, 16, generator=gen).to(DEVICE) for _ in range(3))
+
+    def run(q, k, v):
+        torch.manual_seed(11)
+        return mech(q, k, v, causal=True)
+
+    base = run(q, k, v)
+    for i in (11, 20):  # inside the first half of level 0; in its second half
+        changed = [x.clone() for x in (q, k, v)]
+        for x in changed:
+            x[:, :, i + 1:] = torch.randn(B, H, T - i - 1, 16, generator=gen).to(DEVICE)
+        out = run(*changed)
+        assert torch.equal(out[:, :, :i + 1], base[:, :, :i + 1]), i
+        assert not torch.equal(out[:, :, i + 1:], base[:, :, i + 1:]), i  # the check can see a change
