@@ -60,7 +60,7 @@ def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> 
     B, H, N, E = q_BHNE.shape
     b, m, dev = mech.block_size, mech.sample_size, q_BHNE.device
     M, L = N // 2, levels
-    half_L1 = torch.tensor([N >> (level + 1) for level in range(L)], device=dev)[:, None]
+    half_L1 = M >> torch.arange(L, device=dev)[:, None]  # no host-to-device copy: a CUDA graph can hold it
     i_M = torch.arange(M, device=dev)
     seg_LM = i_M // half_L1
     pos_k_LM = seg_LM * 2 * half_L1 + i_M % half_L1  # level l's keys: the first half of each of its blocks
