@@ -722,6 +722,8 @@ hyper_args = dict(HAS_KPM=True, DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_M=
 for fn in (k_hyper_blocks._hyper_fwd, k_hyper_blocks._hyper_bwd_dq, k_hyper_blocks._hyper_bwd_samples,
            k_hyper_blocks._hyper_bwd_dkdv):
     extra = {"BLOCK_S": cfg["BLOCK_S"]} if "BLOCK_S" in fn.arg_names else {}
+    # The causal recursion's variants (kernels/hyper_levels.py): merging into stored parts, adding gradients.
+    extra.update({flag: True for flag in ("MERGE", "ACCUMULATE") if flag in fn.arg_names})
     shared = compile_shared(fn, {**hyper_args, **extra}, cfg["num_warps"], cfg["num_stages"], 90)
     assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], (fn.__name__, shared)
     print(fn.__name__, "compiled")
