@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import stand_in
+from kernels.flash_attention import LayoutKernelFunction, _current_fixed_config, backward_delta
 from kernels.flash_attention import _backward as flash_backward
-from kernels.flash_attention import _current_fixed_config
 from kernels.flash_attention import _forward as flash_forward
-from kernels.flash_attention import backward_delta
 from kernels.hyper_blocks import _Layout, hyper_backward, hyper_forward
 
 
@@ -53,44 +51,38 @@ def stat_pieces(x: torch.Tensor, pieces: int) -> torch.Tensor:
     return as_pieces(x, pieces).contiguous()
 
 
-class HyperCausalFunction(torch.autograd.Function):
-    """(q, k, v) -> (out, lse) of Algorithm 4: exact causal pieces, then each level's layout merged in."""
+class CausalLevels:
+    """The layout of Algorithm 4 in one pass for kernels.flash_attention.LayoutKernelFunction: `pieces` exact causal
+    pieces, then each level's blocks + samples (`levels`, deepest first) merged in."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, pieces: int, levels: list[_Layout], scale: float):  # type: ignore[override]
-        cfg = _current_fixed_config()
-        ctx.kernel_log = stand_in.active()
-        with stand_in.kernel_region(ctx.kernel_log):
-            out = token_major_like(q)
-            _, lse_pieces = flash_forward(as_pieces(q, pieces), as_pieces(k, pieces), as_pieces(v, pieces), True,
-                                          None, scale, cfg, out=as_pieces(out, pieces, view=True))
-            lse = from_pieces(lse_pieces, q.shape[0])
-            for lay in levels:  # deepest level first, as the recursion merges on its way back up
-                hyper_forward(q, k, v, lay, merge_into=(out, lse))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pieces, ctx.levels, ctx.scale, ctx.cfg = pieces, levels, scale, cfg
-        ctx.set_materialize_grads(False)
+    def __init__(self, pieces: int, levels: list[_Layout], scale: float):
+        self.pieces, self.levels, self.scale = pieces, levels, scale
+        self.cfg = _current_fixed_config()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        P = self.pieces
+        out = token_major_like(q)
+        _, lse_pieces = flash_forward(as_pieces(q, P), as_pieces(k, P), as_pieces(v, P), True, None, self.scale,
+                                      self.cfg, out=as_pieces(out, P, view=True))
+        lse = from_pieces(lse_pieces, q.shape[0])
+        for lay in self.levels:  # deepest level first, as the recursion merges on its way back up
+            hyper_forward(q, k, v, lay, merge_into=(out, lse))
         return out, lse
 
-    @staticmethod
-    def backward(ctx, dout, dlse):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        P = ctx.pieces
-        with stand_in.kernel_region(ctx.kernel_log):
-            grads = tuple(token_major_like(x) for x in (q, k, v))
-            flash_backward(as_pieces(q, P), as_pieces(k, P), as_pieces(v, P), as_pieces(out, P), stat_pieces(lse, P),
-                           as_pieces(dout, P), None if dlse is None else stat_pieces(dlse, P), True, None, ctx.scale,
-                           ctx.cfg, grads=tuple(as_pieces(g, P, view=True) for g in grads))
-            delta = backward_delta(out, dout, dlse)
-            for lay in ctx.levels:
-                hyper_backward(q, k, v, out, lse, dout, lay, delta, add_to=grads)
-        return (*grads, None, None, None)
+    def backward(self, q, k, v, out, lse, dout, dlse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        P = self.pieces
+        grads = tuple(token_major_like(x) for x in (q, k, v))
+        flash_backward(as_pieces(q, P), as_pieces(k, P), as_pieces(v, P), as_pieces(out, P), stat_pieces(lse, P),
+                       as_pieces(dout, P), None if dlse is None else stat_pieces(dlse, P), True, None, self.scale,
+                       self.cfg, grads=tuple(as_pieces(g, P, view=True) for g in grads))
+        delta = backward_delta(out, dout, dlse)
+        for lay in self.levels:
+            hyper_backward(q, k, v, out, lse, dout, lay, delta, add_to=grads)
+        return grads
 
 
 def hyper_causal_levels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: int, levels: list[_Layout],
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, H, N, E] (token-major) and lse [B, H, N] of Algorithm 4 over `pieces` exact causal pieces and the
     levels' blocks + samples (`levels`: their layouts, deepest level first)."""
-    return HyperCausalFunction.apply(q, k, v, pieces, levels, scale)
+    return LayoutKernelFunction.apply(q, k, v, CausalLevels(pieces, levels, scale))
