@@ -72,3 +72,28 @@ def test_on_the_kernels_the_output_at_i_depends_on_nothing_after_i(monkeypatch):
         out = run(*changed)
         assert torch.equal(out[:, :, :i + 1], base[:, :, :i + 1]), i
         assert not torch.equal(out[:, :, i + 1:], base[:, :, i + 1:]), i  # the check can see a change
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the defaults' sizes (blocks and samples of 256, pieces of 4096): "
+                    "on a GPU only, KERNEL_TESTS_DEVICE=cuda; the interpreter checks small shapes above")
+def test_at_the_defaults_on_a_gpu_the_one_pass_equals_the_recursion(monkeypatch):
+    """16k tokens at HyperAttention's defaults (two stacked levels, key blocks of 256 in tiles of the GPU's launch
+    configuration), fp32: the kernels' one pass against the recursion on PyTorch, out and gradients, training draws."""
+    from kernels import dispatch
+
+    mech = HyperMechanism(HyperMechanismConfig(), head_dim=64, layer_index=0).train().to(DEVICE)
+    B, H, T = 1, 2, 16384
+    assert stacked_levels(T, mech.min_seq_len, mech.block_size, mech.bits) == 2
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, g_out = (torch.randn(B, H, T, 64, generator=gen).to(DEVICE) for _ in range(4))
+    results = []
+    for backend in ("triton", "reference"):
+        monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        torch.manual_seed(7)
+        out = mech(*leaves, causal=True)
+        (out * g_out).sum().backward()
+        results.append([out.detach(), *(x.grad for x in leaves)])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=lambda s, n=name: f"{n}: {s}")
