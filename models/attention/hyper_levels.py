@@ -54,11 +54,12 @@ def piece_order(samples_SB: torch.Tensor, levels: int) -> torch.Tensor:
     return bits.permute(*reversed(range(levels)), *range(levels, bits.dim())).reshape(1 << levels, -1, *rest)
 
 
-def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of `mech.causal` without key padding under past-only routing, on the kernels, for a length whose
-    recursion has `levels` levels (`stacked_levels`)."""
+def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
+    """Past-only routing of every level's off-diagonal blocks at once, as `HyperMechanism.placed` routes one level:
+    (q_slots [L, B, H, G * b], k_rows [L, B, H, N / 2], group_block [L, B, H, G]) holding token positions, level l
+    at index l, its 2^l blocks as segments of the row."""
     B, H, N, E = q_BHNE.shape
-    b, m, dev = mech.block_size, mech.sample_size, q_BHNE.device
+    b, dev = mech.block_size, q_BHNE.device
     M, L = N // 2, levels
     half_L1 = M >> torch.arange(L, device=dev)[:, None]  # no host-to-device copy: a CUDA graph can hold it
     i_M = torch.arange(M, device=dev)
@@ -89,8 +90,15 @@ def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> 
     q_slots = torch.full((B, H, L, G * b), -1, dtype=torch.long, device=dev).scatter_(
         -1, slot, pos_q_LM.expand(B, H, L, M))
     k_rows = torch.gather(pos_k_LM.expand(B, H, L, M), -1, order_k)
-    q_slots, k_rows, group_block = (x.movedim(2, 0).contiguous() for x in (q_slots, k_rows, group_block))
+    return tuple(x.movedim(2, 0).contiguous() for x in (q_slots, k_rows, group_block))
 
+
+def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of `mech.causal` without key padding under past-only routing, on the kernels, for a length whose
+    recursion has `levels` levels (`stacked_levels`)."""
+    B, H, N, E = q_BHNE.shape
+    m, dev, L = mech.sample_size, q_BHNE.device, levels
+    q_slots, k_rows, group_block = stacked_placement(mech, q_BHNE, k_BHNE, L)
     scale = 1.0 / math.sqrt(E)
     layouts = []
     for level in reversed(range(L)):  # the recursion's order of draws and merges: deepest first
@@ -103,6 +111,6 @@ def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> 
         else:
             rows = torch.zeros(B, H, 0, dtype=torch.long, device=dev)
         log_w = piece_order(mech.sample_log_weight(real, torch.float32), level).T.contiguous()  # [B, 2^l]
-        layouts.append(_Layout(q_BHNE, k_BHNE, q_slots[level], k_rows[level], group_block[level], rows, log_w, b,
-                               None, scale, segments=pieces))
+        layouts.append(_Layout(q_BHNE, k_BHNE, q_slots[level], k_rows[level], group_block[level], rows, log_w,
+                               mech.block_size, None, scale, segments=pieces))
     return hyper_causal_levels(q_BHNE, k_BHNE, v_BHNE, 1 << L, layouts, scale)
