@@ -41,13 +41,20 @@ def _kernels() -> ModuleType:
     return jit_module(k_hyper_blocks)
 
 
+def block_tables(group_block: torch.Tensor, n_blocks: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first group of each key block and one past the last, [..., NB + 1]; each key block's first row, the same
+    shape) for group_block [..., G] with any leading dims: one call for the layouts of several levels at once."""
+    bounds = torch.arange(n_blocks + 1, device=group_block.device).expand(*group_block.shape[:-1], -1)
+    return torch.searchsorted(group_block, bounds.contiguous()), (bounds * block).contiguous()
+
+
 class _Layout:
     """The indices and sizes the four kernels share for one call. With `segments` S > 1 the key blocks and the
     samples fall into S equal runs, and a group sees its own run's samples only, weighted by sample_log_weight
-    [B, S] (k_hyper_blocks.py, "Segments")."""
+    [B, S] (k_hyper_blocks.py, "Segments"). `tables`: `block_tables`' result for this layout, when made already."""
 
     def __init__(self, q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block, pad_BN, scale,
-                 segments: int = 1):
+                 segments: int = 1, tables: tuple[torch.Tensor, torch.Tensor] | None = None):
         B, H, M, D = q.shape
         self.heads, self.n_q, self.n_k = H, M, k.shape[2]
         self.block, self.n_groups, self.n_samples = block, group_block.shape[-1], sample_rows.shape[-1]
@@ -62,11 +69,9 @@ class _Layout:
         # Ascending rows: the block kernel finds a key block's samples as one range (their order is irrelevant
         # to the softmax, a sum over them).
         self.sample_rows = torch.sort(sample_rows, dim=-1).values if self.n_samples else q_slots[..., :1]
-        bounds = torch.arange(self.n_blocks + 1, device=dev)
-        self.first_group = torch.searchsorted(self.group_block, bounds.expand(B, H, -1).contiguous())
-        self.sample_start = (torch.searchsorted(self.sample_rows, (bounds * block).expand(B, H, -1).contiguous())
-                             if self.n_samples else torch.zeros(B, H, self.n_blocks + 1, dtype=torch.int64,
-                                                                  device=dev))
+        self.first_group, first_row = tables or block_tables(self.group_block, self.n_blocks, block)
+        self.sample_start = (torch.searchsorted(self.sample_rows, first_row) if self.n_samples
+                             else torch.zeros(B, H, self.n_blocks + 1, dtype=torch.int64, device=dev))
         self.log_w = sample_log_weight.to(device=dev, dtype=torch.float32).reshape(B, segments).contiguous()
         self.pad = pad_BN.to(torch.uint8).contiguous() if pad_BN is not None else q_slots
         self.scale = scale

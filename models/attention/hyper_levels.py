@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.hyper_blocks import _Layout
+from kernels.hyper_blocks import _Layout, block_tables
 from kernels.hyper_levels import hyper_causal_levels
 
 if TYPE_CHECKING:
@@ -99,18 +99,22 @@ def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> 
     B, H, N, E = q_BHNE.shape
     m, dev, L = mech.sample_size, q_BHNE.device, levels
     q_slots, k_rows, group_block = stacked_placement(mech, q_BHNE, k_BHNE, L)
+    first_group, first_row = block_tables(group_block, k_rows.shape[-1] // mech.block_size, mech.block_size)
+    # Every piece of level l has N / 2^(l+1) real keys: the samples' weight per level, as `sample_log_weight` makes it.
+    log_w_L = (mech.sample_log_weight((N // 2) >> torch.arange(L, device=dev), torch.float32) if m > 0
+               else torch.zeros(L, device=dev))  # blocks only: no samples, their weight unused
     scale = 1.0 / math.sqrt(E)
     layouts = []
     for level in reversed(range(L)):  # the recursion's order of draws and merges: deepest first
         pieces, half = 1 << level, N >> (level + 1)
-        real = torch.full((pieces * B,), half, device=dev)
         if m > 0:
+            real = torch.full((pieces * B,), half, device=dev)
             rows = mech.sample_rows(pieces * B, H, real, half, dev, level)  # [2^l B, H, m] in the recursion's order
             rows = piece_order(rows, level) + half * torch.arange(pieces, device=dev)[:, None, None, None]
             rows = rows.permute(1, 2, 0, 3).reshape(B, H, pieces * m)  # piece s's samples among its rows
         else:
             rows = torch.zeros(B, H, 0, dtype=torch.long, device=dev)
-        log_w = piece_order(mech.sample_log_weight(real, torch.float32), level).T.contiguous()  # [B, 2^l]
-        layouts.append(_Layout(q_BHNE, k_BHNE, q_slots[level], k_rows[level], group_block[level], rows, log_w,
-                               mech.block_size, None, scale, segments=pieces))
+        layouts.append(_Layout(q_BHNE, k_BHNE, q_slots[level], k_rows[level], group_block[level], rows,
+                               log_w_L[level].expand(B, pieces), mech.block_size, None, scale, segments=pieces,
+                               tables=(first_group[level], first_row[level])))
     return hyper_causal_levels(q_BHNE, k_BHNE, v_BHNE, 1 << L, layouts, scale)
