@@ -35,6 +35,7 @@ import triton.language as tl
 
 from kernels.k_chunked_attention import _load_rows, _load_token_stats, _program, _row_tokens, _store_rows
 from kernels.k_flash_tiles import LOG2E, _dot, _finish_softmax, _online_softmax_step
+from kernels.k_merge_rounds import _normaliser
 
 
 def launch_config(block_d: int, elem_bytes: int, block: int, interpret: bool) -> dict[str, int]:
@@ -135,11 +136,8 @@ def _merge_into(out, lse, Out, Lse, q_tok, offs_d, stride_ot, stride_od, head_di
     m = tl.maximum(lse_prev, lse)
     m = tl.where(m == float("-inf"), 0.0, m)
     w_prev, w_new = tl.exp(lse_prev - m), tl.exp(lse - m)
-    total = w_prev + w_new
-    has_keys = total > 0
-    safe = tl.where(has_keys, total, 1.0)
-    merged = out_prev * (w_prev / safe)[:, None] + out * (w_new / safe)[:, None]
-    return merged, tl.where(has_keys, m + tl.log(safe), float("-inf"))
+    safe, merged_lse = _normaliser(m, w_prev + w_new)
+    return out_prev * (w_prev / safe)[:, None] + out * (w_new / safe)[:, None], merged_lse
 
 
 @triton.jit
