@@ -303,21 +303,8 @@ class HyperMechanism(nn.Module):
         lo = torch.searchsorted(rank_ks_BHN, rank_q_BHM, side="left")
         hi = torch.searchsorted(rank_ks_BHN, rank_q_BHM, side="right")
         block_BHM = torch.minimum((lo + hi) // 2, (n_real_B11 - 1).clamp(min=0)) // b
-        # Group the queries of each key block into ceil(count / b) groups of b slots (position order inside).
-        count_BHn = torch.zeros(B, H, nb, dtype=torch.long, device=dev).scatter_add_(
-            2, block_BHM, torch.ones_like(block_BHM))
-        groups_BHn = -(-count_BHn // b)
-        G = -(-M // b) + nb  # sum of ceil(count / b) <= M / b + nb
-        order_q_BHM = torch.argsort(block_BHM * M + torch.arange(M, device=dev), dim=-1)
-        block_sorted_BHM = torch.gather(block_BHM, 2, order_q_BHM)
-        first_query_BHn = torch.cumsum(count_BHn, -1) - count_BHn
-        first_group_BHn = torch.cumsum(groups_BHn, -1) - groups_BHn
-        rank_in_block = torch.arange(M, device=dev) - torch.gather(first_query_BHn, 2, block_sorted_BHM)
-        slot_sorted = torch.gather(first_group_BHn, 2, block_sorted_BHM) * b + rank_in_block
-        slot_BHM = torch.empty_like(slot_sorted).scatter_(2, order_q_BHM, slot_sorted)
-        block_BHG = torch.searchsorted(torch.cumsum(groups_BHn, -1),
-                                       torch.arange(G, device=dev).expand(B, H, G).contiguous(), right=True)
-        block_BHG = block_BHG.clamp(max=nb - 1)  # unused groups (no queries) read block nb - 1
+        slot_BHM, block_BHG = self.group_queries(block_BHM, nb)
+        G = block_BHG.shape[-1]
         if fused_kernels(q_BHME):  # one softmax read through the slots and the key order (kernels/k_hyper_blocks.py)
             q_slots = torch.full((B, H, G * b), -1, dtype=torch.long, device=dev).scatter_(
                 2, slot_BHM, torch.arange(M, device=dev).expand(B, H, M))
@@ -348,6 +335,28 @@ class HyperMechanism(nn.Module):
             out, lse = merge_lse(out, lse, torch.gather(o_res, 2, slot_BHM[..., None].expand(B, H, M, E)),
                                  torch.gather(lse_res, 2, slot_BHM))
         return out, lse
+
+    def group_queries(self, block_XM: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Past-only routing's groups, for queries [..., M] given their key blocks (of nb): (slot [..., M], the query's
+        slot among G groups of b; the key block of each group [..., G]). A block's queries fill ceil(count / b)
+        groups of b slots in position order; G = ceil(M / b) + nb bounds their sum, and unused groups read block
+        nb - 1. Any leading dims: `placed`'s [B, H] and every level's at once (models/attention/hyper_levels.py)."""
+        b, M, dev = self.block_size, block_XM.shape[-1], block_XM.device
+        i_M = torch.arange(M, device=dev)
+        count = torch.zeros(*block_XM.shape[:-1], nb, dtype=torch.long, device=dev).scatter_add_(
+            -1, block_XM, torch.ones_like(block_XM))
+        groups = -(-count // b)
+        G = -(-M // b) + nb
+        order = torch.argsort(block_XM * M + i_M, dim=-1)
+        block_sorted = torch.gather(block_XM, -1, order)
+        first_query = torch.cumsum(count, -1) - count
+        first_group = torch.cumsum(groups, -1) - groups
+        rank_in_block = i_M - torch.gather(first_query, -1, block_sorted)
+        slot_sorted = torch.gather(first_group, -1, block_sorted) * b + rank_in_block
+        slot_XM = torch.empty_like(slot_sorted).scatter_(-1, order, slot_sorted)
+        block_XG = torch.searchsorted(torch.cumsum(groups, -1), torch.arange(G, device=dev)
+                                      .expand(*block_XM.shape[:-1], G).contiguous(), right=True)
+        return slot_XM, block_XG.clamp(max=nb - 1)
 
     def causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN, level: int = 0):
         """Algorithm 4: (out, lse) of causal attention by recursive halving."""

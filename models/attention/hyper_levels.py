@@ -75,18 +75,8 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     hi = torch.searchsorted(key_sorted, key_q, side="right")
     # As `placed`: the key block at the middle of the query's bucket's run in its segment (or where it would be).
     block = torch.minimum((lo + hi) // 2, (seg_LM + 1) * half_L1 - 1) // b
-    nb = M // b
-    count = torch.zeros(B, H, L, nb, dtype=torch.long, device=dev).scatter_add_(-1, block, torch.ones_like(block))
-    groups = -(-count // b)
-    G = M // b + nb
-    order_q = torch.argsort(block * M + i_M, dim=-1)
-    block_sorted = torch.gather(block, -1, order_q)
-    first_query = torch.cumsum(count, -1) - count
-    first_group = torch.cumsum(groups, -1) - groups
-    slot_sorted = torch.gather(first_group, -1, block_sorted) * b + i_M - torch.gather(first_query, -1, block_sorted)
-    slot = torch.empty_like(slot_sorted).scatter_(-1, order_q, slot_sorted)
-    group_block = torch.searchsorted(torch.cumsum(groups, -1), torch.arange(G, device=dev).expand(B, H, L, G)
-                                     .contiguous(), right=True).clamp(max=nb - 1)
+    slot, group_block = mech.group_queries(block, M // b)
+    G = group_block.shape[-1]
     q_slots = torch.full((B, H, L, G * b), -1, dtype=torch.long, device=dev).scatter_(
         -1, slot, pos_q_LM.expand(B, H, L, M))
     k_rows = torch.gather(pos_k_LM.expand(B, H, L, M), -1, order_k)
