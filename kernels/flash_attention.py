@@ -281,11 +281,13 @@ def _backward(
     scale: float,
     cfg: dict[str, int] | None,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv); `grads` (buffers of q's, k's and v's shapes, any strides) are written when given."""
+    """(dq, dk, dv); `grads` (buffers of q's, k's and v's shapes, any strides) are written when given, and `delta`
+    (`backward_delta`'s, contiguous) is taken instead of computed from out, dout and dlse."""
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
-    delta = backward_delta(out, dout, dlse)
+    delta = backward_delta(out, dout, dlse) if delta is None else delta
     if grads is None:
         grads = tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     dq, dk, dv = grads

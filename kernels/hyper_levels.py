@@ -72,10 +72,11 @@ class CausalLevels:
     def backward(self, q, k, v, out, lse, dout, dlse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         P = self.pieces
         grads = tuple(token_major_like(x) for x in (q, k, v))
+        delta = backward_delta(out, dout, dlse)  # of the final out: every part's backward takes it
+        # The pieces' backward reads only lse and delta of the rows (out and dlse enter through delta).
         flash_backward(as_pieces(q, P), as_pieces(k, P), as_pieces(v, P), as_pieces(out, P), stat_pieces(lse, P),
-                       as_pieces(dout, P), None if dlse is None else stat_pieces(dlse, P), True, None, self.scale,
-                       self.cfg, grads=tuple(as_pieces(g, P, view=True) for g in grads))
-        delta = backward_delta(out, dout, dlse)
+                       as_pieces(dout, P), None, True, None, self.scale, self.cfg,
+                       grads=tuple(as_pieces(g, P, view=True) for g in grads), delta=stat_pieces(delta, P))
         for lay in self.levels:
             hyper_backward(q, k, v, out, lse, dout, lay, delta, add_to=grads)
         return grads
