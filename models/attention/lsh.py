@@ -47,6 +47,7 @@ from pydantic import model_validator
 
 from kernels.dispatch import fused_kernels
 from kernels.lsh_hash import angular_hash
+from kernels.lsh_layout import bucket_layout
 from kernels.merge_rounds import merge_rounds
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.lse import chunked_attention, exact_attention, merge_lse_many
@@ -303,20 +304,22 @@ class LSHMechanism(nn.Module):
             warnings.warn(PAPER_ROUTING_LEAK, UserWarning, stacklevel=2)
         fused = fused_kernels(q_BHTE)  # the hash, the chunks and the merge on the Triton kernels
         bucket_BHRT = self.buckets(k_BHSE.detach(), key_padding_mask_BS, fused=fused)
-        pos_T = torch.arange(T, device=q_BHTE.device)
-        # Sort by (bucket, position): one int64 key, stable because positions are distinct.
-        order_BHRT = torch.argsort(bucket_BHRT * T + pos_T, dim=-1)
+        # Sorted by (bucket, position): a stable sort by bucket keeps each bucket's tokens in position order.
+        order_BHRT = torch.argsort(bucket_BHRT, dim=-1, stable=True)
         # The layout is given to the kernels as an index, token_of_row: row l of round r holds that token (-1: a
         # filler row). They load q, k, v through it and write each round's out and lse at the tokens' places, so no
         # sorted copy of q, k, v, out or their gradients exists.
-        if past_only:
-            # On the kernels the layout takes its bound: no length read back from the device, so nothing in the
-            # layer's forward or backward waits for it (a CUDA graph can hold the whole layer); the chunks past
-            # the real layout are filler rows only, whose programs the kernels end at once.
-            slot_BHRT, L = self.bucket_aligned_slots(bucket_BHRT, order_BHRT, bounded=fused)
+        if past_only and fused:
+            # One kernel lays out the rows at the layout's bound: no length read back from the device, so nothing
+            # in the layer's forward or backward waits for it (a CUDA graph can hold the whole layer); the chunks
+            # past the real layout are filler rows only, whose programs the kernels end at once.
+            token_BHRL, positions_BHRT = bucket_layout(bucket_BHRT, order_BHRT, self.bucket_size,
+                                                       self.bounded_layout_length(T))
+        elif past_only:
+            slot_BHRT, L = self.bucket_aligned_slots(bucket_BHRT, order_BHRT)
             # Shifting positions by -bucket * T makes the causal test (key <= query) also drop the keys of the
             # lower bucket that may fill the previous chunk; inside a bucket it is the plain causal test.
-            positions_BHRT = pos_T - bucket_BHRT * T
+            positions_BHRT = torch.arange(T, device=q_BHTE.device) - bucket_BHRT * T
             tokens_BHRT = torch.arange(T, device=q_BHTE.device, dtype=torch.int32).expand(B, H, R, T)
             token_BHRL = torch.full((B, H, R, L), -1, dtype=torch.int32, device=q_BHTE.device)
             token_BHRL = token_BHRL.scatter_(3, slot_BHRT, tokens_BHRT)
@@ -342,7 +345,7 @@ class LSHMechanism(nn.Module):
         # Ids run below 2 * n_half, padding's is 2 * n_half (`buckets`), and no row's n_half exceeds the bound: the
         # counts take the bound's columns, those of ids no token has staying zero (no chunk, no row), so the count
         # needs no host sync (reading the largest id was one, besides L's below).
-        n_ids = 2 * self.n_half_bound(T) + 1
+        n_ids = self.n_ids_bound(T)
         count_BHRN = torch.zeros(*bucket_BHRT.shape[:3], n_ids, dtype=torch.long, device=bucket_BHRT.device)
         count_BHRN.scatter_add_(3, bucket_BHRT, torch.ones_like(bucket_BHRT))
         chunks_BHRN = -(-count_BHRN // C)
@@ -353,7 +356,7 @@ class LSHMechanism(nn.Module):
         slot_sorted_BHRT = torch.gather(first_row_BHRN, 3, sorted_bucket_BHRT) + rank_BHRT
         slot_BHRT = torch.empty_like(slot_sorted_BHRT).scatter_(3, order_BHRT, slot_sorted_BHRT)
         if bounded:
-            return slot_BHRT, layout_length_bound(T, n_ids, C)
+            return slot_BHRT, self.bounded_layout_length(T)
         return slot_BHRT, int(chunks_BHRN.sum(-1).max()) * C
 
     def causal_last_rows(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSE: torch.Tensor) -> torch.Tensor:
@@ -376,7 +379,7 @@ class LSHMechanism(nn.Module):
             raise ValueError("cached lsh decoding is for separate query and key projections (models/dropin.py); "
                              "Reformer's shared-QK self-mask is not reproduced here")
         bucket_BHRS = self.buckets(k_BHSE.detach(), None)
-        order_BHRS = torch.argsort(bucket_BHRS * S + torch.arange(S, device=dev), dim=-1)
+        order_BHRS = torch.argsort(bucket_BHRS, dim=-1, stable=True)  # (bucket, position) order
         count_BHRN = torch.zeros(B, H, R, 2 * self.n_half_bound(S), dtype=torch.long, device=dev)
         count_BHRN.scatter_add_(3, bucket_BHRS, torch.ones_like(bucket_BHRS))
         first_sorted_BHRN = torch.cumsum(count_BHRN, -1) - count_BHRN
@@ -412,6 +415,14 @@ class LSHMechanism(nn.Module):
         shortest = default_n_buckets(1, self.bucket_size)
         return max(n for n in range(1, 2 * self.bucket_size + 2)
                    if default_n_buckets(n, self.bucket_size) == shortest)
+
+    def n_ids_bound(self, seq_len: int) -> int:
+        """Bucket ids a row of `seq_len` tokens can hold: below 2 * n_half, and padding's 2 * n_half (`buckets`)."""
+        return 2 * self.n_half_bound(seq_len) + 1
+
+    def bounded_layout_length(self, seq_len: int) -> int:
+        """`layout_length_bound` for any buckets of a row of `seq_len` tokens."""
+        return layout_length_bound(seq_len, self.n_ids_bound(seq_len), self.bucket_size)
 
     def n_half_bound(self, seq_len: int) -> int:
         """Half the bucket count of the longest row of `seq_len` tokens (`buckets` gives no row more)."""
