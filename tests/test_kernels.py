@@ -658,8 +658,8 @@ def test_chunked_attention_rejects_bad_arguments() -> None:
 # loads and the shared memory checked would be a single stage's. Checked: each flash kernel at the largest
 # candidate that prune_configs keeps on an H100/H200 (sm_90) at head dim 128, bf16, against the limit and
 # against shared_memory_estimate (which must bound the compiler's figure); each flash kernel with the
-# opposite masking constexprs on an A100 (sm_80), same check; the chunked kernels, LSH's hash and HyperAttention's
-# blocks + samples on sm_90.
+# opposite masking constexprs on an A100 (sm_80), same check; the chunked kernels, LSH's hash and layout and
+# HyperAttention's blocks + samples on sm_90.
 # Runs in a fresh process because this one has TRITON_INTERPRET=1.
 _COMPILE_SCRIPT = """
 import os
@@ -667,13 +667,14 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import k_chunked_attention, k_flash_attention as kf, k_hyper_blocks, k_lsh_hash, k_merge_rounds
+from kernels import k_chunked_attention, k_flash_attention as kf, k_hyper_blocks, k_lsh_hash, k_lsh_layout, k_merge_rounds
 
 TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32", "Kpm": "*u8", "Pad": "*u8",
          "Pos": "*i64", "HALF": "*i32", "IDS": "*i64", "QTok": "*i64", "KTok": "*i64", "GBlock": "*i64",
          "SRow": "*i64", "FirstGroup": "*i64", "SampleStart": "*i64", "LogW": "*fp32", "DKS": "*fp32",
          "DVS": "*fp32", "LSE": "*fp32", "LSE_OUT": "*fp32", "WEIGHT": "*fp32", "G_LSE": "*fp32", "G_LSE_R": "*fp32",
-         "LSE_A": "*fp32", "LSE_B": "*fp32", "ALPHA": "*fp32", "BETA": "*fp32", "G_LSE_A": "*fp32", "G_LSE_B": "*fp32"}
+         "LSE_A": "*fp32", "LSE_B": "*fp32", "ALPHA": "*fp32", "BETA": "*fp32", "G_LSE_A": "*fp32", "G_LSE_B": "*fp32",
+         "BUCKET": "*i64", "ORDER": "*i64", "TOKEN": "*i32", "POS": "*i64"}
 
 def compile_shared(fn, constexprs, num_warps, num_stages, arch):
     if isinstance(fn, triton.runtime.autotuner.Heuristics):
@@ -716,6 +717,10 @@ hash_args = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_E=64, DOT
 shared = compile_shared(k_lsh_hash._angular_hash, hash_args, cfg["num_warps"], cfg["num_stages"], 90)
 assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], ("_angular_hash", shared)
 print("_angular_hash", "compiled")
+cfg = k_lsh_layout.launch_config(interpret=False)
+shared = compile_shared(k_lsh_layout._bucket_layout, {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"], 1, 90)
+assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], ("_bucket_layout", shared)
+print("_bucket_layout", "compiled")
 cfg = k_hyper_blocks.launch_config(64, 2, 256, interpret=False)
 hyper_args = dict(HAS_KPM=True, DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                   BLOCK_D=64)
@@ -749,7 +754,7 @@ def test_kernels_compile_for_gpu() -> None:
         [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 18, result.stdout
+    assert result.stdout.count("compiled") == 19, result.stdout
 
 
 def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:
