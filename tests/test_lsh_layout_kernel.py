@@ -75,3 +75,49 @@ def test_the_layout_refuses_mismatched_shapes_and_a_length_shorter_than_the_toke
         bucket_layout(bucket_BHRT, bucket_BHRT[..., :4], 4, 16)
     with pytest.raises(ValueError, match="length=7"):
         bucket_layout(bucket_BHRT, bucket_BHRT, 4, 7)
+
+
+def causal_layer(B: int) -> tuple[LSHMechanism, tuple[torch.Tensor, ...]]:
+    """Past-only LSH, buckets of 4, two rounds, 24 tokens (12 buckets), one head (the interpreter's chunk kernel
+    takes seconds a call)."""
+    mech = LSHMechanism(LSHMechanismConfig(bucket_size=4, n_hashes=2, causal_routing="past_only"), 16, 0).eval()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, 1, 24, 16, generator=gen) for _ in range(3))
+    return mech, (q, k, v)
+
+
+def test_the_causal_layer_on_the_layout_kernel_equals_the_layer_in_pytorch(monkeypatch) -> None:
+    """The wiring: the layer's output with its layout, chunks and merge on the kernels against the same layer
+    on PyTorch's backend (its layout built by `bucket_aligned_slots`), fp32 on both sides; padding in one row
+    (fewer buckets there, and the padding's own bucket)."""
+    from kernels import dispatch
+
+    mech, (q, k, v) = causal_layer(B=2)
+    mask = torch.zeros(2, 24, dtype=torch.bool)
+    mask[1, 17:] = True
+    expected = mech(q, k, v, key_padding_mask_BS=mask, causal=True)
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+    mech.to(DEVICE)
+    assert dispatch.fused_kernels(q.to(DEVICE))
+    got = mech(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), key_padding_mask_BS=mask.to(DEVICE), causal=True)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_on_the_layout_kernel_the_output_at_i_depends_on_nothing_after_i(monkeypatch) -> None:
+    """Inputs after position i replaced (a different layout of the later tokens, in every round): the outputs up
+    to i are bitwise the same."""
+    from kernels import dispatch
+
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+    mech, inputs = causal_layer(B=1)
+    mech.to(DEVICE)
+    q, k, v = (x.to(DEVICE) for x in inputs)
+    base = mech(q, k, v, causal=True)
+    gen = torch.Generator().manual_seed(6)
+    for i in (6, 15):
+        changed = [x.clone() for x in (q, k, v)]
+        for x in changed:
+            x[:, :, i + 1:] = torch.randn(1, 1, 24 - i - 1, 16, generator=gen).to(DEVICE)
+        out = mech(*changed, causal=True)
+        assert torch.equal(out[:, :, :i + 1], base[:, :, :i + 1]), i
+        assert not torch.equal(out[:, :, i + 1:], base[:, :, i + 1:]), i  # the check can see a change
