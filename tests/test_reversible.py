@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,6 +113,7 @@ def test_reversible_language_model_trains():
 def test_reversible_stack_under_ddp_gets_every_gradient_once(tmp_path):
     """Parameters are inputs of the autograd function, so DDP's gradient hooks fire normally."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    ddp = None
     try:
         torch.manual_seed(0)
         model = LanguageModel(config(layers=2), VOCAB, causal=True)
@@ -121,6 +124,13 @@ def test_reversible_stack_under_ddp_gets_every_gradient_once(tmp_path):
             ddp(tokens).sum().backward()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     finally:
+        # DDP's Reducer goes first, while the group lives, so that the group's last reference drops in
+        # destroy_process_group, through the Python class that frees its groups without the GIL. Freed by the
+        # Reducer as the test returned, the group was freed with the GIL held, its destructor joining gloo's
+        # threads while one of them waited for the GIL (to release a finished work's tensors): the fast tier once
+        # hung there for 12 minutes.
+        del ddp
+        gc.collect()
         dist.destroy_process_group()
 
 
