@@ -213,6 +213,36 @@ def fake_autoscaling_config(gcs_address: str, *, worker_types: dict[str, dict[st
     }
 
 
+def _children(pid: int) -> set[int]:
+    return {child for child, _ in descendants(pid) if _parent(child) == pid}
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _add_node(cluster: Any, node_args: dict[str, Any]) -> Any:
+    """`cluster.add_node`, started again while its failure is Ray's fixed 30 s for the raylet to register (a worker
+    node of the 3-node cluster missed it in a fresh clone's slow tier, as the head once did: `start_again_on_node_timeout`
+    retries those), up to START_ATTEMPTS times. Ray leaves a timed-out node's raylet running: it is this process's
+    child that was not there before the attempt, and it goes with everything it started."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        before = _children(os.getpid())
+        try:
+            return cluster.add_node(**node_args)
+        except Exception as err:  # Ray raises a bare Exception when the raylet does not register in time
+            if NODE_START_TIMEOUT not in str(err) or attempt == START_ATTEMPTS:
+                raise
+            stale = sorted(_children(os.getpid()) - before)
+            kill_all([pid for raylet in stale for pid in (raylet, *(child for child, _ in descendants(raylet)))])
+            print(f"a worker node timed out during startup; starting it again ({attempt + 1}/{START_ATTEMPTS})",
+                  file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
 def _serve(head_args: dict[str, Any]) -> None:
     """The child process of LocalCluster: one JSON command per stdin line, one JSON reply per stdout line."""
     from ray.cluster_utils import Cluster
@@ -238,7 +268,7 @@ def _serve(head_args: dict[str, Any]) -> None:
         for line in sys.stdin:
             command = json.loads(line)
             if command["op"] == "add":
-                node = cluster.add_node(**command["args"])
+                node = _add_node(cluster, command["args"])
                 nodes[node.node_id] = node
                 reply(**describe(node))
             elif command["op"] == "remove":
