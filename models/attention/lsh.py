@@ -335,13 +335,12 @@ class LSHMechanism(nn.Module):
         out_BHTE, _ = round_merge(fused)(out_BHRTE, lse_BHRT, dim=2)
         return out_BHTE
 
-    def bucket_aligned_slots(self, bucket_BHRT: torch.Tensor, order_BHRT: torch.Tensor,
-                             bounded: bool = False) -> tuple[torch.Tensor, int]:
+    def bucket_aligned_slots(self, bucket_BHRT: torch.Tensor, order_BHRT: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Row of each token [B, H, R, T] in the (bucket, position) order with every bucket's run starting a new
-        chunk, and the layout's length L: the longest over rows, heads and rounds (one host sync), or, `bounded`
-        (or inside `bounded_layout`), `layout_length_bound`'s for any hashes."""
+        chunk, and the layout's length L: the longest over rows, heads and rounds (one host sync), or, inside
+        `bounded_layout`, `layout_length_bound`'s for any hashes. The PyTorch path's layout: on the kernels,
+        kernels/lsh_layout.py `bucket_layout` makes it at the bound."""
         C, T = self.bucket_size, bucket_BHRT.shape[-1]
-        bounded = bounded or _BOUNDED_LAYOUT.get()
         # Ids run below 2 * n_half, padding's is 2 * n_half (`buckets`), and no row's n_half exceeds the bound: the
         # counts take the bound's columns, those of ids no token has staying zero (no chunk, no row), so the count
         # needs no host sync (reading the largest id was one, besides L's below).
@@ -355,7 +354,7 @@ class LSHMechanism(nn.Module):
         rank_BHRT = torch.arange(T, device=bucket_BHRT.device) - torch.gather(first_sorted_BHRN, 3, sorted_bucket_BHRT)
         slot_sorted_BHRT = torch.gather(first_row_BHRN, 3, sorted_bucket_BHRT) + rank_BHRT
         slot_BHRT = torch.empty_like(slot_sorted_BHRT).scatter_(3, order_BHRT, slot_sorted_BHRT)
-        if bounded:
+        if _BOUNDED_LAYOUT.get():
             return slot_BHRT, self.bounded_layout_length(T)
         return slot_BHRT, int(chunks_BHRN.sum(-1).max()) * C
 
