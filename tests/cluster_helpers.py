@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cluster.ray_env import NODE_START_TIMEOUT, START_ATTEMPTS
-from tests.real_runs import ROOT, descendants, free_port, process_env
+from tests.real_runs import ROOT, children_of_every_process, descendants, free_port, process_env
 
 
 def private_env(temp_dir: str, **extra: str) -> dict[str, str]:
@@ -213,30 +213,19 @@ def fake_autoscaling_config(gcs_address: str, *, worker_types: dict[str, dict[st
     }
 
 
-def _children(pid: int) -> set[int]:
-    return {child for child, _ in descendants(pid) if _parent(child) == pid}
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _add_node(cluster: Any, node_args: dict[str, Any]) -> Any:
     """`cluster.add_node`, started again while its failure is Ray's fixed 30 s for the raylet to register (a worker
     node of the 3-node cluster missed it in a fresh clone's slow tier, as the head once did: `start_again_on_node_timeout`
     retries those), up to START_ATTEMPTS times. Ray leaves a timed-out node's raylet running: it is this process's
     child that was not there before the attempt, and it goes with everything it started."""
     for attempt in range(1, START_ATTEMPTS + 1):
-        before = _children(os.getpid())
+        before = set(children_of_every_process()[os.getpid()])
         try:
             return cluster.add_node(**node_args)
         except Exception as err:  # Ray raises a bare Exception when the raylet does not register in time
             if NODE_START_TIMEOUT not in str(err) or attempt == START_ATTEMPTS:
                 raise
-            stale = sorted(_children(os.getpid()) - before)
+            stale = sorted(set(children_of_every_process()[os.getpid()]) - before)
             kill_all([pid for raylet in stale for pid in (raylet, *(child for child, _ in descendants(raylet)))])
             print(f"a worker node timed out during startup; starting it again ({attempt + 1}/{START_ATTEMPTS})",
                   file=sys.stderr, flush=True)

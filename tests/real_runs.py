@@ -101,8 +101,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def descendants(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every process below `pid` (Ray's raylet starts the workers)."""
+def children_of_every_process() -> dict[int, list[int]]:
+    """The machine's process tree, read once from /proc: parent PID -> its children's PIDs."""
     children: dict[int, list[int]] = collections.defaultdict(list)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -110,6 +110,12 @@ def descendants(pid: int) -> list[tuple[int, str]]:
             children[int(fields[1])].append(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue
+    return children
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below `pid` (Ray's raylet starts the workers)."""
+    children = children_of_every_process()
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
