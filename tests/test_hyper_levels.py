@@ -28,8 +28,10 @@ def test_levels_are_stacked_only_where_the_recursion_halves_into_whole_blocks(n,
 
 
 def test_sort_keys_that_would_overflow_int64_are_not_stacked():
+    """The levels' sort key is segment * (2^bits + 1) + bucket rank, with 2^L segments at the last level."""
     assert stacked_levels(1 << 20, 1 << 12, 64, bits=7) == 8
-    assert stacked_levels(1 << 40, 1 << 12, 64, bits=30) == 0
+    assert stacked_levels(1 << 40, 1 << 12, 64, bits=30) == 28  # 2^28 * (2^30 + 1) < 2^62
+    assert stacked_levels(1 << 50, 1 << 12, 64, bits=30) == 0  # 2^38 * (2^30 + 1) > 2^62
 
 
 def test_piece_order_undoes_the_recursions_concatenations():

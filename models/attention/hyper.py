@@ -56,7 +56,7 @@ PAPER_ROUTING_LEAK = (
 )
 
 MAX_LSH_BITS = 30
-"""Hash codes are int64 sort keys multiplied by the sequence length, so 2^30 buckets is a safe ceiling."""
+"""A code's bits are weighted in int32 (`bucket_rank`), so 2^30 buckets is a safe ceiling."""
 RANK_TABLE_BITS = 16
 """Up to 2^16 buckets the Gray rank of a code is read from a table (one gather; the prefix XOR is 2 log2(r) launches
 per hash, which on a GPU cost more than their bytes); above, the table would outgrow the tokens it ranks."""
@@ -196,9 +196,9 @@ class HyperMechanism(nn.Module):
         b = self.block_size
         nb = -(-N // b)
         extra = nb * b - N  # internal padding: masked keys (and unused queries) after every real row
-        pos_N = torch.arange(N, device=q_BHNE.device)
-        order_q_BHN = torch.argsort(self.bucket_rank(q_BHNE, query_padding_BN) * N + pos_N, dim=-1)
-        order_k_BHN = torch.argsort(self.bucket_rank(k_BHNE, key_padding_BN) * N + pos_N, dim=-1)
+        # (bucket, position) order: a stable sort keeps positions ascending within a bucket.
+        order_q_BHN = torch.argsort(self.bucket_rank(q_BHNE, query_padding_BN), dim=-1, stable=True)
+        order_k_BHN = torch.argsort(self.bucket_rank(k_BHNE, key_padding_BN), dim=-1, stable=True)
 
         def sort(x_BHNE: torch.Tensor, order_BHN: torch.Tensor) -> torch.Tensor:
             x = torch.gather(x_BHNE, 2, order_BHN[..., None].expand(B, H, N, x_BHNE.shape[-1]))
@@ -295,7 +295,7 @@ class HyperMechanism(nn.Module):
         b, dev = self.block_size, q_BHME.device
         nb = -(-N // b)
         rank_k_BHN = self.bucket_rank(k_BHNE, key_padding_BN)
-        order_k_BHN = torch.argsort(rank_k_BHN * N + torch.arange(N, device=dev), dim=-1)
+        order_k_BHN = torch.argsort(rank_k_BHN, dim=-1, stable=True)  # by bucket, then position
         rank_ks_BHN = torch.gather(rank_k_BHN, 2, order_k_BHN)
         n_real_B11 = real_keys(key_padding_BN, B, N, dev)[:, None, None]
 
@@ -347,7 +347,7 @@ class HyperMechanism(nn.Module):
             -1, block_XM, torch.ones_like(block_XM))
         groups = -(-count // b)
         G = -(-M // b) + nb
-        order = torch.argsort(block_XM * M + i_M, dim=-1)
+        order = torch.argsort(block_XM, dim=-1, stable=True)  # by block, then position
         block_sorted = torch.gather(block_XM, -1, order)
         first_query = torch.cumsum(count, -1) - count
         first_group = torch.cumsum(groups, -1) - groups

@@ -40,7 +40,7 @@ def stacked_levels(n: int, min_seq_len: int, block_size: int, bits: int) -> int:
         if n % 2 or half % block_size or half < min_seq_len:
             return 0
         n, levels = half, levels + 1
-    max_key = (1 << levels) * ((1 << bits) + 1) * (n << levels)
+    max_key = (1 << levels) * ((1 << bits) + 1)  # segment * buckets + bucket rank
     return levels if max_key < 2**62 else 0
 
 
@@ -69,7 +69,7 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     buckets = (1 << mech.bits) + 1  # ranks 0 .. 2^bits (padding's rank, unused here)
     key_k = seg_LM * buckets + mech.bucket_rank(k_BHNE, None)[:, :, pos_k_LM]  # [B, H, L, M]
     key_q = seg_LM * buckets + mech.bucket_rank(q_BHNE, None)[:, :, pos_q_LM]
-    order_k = torch.argsort(key_k * M + i_M, dim=-1)  # by segment, bucket, position
+    order_k = torch.argsort(key_k, dim=-1, stable=True)  # by segment, bucket, then position
     key_sorted = torch.gather(key_k, -1, order_k)
     lo = torch.searchsorted(key_sorted, key_q, side="left")
     hi = torch.searchsorted(key_sorted, key_q, side="right")
