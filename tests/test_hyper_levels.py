@@ -49,6 +49,34 @@ def test_piece_order_undoes_the_recursions_concatenations():
 
 
 @needs_triton
+@pytest.mark.parametrize("lead, M, nb, block, spread", [
+    ((2, 3), 40, 10, 4, "random"),       # `placed`'s [B, H]: a few groups per block, blocks without queries
+    ((1, 2, 3), 64, 16, 4, "random"),    # the stacked levels' [B, H, L], rows spanning the interpreter's tiles
+    ((1, 1), 37, 5, 8, "one block"),     # every query in one block: ceil(37 / 8) groups, the rest unused
+    ((1, 2), 48, 6, 8, "runs"),          # runs of whole groups and longer, across tiles of 16
+])
+def test_the_kernels_grouping_is_group_queries(lead, M, nb, block, spread):
+    """`grouped_rows` (the LSH layout kernel) against `group_queries` (PyTorch): the query in each slot (-1 in
+    an unused one) and the key block of each group, unused groups included."""
+    mech = HyperMechanism(HyperMechanismConfig(block_size=block, sample_size=4, min_seq_len=8, lsh_bits=3),
+                          head_dim=8, layer_index=0)
+    gen = torch.Generator().manual_seed(M)
+    if spread == "random":
+        block_XM = torch.randint(0, nb, (*lead, M), generator=gen)
+    elif spread == "one block":
+        block_XM = torch.full((*lead, M), nb // 2)
+    else:
+        block_XM = torch.sort(torch.randint(0, 3, (*lead, M), generator=gen) * (nb // 3), dim=-1).values
+    slot_XM, want_block = mech.group_queries(block_XM, nb)
+    G = want_block.shape[-1]
+    want_query = torch.full((*lead, G * block), -1, dtype=torch.long).scatter_(
+        -1, slot_XM, torch.arange(M).expand(*lead, M))
+    query, got_block = mech.grouped_rows(block_XM.to(DEVICE), nb)
+    assert query.dtype == torch.long and torch.equal(query.cpu(), want_query)
+    assert torch.equal(got_block.cpu(), want_block)
+
+
+@needs_triton
 def test_on_the_kernels_the_output_at_i_depends_on_nothing_after_i(monkeypatch):
     """Two stacked levels (32 -> 16 -> 8 tokens, blocks of 4), in training: inputs after position i are replaced,
     and the outputs up to i stay bitwise the same (the samples' draw repeated from one seed)."""

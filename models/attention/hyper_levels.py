@@ -75,10 +75,8 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     hi = torch.searchsorted(key_sorted, key_q, side="right")
     # As `placed`: the key block at the middle of the query's bucket's run in its segment (or where it would be).
     block = torch.minimum((lo + hi) // 2, (seg_LM + 1) * half_L1 - 1) // b
-    slot, group_block = mech.group_queries(block, M // b)
-    G = group_block.shape[-1]
-    q_slots = torch.full((B, H, L, G * b), -1, dtype=torch.long, device=dev).scatter_(
-        -1, slot, pos_q_LM.expand(B, H, L, M))
+    query, group_block = mech.grouped_rows(block, M // b)
+    q_slots = torch.where(query >= 0, pos_q_LM.expand(B, H, L, M).gather(-1, query.clamp(min=0)), -1)
     k_rows = torch.gather(pos_k_LM.expand(B, H, L, M), -1, order_k)
     return tuple(x.movedim(2, 0).contiguous() for x in (q_slots, k_rows, group_block))
 
