@@ -142,15 +142,16 @@ def hyper_backward(q, k, v, out, lse, dout, lay: _Layout, delta: torch.Tensor,
         splits = min(max(1, lay.n_groups // lay.segments),
                      2 if interpreter_enabled() else max(1, SAMPLE_PROGRAMS // programs))
         # Every split's rows are written (a split past a segment's last group writes zeros).
-        dks_part = torch.empty(splits, B * H, m, lay.block_d, device=q.device, dtype=torch.float32)
-        dvs_part = torch.empty_like(dks_part)
+        # dK and dV of the samples in one buffer (each half contiguous, as the kernels index them): one sum.
+        parts = torch.empty(2, splits, B * H, m, lay.block_d, device=q.device, dtype=torch.float32)
+        dks_part, dvs_part = parts.unbind(0)
         grid = (splits * lay.segments * sample_tiles, B * H)
         stand_in.launch("hyper_bwd_samples", lambda: kern._hyper_bwd_samples[grid](
             q, k, v, dout, lse, delta, dks_part, dvs_part, *indices, lay.first_group, lay.sample_rows, lay.log_w,
             lay.pad, *inputs, *lay.sizes, D, sample_tiles, splits, scales[0], *lay.segment_sizes,
             **lay.constexprs,
         ))  # fmt: skip
-        dks, dvs = dks_part.sum(0), dvs_part.sum(0)
+        dks, dvs = parts.sum(1).unbind(0)
     tiles_per_block = cdiv(lay.block, block_n)
     stand_in.launch("hyper_bwd_dkdv", lambda: kern._hyper_bwd_dkdv[(lay.n_blocks * tiles_per_block, B * H)](
         q, k, v, dout, lse, delta, dk, dv, dks, dvs, *indices, lay.first_group, lay.sample_rows, lay.sample_start,

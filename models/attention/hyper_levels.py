@@ -76,7 +76,7 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     # As `placed`: the key block at the middle of the query's bucket's run in its segment (or where it would be).
     block = torch.minimum((lo + hi) // 2, (seg_LM + 1) * half_L1 - 1) // b
     query, group_block = mech.grouped_rows(block, M // b)
-    q_slots = torch.where(query >= 0, pos_q_LM.expand(B, H, L, M).gather(-1, query.clamp(min=0)), -1)
+    q_slots = pos_q_LM.expand(B, H, L, M).gather(-1, query.clamp(min=0)).masked_fill_(query < 0, -1)
     k_rows = torch.gather(pos_k_LM.expand(B, H, L, M), -1, order_k)
     return tuple(x.movedim(2, 0).contiguous() for x in (q_slots, k_rows, group_block))
 
