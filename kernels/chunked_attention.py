@@ -142,7 +142,13 @@ def _backward(
         delta = backward_delta(out.flatten(1, 2), dout.flatten(1, 2), None if dlse is None else dlse.flatten(1, 2))
     else:
         delta = backward_delta(out, dout, dlse)
-    dq, dk, dv = lay.rows_like(q), lay.rows_like(k), lay.rows_like(v)
+    if lay.indexed and q.shape[-1] == k.shape[-1] == v.shape[-1] and q.dtype == k.dtype == v.dtype:
+        # The three per-round gradients in one buffer, summed over the rounds in one launch (three before).
+        grads = torch.empty(3, *lay.rows_shape, q.shape[-1], device=q.device, dtype=q.dtype)
+        dq, dk, dv = grads.unbind(0)
+    else:
+        grads = None
+        dq, dk, dv = lay.rows_like(q), lay.rows_like(k), lay.rows_like(v)
     inputs_strides = (*strides(q), *strides(k), *strides(v), *round_strides(dout))
     scales = (lay.scale * math.log2(math.e), lay.scale)
 
@@ -160,6 +166,8 @@ def _backward(
         *lay.scalars, blocks_per_chunk_m, *scales,
         **lay.constexprs,
     ))  # fmt: skip
+    if grads is not None:
+        return grads.sum(3).unbind(0)
     if lay.indexed:
         return dq.sum(2), dk.sum(2), dv.sum(2)
     return dq, dk, dv
