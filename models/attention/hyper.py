@@ -257,10 +257,13 @@ class HyperMechanism(nn.Module):
         log_w_B11 = self.sample_log_weight(n_real_B, lse_res.dtype)[:, None, None]
         return o_res.reshape(B, H, G * b, E), lse_res.reshape(B, H, G * b) + log_w_B11
 
-    def sample_rows(self, B: int, H: int, n_real_B: torch.Tensor, n_rows: int, device: torch.device, level: int):
+    def sample_rows(self, B: int, H: int, n_real_B: torch.Tensor | int, n_rows: int, device: torch.device,
+                    level: int):
         """[B, H, m] rows of the sorted keys drawn uniformly, with replacement, among each batch row's n_real_B real
-        keys (sorted first): the one draw both ways of computing the sampled part take."""
-        j_BHM = (self._uniform(B, H, self.sample_size, device, level) * n_real_B[:, None, None]).long()
+        keys (sorted first; an int: the same count for every row): the one draw both ways of computing the sampled
+        part take."""
+        n_real = n_real_B[:, None, None] if isinstance(n_real_B, torch.Tensor) else n_real_B
+        j_BHM = (self._uniform(B, H, self.sample_size, device, level) * n_real).long()
         return j_BHM.clamp(max=n_rows - 1)
 
     def sample_log_weight(self, n_real_B: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

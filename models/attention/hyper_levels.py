@@ -96,9 +96,9 @@ def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> 
     for level in reversed(range(L)):  # the recursion's order of draws and merges: deepest first
         pieces, half = 1 << level, N >> (level + 1)
         if m > 0:
-            real = torch.full((pieces * B,), half, device=dev)
-            rows = mech.sample_rows(pieces * B, H, real, half, dev, level)  # [2^l B, H, m] in the recursion's order
-            rows = piece_order(rows, level) + half * torch.arange(pieces, device=dev)[:, None, None, None]
+            # Every piece has `half` real keys: an int, as a tensor of them multiplies to the same float32 draws.
+            rows = mech.sample_rows(pieces * B, H, half, half, dev, level)  # [2^l B, H, m] in the recursion's order
+            rows = piece_order(rows, level) + torch.arange(0, pieces * half, half, device=dev)[:, None, None, None]
             rows = rows.permute(1, 2, 0, 3).reshape(B, H, pieces * m)  # piece s's samples among its rows
         else:
             rows = torch.zeros(B, H, 0, dtype=torch.long, device=dev)
