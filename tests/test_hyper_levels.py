@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from models.attention.hyper import HyperMechanism, HyperMechanismConfig
+from models.attention.hyper_groups import group_queries, grouped_rows
 from models.attention.hyper_levels import piece_order, stacked_levels
 
 
@@ -58,8 +59,6 @@ def test_piece_order_undoes_the_recursions_concatenations():
 def test_the_kernels_grouping_is_group_queries(lead, M, nb, block, spread):
     """`grouped_rows` (the LSH layout kernel) against `group_queries` (PyTorch): the query in each slot (-1 in
     an unused one) and the key block of each group, unused groups included."""
-    mech = HyperMechanism(HyperMechanismConfig(block_size=block, sample_size=4, min_seq_len=8, lsh_bits=3),
-                          head_dim=8, layer_index=0)
     gen = torch.Generator().manual_seed(M)
     if spread == "random":
         block_XM = torch.randint(0, nb, (*lead, M), generator=gen)
@@ -67,11 +66,11 @@ def test_the_kernels_grouping_is_group_queries(lead, M, nb, block, spread):
         block_XM = torch.full((*lead, M), nb // 2)
     else:
         block_XM = torch.sort(torch.randint(0, 3, (*lead, M), generator=gen) * (nb // 3), dim=-1).values
-    slot_XM, want_block = mech.group_queries(block_XM, nb)
+    slot_XM, want_block = group_queries(block_XM, nb, block)
     G = want_block.shape[-1]
     want_query = torch.full((*lead, G * block), -1, dtype=torch.long).scatter_(
         -1, slot_XM, torch.arange(M).expand(*lead, M))
-    query, got_block = mech.grouped_rows(block_XM.to(DEVICE), nb)
+    query, got_block = grouped_rows(block_XM.to(DEVICE), nb, block)
     assert query.dtype == torch.long and torch.equal(query.cpu(), want_query)
     assert torch.equal(got_block.cpu(), want_block)
 

@@ -40,10 +40,10 @@ from pydantic import model_validator
 
 from kernels.dispatch import fused_kernels
 from kernels.hyper_blocks import hyper_block_flash_attention
-from kernels.lsh_layout import bucket_layout
 from kernels.merge_rounds import merge_below
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.exact import ExactMechanism, exact_causal_rows
+from models.attention.hyper_groups import group_queries, grouped_rows
 from models.attention.hyper_levels import causal_levels, stacked_levels
 from models.attention.lse import exact_attention, merge_lse, merge_lse_below
 
@@ -309,10 +309,10 @@ class HyperMechanism(nn.Module):
         hi = torch.searchsorted(rank_ks_BHN, rank_q_BHM, side="right")
         block_BHM = torch.minimum((lo + hi) // 2, (n_real_B11 - 1).clamp(min=0)) // b
         if fused_kernels(q_BHME):  # one softmax read through the slots and the key order (kernels/k_hyper_blocks.py)
-            q_slots, block_BHG = self.grouped_rows(block_BHM, nb)
+            q_slots, block_BHG = grouped_rows(block_BHM, nb, b)
             return self.blocks_and_samples(q_BHME, k_BHNE, v_BHNE, q_slots, F.pad(order_k_BHN, (0, nb * b - N),
                                            value=-1), block_BHG, key_padding_BN, level)
-        slot_BHM, block_BHG = self.group_queries(block_BHM, nb)
+        slot_BHM, block_BHG = group_queries(block_BHM, nb, b)
         G = block_BHG.shape[-1]
         k_s, v_s = (torch.gather(x, 2, order_k_BHN[..., None].expand(B, H, N, E)) for x in (k_BHNE, v_BHNE))
         if nb * b > N:  # a pad of width 0 would still copy
@@ -339,45 +339,6 @@ class HyperMechanism(nn.Module):
             out, lse = merge_lse(out, lse, torch.gather(o_res, 2, slot_BHM[..., None].expand(B, H, M, E)),
                                  torch.gather(lse_res, 2, slot_BHM))
         return out, lse
-
-    def grouped_rows(self, block_XM: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`group_queries` on the kernels, as rows: (query [..., G * b], the query index in each slot, -1 in an
-        unused one; the key block of each group [..., G]), leading dims [B, H] or [B, H, L]. The groups are LSH's
-        past-only layout with key blocks for buckets and chunks of b (kernels/lsh_layout.py): a block's queries,
-        in position order, start a new group and fill ceil(count / b) of them, in one launch where
-        `group_queries` takes about twenty. A group's block is its first query's (every used group has one);
-        unused groups read block nb - 1, as there."""
-        b, M = self.block_size, block_XM.shape[-1]
-        G = -(-M // b) + nb
-        block_BHRM = block_XM if block_XM.dim() == 4 else block_XM.unsqueeze(2)
-        order = torch.argsort(block_BHRM, dim=-1, stable=True)  # by block, then position
-        query_BHRL, _ = bucket_layout(block_BHRM, order, b, G * b)  # (the shifted positions are LSH's, unused)
-        query_XL = query_BHRL.view(*block_XM.shape[:-1], G * b).long()
-        first_XG = query_XL[..., ::b]
-        block_XG = block_XM.gather(-1, first_XG.clamp(min=0)).masked_fill_(first_XG < 0, nb - 1)
-        return query_XL, block_XG
-
-    def group_queries(self, block_XM: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Past-only routing's groups, for queries [..., M] given their key blocks (of nb): (slot [..., M], the query's
-        slot among G groups of b; the key block of each group [..., G]). A block's queries fill ceil(count / b)
-        groups of b slots in position order; G = ceil(M / b) + nb bounds their sum, and unused groups read block
-        nb - 1. Any leading dims: `placed`'s [B, H] and every level's at once (models/attention/hyper_levels.py)."""
-        b, M, dev = self.block_size, block_XM.shape[-1], block_XM.device
-        i_M = torch.arange(M, device=dev)
-        count = torch.zeros(*block_XM.shape[:-1], nb, dtype=torch.long, device=dev).scatter_add_(
-            -1, block_XM, torch.ones_like(block_XM))
-        groups = -(-count // b)
-        G = -(-M // b) + nb
-        order = torch.argsort(block_XM, dim=-1, stable=True)  # by block, then position
-        block_sorted = torch.gather(block_XM, -1, order)
-        first_query = torch.cumsum(count, -1) - count
-        first_group = torch.cumsum(groups, -1) - groups
-        rank_in_block = i_M - torch.gather(first_query, -1, block_sorted)
-        slot_sorted = torch.gather(first_group, -1, block_sorted) * b + rank_in_block
-        slot_XM = torch.empty_like(slot_sorted).scatter_(-1, order, slot_sorted)
-        block_XG = torch.searchsorted(torch.cumsum(groups, -1), torch.arange(G, device=dev)
-                                      .expand(*block_XM.shape[:-1], G).contiguous(), right=True)
-        return slot_XM, block_XG.clamp(max=nb - 1)
 
     def causal(self, q_BHNE, k_BHNE, v_BHNE, key_padding_BN, level: int = 0):
         """Algorithm 4: (out, lse) of causal attention by recursive halving."""

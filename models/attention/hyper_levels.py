@@ -25,6 +25,7 @@ import torch
 
 from kernels.hyper_blocks import _Layout, block_tables
 from kernels.hyper_levels import hyper_causal_levels
+from models.attention.hyper_groups import grouped_rows
 
 if TYPE_CHECKING:
     from models.attention.hyper import HyperMechanism
@@ -75,7 +76,7 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     hi = torch.searchsorted(key_sorted, key_q, side="right")
     # As `placed`: the key block at the middle of the query's bucket's run in its segment (or where it would be).
     block = torch.minimum((lo + hi) // 2, (seg_LM + 1) * half_L1 - 1) // b
-    query, group_block = mech.grouped_rows(block, M // b)
+    query, group_block = grouped_rows(block, M // b, b)
     q_slots = pos_q_LM.expand(B, H, L, M).gather(-1, query.clamp(min=0)).masked_fill_(query < 0, -1)
     k_rows = torch.gather(pos_k_LM.expand(B, H, L, M), -1, order_k)
     return tuple(x.movedim(2, 0).contiguous() for x in (q_slots, k_rows, group_block))
