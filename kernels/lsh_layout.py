@@ -1,6 +1,7 @@
 """LSH's past-only layout on the Triton kernel of k_lsh_layout.py: the index the chunked kernels load q, k, v
 through (token of each row, -1 for a filler row) and the shifted positions of the causal test, as
-models/attention/lsh.py `forward` builds them from `bucket_aligned_slots` in PyTorch.
+models/attention/lsh.py `forward` builds them from `bucket_aligned_slots` in PyTorch. HyperAttention's past-only
+query groups are the same layout with key blocks for buckets (models/attention/hyper_groups.py `grouped_rows`).
 
 Neither output takes a gradient. Inside `kernels.dispatch.stand_in_kernels()` the launch is counted and the
 buffers allocated as on a GPU (kernels/stand_in.py).

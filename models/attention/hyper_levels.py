@@ -68,8 +68,9 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     pos_k_LM = seg_LM * 2 * half_L1 + i_M % half_L1  # level l's keys: the first half of each of its blocks
     pos_q_LM = pos_k_LM + half_L1  # its queries: the second halves
     buckets = (1 << mech.bits) + 1  # ranks 0 .. 2^bits (padding's rank, unused here)
-    key_k = seg_LM * buckets + mech.bucket_rank(k_BHNE, None)[:, :, pos_k_LM]  # [B, H, L, M]
-    key_q = seg_LM * buckets + mech.bucket_rank(q_BHNE, None)[:, :, pos_q_LM]
+    seg_key_LM = seg_LM * buckets  # the segment's part of both sort keys
+    key_k = seg_key_LM + mech.bucket_rank(k_BHNE, None)[:, :, pos_k_LM]  # [B, H, L, M]
+    key_q = seg_key_LM + mech.bucket_rank(q_BHNE, None)[:, :, pos_q_LM]
     order_k = torch.argsort(key_k, dim=-1, stable=True)  # by segment, bucket, then position
     key_sorted = torch.gather(key_k, -1, order_k)
     lo = torch.searchsorted(key_sorted, key_q, side="left")
