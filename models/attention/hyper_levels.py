@@ -65,7 +65,9 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     half_L1 = M >> torch.arange(L, device=dev)[:, None]  # no host-to-device copy: a CUDA graph can hold it
     i_M = torch.arange(M, device=dev)
     seg_LM = i_M // half_L1
-    pos_k_LM = seg_LM * 2 * half_L1 + i_M % half_L1  # level l's keys: the first half of each of its blocks
+    first_LM = seg_LM * half_L1  # the first row of each index's segment
+    # Level l's keys: the first half of each of its blocks, 2 * seg * half + (i - seg * half) in two launches.
+    pos_k_LM = first_LM + i_M
     pos_q_LM = pos_k_LM + half_L1  # its queries: the second halves
     buckets = (1 << mech.bits) + 1  # ranks 0 .. 2^bits (padding's rank, unused here)
     seg_key_LM = seg_LM * buckets  # the segment's part of both sort keys
@@ -76,7 +78,7 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     lo = torch.searchsorted(key_sorted, key_q, side="left")
     hi = torch.searchsorted(key_sorted, key_q, side="right")
     # As `placed`: the key block at the middle of the query's bucket's run in its segment (or where it would be).
-    block = torch.minimum((lo + hi) // 2, (seg_LM + 1) * half_L1 - 1) // b
+    block = torch.minimum((lo + hi) // 2, first_LM + (half_L1 - 1)) // b  # the segment's last key at most
     query, group_block = grouped_rows(block, M // b, b)
     q_slots = pos_q_LM.expand(B, H, L, M).gather(-1, query.clamp(min=0)).masked_fill_(query < 0, -1)
     k_rows = torch.gather(pos_k_LM.expand(B, H, L, M), -1, order_k)
