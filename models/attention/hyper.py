@@ -41,6 +41,7 @@ from pydantic import model_validator
 from kernels.dispatch import fused_kernels
 from kernels.hyper_blocks import hyper_block_flash_attention
 from kernels.merge_rounds import merge_below
+from kernels.simhash import simhash_rank
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.exact import ExactMechanism, exact_causal_rows
 from models.attention.hyper_groups import group_queries, grouped_rows
@@ -163,10 +164,13 @@ class HyperMechanism(nn.Module):
 
     def bucket_rank(self, x_BHTE: torch.Tensor, padding_BT: torch.Tensor | None) -> torch.Tensor:
         """Gray-ordered bucket [B, H, T]; padded rows get 2^bits, after every real bucket."""
-        bits_BHTR = (x_BHTE.detach() @ self.hyperplanes.to(x_BHTE.dtype)) > 0
-        # Weighted in int32 and summed into int64: no int64 copy of the [B, H, T, r] bits (8x the bool tensor).
-        code_BHT = (bits_BHTR * self.bit_weights).sum(-1, dtype=torch.long)
-        rank_BHT = gray_rank(code_BHT, self.bits) if self.rank_of_code is None else self.rank_of_code[code_BHT]
+        if fused_kernels(x_BHTE):  # the same ranks in one launch (kernels/k_simhash.py)
+            rank_BHT = simhash_rank(x_BHTE.detach(), self.hyperplanes)
+        else:
+            bits_BHTR = (x_BHTE.detach() @ self.hyperplanes.to(x_BHTE.dtype)) > 0
+            # Weighted in int32 and summed into int64: no int64 copy of the [B, H, T, r] bits (8x the bool tensor).
+            code_BHT = (bits_BHTR * self.bit_weights).sum(-1, dtype=torch.long)
+            rank_BHT = gray_rank(code_BHT, self.bits) if self.rank_of_code is None else self.rank_of_code[code_BHT]
         if padding_BT is not None:
             rank_BHT = rank_BHT.masked_fill(padding_BT[:, None, :], 1 << self.bits)
         return rank_BHT
