@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention.projections import CompressedContext
+import torch.nn.functional as F
+
+from models.attention.projections import CompressedContext, unit_rows
 from tests.attention_cases import D_MODEL, HEADS, make_attention
 
 E = D_MODEL // HEADS
@@ -56,6 +58,26 @@ def test_shared_qk_keys_are_each_heads_queries_at_unit_length():
                 torch.testing.assert_close(q[b, h, t], q_ref[b, t, h], atol=1e-12, rtol=0)
                 torch.testing.assert_close(k[b, h, t], q_ref[b, t, h] / q_ref[b, t, h].norm(), atol=1e-12, rtol=0)
                 torch.testing.assert_close(v[b, h, t], v_ref[b, t, h], atol=1e-12, rtol=0)
+
+
+def test_unit_rows_are_normalize_in_value_and_in_gradient():
+    """The keys' normalisation with its closed-form backward equals `F.normalize` and autograd's gradient through
+    it: values bitwise (the same three ops) in fp32 and bf16; gradients in fp64 to rounding, for ordinary rows, a
+    zero row and a row whose norm is below eps (clamped: the gradient is g / eps, the norm passing none); and
+    gradcheck away from the clamp."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 6, 8, generator=gen, dtype=torch.float64)
+    x[0, 0, 0] = 0.0
+    x[0, 1, 2] *= 1e-14  # |x| about 3e-14 < eps = 1e-12
+    g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(unit_rows(x.to(dtype)), F.normalize(x.to(dtype), dim=-1))
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    unit_rows(ours).backward(g)
+    F.normalize(theirs, dim=-1).backward(g)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ours.grad[0, 1, 2], g[0, 1, 2] / 1e-12, rtol=1e-12, atol=0)
+    assert torch.autograd.gradcheck(unit_rows, (x[1].clone().requires_grad_(),))
 
 
 def test_shared_qk_refuses_cross_attention_naming_the_fix():
