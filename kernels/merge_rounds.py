@@ -42,6 +42,7 @@ class _MergeRounds(torch.autograd.Function):
                     (out_PRME, lse_PRM, merged_PME, lse_PM, weight_PRM, M, E),
                     R=R, BLOCK_E=max(16, next_power_of_two(E)))
         ctx.save_for_backward(out_PRME, weight_PRM)
+        ctx.set_materialize_grads(False)  # an unused merged lse (LSH's layer) takes no gradient: no zeros made
         return merged_PME, lse_PM
 
     @staticmethod
@@ -89,6 +90,7 @@ class _MergeBelow(torch.autograd.Function):
                     (out_a, lse_a, out_b, lse_b, out, lse, alpha, beta, B * H, h, E),
                     halves=2, BLOCK_E=max(16, next_power_of_two(E)))
         ctx.save_for_backward(out_a, out_b, alpha, beta)
+        ctx.set_materialize_grads(False)  # an unused output takes no gradient: no zeros made
         return out, lse
 
     @staticmethod
