@@ -125,6 +125,13 @@ def _forward(
     return out, lse
 
 
+def _stacked_like(x: torch.Tensor, count: int) -> torch.Tensor:
+    """An empty [count, *x.shape] whose every slice is laid out as x (its dims in x's order of strides)."""
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost first
+    base = x.new_empty(count, *(x.shape[d] for d in order))
+    return base.permute(0, *(1 + order.index(d) for d in range(x.dim())))
+
+
 def _backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -167,7 +174,9 @@ def _backward(
         **lay.constexprs,
     ))  # fmt: skip
     if grads is not None:
-        return grads.sum(3).unbind(0)
+        # Summed into q's layout (a layer's heads are views of [B, T, H, E]): the projections' backward then
+        # reads the gradients as they are, where contiguous [B, H, T, E] sums each took a copy there.
+        return torch.sum(grads, dim=3, out=_stacked_like(q, 3)).unbind(0)
     if lay.indexed:
         return dq.sum(2), dk.sum(2), dv.sum(2)
     return dq, dk, dv
