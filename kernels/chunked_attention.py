@@ -176,7 +176,8 @@ def _backward(
     if grads is not None:
         # Summed into q's layout (a layer's heads are views of [B, T, H, E]): the projections' backward then
         # reads the gradients as they are, where contiguous [B, H, T, E] sums each took a copy there.
-        return torch.sum(grads, dim=3, out=_stacked_like(q, 3)).unbind(0)
+        with stand_in.glue_inside_kernel():
+            return torch.sum(grads, dim=3, out=_stacked_like(q, 3)).unbind(0)
     if lay.indexed:
         return dq.sum(2), dk.sum(2), dv.sum(2)
     return dq, dk, dv

@@ -84,6 +84,22 @@ def kernel_region(log: KernelLog | None) -> Iterator[None]:
         _swap(previous)
 
 
+@contextmanager
+def glue_inside_kernel() -> Iterator[None]:
+    """Inside a kernel's Function, a step that is glue, not the kernel's (the chunked backward's sum of the rounds
+    into a buffer it allocates): a counter then charges the buffer's bytes to the glue, as it charged the bytes of
+    a sum that allocated its own output."""
+    log = _log
+    if log is None:
+        yield
+        return
+    depth, log.depth = log.depth, 0
+    try:
+        yield
+    finally:
+        log.depth = depth
+
+
 def launch(name: str, run: Callable[[], object]) -> None:
     """Run one kernel launch unless standing in; count it under `name` inside `installed`."""
     log = _log

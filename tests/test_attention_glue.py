@@ -48,6 +48,15 @@ def test_counter_attributes_a_kernels_buffers_to_the_kernel() -> None:
             stand_in.launch("k", lambda: pytest.fail("a stood-in launch must not run"))
     assert (counter.glue_launches, counter.glue_bytes, counter.kernel_bytes) == (1, 48, 48)
     assert log.launches == Counter({"k": 1}) and log.depth == 0
+    # Glue inside a kernel's Function (the chunked backward's rounds sum into a buffer it allocates): its buffer's
+    # bytes are the glue's, as a sum that allocates its own output charges them there.
+    with FakeTensorMode(), GlueCounter() as counter, stand_in.installed(log):
+        with stand_in.kernel_region(log):
+            parts = torch.empty(2, 3, 4)
+            with stand_in.glue_inside_kernel():
+                torch.sum(parts, dim=0, out=torch.empty(3, 4))
+            assert log.depth == 1
+    assert (counter.glue_launches, counter.glue_bytes, counter.kernel_bytes) == (1, 48, 96)
 
 
 def test_stand_in_only_inside_its_context() -> None:
