@@ -92,21 +92,20 @@ def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> 
     m, dev, L = mech.sample_size, q_BHNE.device, levels
     q_slots, k_rows, group_block = stacked_placement(mech, q_BHNE, k_BHNE, L)
     first_group, first_row = block_tables(group_block, k_rows.shape[-1] // mech.block_size, mech.block_size)
-    # Every piece of level l has N / 2^(l+1) real keys: the samples' weight per level, as `sample_log_weight` makes it.
-    log_w_L = (mech.sample_log_weight((N // 2) >> torch.arange(L, device=dev), torch.float32) if m > 0
-               else torch.zeros(L, device=dev))  # blocks only: no samples, their weight unused
     scale = 1.0 / math.sqrt(E)
     layouts = []
     for level in reversed(range(L)):  # the recursion's order of draws and merges: deepest first
         pieces, half = 1 << level, N >> (level + 1)
         if m > 0:
-            # Every piece has `half` real keys: an int, as a tensor of them multiplies to the same float32 draws.
+            # Every piece has `half` real keys: an int, as a tensor of them multiplies to the same float32 draws,
+            # and their weight a fill, as `blocks_and_samples` makes it for a count.
             rows = mech.sample_rows(pieces * B, H, half, half, dev, level)  # [2^l B, H, m] in the recursion's order
             rows = piece_order(rows, level) + torch.arange(0, pieces * half, half, device=dev)[:, None, None, None]
             rows = rows.permute(1, 2, 0, 3).reshape(B, H, pieces * m)  # piece s's samples among its rows
-        else:
-            rows = torch.zeros(B, H, 0, dtype=torch.long, device=dev)
-        layouts.append(_Layout(q_BHNE, k_BHNE, q_slots[level], k_rows[level], group_block[level], rows,
-                               log_w_L[level].expand(B, pieces), mech.block_size, None, scale, segments=pieces,
+            log_w = mech.count_log_weight(half, (B, pieces), dev)
+        else:  # blocks only: no samples, their weight unused
+            rows, log_w = torch.zeros(B, H, 0, dtype=torch.long, device=dev), torch.zeros(B, pieces, device=dev)
+        layouts.append(_Layout(q_BHNE, k_BHNE, q_slots[level], k_rows[level], group_block[level], rows, log_w,
+                               mech.block_size, None, scale, segments=pieces,
                                tables=(first_group[level], first_row[level])))
     return hyper_causal_levels(q_BHNE, k_BHNE, v_BHNE, 1 << L, layouts, scale)

@@ -241,12 +241,12 @@ class LSHMechanism(nn.Module):
         if self.n_buckets is not None or key_padding_mask_BT is None or _BOUNDED_LAYOUT.get():
             # One count for every row, with no host sync (bounded: as if every row were T tokens long).
             n_half = self.n_half_bound(T)
-            half_B = torch.full((B,), n_half, device=k_BHTE.device)
+            half_B = torch.full((B,), n_half, device=k_BHTE.device, dtype=torch.int32)  # the hash kernel's dtype
             uniform = True
         else:
             real_B = (~key_padding_mask_BT).sum(-1).cpu()
             halves = [default_n_buckets(max(int(n), 1), self.bucket_size) // 2 for n in real_B]
-            half_B = torch.tensor(halves).to(k_BHTE.device)
+            half_B = torch.tensor(halves, dtype=torch.int32).to(k_BHTE.device)
             n_half = max(halves)
             uniform = min(halves) == n_half
         rot_HREN = self.rotations(H, n_half, k_BHTE.device).to(k_BHTE.dtype)
@@ -268,7 +268,7 @@ class LSHMechanism(nn.Module):
         for factor in self.bucket_factors:
             half = factor // 2
             rot_factor_HREN = rot_HREN[..., first_column:first_column + half]
-            half_B = torch.full((B,), half, device=k_BHTE.device)
+            half_B = torch.full((B,), half, device=k_BHTE.device, dtype=torch.int32)
             ids_BHRT = (angular_hash(k_BHTE, rot_factor_HREN, half_B) if fused
                         else self._hash_in_slices(k_BHTE, rot_factor_HREN, half_B, half, uniform=True))
             bucket_BHRT = ids_BHRT if bucket_BHRT is None else bucket_BHRT + stride * ids_BHRT
