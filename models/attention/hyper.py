@@ -212,7 +212,8 @@ class HyperMechanism(nn.Module):
             return F.pad(x, (0, 0, 0, extra)) if extra else x  # a pad of width 0 would still copy
 
         if fused_kernels(q_BHNE):  # (1) and (2) in one softmax, read through the orders (kernels/k_hyper_blocks.py)
-            rows = lambda order_BHN: F.pad(order_BHN, (0, extra), value=-1)  # noqa: E731  fillers: -1
+            # Fillers -1 after the order; none (and no copy) when the length is a multiple of the block.
+            rows = lambda order_BHN: F.pad(order_BHN, (0, extra), value=-1) if extra else order_BHN  # noqa: E731
             return self.blocks_and_samples(q_BHNE, k_BHNE, v_BHNE, rows(order_q_BHN), rows(order_k_BHN),
                                            torch.arange(nb, device=q_BHNE.device).expand(B, H, nb), key_padding_BN,
                                            level)
