@@ -14,8 +14,11 @@ g_out and d lse_r = weight_r (g_r + g_lse - sum_s weight_s g_s). The g_r go to t
 by its gradient.
 
 One program takes BLOCK_M rows of one (batch x head) slice with all R parts (R is a constexpr: the loops unroll)
-and the whole feature axis (BLOCK_E, a power of two >= E). Every tensor is contiguous: out [P, R, M, E], lse and
-weights [P, R, M], the merged out [P, M, E] and lse [P, M].
+and the whole feature axis (BLOCK_E, a power of two >= E). Contiguous: out [P, R, M, E], lse and weights [P, R, M]
+and the merged lse [P, M]. The merged out and its gradient [P, M, E] take strides: slice p = p_outer * n_inner +
+p_inner sits at p_outer * stride_po + p_inner * stride_pi, row m at m * stride_pm, so that LSH's merged heads
+[B, H, T, E] can live in the layer's [B, T, H, E] layout (P = B * H, n_inner = H) and the output projection reads
+them, and writes their gradient, without a copy.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ def _tile(n_rows, n_feat, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < n_rows
     return rows, cols, tl.program_id(1).to(tl.int64), row_ok, row_ok[:, None] & (cols < n_feat)[None, :]
+
+
+@triton.jit
+def _strided_rows(p, rows, n_inner, stride_po, stride_pi, stride_pm):
+    """Offsets of slice p's rows in a strided [P, M, E] tensor whose P is (outer, inner) with n_inner inner slices."""
+    return (p // n_inner) * stride_po + (p % n_inner) * stride_pi + rows.to(tl.int64) * stride_pm
 
 
 @triton.jit
@@ -67,7 +76,7 @@ def _row_max(LSE, base, rows, row_ok, n_rows, R: tl.constexpr):
 
 
 @triton.jit
-def _merge_rounds_fwd(OUT, LSE, MERGED, LSE_OUT, WEIGHT, n_rows, n_feat,
+def _merge_rounds_fwd(OUT, LSE, MERGED, LSE_OUT, WEIGHT, n_rows, n_feat, n_inner, stride_po, stride_pi, stride_pm,
                       R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     rows, cols, p, row_ok, tile_ok = _tile(n_rows, n_feat, BLOCK_M, BLOCK_E)
     base = p * R * n_rows  # the (p, r = 0) rows of lse and the weights
@@ -85,15 +94,18 @@ def _merge_rounds_fwd(OUT, LSE, MERGED, LSE_OUT, WEIGHT, n_rows, n_feat,
         tl.store(WEIGHT + base + r * n_rows + rows, w, mask=row_ok)
         part = tl.load(OUT + (base + r * n_rows + rows[:, None]) * n_feat + cols[None, :], mask=tile_ok, other=0.0)
         acc += part.to(tl.float32) * w[:, None]
-    tl.store(MERGED + (p * n_rows + rows[:, None]) * n_feat + cols[None, :], acc.to(MERGED.dtype.element_ty), mask=tile_ok)
+    merged_rows = _strided_rows(p, rows, n_inner, stride_po, stride_pi, stride_pm)
+    tl.store(MERGED + merged_rows[:, None] + cols[None, :], acc.to(MERGED.dtype.element_ty), mask=tile_ok)
 
 
 @triton.jit
-def _merge_rounds_bwd(G_OUT, G_LSE, OUT, WEIGHT, G_OUT_R, G_LSE_R, n_rows, n_feat,
-                      HAS_G_LSE: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+def _merge_rounds_bwd(G_OUT, G_LSE, OUT, WEIGHT, G_OUT_R, G_LSE_R, n_rows, n_feat, n_inner, stride_po, stride_pi,
+                      stride_pm, HAS_G_LSE: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_E: tl.constexpr):
     rows, cols, p, row_ok, tile_ok = _tile(n_rows, n_feat, BLOCK_M, BLOCK_E)
     base = p * R * n_rows
-    g = tl.load(G_OUT + (p * n_rows + rows[:, None]) * n_feat + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+    g_rows = _strided_rows(p, rows, n_inner, stride_po, stride_pi, stride_pm)
+    g = tl.load(G_OUT + g_rows[:, None] + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     g_lse = tl.zeros([BLOCK_M], tl.float32)
     if HAS_G_LSE:
         g_lse = tl.load(G_LSE + p * n_rows + rows, mask=row_ok, other=0.0).to(tl.float32)

@@ -4,7 +4,7 @@ backward instead of about 30 PyTorch ops.
 
 `merge_rounds(out [P.., R, M, E], lse [P.., R, M], dim)` merges along `dim` of lse (out has one more trailing
 feature axis), as `merge_lse_many`; inputs are made contiguous, lse is taken in fp32 (the kernels' lse dtype) and
-the merged lse returned in lse's dtype. Inside `kernels.dispatch.stand_in_kernels()` the launches are counted and
+the merged lse returned in lse's dtype; the merged out of heads is token-major (`merge_rounds`). Inside `kernels.dispatch.stand_in_kernels()` the launches are counted and
 the buffers allocated as on a GPU (kernels/stand_in.py).
 """
 
@@ -29,52 +29,67 @@ def _launch(name: str, kernel_name: str, rows: int, slices: int, args: tuple, ha
     stand_in.launch(name, lambda: getattr(kern, kernel_name)[grid](*args, **constexprs, **cfg))
 
 
+def _slice_strides(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """x [Po, Pi, M, E] with its feature axis contiguous (else a contiguous copy), and the kernels' (n_inner,
+    stride_po, stride_pi, stride_pm) of it."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x, (x.shape[1], x.stride(0), x.stride(1), x.stride(2))
+
+
 class _MergeRounds(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out_PRME, lse_PRM):  # type: ignore[override]
+    def forward(ctx, out_PRME, lse_PRM, inner):  # type: ignore[override]
         P, R, M, E = out_PRME.shape
         log = stand_in.active()
         with stand_in.kernel_region(log):
-            merged_PME = torch.empty(P, M, E, device=out_PRME.device, dtype=out_PRME.dtype)
+            # [P / inner, inner, M, E] laid out [P / inner, M, inner, E]: with inner = H, a layer's token-major heads.
+            merged = torch.empty(P // inner, M, inner, E, device=out_PRME.device, dtype=out_PRME.dtype).transpose(1, 2)
             lse_PM = torch.empty(P, M, device=out_PRME.device, dtype=torch.float32)
             weight_PRM = torch.empty(P, R, M, device=out_PRME.device, dtype=torch.float32)
+            _, layout = _slice_strides(merged)
             _launch("merge_rounds_fwd", "_merge_rounds_fwd", M, P,
-                    (out_PRME, lse_PRM, merged_PME, lse_PM, weight_PRM, M, E),
+                    (out_PRME, lse_PRM, merged, lse_PM, weight_PRM, M, E, *layout),
                     R=R, BLOCK_E=max(16, next_power_of_two(E)))
         ctx.save_for_backward(out_PRME, weight_PRM)
+        ctx.inner = inner
         ctx.set_materialize_grads(False)  # an unused merged lse (LSH's layer) takes no gradient: no zeros made
-        return merged_PME, lse_PM
+        return merged, lse_PM
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_out_PME, g_lse_PM):  # type: ignore[override]
+    def backward(ctx, g_merged, g_lse_PM):  # type: ignore[override]
         out_PRME, weight_PRM = ctx.saved_tensors
         P, R, M, E = out_PRME.shape
-        if g_out_PME is None:  # only the merged lse was used
-            g_out_PME = torch.zeros(P, M, E, device=out_PRME.device, dtype=out_PRME.dtype)
+        if g_merged is None:  # only the merged lse was used
+            g_merged = torch.zeros(P // ctx.inner, ctx.inner, M, E, device=out_PRME.device, dtype=out_PRME.dtype)
+        g_merged, layout = _slice_strides(g_merged)  # read in its own layout (the output projection's: no copy)
         log = stand_in.active()
         with stand_in.kernel_region(log):
             g_out_PRME = torch.empty_like(out_PRME)
             g_lse_PRM = torch.empty(P, R, M, device=out_PRME.device, dtype=torch.float32)
             has_g_lse = g_lse_PM is not None
             _launch("merge_rounds_bwd", "_merge_rounds_bwd", M, P,
-                    (g_out_PME.contiguous(), g_lse_PM.contiguous() if has_g_lse else g_out_PME, out_PRME,
-                     weight_PRM, g_out_PRME, g_lse_PRM, M, E),
+                    (g_merged, g_lse_PM.contiguous() if has_g_lse else g_merged, out_PRME,
+                     weight_PRM, g_out_PRME, g_lse_PRM, M, E, *layout),
                     HAS_G_LSE=has_g_lse, R=R, BLOCK_E=max(16, next_power_of_two(E)))
-        return g_out_PRME, g_lse_PRM
+        return g_out_PRME, g_lse_PRM, None
 
 
 def merge_rounds(out_RM: torch.Tensor, lse_R: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`merge_lse_many(out_RM, lse_R, dim)` on the kernels: (merged out, merged lse), `dim` dropped."""
+    """`merge_lse_many(out_RM, lse_R, dim)` on the kernels: (merged out, merged lse), `dim` dropped. With two dims
+    before `dim` and one after (LSH's [B, H, R, T]) the merged out [B, H, T, E] is laid out [B, T, H, E], the
+    layout of a layer's projections, which the output projection then reads as it is."""
     dim = dim % lse_R.dim()
     if out_RM.shape[:-1] != lse_R.shape:
         raise ValueError(f"out must be lse's shape with a feature axis after it; got {tuple(out_RM.shape)} and "
                          f"{tuple(lse_R.shape)}")
     lead, R, rest = lse_R.shape[:dim], lse_R.shape[dim], lse_R.shape[dim + 1:]
     P, M, E = math.prod(lead), math.prod(rest), out_RM.shape[-1]
-    merged_PME, lse_PM = _MergeRounds.apply(out_RM.contiguous().view(P, R, M, E),
-                                            lse_R.to(torch.float32).contiguous().view(P, R, M))
-    return merged_PME.view(*lead, *rest, E), lse_PM.view(*lead, *rest).to(lse_R.dtype)
+    inner = lead[1] if len(lead) == 2 and len(rest) == 1 else 1  # heads: token-major
+    merged, lse_PM = _MergeRounds.apply(out_RM.contiguous().view(P, R, M, E),
+                                        lse_R.to(torch.float32).contiguous().view(P, R, M), inner)
+    return merged.view(*lead, *rest, E), lse_PM.view(*lead, *rest).to(lse_R.dtype)
 
 
 class _MergeBelow(torch.autograd.Function):

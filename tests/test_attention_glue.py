@@ -59,6 +59,25 @@ def test_counter_attributes_a_kernels_buffers_to_the_kernel() -> None:
     assert (counter.glue_launches, counter.glue_bytes, counter.kernel_bytes) == (1, 48, 96)
 
 
+def test_the_rounds_merge_hands_heads_to_the_output_projection_without_copies() -> None:
+    """LSH's merged heads [B, H, T, E] come out laid out [B, T, H, E], so a layer's output projection reads them as
+    [B, T, H * E] without a copy, and the gradient it hands back in that layout is read as it is: the forward and
+    the backward make no copy (each did before: a clone of the merged heads, and one of their gradient)."""
+    from kernels.merge_rounds import merge_rounds
+
+    B, H, R, T, E = 1, 2, 3, 8, 16
+    log = stand_in.KernelLog()
+    with FakeTensorMode(), GlueCounter() as counter, stand_in.installed(log):
+        out_R = torch.randn(B, H, R, T, E, requires_grad=True)
+        lse_R = torch.randn(B, H, R, T, requires_grad=True)
+        merged, _ = merge_rounds(out_R, lse_R, dim=2)
+        assert merged.shape == (B, H, T, E) and merged.transpose(1, 2).is_contiguous()
+        g_BTD = torch.randn(B, T, H * E)  # the output projection's gradient: [B, T, D], contiguous
+        merged.transpose(1, 2).reshape(B, T, H * E).backward(g_BTD)
+    assert counter.ops == {"randn": 3}, counter.ops  # the inputs'; nothing of the merge's
+    assert log.launches == Counter({"merge_rounds_fwd": 1, "merge_rounds_bwd": 1})
+
+
 def test_stand_in_only_inside_its_context() -> None:
     q = torch.randn(1, 1, 8, 16)
     assert select_backend(q, q, q).name != "stand-in"
