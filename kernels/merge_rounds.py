@@ -4,8 +4,9 @@ backward instead of about 30 PyTorch ops.
 
 `merge_rounds(out [P.., R, M, E], lse [P.., R, M], dim)` merges along `dim` of lse (out has one more trailing
 feature axis), as `merge_lse_many`; inputs are made contiguous, lse is taken in fp32 (the kernels' lse dtype) and
-the merged lse returned in lse's dtype; the merged out of heads is token-major (`merge_rounds`). Inside `kernels.dispatch.stand_in_kernels()` the launches are counted and
-the buffers allocated as on a GPU (kernels/stand_in.py).
+the merged lse returned in lse's dtype; merged heads come out token-major (`merge_rounds`). Inside
+`kernels.dispatch.stand_in_kernels()` the launches are counted and the buffers allocated as on a GPU
+(kernels/stand_in.py).
 """
 
 from __future__ import annotations
