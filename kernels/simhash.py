@@ -1,8 +1,8 @@
 """HyperAttention's bucket ranks on the Triton kernel of k_simhash.py: models/attention/hyper.py `bucket_rank`'s
-Gray ranks of the SimHash codes, with no projection or bit tensor written to memory.
-
-The ranks take no gradient, so there is no backward. Inside `kernels.dispatch.stand_in_kernels()` the launch is
-counted and the ranks buffer allocated as on a GPU (kernels/stand_in.py).
+Gray ranks of the SimHash codes, with no projection or bit tensor written to memory. Ranks are integers and
+nothing differentiates through them (the sort they feed is not differentiable), so this is a plain function, not an
+autograd.Function; under `kernels.dispatch.stand_in_kernels()` its one launch is counted, not run, and its output
+allocated as the kernel's (kernels/stand_in.py).
 """
 
 from __future__ import annotations
