@@ -21,7 +21,8 @@ from kernels.flash_attention import (
 )
 
 MAX_BITS = 30
-"""The kernel weights a code's bits in int32 (models/attention/hyper.py MAX_LSH_BITS is the same bound)."""
+"""The kernel weights a code's bits in int32, so at most 30 of them (models/attention/hyper.py MAX_LSH_BITS, the
+config's bound, is this one)."""
 
 
 def simhash_rank(x_BHTE: torch.Tensor, hyperplanes_ER: torch.Tensor) -> torch.Tensor:

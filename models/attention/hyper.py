@@ -42,7 +42,7 @@ from pydantic import model_validator
 from kernels.dispatch import fused_kernels
 from kernels.hyper_blocks import hyper_block_flash_attention
 from kernels.merge_rounds import merge_below
-from kernels.simhash import simhash_rank
+from kernels.simhash import MAX_BITS, simhash_rank
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.exact import ExactMechanism, exact_causal_rows
 from models.attention.hyper_groups import group_queries, grouped_rows
@@ -58,8 +58,9 @@ PAPER_ROUTING_LEAK = (
     "inputs change; set model.attention.causal_routing=past_only for a causal model"
 )
 
-MAX_LSH_BITS = 30
-"""A code's bits are weighted in int32 (`bucket_rank`), so 2^30 buckets is a safe ceiling."""
+MAX_LSH_BITS = MAX_BITS
+"""A code's bits are weighted in int32 (`bucket_rank`; its kernel's bound, kernels/simhash.py), so 2^30 buckets is a
+safe ceiling."""
 RANK_TABLE_BITS = 16
 """Up to 2^16 buckets the Gray rank of a code is read from a table (one gather; the prefix XOR is 2 log2(r) launches
 per hash, which on a GPU cost more than their bytes); above, the table would outgrow the tokens it ranks."""
@@ -289,13 +290,11 @@ class HyperMechanism(nn.Module):
         B, H, N = k_BHNE.shape[:3]
         dev = q_BHME.device
         if self.sample_size > 0:
-            if key_padding_BN is None:  # every row's N keys: a count on the host, no [B] tensor of it
-                samples_BHm = self.sample_rows(B, H, N, k_rows.shape[-1], dev, level)
-                log_w_B = self.count_log_weight(N, (B,), dev)
-            else:
-                n_real_B = real_keys(key_padding_BN, B, N, dev)
-                samples_BHm = self.sample_rows(B, H, n_real_B, k_rows.shape[-1], dev, level)
-                log_w_B = self.sample_log_weight(n_real_B, torch.float32)
+            # Without padding every row has N keys: a count on the host, no [B] tensor of it.
+            n_real = N if key_padding_BN is None else real_keys(key_padding_BN, B, N, dev)
+            samples_BHm = self.sample_rows(B, H, n_real, k_rows.shape[-1], dev, level)
+            log_w_B = (self.count_log_weight(N, (B,), dev) if key_padding_BN is None
+                       else self.sample_log_weight(n_real, torch.float32))
         else:  # blocks only: no samples, their weight unused
             samples_BHm, log_w_B = torch.zeros(B, H, 0, dtype=torch.long, device=dev), torch.zeros(B, device=dev)
         return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG,
