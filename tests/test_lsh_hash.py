@@ -84,7 +84,7 @@ def test_sliced_buckets_equal_the_concatenations(n_buckets, padded, monkeypatch)
     mech = LSHMechanism(LSHMechanismConfig(bucket_size=4, n_hashes=3, n_buckets=n_buckets), E, 0).eval()
     n_half = mech.n_half_bound(T)
     rot = tie_heavy(H, 3, E, n_half, gen=gen, dtype=torch.float32)
-    monkeypatch.setattr(mech, "rotations", lambda heads, half, device: rot[..., :half])
+    monkeypatch.setattr(mech, "rotations", lambda heads, half, device, dtype: rot[..., :half].to(dtype))
     k = tie_heavy(B, H, T, E, gen=gen)
     k[0, 1, 5] = 0
     mask = None

@@ -44,6 +44,7 @@ from kernels.hyper_blocks import hyper_block_flash_attention
 from kernels.merge_rounds import merge_below
 from kernels.simhash import MAX_BITS, simhash_rank
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
+from models.attention.device_copies import DeviceCopies
 from models.attention.exact import ExactMechanism, exact_causal_rows
 from models.attention.hyper_groups import group_queries, grouped_rows
 from models.attention.hyper_levels import causal_levels, stacked_levels
@@ -156,6 +157,7 @@ class HyperMechanism(nn.Module):
         self.register_buffer("rank_of_code", table, persistent=False)
         # The bits' weights, made once: two launches fewer per hash than an arange and a shift at each call.
         self.register_buffer("bit_weights", 1 << torch.arange(self.bits, dtype=torch.int32), persistent=False)
+        self._eval_draws = DeviceCopies()
 
     @classmethod
     def from_config(
@@ -303,8 +305,9 @@ class HyperMechanism(nn.Module):
     def _uniform(self, B: int, H: int, m: int, device: torch.device, level: int) -> torch.Tensor:
         if self.training:
             return torch.rand(B, H, m, device=device)
-        gen = torch.Generator().manual_seed(self.eval_seed + _LEVEL_SEED_STRIDE * level)
-        return torch.rand(1, H, m, generator=gen).to(device).expand(B, H, m)
+        seed = self.eval_seed + _LEVEL_SEED_STRIDE * level  # evaluation's draw: fixed, on the device once
+        return self._eval_draws.get(device, torch.float32, (H, m, level), lambda: torch.rand(
+            1, H, m, generator=torch.Generator().manual_seed(seed))).expand(B, H, m)
 
     def placed(self, q_BHME, k_BHNE, v_BHNE, key_padding_BN, level: int):
         """Past-only routing of an off-diagonal block: (out [B, H, M, E], lse [B, H, M]). Keys are sorted by

@@ -50,6 +50,7 @@ from kernels.lsh_hash import angular_hash
 from kernels.lsh_layout import bucket_layout
 from kernels.merge_rounds import merge_rounds
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
+from models.attention.device_copies import DeviceCopies
 from models.attention.lse import chunked_attention, exact_attention, merge_lse_many
 
 _LAYER_SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for realistic depths
@@ -200,6 +201,7 @@ class LSHMechanism(nn.Module):
         # for a trained model's separate q and k, where a token's own key is an ordinary key.
         self.self_mask = True
         self._rotation_columns: list[torch.Tensor] = []  # a cache, not state: rebuilt from the seed on demand
+        self._device_rotations = DeviceCopies()  # their copies on each device (evaluation, cached decoding)
 
     @classmethod
     def from_config(
@@ -208,17 +210,26 @@ class LSHMechanism(nn.Module):
         """The registry's builder (models/attention/registry.py)."""
         return cls(cfg, attention.head_dim, layer_index, attention.dropout)
 
-    def rotations(self, heads: int, n_half: int, device: torch.device) -> torch.Tensor:
-        """R [H, n_hashes, E, n_half]. Training with rotations=redraw draws them from the global RNG (one per
-        head and round, as HF), which a reversible backward replays; otherwise they are fixed: column c depends
-        only on (seed, layer, c), so a row with fewer buckets uses a prefix of the same rotation."""
+    def rotations(self, heads: int, n_half: int, device: torch.device,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """R [H, n_hashes, E, n_half] in `dtype`. Training with rotations=redraw draws them from the global RNG
+        (one per head and round, as HF), which a reversible backward replays; otherwise they are fixed: column c
+        depends only on (seed, layer, c), so a row with fewer buckets uses a prefix of the same rotation, and the
+        columns go to the device once (models/attention/device_copies.py), not at every evaluation or decoding
+        step. A longer row doubles the columns kept, so a length that grows token by token copies them rarely."""
         if self.training and self.redraw:
-            return torch.randn(heads, self.n_hashes, self.head_dim, n_half, device=device)
-        while len(self._rotation_columns) < n_half:
-            c = len(self._rotation_columns)
-            gen = torch.Generator().manual_seed(self.layer_seed * 7919 + c)
-            self._rotation_columns.append(torch.randn(self.n_hashes, self.head_dim, generator=gen))
-        rot_REN = torch.stack(self._rotation_columns[:n_half], dim=-1).to(device)
+            return torch.randn(heads, self.n_hashes, self.head_dim, n_half, device=device).to(dtype)
+
+        def host_columns() -> torch.Tensor:
+            wanted = max(n_half, 2 * len(self._rotation_columns)) if len(self._rotation_columns) < n_half else 0
+            while len(self._rotation_columns) < wanted:
+                c = len(self._rotation_columns)
+                gen = torch.Generator().manual_seed(self.layer_seed * 7919 + c)
+                self._rotation_columns.append(torch.randn(self.n_hashes, self.head_dim, generator=gen))
+            return torch.stack(self._rotation_columns, dim=-1)
+
+        rot_REN = self._device_rotations.get(device, dtype, "columns", host_columns,
+                                             large_enough=lambda kept: kept.shape[-1] >= n_half)[..., :n_half]
         return rot_REN.expand(heads, *rot_REN.shape)
 
     def buckets(self, k_BHTE: torch.Tensor, key_padding_mask_BT: torch.Tensor | None,
@@ -249,7 +260,7 @@ class LSHMechanism(nn.Module):
             half_B = torch.tensor(halves, dtype=torch.int32).to(k_BHTE.device)
             n_half = max(halves)
             uniform = min(halves) == n_half
-        rot_HREN = self.rotations(H, n_half, k_BHTE.device).to(k_BHTE.dtype)
+        rot_HREN = self.rotations(H, n_half, k_BHTE.device, k_BHTE.dtype)
         if fused:  # the projections never written (kernels/k_lsh_hash.py)
             bucket_BHRT = angular_hash(k_BHTE, rot_HREN, half_B)
         else:
@@ -263,7 +274,7 @@ class LSHMechanism(nn.Module):
         `LSHSelfAttention._hash_vectors`): factor i takes the next f_i / 2 rotation columns, its own angular
         argmax b_i over them, and the id is b_1 + f_1 * b_2 + f_1 * f_2 * b_3 + ..."""
         B, H = k_BHTE.shape[:2]
-        rot_HREN = self.rotations(H, sum(f // 2 for f in self.bucket_factors), k_BHTE.device).to(k_BHTE.dtype)
+        rot_HREN = self.rotations(H, sum(f // 2 for f in self.bucket_factors), k_BHTE.device, k_BHTE.dtype)
         bucket_BHRT, first_column, stride = None, 0, 1
         for factor in self.bucket_factors:
             half = factor // 2
