@@ -127,9 +127,10 @@ def test_benchmark_row_of_a_small_layer() -> None:
     assert 0 < row["peak_mib"] and 0 < row["glue_mib"] and row["glue_launches"] > 0
 
 
-def _layer_on_fake_tensors(kind: str, causal: bool, stood_in: bool) -> None:
+def _layer_on_fake_tensors(kind: str, causal: bool, stood_in: bool, padded: bool = False) -> None:
     """Forward + backward of a toy layer of the GPU suite's long_attention (speed.DRY_LONG_MODEL) on fake tensors,
-    with the Triton kernels stood in for (`stood_in`: the path a GPU takes) or on PyTorch's path."""
+    with the Triton kernels stood in for (`stood_in`: the path a GPU takes) or on PyTorch's path; `padded`: with a
+    key padding mask (whose values, fake too, no read can see)."""
     from benchmarks.gpu.speed import DRY_LONG_MODEL
     from benchmarks.methods.attention_scaling import Settings, Variant, build_layer
 
@@ -138,8 +139,9 @@ def _layer_on_fake_tensors(kind: str, causal: bool, stood_in: bool) -> None:
     with FakeTensorMode():
         layer, _ = build_layer(Variant(kind, kind, DRY_LONG_MODEL["knobs"][kind]), n, settings)
         x_BTD = torch.randn(1, n, d_model, requires_grad=True)
+        mask_BT = torch.zeros(1, n, dtype=torch.bool) if padded else None
         with stand_in_kernels() if stood_in else torch.device("cpu"):
-            layer.train()(x_BTD, causal=causal).sum().backward()
+            layer.train()(x_BTD, key_padding_mask_BS=mask_BT, causal=causal).sum().backward()
 
 
 @pytest.mark.parametrize("kind", ["lsh", "hyper"])
@@ -150,10 +152,22 @@ def test_the_layers_on_the_kernels_read_nothing_back_from_the_device(kind: str, 
     the layer and would make the layer impossible to capture in a CUDA graph (benchmarks/gpu/speed.py GRAPHED).
     Fake tensors have no values, so either raises here. PyTorch's path for causal LSH sizes its layout from the
     hashes (one read: cheap on a CPU), which shows that the check sees such a read. Unpadded inputs, as the GPU
-    suite's: a padded batch still reads each row's real length (lsh's bucket counts, hyper's longest row)."""
+    suite's (padded ones: the next test)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     _layer_on_fake_tensors(kind, causal, stood_in=True)
     if kind == "lsh" and causal:
         with pytest.raises(DataDependentOutputException):
             _layer_on_fake_tensors(kind, causal, stood_in=False)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_a_padded_lsh_layer_on_the_kernels_reads_nothing_back(causal: bool) -> None:
+    """A padded batch at LSH's default n_buckets hashes each row into its own length's buckets: the counts are
+    made on the device (`default_n_buckets_of`), the shapes take the longest row's bound, so nothing is read back.
+    HyperAttention still reads the longest real row (its exact path below min_seq_len is a branch on it)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    _layer_on_fake_tensors("lsh", causal, stood_in=True, padded=True)
+    with pytest.raises(DataDependentOutputException):
+        _layer_on_fake_tensors("hyper", causal, stood_in=True, padded=True)

@@ -18,6 +18,7 @@ from models.attention.lsh import (
     LSHMechanismConfig,
     bounded_layout,
     default_n_buckets,
+    default_n_buckets_of,
     layout_length_bound,
 )
 from models.attention.projections import MultiHeadProjection, SharedQKProjection
@@ -247,6 +248,16 @@ def test_default_n_buckets_rounds_an_odd_count_up():
     assert default_n_buckets(40, 16) == 6
     assert default_n_buckets(56, 16) == 8  # 7 -> 8
     assert default_n_buckets(48, 16) == 6  # already even
+
+
+@pytest.mark.parametrize("bucket", [1, 3, 4, 7, 16, 64, 100])
+def test_the_rows_bucket_counts_on_the_device_are_the_hosts(bucket):
+    """Padded rows take their counts from `default_n_buckets_of`, made where the rows are: the same numbers as
+    the host's formula for every length (halves rounded to even included: 2 * 40 / 16 = 5 -> 6, 2 * 24 / 16 = 3 ->
+    4, 2 * 6 / 8 = 1.5 -> 2), an empty row counted as one token."""
+    lengths = torch.arange(0, 3001)
+    host = torch.tensor([default_n_buckets(max(int(n), 1), bucket) for n in lengths])
+    assert torch.equal(default_n_buckets_of(lengths, bucket), host)
 
 
 def test_attention_dropout_reaches_the_mechanism_in_training_only():

@@ -146,6 +146,13 @@ def default_n_buckets(seq_len: int, bucket_size: int) -> int:
     return max(2, n + (n % 2))
 
 
+def default_n_buckets_of(seq_len_B: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """`default_n_buckets` of every row's length [B], on the rows' device (nothing read back): the same float64
+    division, and rounding half to even as Python's `round`. An empty row counts as one token."""
+    n_B = torch.round(2 * seq_len_B.clamp(min=1).double() / bucket_size).long()
+    return (n_B + n_B % 2).clamp(min=2)
+
+
 def hash_slice_rows(seq_len: int, head_dim: int, n_half: int) -> int:
     """Tokens hashed at once: a slice's projections [.., rows, n_half] hold at most as many entries as the keys
     [.., T, head_dim] (and at least one token), so hashing never holds more than the keys' size again, at any T;
@@ -249,17 +256,14 @@ class LSHMechanism(nn.Module):
             if key_padding_mask_BT is not None:
                 bucket_BHRT = bucket_BHRT.masked_fill(key_padding_mask_BT[:, None, None, :], self.n_buckets)
             return bucket_BHRT
+        n_half = self.n_half_bound(T)  # the shapes': no row has more, so no count is read back from the device
         if self.n_buckets is not None or key_padding_mask_BT is None or _BOUNDED_LAYOUT.get():
-            # One count for every row, with no host sync (bounded: as if every row were T tokens long).
-            n_half = self.n_half_bound(T)
+            # One count for every row (bounded: as if every row were T tokens long).
             half_B = torch.full((B,), n_half, device=k_BHTE.device, dtype=torch.int32)  # the hash kernel's dtype
             uniform = True
-        else:
-            real_B = (~key_padding_mask_BT).sum(-1).cpu()
-            halves = [default_n_buckets(max(int(n), 1), self.bucket_size) // 2 for n in real_B]
-            half_B = torch.tensor(halves, dtype=torch.int32).to(k_BHTE.device)
-            n_half = max(halves)
-            uniform = min(halves) == n_half
+        else:  # each row's own count, from its real length; the columns past it are masked
+            half_B = (default_n_buckets_of((~key_padding_mask_BT).sum(-1), self.bucket_size) // 2).int()
+            uniform = False
         rot_HREN = self.rotations(H, n_half, k_BHTE.device, k_BHTE.dtype)
         if fused:  # the projections never written (kernels/k_lsh_hash.py)
             bucket_BHRT = angular_hash(k_BHTE, rot_HREN, half_B)
