@@ -659,7 +659,7 @@ def test_chunked_attention_rejects_bad_arguments() -> None:
 # candidate that prune_configs keeps on an H100/H200 (sm_90) at head dim 128, bf16, against the limit and
 # against shared_memory_estimate (which must bound the compiler's figure); each flash kernel with the
 # opposite masking constexprs on an A100 (sm_80), same check; the chunked kernels, LSH's hash and layout and
-# HyperAttention's blocks + samples and SimHash ranks on sm_90.
+# HyperAttention's blocks + samples, SimHash ranks and causal levels' placement on sm_90.
 # Runs in a fresh process because this one has TRITON_INTERPRET=1.
 _COMPILE_SCRIPT = """
 import os
@@ -668,14 +668,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import k_chunked_attention, k_flash_attention as kf, k_hyper_blocks, k_lsh_hash, k_lsh_layout, k_merge_rounds
-from kernels import k_simhash
+from kernels import k_hyper_placement, k_simhash
 
 TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32", "Kpm": "*u8", "Pad": "*u8",
          "Pos": "*i64", "HALF": "*i32", "IDS": "*i64", "QTok": "*i64", "KTok": "*i64", "GBlock": "*i64",
          "SRow": "*i64", "FirstGroup": "*i64", "SampleStart": "*i64", "LogW": "*fp32", "DKS": "*fp32",
          "DVS": "*fp32", "LSE": "*fp32", "LSE_OUT": "*fp32", "WEIGHT": "*fp32", "G_LSE": "*fp32", "G_LSE_R": "*fp32",
          "LSE_A": "*fp32", "LSE_B": "*fp32", "ALPHA": "*fp32", "BETA": "*fp32", "G_LSE_A": "*fp32", "G_LSE_B": "*fp32",
-         "BUCKET": "*i64", "ORDER": "*i64", "TOKEN": "*i32", "POS": "*i64", "RANK": "*i64"}
+         "BUCKET": "*i64", "ORDER": "*i64", "TOKEN": "*i32", "POS": "*i64", "RANK": "*i64", "RANK_K": "*i64",
+         "RANK_Q": "*i64", "KEY_K": "*i64", "KEY_Q": "*i64", "KEY_SORTED": "*i64", "BLOCK_OUT": "*i64",
+         "QUERY": "*i64", "K_ROWS": "*i64", "Q_SLOTS": "*i64"}
 
 def compile_shared(fn, constexprs, num_warps, num_stages, arch):
     if isinstance(fn, triton.runtime.autotuner.Heuristics):
@@ -748,6 +750,11 @@ simhash_args = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_E=64, BLOCK_R=16, DOT_PRECISIO
 shared = compile_shared(k_simhash._simhash_rank, simhash_args, cfg["num_warps"], cfg["num_stages"], 90)
 assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], ("_simhash_rank", shared)
 print("_simhash_rank", "compiled")
+cfg = k_hyper_placement.launch_config(interpret=False)
+for fn in (k_hyper_placement._stacked_keys, k_hyper_placement._routed_blocks, k_hyper_placement._level_positions):
+    shared = compile_shared(fn, {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"], 1, 90)
+    assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], (fn.__name__, shared)
+    print(fn.__name__, "compiled")
 """
 
 
@@ -763,7 +770,7 @@ def test_kernels_compile_for_gpu() -> None:
         [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 22, result.stdout
+    assert result.stdout.count("compiled") == 25, result.stdout
 
 
 def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:

@@ -25,6 +25,7 @@ import torch
 
 from kernels.hyper_blocks import _Layout, block_tables
 from kernels.hyper_levels import hyper_causal_levels
+from kernels.hyper_placement import level_positions, routed_blocks, stacked_sort_keys
 from models.attention.hyper_groups import grouped_rows
 
 if TYPE_CHECKING:
@@ -58,31 +59,16 @@ def piece_order(samples_SB: torch.Tensor, levels: int) -> torch.Tensor:
 def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     """Past-only routing of every level's off-diagonal blocks at once, as `HyperMechanism.placed` routes one level:
     (q_slots [L, B, H, G * b], k_rows [L, B, H, N / 2], group_block [L, B, H, G]) holding token positions, level l
-    at index l, its 2^l blocks as segments of the row."""
-    B, H, N, E = q_BHNE.shape
-    b, dev = mech.block_size, q_BHNE.device
-    M, L = N // 2, levels
-    half_L1 = M >> torch.arange(L, device=dev)[:, None]  # no host-to-device copy: a CUDA graph can hold it
-    i_M = torch.arange(M, device=dev)
-    seg_LM = i_M // half_L1
-    first_LM = seg_LM * half_L1  # the first row of each index's segment
-    # Level l's keys: the first half of each of its blocks, 2 * seg * half + (i - seg * half) in two launches.
-    pos_k_LM = first_LM + i_M
-    pos_q_LM = pos_k_LM + half_L1  # its queries: the second halves
+    at index l, its 2^l blocks as segments of the row. The index work on the kernels of kernels/hyper_placement.py
+    (three launches where PyTorch took about thirty), with the sort and the groups between them."""
+    M, b = q_BHNE.shape[2] // 2, mech.block_size
     buckets = (1 << mech.bits) + 1  # ranks 0 .. 2^bits (padding's rank, unused here)
-    seg_key_LM = seg_LM * buckets  # the segment's part of both sort keys
-    key_k = seg_key_LM + mech.bucket_rank(k_BHNE, None)[:, :, pos_k_LM]  # [B, H, L, M]
-    key_q = seg_key_LM + mech.bucket_rank(q_BHNE, None)[:, :, pos_q_LM]
+    key_k, key_q = stacked_sort_keys(mech.bucket_rank(k_BHNE, None), mech.bucket_rank(q_BHNE, None), levels, buckets)
     order_k = torch.argsort(key_k, dim=-1, stable=True)  # by segment, bucket, then position
-    key_sorted = torch.gather(key_k, -1, order_k)
-    lo = torch.searchsorted(key_sorted, key_q, side="left")
-    hi = torch.searchsorted(key_sorted, key_q, side="right")
-    # As `placed`: the key block at the middle of the query's bucket's run in its segment (or where it would be).
-    block = torch.minimum((lo + hi) // 2, first_LM + (half_L1 - 1)) // b  # the segment's last key at most
+    block = routed_blocks(torch.gather(key_k, -1, order_k), key_q, b)
     query, group_block = grouped_rows(block, M // b, b)
-    q_slots = pos_q_LM.expand(B, H, L, M).gather(-1, query.clamp(min=0)).masked_fill_(query < 0, -1)
-    k_rows = torch.gather(pos_k_LM.expand(B, H, L, M), -1, order_k)
-    return tuple(x.movedim(2, 0).contiguous() for x in (q_slots, k_rows, group_block))
+    k_rows, q_slots = level_positions(order_k, query)
+    return q_slots, k_rows, group_block.movedim(2, 0).contiguous()
 
 
 def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> tuple[torch.Tensor, torch.Tensor]:

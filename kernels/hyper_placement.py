@@ -1,0 +1,66 @@
+"""The index work of HyperAttention's stacked causal levels on the Triton kernels of k_hyper_placement.py, for
+models/attention/hyper_levels.py `stacked_placement`. Integers only, nothing to differentiate: plain functions.
+Under `kernels.dispatch.stand_in_kernels()` each launch is counted, not run, and its outputs allocated as the
+kernel's (kernels/stand_in.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import stand_in
+from kernels.flash_attention import cdiv, interpreter_enabled, jit_module
+
+
+def _launch(name: str, kernel_name: str, outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
+            sizes: tuple[int, ...], grid_len: int, levels: int, batch_heads: int) -> None:
+    from kernels import k_hyper_placement
+
+    kern = jit_module(k_hyper_placement)
+    cfg = kern.launch_config(interpreter_enabled())
+    grid = (cdiv(grid_len, cfg["BLOCK"]), levels, batch_heads)
+    stand_in.launch(name, lambda: getattr(kern, kernel_name)[grid](*inputs, *outputs, *sizes, **cfg))
+
+
+def stacked_sort_keys(rank_k_BHN: torch.Tensor, rank_q_BHN: torch.Tensor, levels: int,
+                      buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys' sort keys, queries' sort keys), each [B, H, L, N / 2] int64, of every level: segment * buckets + the
+    bucket rank of the level's key (the first half of its segment's block) or query (the second half)."""
+    B, H, N = rank_k_BHN.shape
+    if rank_q_BHN.shape != rank_k_BHN.shape or N % (2 << max(levels - 1, 0)):
+        raise ValueError(f"the ranks of keys and queries must both be [B, H, N] with N halving {levels} times; got "
+                         f"{tuple(rank_k_BHN.shape)} and {tuple(rank_q_BHN.shape)}")
+    M = N // 2
+    log = stand_in.active()
+    with stand_in.kernel_region(log):
+        key_k, key_q = (torch.empty(B, H, levels, M, dtype=torch.int64, device=rank_k_BHN.device) for _ in "kq")
+        _launch("hyper_level_keys", "_stacked_keys", (key_k, key_q),
+                (rank_k_BHN.contiguous(), rank_q_BHN.contiguous()), (N, M, buckets), M, levels, B * H)
+    return key_k, key_q
+
+
+def routed_blocks(key_sorted_BHLM: torch.Tensor, key_q_BHLM: torch.Tensor, block: int) -> torch.Tensor:
+    """[B, H, L, M] int64: each query's key block, the middle of its key's run among the sorted keys (or where that
+    run would be), clamped to its segment's last key, as `placed` routes."""
+    B, H, L, M = key_q_BHLM.shape
+    log = stand_in.active()
+    with stand_in.kernel_region(log):
+        block_BHLM = torch.empty(B, H, L, M, dtype=torch.int64, device=key_q_BHLM.device)
+        _launch("hyper_level_blocks", "_routed_blocks", (block_BHLM,),
+                (key_sorted_BHLM.contiguous(), key_q_BHLM.contiguous()), (M, block, M.bit_length()), M, L, B * H)
+    return block_BHLM
+
+
+def level_positions(order_k_BHLM: torch.Tensor, query_BHLS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_rows [L, B, H, M], q_slots [L, B, H, S]) int64 tokens: of each level's sorted keys (`order_k`: indices
+    into the level's keys), and of the query in each of its S slots (`query`: indices into its queries, -1 for an
+    unused slot, kept)."""
+    B, H, L, M = order_k_BHLM.shape
+    S = query_BHLS.shape[-1]
+    log = stand_in.active()
+    with stand_in.kernel_region(log):
+        k_rows = torch.empty(L, B, H, M, dtype=torch.int64, device=order_k_BHLM.device)
+        q_slots = torch.empty(L, B, H, S, dtype=torch.int64, device=order_k_BHLM.device)
+        _launch("hyper_level_positions", "_level_positions", (k_rows, q_slots),
+                (order_k_BHLM.contiguous(), query_BHLS.contiguous()), (M, S), max(M, S), L, B * H)
+    return k_rows, q_slots

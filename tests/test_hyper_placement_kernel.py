@@ -1,0 +1,117 @@
+"""The index work of HyperAttention's stacked causal levels on its Triton kernels (kernels/k_hyper_placement.py,
+under the interpreter at small shapes) against the same routing written in PyTorch: the levels' sort keys, the
+searchsorted routing to a key block, and the token positions, bitwise. The whole layer against the level-by-level
+recursion is tests/test_hyper_levels.py's and tests/test_hyper.py's.
+
+``KERNEL_TESTS_DEVICE=cuda`` runs them on the kernels compiled for a GPU, as tests/test_kernels.py does.
+"""
+
+from __future__ import annotations
+
+# First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
+from tests.kernel_device import DEVICE, needs_triton, one_gpu_launch_config  # noqa: F401 (an autouse fixture)
+
+import pytest
+import torch
+
+from kernels.hyper_placement import level_positions, routed_blocks, stacked_sort_keys
+from models.attention.hyper import HyperMechanism, HyperMechanismConfig
+from models.attention.hyper_groups import grouped_rows
+from models.attention.hyper_levels import stacked_levels, stacked_placement
+
+pytestmark = needs_triton
+
+
+def placement_in_pytorch(rank_k, rank_q, levels: int, bits: int, b: int):
+    """The routing as PyTorch ops on [L, M] index tensors (what the kernels replace): keys are the first halves of
+    each level's blocks, queries the second; sort keys (segment, bucket rank); a query's block is the middle of its
+    key's run among the sorted keys, at most its segment's last key."""
+    B, H, N = rank_k.shape
+    M, L, dev = N // 2, levels, rank_k.device
+    half_L1 = M >> torch.arange(L, device=dev)[:, None]
+    i_M = torch.arange(M, device=dev)
+    seg_LM = i_M // half_L1
+    first_LM = seg_LM * half_L1
+    pos_k_LM = first_LM + i_M
+    pos_q_LM = pos_k_LM + half_L1
+    seg_key_LM = seg_LM * ((1 << bits) + 1)
+    key_k = seg_key_LM + rank_k[:, :, pos_k_LM]
+    key_q = seg_key_LM + rank_q[:, :, pos_q_LM]
+    order_k = torch.argsort(key_k, dim=-1, stable=True)
+    key_sorted = torch.gather(key_k, -1, order_k)
+    lo = torch.searchsorted(key_sorted, key_q, side="left")
+    hi = torch.searchsorted(key_sorted, key_q, side="right")
+    block = torch.minimum((lo + hi) // 2, first_LM + (half_L1 - 1)) // b
+    query, group_block = grouped_rows(block, M // b, b)
+    q_slots = pos_q_LM.expand(B, H, L, M).gather(-1, query.clamp(min=0)).masked_fill_(query < 0, -1)
+    k_rows = torch.gather(pos_k_LM.expand(B, H, L, M), -1, order_k)
+    return (key_k, key_q, block), tuple(x.movedim(2, 0).contiguous() for x in (q_slots, k_rows, group_block))
+
+
+def tied_ranks(B: int, H: int, N: int, bits: int, gen: torch.Generator) -> torch.Tensor:
+    """Ranks in 0 .. 2^bits - 1, few values: long runs of equal keys in every segment, and ranks absent from some."""
+    return torch.randint(0, 1 << bits, (B, H, N), generator=gen)
+
+
+@pytest.mark.parametrize("N,levels,bits,b", [(64, 2, 2, 4), (96, 1, 3, 8), (128, 3, 1, 4), (160, 2, 5, 4)])
+def test_the_kernels_route_as_the_pytorch_ops(N: int, levels: int, bits: int, b: int) -> None:
+    """Rows of 32-80 keys a level over tiles of 16 (segments of 8-80 crossing the tiles' edges); 1 bit (every
+    query's run is half a segment), 2, 3 and 5 bits (runs of one key, and ranks with no key: routed to where
+    their run would be)."""
+    gen = torch.Generator().manual_seed(N + bits)
+    rank_k, rank_q = (tied_ranks(2, 3, N, bits, gen) for _ in "kq")
+    (want_key_k, want_key_q, want_block), want = placement_in_pytorch(rank_k, rank_q, levels, bits, b)
+    key_k, key_q = stacked_sort_keys(rank_k.to(DEVICE), rank_q.to(DEVICE), levels, (1 << bits) + 1)
+    assert torch.equal(key_k.cpu(), want_key_k) and torch.equal(key_q.cpu(), want_key_q)
+    order_k = torch.argsort(key_k, dim=-1, stable=True)
+    block = routed_blocks(torch.gather(key_k, -1, order_k), key_q, b)
+    assert block.dtype == torch.int64 and torch.equal(block.cpu(), want_block)
+    query, group_block = grouped_rows(block, N // 2 // b, b)
+    k_rows, q_slots = level_positions(order_k, query)
+    assert (query < 0).any()  # unused slots, which must stay -1
+    assert torch.equal(q_slots.cpu(), want[0]) and torch.equal(k_rows.cpu(), want[1])
+
+
+def test_routing_takes_the_middle_of_the_run_or_where_it_would_be() -> None:
+    """One level, one segment of 8 keys with sort keys 0 0 1 1 1 1 3 3 (blocks of 2): a query of key 1 goes to the
+    middle of its run (rows 2-5: row 4, block 2); of key 2, absent, to where its run would start (row 6, block 3);
+    of key 0 to row 1 (block 0); of key 3 to row 7 (block 3); of key 4, past every key, to the segment's last row
+    (8 clamped to 7: block 3)."""
+    key_sorted = torch.tensor([0, 0, 1, 1, 1, 1, 3, 3]).view(1, 1, 1, 8)
+    key_q = torch.tensor([1, 2, 0, 3, 4, 1, 1, 0]).view(1, 1, 1, 8)
+    block = routed_blocks(key_sorted.to(DEVICE), key_q.to(DEVICE), 2)
+    assert block.view(-1).tolist() == [2, 3, 0, 3, 3, 2, 2, 0]
+
+
+def test_positions_of_keys_and_queries_at_each_level() -> None:
+    """N = 16, two levels: level 0's keys are tokens 0-7 and queries 8-15; level 1's keys 0-3 and 8-11, queries
+    4-7 and 12-15. An unused slot (-1) stays -1."""
+    order = torch.arange(8).expand(1, 1, 2, 8).flip(-1)  # the sorted keys in reverse index order
+    query = torch.tensor([[0, 3, -1, 7, 4], [0, 3, -1, 7, 4]]).view(1, 1, 2, 5)
+    k_rows, q_slots = level_positions(order.to(DEVICE), query.to(DEVICE))
+    assert k_rows.shape == (2, 1, 1, 8) and q_slots.shape == (2, 1, 1, 5)
+    assert k_rows[0].view(-1).tolist() == [7, 6, 5, 4, 3, 2, 1, 0]
+    assert k_rows[1].view(-1).tolist() == [11, 10, 9, 8, 3, 2, 1, 0]
+    assert q_slots[0].view(-1).tolist() == [8, 11, -1, 15, 12]
+    assert q_slots[1].view(-1).tolist() == [4, 7, -1, 15, 12]
+
+
+def test_the_models_stacked_placement_is_the_pytorch_routing_of_its_hashes() -> None:
+    """`stacked_placement` on a layer's own SimHash ranks (3 bits, 128 tokens, three levels), every output."""
+    cfg = HyperMechanismConfig(block_size=4, sample_size=4, min_seq_len=16, lsh_bits=3)
+    mech = HyperMechanism(cfg, head_dim=16, layer_index=0).to(DEVICE)
+    levels = stacked_levels(128, cfg.min_seq_len, cfg.block_size, cfg.lsh_bits)
+    assert levels == 3
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 2, 128, 16, generator=gen).to(DEVICE) for _ in "qk")
+    _, want = placement_in_pytorch(mech.bucket_rank(k, None).cpu(), mech.bucket_rank(q, None).cpu(), levels,
+                                   cfg.lsh_bits, cfg.block_size)
+    got = stacked_placement(mech, q, k, levels)
+    for name, g, w in zip(("q_slots", "k_rows", "group_block"), got, want):
+        assert torch.equal(g.cpu(), w), name
+
+
+def test_ranks_that_do_not_halve_are_refused() -> None:
+    rank = torch.zeros(1, 1, 20, dtype=torch.long)  # 20 -> 10 -> 5 -> 2.5
+    with pytest.raises(ValueError, match="halving 3 times"):
+        stacked_sort_keys(rank.to(DEVICE), rank.to(DEVICE), 3, 3)
