@@ -4,7 +4,6 @@ fake tensor kept, nothing kept that autograd cannot save."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -85,9 +84,9 @@ def test_hyper_evaluation_draw_is_the_seeded_draw_and_goes_to_the_device_once() 
 def test_a_copy_made_on_fake_tensors_is_not_kept() -> None:
     copies = DeviceCopies()
     with FakeTensorMode():
-        fake = copies.get(torch.device("cpu"), torch.float32, "x", lambda: torch.ones(3))
+        fake = copies.get(torch.device("cpu"), torch.float32, "x", lambda _kept: torch.ones(3))
     assert len(copies) == 0
-    real = copies.get(torch.device("cpu"), torch.float32, "x", lambda: torch.ones(3))
+    real = copies.get(torch.device("cpu"), torch.float32, "x", lambda _kept: torch.ones(3))
     assert type(real) is torch.Tensor and type(fake) is not torch.Tensor and len(copies) == 1
 
 
@@ -102,15 +101,18 @@ def test_a_copy_made_in_inference_mode_serves_a_later_backward() -> None:
     assert k.grad is not None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_copies_are_kept_per_device_and_dtype(dtype: torch.dtype) -> None:
+def test_copies_are_kept_per_device_and_dtype() -> None:
+    """One copy per (device, dtype): asked again, the same tensor; another device or dtype, a copy of its own."""
     copies, made = DeviceCopies(), []
 
-    def make() -> torch.Tensor:
-        made.append(1)
+    def make(kept: torch.Tensor | None) -> torch.Tensor:
+        made.append(kept)
         return torch.arange(4.0)
 
-    a = copies.get(META, dtype, "k", make)
-    b = copies.get(META, dtype, "k", make)
-    c = copies.get(torch.device("cpu"), dtype, "k", make)
-    assert a is b and a.dtype == c.dtype == dtype and len(made) == 2
+    a = copies.get(META, torch.float32, "k", make)
+    assert copies.get(META, torch.float32, "k", make) is a and len(made) == 1
+    b = copies.get(META, torch.bfloat16, "k", make)
+    c = copies.get(torch.device("cpu"), torch.float32, "k", make)
+    assert b.dtype == torch.bfloat16 and c.device.type == "cpu" and len(made) == 3 and len(copies) == 3
+    grown = copies.get(META, torch.float32, "k", make, large_enough=lambda kept: kept.shape[-1] > 4)
+    assert made[-1] is a and grown is not a  # a copy too small is handed to make(), then replaced

@@ -23,10 +23,12 @@ class DeviceCopies:
     def __init__(self) -> None:
         self._copies: dict[tuple[torch.device, torch.dtype, Hashable], torch.Tensor] = {}
 
-    def get(self, device: torch.device, dtype: torch.dtype, key: Hashable, make: Callable[[], torch.Tensor],
+    def get(self, device: torch.device, dtype: torch.dtype, key: Hashable,
+            make: Callable[[torch.Tensor | None], torch.Tensor],
             large_enough: Callable[[torch.Tensor], bool] = lambda _copy: True) -> torch.Tensor:
-        """The kept copy of `key` on `device` in `dtype` if `large_enough` accepts it, else `make()` (a host tensor,
-        or one already on the device) copied there and kept in its place."""
+        """The kept copy of `key` on `device` in `dtype` if `large_enough` accepts it, else `make(kept)` (a host
+        tensor, or one already on the device; `kept` the copy it replaces, or None, so that a growing constant can
+        size itself from it) copied there and kept in its place."""
         slot = (torch.device(device), dtype, key)
         kept = self._copies.get(slot)
         if kept is not None and large_enough(kept):
@@ -34,7 +36,7 @@ class DeviceCopies:
         # Made outside inference mode, so that evaluation under torch.inference_mode() does not keep a tensor a
         # later call with autograd on could not save for its backward.
         with torch.inference_mode(False):
-            copy = make().to(device=device, dtype=dtype)
+            copy = make(kept).to(device=device, dtype=dtype)
         if not is_fake(copy):
             self._copies[slot] = copy
         return copy

@@ -306,7 +306,7 @@ class HyperMechanism(nn.Module):
         if self.training:
             return torch.rand(B, H, m, device=device)
         seed = self.eval_seed + _LEVEL_SEED_STRIDE * level  # evaluation's draw: fixed, on the device once
-        return self._eval_draws.get(device, torch.float32, (H, m, level), lambda: torch.rand(
+        return self._eval_draws.get(device, torch.float32, (H, m, level), lambda _kept: torch.rand(
             1, H, m, generator=torch.Generator().manual_seed(seed))).expand(B, H, m)
 
     def placed(self, q_BHME, k_BHNE, v_BHNE, key_padding_BN, level: int):

@@ -207,8 +207,9 @@ class LSHMechanism(nn.Module):
         # Reformer's rule for shared QK, where q.k of a token with itself dominates; models/dropin.py turns it off
         # for a trained model's separate q and k, where a token's own key is an ordinary key.
         self.self_mask = True
-        self._rotation_columns: list[torch.Tensor] = []  # a cache, not state: rebuilt from the seed on demand
-        self._device_rotations = DeviceCopies()  # their copies on each device (evaluation, cached decoding)
+        # The fixed rotations' columns on each device (evaluation, cached decoding): a cache, not state, rebuilt from
+        # the seed on demand.
+        self._device_rotations = DeviceCopies()
 
     @classmethod
     def from_config(
@@ -227,15 +228,12 @@ class LSHMechanism(nn.Module):
         if self.training and self.redraw:
             return torch.randn(heads, self.n_hashes, self.head_dim, n_half, device=device).to(dtype)
 
-        def host_columns() -> torch.Tensor:
-            wanted = max(n_half, 2 * len(self._rotation_columns)) if len(self._rotation_columns) < n_half else 0
-            while len(self._rotation_columns) < wanted:
-                c = len(self._rotation_columns)
-                gen = torch.Generator().manual_seed(self.layer_seed * 7919 + c)
-                self._rotation_columns.append(torch.randn(self.n_hashes, self.head_dim, generator=gen))
-            return torch.stack(self._rotation_columns, dim=-1)
+        def seeded_columns(kept: torch.Tensor | None) -> torch.Tensor:
+            width = n_half if kept is None else max(n_half, 2 * kept.shape[-1])
+            return torch.stack([torch.randn(self.n_hashes, self.head_dim, generator=torch.Generator().manual_seed(
+                self.layer_seed * 7919 + c)) for c in range(width)], dim=-1)
 
-        rot_REN = self._device_rotations.get(device, dtype, "columns", host_columns,
+        rot_REN = self._device_rotations.get(device, dtype, "columns", seeded_columns,
                                              large_enough=lambda kept: kept.shape[-1] >= n_half)[..., :n_half]
         return rot_REN.expand(heads, *rot_REN.shape)
 
