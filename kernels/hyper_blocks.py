@@ -43,7 +43,7 @@ def _kernels() -> ModuleType:
 
 def block_tables(group_block: torch.Tensor, n_blocks: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(first group of each key block and one past the last, [..., NB + 1]; each key block's first row, the same
-    shape) for group_block [..., G] with any leading dims: one call for the layouts of several levels at once."""
+    shape) for group_block [..., G]."""
     bounds = torch.arange(n_blocks + 1, device=group_block.device).expand(*group_block.shape[:-1], -1)
     return torch.searchsorted(group_block, bounds.contiguous()), (bounds * block).contiguous()
 
@@ -51,7 +51,8 @@ def block_tables(group_block: torch.Tensor, n_blocks: int, block: int) -> tuple[
 class _Layout:
     """The indices and sizes the four kernels share for one call. With `segments` S > 1 the key blocks and the
     samples fall into S equal runs, and a group sees its own run's samples only, weighted by sample_log_weight
-    [B, S] (k_hyper_blocks.py, "Segments"). `tables`: `block_tables`' result for this layout, when made already."""
+    [B, S] (k_hyper_blocks.py, "Segments"). `tables`: each key block's first group and first sample, [B, H, NB + 1]
+    both, when made already, with `sample_rows` ascending; else made here."""
 
     def __init__(self, q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block, pad_BN, scale,
                  segments: int = 1, tables: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -66,12 +67,16 @@ class _Layout:
         dev = q.device
         self.q_slots, self.k_rows = q_slots.contiguous(), k_rows.contiguous()
         self.group_block = group_block.contiguous()
-        # Ascending rows: the block kernel finds a key block's samples as one range (their order is irrelevant
-        # to the softmax, a sum over them).
-        self.sample_rows = torch.sort(sample_rows, dim=-1).values if self.n_samples else q_slots[..., :1]
-        self.first_group, first_row = tables or block_tables(self.group_block, self.n_blocks, block)
-        self.sample_start = (torch.searchsorted(self.sample_rows, first_row) if self.n_samples
-                             else torch.zeros(B, H, self.n_blocks + 1, dtype=torch.int64, device=dev))
+        if tables is None:
+            # Ascending rows: the block kernel finds a key block's samples as one range (their order is irrelevant
+            # to the softmax, a sum over them).
+            self.sample_rows = torch.sort(sample_rows, dim=-1).values if self.n_samples else q_slots[..., :1]
+            self.first_group, first_row = block_tables(self.group_block, self.n_blocks, block)
+            self.sample_start = (torch.searchsorted(self.sample_rows, first_row) if self.n_samples
+                                 else torch.zeros(B, H, self.n_blocks + 1, dtype=torch.int64, device=dev))
+        else:  # made by the caller (kernels/hyper_placement.py level_tables), the rows ascending already
+            self.sample_rows = sample_rows if self.n_samples else q_slots[..., :1]
+            self.first_group, self.sample_start = tables
         self.log_w = sample_log_weight.to(device=dev, dtype=torch.float32).reshape(B, segments).contiguous()
         self.pad = pad_BN.to(torch.uint8).contiguous() if pad_BN is not None else q_slots
         self.scale = scale

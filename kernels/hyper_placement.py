@@ -64,3 +64,33 @@ def level_positions(order_k_BHLM: torch.Tensor, query_BHLS: torch.Tensor) -> tup
         _launch("hyper_level_positions", "_level_positions", (k_rows, q_slots),
                 (order_k_BHLM.contiguous(), query_BHLS.contiguous()), (M, S), max(M, S), L, B * H)
     return k_rows, q_slots
+
+
+def level_tables(uniforms: torch.Tensor | None, group_block_LBHG: torch.Tensor, n_half: int, samples: int,
+                 block: int, shared: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Each level's samples and tables for its blocks + samples kernels, in one launch (`_level_tables`):
+    (sample rows [B, H, 2^l m] ascending, level l at l; each key block's first sample and first group, both
+    [L, B, H, NB + 1]; the samples' log weights [B, 2^l]). `uniforms`: the draws, flat (training: level l's
+    [2^l B, H, m] in the recursion's batch order, deepest level first; `shared`, evaluation: [L, H, m]); None
+    without samples (then no rows, first samples 0, the weights unused)."""
+    from kernels import k_hyper_placement
+
+    L, B, H, G = group_block_LBHG.shape
+    m = samples if uniforms is not None else 0
+    dev, n_blocks = group_block_LBHG.device, n_half // block
+    log = stand_in.active()
+    with stand_in.kernel_region(log):
+        rows = torch.empty(B * H * m * ((1 << L) - 1), dtype=torch.int64, device=dev)
+        first_sample, first_group = (torch.empty(L, B, H, n_blocks + 1, dtype=torch.int64, device=dev) for _ in "sg")
+        log_w = (torch.empty if m else torch.zeros)(B * ((1 << L) - 1), dtype=torch.float32, device=dev)
+        kern = jit_module(k_hyper_placement)
+        unused = group_block_LBHG  # a pointer the kernel never reads without samples
+        args = (uniforms if m else unused, group_block_LBHG.contiguous(), rows if m else unused, first_sample,
+                first_group, log_w, B, H, n_half, m, block, G, L)
+        cfg = kern.tables_config(interpreter_enabled(), m)
+        grid = (1 << (L - 1), L, B * H)
+        stand_in.launch("hyper_level_tables", lambda: kern._level_tables[grid](
+            *args, SHARED=shared, HAS_SAMPLES=m > 0, **cfg))
+    level_rows = [rows[B * H * m * ((1 << l) - 1):B * H * m * ((2 << l) - 1)].view(B, H, m << l) for l in range(L)]
+    level_log_w = [log_w[B * ((1 << l) - 1):B * ((2 << l) - 1)].view(B, 1 << l) for l in range(L)]
+    return level_rows, first_sample, first_group, level_log_w

@@ -23,6 +23,15 @@ def launch_config(interpret: bool) -> dict[str, int]:
     return {"BLOCK": 1024, "num_warps": 4}
 
 
+def tables_config(interpret: bool, samples: int) -> dict[str, int]:
+    """`_level_tables`' tiles: all of a piece's samples in one (sorted there), key blocks and groups in tiles of
+    16 and 128 on a GPU (a [16, m] comparison per tile), of 4 under the interpreter (several tiles a piece)."""
+    block_m = max(triton.next_power_of_2(samples), 2)
+    if interpret:
+        return {"BLOCK_M": block_m, "BLOCK_J": 4, "BLOCK_G": 4, "num_warps": 1}
+    return {"BLOCK_M": block_m, "BLOCK_J": 16, "BLOCK_G": 128, "num_warps": 4}
+
+
 @triton.jit
 def _stacked_keys(
     RANK_K, RANK_Q, KEY_K, KEY_Q,
@@ -108,3 +117,68 @@ def _level_positions(
     safe = tl.where(used, query_index, 0)
     token = tl.where(used, (safe // half) * half + safe + half, -1)
     tl.store(Q_SLOTS + (level * tl.num_programs(2) + bh) * n_slots + i, token, mask=live_q)
+
+
+@triton.jit
+def _level_tables(
+    U, GROUP_BLOCK, SROW, SSTART, FIRST_GROUP, LOGW,
+    batch, heads, n_half, m, block, n_groups, n_levels,
+    SHARED: tl.constexpr, HAS_SAMPLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """The tables of piece s of level l, one (batch, head) a program, for the level's blocks + samples kernels
+    (kernels/k_hyper_blocks.py, one segment a piece): with half = M >> l keys a piece and nbp = half / block blocks,
+    - SROW: the piece's m samples as rows of the level's sorted keys, ascending (the kernels find a block's samples
+      as one range): s * half + min(floor(u * half), half - 1), `sample_rows`' draw; level l's [B, H, 2^l m] at
+      offset B H m (2^l - 1).
+    - SSTART [L, B, H, NB + 1]: each key block's first sample (searchsorted(SROW, j * block)); the last piece also
+      writes NB's entry, the end.
+    - FIRST_GROUP [L, B, H, NB + 1]: each key block's first group (searchsorted(GROUP_BLOCK [L, B, H, G], j)).
+    - LOGW: level l's [B, 2^l] at offset B (2^l - 1): the samples' weight log(half / m), in float64 then rounded
+      (`count_log_weight`'s value).
+    U: in training level l's uniforms [2^l B, H, m], levels deepest first (their order of draws), in the
+    recursion's batch order (piece s at row rev_l(s) B + b: each level concatenates first halves, then second);
+    SHARED (evaluation): [L, H, m], one draw a level for every piece and batch row."""
+    s = tl.program_id(0)
+    level = tl.program_id(1)
+    bh = tl.program_id(2)
+    pieces = 1 << level
+    if s < pieces:
+        half = n_half >> level
+        nbp = half // block
+        n_blocks = n_half // block
+        batch_heads = tl.num_programs(2)
+        table_row = (level * batch_heads + bh).to(tl.int64) * (n_blocks + 1)
+        n_j = nbp + (s == pieces - 1).to(tl.int32)  # the last piece writes the end too
+        if HAS_SAMPLES:
+            i = tl.arange(0, BLOCK_M)
+            live = i < m
+            if SHARED:
+                u_row = level * heads + bh % heads
+            else:
+                rev = s * 0
+                for bit in range(level):
+                    rev = rev * 2 + ((s >> bit) & 1)
+                drawn_before = batch * heads * ((1 << n_levels) - (2 << level))  # the deeper levels' rows
+                u_row = drawn_before + (rev * batch + bh // heads) * heads + bh % heads
+            u = tl.load(U + u_row.to(tl.int64) * m + i, mask=live, other=0.0)
+            local = tl.minimum((u * half.to(tl.float32)).to(tl.int64), half - 1)
+            local = tl.sort(tl.where(live, local, half))  # the unused lanes after every sample
+            srow = (batch * heads * (pieces - 1) + bh * pieces + s).to(tl.int64) * m
+            tl.store(SROW + srow + i, s * half + local, mask=live)
+            log_w = tl.log(half.to(tl.float64) / m).to(tl.float32)
+            tl.store(LOGW + batch * (pieces - 1) + (bh // heads) * pieces + s, log_w, mask=bh % heads == 0)
+        for j0 in range(0, n_j, BLOCK_J):
+            t = j0 + tl.arange(0, BLOCK_J)
+            j = s * nbp + t
+            first_sample = s * m + tl.zeros([BLOCK_J], dtype=tl.int64)
+            if HAS_SAMPLES:
+                first_sample += tl.sum((local[None, :] < (t * block)[:, None]).to(tl.int64), axis=1)
+            tl.store(SSTART + table_row + j, first_sample, mask=t < n_j)
+            first_group = tl.zeros([BLOCK_J], dtype=tl.int64)
+            for g0 in range(0, n_groups, BLOCK_G):
+                g = g0 + tl.arange(0, BLOCK_G)
+                group_block = tl.load(GROUP_BLOCK + (level * batch_heads + bh).to(tl.int64) * n_groups + g,
+                                      mask=g < n_groups, other=n_blocks + 1)
+                first_group += tl.sum((group_block[None, :] < j[:, None]).to(tl.int64), axis=1)
+            tl.store(FIRST_GROUP + table_row + j, first_group, mask=t < n_j)

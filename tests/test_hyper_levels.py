@@ -13,7 +13,7 @@ import torch
 
 from models.attention.hyper import HyperMechanism, HyperMechanismConfig
 from models.attention.hyper_groups import group_queries, grouped_rows
-from models.attention.hyper_levels import piece_order, stacked_levels
+from models.attention.hyper_levels import stacked_levels
 
 
 @pytest.mark.parametrize("n, min_seq_len, block, levels", [
@@ -33,20 +33,6 @@ def test_sort_keys_that_would_overflow_int64_are_not_stacked():
     assert stacked_levels(1 << 20, 1 << 12, 64, bits=7) == 8
     assert stacked_levels(1 << 40, 1 << 12, 64, bits=30) == 28  # 2^28 * (2^30 + 1) < 2^62
     assert stacked_levels(1 << 50, 1 << 12, 64, bits=30) == 0  # 2^38 * (2^30 + 1) > 2^62
-
-
-def test_piece_order_undoes_the_recursions_concatenations():
-    """The recursion's batch at level l lists its pieces as each level's cat([first halves, second halves]) left
-    them; piece_order puts the rows of that batch back in position order."""
-    for levels in range(4):
-        batch = [0]  # position index of the piece in each batch row, built as the recursion concatenates
-        for _ in range(levels):
-            batch = [2 * p for p in batch] + [2 * p + 1 for p in batch]
-        B = 2
-        rows = torch.tensor(batch).repeat_interleave(B)[:, None] * 10 + torch.arange(B).repeat(len(batch))[:, None]
-        placed = piece_order(rows, levels)  # [2^l, B, 1]
-        assert placed.shape == (1 << levels, B, 1)
-        assert placed[..., 0].tolist() == [[10 * p + b for b in range(B)] for p in range(1 << levels)]
 
 
 @needs_triton

@@ -1,6 +1,6 @@
 """The index work of HyperAttention's stacked causal levels on its Triton kernels (kernels/k_hyper_placement.py,
 under the interpreter at small shapes) against the same routing written in PyTorch: the levels' sort keys, the
-searchsorted routing to a key block, and the token positions, bitwise. The whole layer against the level-by-level
+searchsorted routing to a key block, the token positions, and every level's samples and tables, bitwise. The whole layer against the level-by-level
 recursion is tests/test_hyper_levels.py's and tests/test_hyper.py's.
 
 ``KERNEL_TESTS_DEVICE=cuda`` runs them on the kernels compiled for a GPU, as tests/test_kernels.py does.
@@ -11,13 +11,16 @@ from __future__ import annotations
 # First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
 from tests.kernel_device import DEVICE, needs_triton, one_gpu_launch_config  # noqa: F401 (an autouse fixture)
 
+import math
+
 import pytest
 import torch
 
-from kernels.hyper_placement import level_positions, routed_blocks, stacked_sort_keys
+from kernels.hyper_blocks import block_tables
+from kernels.hyper_placement import level_positions, level_tables, routed_blocks, stacked_sort_keys
 from models.attention.hyper import HyperMechanism, HyperMechanismConfig
 from models.attention.hyper_groups import grouped_rows
-from models.attention.hyper_levels import stacked_levels, stacked_placement
+from models.attention.hyper_levels import level_uniforms, stacked_levels, stacked_placement
 
 pytestmark = needs_triton
 
@@ -115,3 +118,91 @@ def test_ranks_that_do_not_halve_are_refused() -> None:
     rank = torch.zeros(1, 1, 20, dtype=torch.long)  # 20 -> 10 -> 5 -> 2.5
     with pytest.raises(ValueError, match="halving 3 times"):
         stacked_sort_keys(rank.to(DEVICE), rank.to(DEVICE), 3, 3)
+
+
+def piece_order(samples_SB: torch.Tensor, levels: int) -> torch.Tensor:
+    """[2^l * B, ...] rows in the recursion's batch order -> [2^l, B, ...] in position order: the recursion's batch
+    index of piece s is s with its l bits reversed (each level concatenates [first halves, second halves])."""
+    if levels == 0:
+        return samples_SB[None]
+    rest = samples_SB.shape[1:]
+    bits = samples_SB.view(*([2] * levels), -1, *rest)
+    return bits.permute(*reversed(range(levels)), *range(levels, bits.dim())).reshape(1 << levels, -1, *rest)
+
+
+def test_piece_order_undoes_the_recursions_concatenations():
+    """The recursion's batch at level l lists its pieces as each level's cat([first halves, second halves]) left
+    them; piece_order puts the rows of that batch back in position order."""
+    for levels in range(4):
+        batch = [0]  # position index of the piece in each batch row, built as the recursion concatenates
+        for _ in range(levels):
+            batch = [2 * p for p in batch] + [2 * p + 1 for p in batch]
+        B = 2
+        rows = torch.tensor(batch).repeat_interleave(B)[:, None] * 10 + torch.arange(B).repeat(len(batch))[:, None]
+        placed = piece_order(rows, levels)  # [2^l, B, 1]
+        assert placed.shape == (1 << levels, B, 1)
+        assert placed[..., 0].tolist() == [[10 * p + b for b in range(B)] for p in range(1 << levels)]
+
+
+def tables_in_pytorch(mech: HyperMechanism, B: int, H: int, N: int, levels: int, group_block: torch.Tensor):
+    """Each level's samples and tables as PyTorch ops made them, level by level, deepest first (what `level_tables`
+    replaces): `sample_rows`' draw for the level's 2^l B pieces in the recursion's batch order, put in position
+    order and offset to each piece's keys, sorted; `block_tables` and a searchsorted; `count_log_weight`."""
+    m, b = mech.sample_size, mech.block_size
+    rows, first_sample, first_group, log_w = {}, {}, {}, {}
+    for level in reversed(range(levels)):
+        pieces, half = 1 << level, N >> (level + 1)
+        drawn = mech.sample_rows(pieces * B, H, half, half, torch.device("cpu"), level)
+        drawn = piece_order(drawn, level) + torch.arange(0, pieces * half, half)[:, None, None, None]
+        rows[level] = torch.sort(drawn.permute(1, 2, 0, 3).reshape(B, H, pieces * m), dim=-1).values
+        first_group[level], first_row = block_tables(group_block[level], N // 2 // b, b)
+        first_sample[level] = torch.searchsorted(rows[level], first_row)
+        log_w[level] = mech.count_log_weight(half, (B, pieces), torch.device("cpu"))
+    return rows, first_sample, first_group, log_w
+
+
+def sorted_group_blocks(levels: int, B: int, H: int, G: int, n_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """[L, B, H, G] ascending key blocks of the groups, as `grouped_rows` gives them: several groups on some blocks,
+    none on others, unused groups on the last."""
+    return torch.randint(0, n_blocks, (levels, B, H, G), generator=gen).sort(dim=-1).values
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "evaluation"])
+@pytest.mark.parametrize("N, levels, b, m", [
+    (64, 3, 4, 8),    # pieces of 8 keys at the deepest level: as many samples as keys
+    (64, 2, 2, 5),    # 5 samples in a tile of 8; 16 key blocks a piece at level 0, in tiles of 4
+    (96, 1, 4, 1),    # one level, one sample a piece
+    (128, 4, 4, 3),   # four levels: pieces 0..7 at the deepest, their batch order 3 bits reversed
+])
+def test_the_level_tables_are_the_recursions_samples_and_tables(training: bool, N: int, levels: int, b: int,
+                                                                 m: int) -> None:
+    """Two batch rows and three heads (the batch order interleaves pieces and rows); the draws the recursion makes
+    from one seed in training, and each level's own evaluation draw: rows, first samples, first groups and
+    weights equal the level-by-level PyTorch ops bitwise (the weights: log(half / m) in float64, rounded once, as
+    `count_log_weight`; a float32 log differs from it at half / m = 16 / 3, 8 / 3, 32 / 5, ...)."""
+    B, H = 2, 3
+    cfg = HyperMechanismConfig(block_size=b, sample_size=m, min_seq_len=4, lsh_bits=3)
+    mech = HyperMechanism(cfg, head_dim=8, layer_index=2).train(training)
+    n_blocks = N // 2 // b
+    group_block = sorted_group_blocks(levels, B, H, n_blocks + 3, n_blocks, torch.Generator().manual_seed(N + m))
+    torch.manual_seed(17)
+    want = tables_in_pytorch(mech, B, H, N, levels, group_block)
+    torch.manual_seed(17)
+    uniforms = level_uniforms(mech, B, H, levels, torch.device("cpu"))
+    rows, first_sample, first_group, log_w = level_tables(uniforms.to(DEVICE), group_block.to(DEVICE), N // 2, m,
+                                                          b, shared=not training)
+    for level in range(levels):
+        for name, got, expected in zip(("rows", "first_sample", "first_group", "log_w"),
+                                       (rows[level], first_sample[level], first_group[level], log_w[level]),
+                                       (table[level] for table in want)):
+            assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected), (level, name)
+
+
+def test_without_samples_the_tables_are_the_groups_alone() -> None:
+    """sample_size 0: no rows, every key block's first sample 0, its first group as `block_tables` finds it."""
+    L, B, H, N, b = 2, 1, 2, 32, 4
+    group_block = sorted_group_blocks(L, B, H, 6, N // 2 // b, torch.Generator().manual_seed(3))
+    rows, first_sample, first_group, _ = level_tables(None, group_block.to(DEVICE), N // 2, 4, b, shared=False)
+    assert all(r.numel() == 0 for r in rows) and not first_sample.any()
+    for level in range(L):
+        assert torch.equal(first_group[level].cpu(), block_tables(group_block[level], N // 2 // b, b)[0])

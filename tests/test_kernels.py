@@ -659,7 +659,7 @@ def test_chunked_attention_rejects_bad_arguments() -> None:
 # candidate that prune_configs keeps on an H100/H200 (sm_90) at head dim 128, bf16, against the limit and
 # against shared_memory_estimate (which must bound the compiler's figure); each flash kernel with the
 # opposite masking constexprs on an A100 (sm_80), same check; the chunked kernels, LSH's hash and layout and
-# HyperAttention's blocks + samples, SimHash ranks and causal levels' placement on sm_90.
+# HyperAttention's blocks + samples, SimHash ranks and causal levels' placement and tables on sm_90.
 # Runs in a fresh process because this one has TRITON_INTERPRET=1.
 _COMPILE_SCRIPT = """
 import os
@@ -677,7 +677,8 @@ TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32
          "LSE_A": "*fp32", "LSE_B": "*fp32", "ALPHA": "*fp32", "BETA": "*fp32", "G_LSE_A": "*fp32", "G_LSE_B": "*fp32",
          "BUCKET": "*i64", "ORDER": "*i64", "TOKEN": "*i32", "POS": "*i64", "RANK": "*i64", "RANK_K": "*i64",
          "RANK_Q": "*i64", "KEY_K": "*i64", "KEY_Q": "*i64", "KEY_SORTED": "*i64", "BLOCK_OUT": "*i64",
-         "QUERY": "*i64", "K_ROWS": "*i64", "Q_SLOTS": "*i64"}
+         "QUERY": "*i64", "K_ROWS": "*i64", "Q_SLOTS": "*i64", "U": "*fp32", "GROUP_BLOCK": "*i64", "SROW": "*i64",
+         "SSTART": "*i64", "FIRST_GROUP": "*i64", "LOGW": "*fp32"}
 
 def compile_shared(fn, constexprs, num_warps, num_stages, arch):
     if isinstance(fn, triton.runtime.autotuner.Heuristics):
@@ -755,6 +756,12 @@ for fn in (k_hyper_placement._stacked_keys, k_hyper_placement._routed_blocks, k_
     shared = compile_shared(fn, {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"], 1, 90)
     assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], (fn.__name__, shared)
     print(fn.__name__, "compiled")
+cfg = k_hyper_placement.tables_config(interpret=False, samples=256)
+for shared_draws in (False, True):  # training's draws (the bit reversal) and evaluation's
+    tables_args = dict(SHARED=shared_draws, HAS_SAMPLES=True, **{k: v for k, v in cfg.items() if k != "num_warps"})
+    shared = compile_shared(k_hyper_placement._level_tables, tables_args, cfg["num_warps"], 1, 90)
+    assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], ("_level_tables", shared)
+    print("_level_tables", "compiled")
 """
 
 
@@ -770,7 +777,7 @@ def test_kernels_compile_for_gpu() -> None:
         [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 25, result.stdout
+    assert result.stdout.count("compiled") == 27, result.stdout
 
 
 def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:

@@ -45,9 +45,10 @@ from kernels.merge_rounds import merge_below
 from kernels.simhash import MAX_BITS, simhash_rank
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.device_copies import DeviceCopies
-from models.attention.exact import ExactMechanism, exact_causal_rows
+from models.attention.exact import ExactMechanism
 from models.attention.hyper_groups import group_queries, grouped_rows
 from models.attention.hyper_levels import causal_levels, stacked_levels
+from models.attention.hyper_rows import causal_rows
 from models.attention.lse import exact_attention, merge_lse, merge_lse_below
 
 _LAYER_SEED_STRIDE = 1_000_003
@@ -305,9 +306,15 @@ class HyperMechanism(nn.Module):
     def _uniform(self, B: int, H: int, m: int, device: torch.device, level: int) -> torch.Tensor:
         if self.training:
             return torch.rand(B, H, m, device=device)
-        seed = self.eval_seed + _LEVEL_SEED_STRIDE * level  # evaluation's draw: fixed, on the device once
-        return self._eval_draws.get(device, torch.float32, (H, m, level), lambda _kept: torch.rand(
-            1, H, m, generator=torch.Generator().manual_seed(seed))).expand(B, H, m)
+        return self.eval_draws(H, m, level + 1, device)[level].expand(B, H, m)
+
+    def eval_draws(self, H: int, m: int, levels: int, device: torch.device) -> torch.Tensor:
+        """[at least `levels`, H, m]: evaluation's fixed draws, level l at l from its own generator (a seed per
+        layer and level), on the device once."""
+        seed = lambda level: self.eval_seed + _LEVEL_SEED_STRIDE * level  # noqa: E731
+        return self._eval_draws.get(device, torch.float32, (H, m), lambda _kept: torch.cat([torch.rand(
+            1, H, m, generator=torch.Generator().manual_seed(seed(level))) for level in range(levels)]),
+            large_enough=lambda kept: kept.shape[0] >= levels)
 
     def placed(self, q_BHME, k_BHNE, v_BHNE, key_padding_BN, level: int):
         """Past-only routing of an off-diagonal block: (out [B, H, M, E], lse [B, H, M]). Keys are sorted by
@@ -396,10 +403,8 @@ class HyperMechanism(nn.Module):
 
     def causal_last_rows(self, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSE: torch.Tensor) -> torch.Tensor:
         """Rows S-T .. S-1 of `forward(causal=True)` over S positions, from those rows' queries and every key: a
-        cached decoding step. Under past-only routing a row of `causal` depends on its own query and on the keys
-        only (its key block is found from its own hash; the samples of a level come from that level's generator and
-        the keys' count), so following the rows down Algorithm 4 (`causal_rows`) gives the full pass's rows, at the
-        cost of one past-only placement per level instead of a pass over every query."""
+        cached decoding step, one past-only placement per level (models/attention/hyper_rows.py: why these are the
+        full pass's rows)."""
         T, S = q_BHTE.shape[2], k_BHSE.shape[2]
         if S <= self.min_seq_len:
             return self.exact.causal_last_rows(q_BHTE, k_BHSE, v_BHSE)
@@ -409,34 +414,7 @@ class HyperMechanism(nn.Module):
         if self.training and self.sample_size > 0:
             raise ValueError("hyper draws fresh samples on every training call, so a cached step cannot repeat the "
                              "full pass's; decode in evaluation mode (model.eval())")
-        return self.causal_rows(q_BHTE, S - T, k_BHSE, v_BHSE, None)[0]
-
-    def causal_rows(self, q_BHTE, first: int, k_BHNE, v_BHNE, key_padding_BN, level: int = 0):
-        """(out, lse) of rows first .. first+T-1 of `causal` over N keys, from those rows' queries: Algorithm 4
-        followed down the halves that hold them, with the same odd-length padding, halves and levels as `causal`."""
-        T, N = q_BHTE.shape[2], k_BHNE.shape[2]
-        if N <= self.min_seq_len:
-            return exact_causal_rows(q_BHTE, first, k_BHNE, v_BHNE, key_padding_BN)
-        odd = N % 2
-        if odd:  # `causal` pads one key at the end (and a query, which these rows are not)
-            k_BHNE, v_BHNE = (F.pad(x, (0, 0, 0, 1)) for x in (k_BHNE, v_BHNE))
-            if key_padding_BN is None:
-                key_padding_BN = torch.zeros(k_BHNE.shape[0], N, dtype=torch.bool, device=k_BHNE.device)
-            key_padding_BN = F.pad(key_padding_BN, (0, 1), value=True)
-        h = (N + odd) // 2
-        pad = lambda lo, hi: None if key_padding_BN is None else key_padding_BN[:, lo:hi]  # noqa: E731
-        n_first_half = min(max(h - first, 0), T)
-        parts = []
-        if n_first_half:
-            parts.append(self.causal_rows(q_BHTE[:, :, :n_first_half], first, k_BHNE[:, :, :h], v_BHNE[:, :, :h],
-                                          pad(0, h), level + 1))
-        if n_first_half < T:
-            q_second = q_BHTE[:, :, n_first_half:]
-            out_d, lse_d = self.causal_rows(q_second, first + n_first_half - h, k_BHNE[:, :, h:], v_BHNE[:, :, h:],
-                                            pad(h, None), level + 1)
-            out_off, lse_off = self.placed(q_second, k_BHNE[:, :, :h], v_BHNE[:, :, :h], pad(0, h), level)
-            parts.append(merge_lse(out_d, lse_d, out_off, lse_off))
-        return torch.cat([out for out, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+        return causal_rows(self, q_BHTE, S - T, k_BHSE, v_BHSE, None)[0]
 
     length_dependence = "Algorithm 4 halves the whole sequence, so its split points move as tokens are appended"
     """Why appending tokens changes earlier outputs beyond `prefix_stable_length` (models/hf_patching.py says it)."""

@@ -13,7 +13,8 @@ The result equals the recursion's (same routing, same samples, the same merge or
 rounding of the merges (the recursion rounds each level's part to q's dtype before merging it; here the kernel
 merges the level's unrounded part). The recursion's samples are drawn level by level, deepest first, for its
 batch of 2^l pieces in the order its concatenations made (bit-reversed piece index); here they are drawn in that
-order and put back in position order.
+order into one buffer, and one launch (kernels/hyper_placement.py `level_tables`) puts them back in position
+order, sorts them and makes every level's tables.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.hyper_blocks import _Layout, block_tables
+from kernels.hyper_blocks import _Layout
 from kernels.hyper_levels import hyper_causal_levels
-from kernels.hyper_placement import level_positions, routed_blocks, stacked_sort_keys
+from kernels.hyper_placement import level_positions, level_tables, routed_blocks, stacked_sort_keys
 from models.attention.hyper_groups import grouped_rows
 
 if TYPE_CHECKING:
@@ -46,16 +47,6 @@ def stacked_levels(n: int, min_seq_len: int, block_size: int, bits: int) -> int:
     return levels if max_key < 2**62 else 0
 
 
-def piece_order(samples_SB: torch.Tensor, levels: int) -> torch.Tensor:
-    """[2^l * B, ...] rows in the recursion's batch order -> [2^l, B, ...] in position order: the recursion's batch
-    index of piece s is s with its l bits reversed (each level concatenates [first halves, second halves])."""
-    if levels == 0:
-        return samples_SB[None]
-    rest = samples_SB.shape[1:]
-    bits = samples_SB.view(*([2] * levels), -1, *rest)
-    return bits.permute(*reversed(range(levels)), *range(levels, bits.dim())).reshape(1 << levels, -1, *rest)
-
-
 def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     """Past-only routing of every level's off-diagonal blocks at once, as `HyperMechanism.placed` routes one level:
     (q_slots [L, B, H, G * b], k_rows [L, B, H, N / 2], group_block [L, B, H, G]) holding token positions, level l
@@ -71,27 +62,34 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     return q_slots, k_rows, group_block.movedim(2, 0).contiguous()
 
 
+def level_uniforms(mech: HyperMechanism, B: int, H: int, levels: int, device: torch.device) -> torch.Tensor | None:
+    """The uniform draws of every level for `level_tables`, flat; None without samples. In training level l's
+    [2^l B, H, m], deepest level first, each drawn by one `uniform_` on its slice: the recursion's draws
+    (`torch.rand` of that shape is `uniform_` on a new tensor of it: the same numbers from the same generator
+    state, on a CPU or a GPU). In evaluation the levels' fixed draws [L, H, m] (`mech.eval_draws`)."""
+    m = mech.sample_size
+    if m == 0:
+        return None
+    if not mech.training:
+        return mech.eval_draws(H, m, levels, device)[:levels]
+    sizes = [(B << level) * H * m for level in range(levels)]
+    uniforms = torch.empty(sum(sizes), device=device)
+    for part in uniforms.split(sizes[::-1]):  # deepest level first
+        part.uniform_()
+    return uniforms
+
+
 def causal_levels(mech: HyperMechanism, q_BHNE, k_BHNE, v_BHNE, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `mech.causal` without key padding under past-only routing, on the kernels, for a length whose
     recursion has `levels` levels (`stacked_levels`)."""
     B, H, N, E = q_BHNE.shape
-    m, dev, L = mech.sample_size, q_BHNE.device, levels
-    q_slots, k_rows, group_block = stacked_placement(mech, q_BHNE, k_BHNE, L)
-    first_group, first_row = block_tables(group_block, k_rows.shape[-1] // mech.block_size, mech.block_size)
+    q_slots, k_rows, group_block = stacked_placement(mech, q_BHNE, k_BHNE, levels)
+    uniforms = level_uniforms(mech, B, H, levels, q_BHNE.device)
+    rows, first_sample, first_group, log_w = level_tables(uniforms, group_block, N // 2, mech.sample_size,
+                                                          mech.block_size, shared=not mech.training)
     scale = 1.0 / math.sqrt(E)
-    layouts = []
-    for level in reversed(range(L)):  # the recursion's order of draws and merges: deepest first
-        pieces, half = 1 << level, N >> (level + 1)
-        if m > 0:
-            # Every piece has `half` real keys: an int, as a tensor of them multiplies to the same float32 draws,
-            # and their weight a fill, as `blocks_and_samples` makes it for a count.
-            rows = mech.sample_rows(pieces * B, H, half, half, dev, level)  # [2^l B, H, m] in the recursion's order
-            rows = piece_order(rows, level) + torch.arange(0, pieces * half, half, device=dev)[:, None, None, None]
-            rows = rows.permute(1, 2, 0, 3).reshape(B, H, pieces * m)  # piece s's samples among its rows
-            log_w = mech.count_log_weight(half, (B, pieces), dev)
-        else:  # blocks only: no samples, their weight unused
-            rows, log_w = torch.zeros(B, H, 0, dtype=torch.long, device=dev), torch.zeros(B, pieces, device=dev)
-        layouts.append(_Layout(q_BHNE, k_BHNE, q_slots[level], k_rows[level], group_block[level], rows, log_w,
-                               mech.block_size, None, scale, segments=pieces,
-                               tables=(first_group[level], first_row[level])))
-    return hyper_causal_levels(q_BHNE, k_BHNE, v_BHNE, 1 << L, layouts, scale)
+    layouts = [_Layout(q_BHNE, k_BHNE, q_slots[level], k_rows[level], group_block[level], rows[level], log_w[level],
+                       mech.block_size, None, scale, segments=1 << level,
+                       tables=(first_group[level], first_sample[level]))
+               for level in reversed(range(levels))]  # the recursion's order of merges: deepest first
+    return hyper_causal_levels(q_BHNE, k_BHNE, v_BHNE, 1 << levels, layouts, scale)
