@@ -51,19 +51,23 @@ def routed_blocks(key_sorted_BHLM: torch.Tensor, key_q_BHLM: torch.Tensor, block
     return block_BHLM
 
 
-def level_positions(order_k_BHLM: torch.Tensor, query_BHLS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def level_positions(order_k_BHLM: torch.Tensor, query_BHLS: torch.Tensor, block_BHLM: torch.Tensor,
+                    block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_rows [L, B, H, M], q_slots [L, B, H, S]) int64 tokens: of each level's sorted keys (`order_k`: indices
-    into the level's keys), and of the query in each of its S slots (`query`: indices into its queries, -1 for an
-    unused slot, kept)."""
+    into the level's keys), and of the query in each of its S slots (`query`, any integer dtype: indices into its
+    queries, -1 for an unused slot, kept); and group_block [L, B, H, S / block], each group's key block: its first
+    query's in `block_BHLM` (the routed blocks), M / block - 1 for an unused group."""
     B, H, L, M = order_k_BHLM.shape
     S = query_BHLS.shape[-1]
     log = stand_in.active()
     with stand_in.kernel_region(log):
         k_rows = torch.empty(L, B, H, M, dtype=torch.int64, device=order_k_BHLM.device)
         q_slots = torch.empty(L, B, H, S, dtype=torch.int64, device=order_k_BHLM.device)
-        _launch("hyper_level_positions", "_level_positions", (k_rows, q_slots),
-                (order_k_BHLM.contiguous(), query_BHLS.contiguous()), (M, S), max(M, S), L, B * H)
-    return k_rows, q_slots
+        group_block = torch.empty(L, B, H, S // block, dtype=torch.int64, device=order_k_BHLM.device)
+        _launch("hyper_level_positions", "_level_positions", (k_rows, q_slots, group_block),
+                (order_k_BHLM.contiguous(), query_BHLS.contiguous(), block_BHLM.contiguous()),
+                (M, S, block, M // block), max(M, S), L, B * H)
+    return k_rows, q_slots, group_block
 
 
 def level_tables(uniforms: torch.Tensor | None, group_block_LBHG: torch.Tensor, n_half: int, samples: int,

@@ -95,28 +95,36 @@ def _routed_blocks(
 
 @triton.jit
 def _level_positions(
-    ORDER, QUERY, K_ROWS, Q_SLOTS,
-    n_half, n_slots,
+    ORDER, QUERY, BLOCK_IN, K_ROWS, Q_SLOTS, GROUP_BLOCK,
+    n_half, n_slots, block, n_blocks,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """K_ROWS [L, B, H, M]: the token of level l's sorted key i (ORDER [B, H, L, M], its index in the level's keys);
     Q_SLOTS [L, B, H, G * b]: the token of the query in slot i (QUERY [B, H, L, G * b], its index in the level's
-    queries, -1 in an unused slot, which stays -1). Level-major, as the levels' kernels take them."""
+    queries, -1 in an unused slot, which stays -1); GROUP_BLOCK [L, B, H, G]: group g's key block, its first
+    query's (BLOCK_IN [B, H, L, M], every used group has one), n_blocks - 1 for an unused group. Level-major, as
+    the levels' kernels take them."""
     level = tl.program_id(1)
     bh = tl.program_id(2).to(tl.int64)
     n_levels = tl.num_programs(1)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     half = n_half >> level
+    in_row = (bh * n_levels + level) * n_half
+    out_row = level * tl.num_programs(2) + bh
     live_k = i < n_half
-    key_index = tl.load(ORDER + (bh * n_levels + level) * n_half + i, mask=live_k, other=0)
-    out_row = (level * tl.num_programs(2) + bh) * n_half
-    tl.store(K_ROWS + out_row + i, (key_index // half) * half + key_index, mask=live_k)
+    key_index = tl.load(ORDER + in_row + i, mask=live_k, other=0)
+    tl.store(K_ROWS + out_row * n_half + i, (key_index // half) * half + key_index, mask=live_k)
     live_q = i < n_slots
-    query_index = tl.load(QUERY + (bh * n_levels + level) * n_slots + i, mask=live_q, other=-1)
+    query_index = tl.load(QUERY + (bh * n_levels + level) * n_slots + i, mask=live_q, other=-1).to(tl.int64)
     used = query_index >= 0
     safe = tl.where(used, query_index, 0)
     token = tl.where(used, (safe // half) * half + safe + half, -1)
-    tl.store(Q_SLOTS + (level * tl.num_programs(2) + bh) * n_slots + i, token, mask=live_q)
+    tl.store(Q_SLOTS + out_row * n_slots + i, token, mask=live_q)
+    n_groups = n_slots // block
+    live_g = i < n_groups
+    first = tl.load(QUERY + (bh * n_levels + level) * n_slots + i * block, mask=live_g, other=-1).to(tl.int64)
+    first_block = tl.load(BLOCK_IN + in_row + tl.where(first >= 0, first, 0), mask=live_g & (first >= 0), other=0)
+    tl.store(GROUP_BLOCK + out_row * n_groups + i, tl.where(first >= 0, first_block, n_blocks - 1), mask=live_g)
 
 
 @triton.jit

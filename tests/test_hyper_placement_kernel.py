@@ -11,15 +11,13 @@ from __future__ import annotations
 # First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
 from tests.kernel_device import DEVICE, needs_triton, one_gpu_launch_config  # noqa: F401 (an autouse fixture)
 
-import math
-
 import pytest
 import torch
 
 from kernels.hyper_blocks import block_tables
 from kernels.hyper_placement import level_positions, level_tables, routed_blocks, stacked_sort_keys
 from models.attention.hyper import HyperMechanism, HyperMechanismConfig
-from models.attention.hyper_groups import grouped_rows
+from models.attention.hyper_groups import grouped_rows, slot_queries
 from models.attention.hyper_levels import level_uniforms, stacked_levels, stacked_placement
 
 pytestmark = needs_triton
@@ -69,10 +67,11 @@ def test_the_kernels_route_as_the_pytorch_ops(N: int, levels: int, bits: int, b:
     order_k = torch.argsort(key_k, dim=-1, stable=True)
     block = routed_blocks(torch.gather(key_k, -1, order_k), key_q, b)
     assert block.dtype == torch.int64 and torch.equal(block.cpu(), want_block)
-    query, group_block = grouped_rows(block, N // 2 // b, b)
-    k_rows, q_slots = level_positions(order_k, query)
-    assert (query < 0).any()  # unused slots, which must stay -1
+    query = slot_queries(block, N // 2 // b, b)
+    k_rows, q_slots, group_block = level_positions(order_k, query, block, b)
+    assert (query < 0).any()  # unused slots, which must stay -1, and unused groups
     assert torch.equal(q_slots.cpu(), want[0]) and torch.equal(k_rows.cpu(), want[1])
+    assert torch.equal(group_block.cpu(), want[2])
 
 
 def test_routing_takes_the_middle_of_the_run_or_where_it_would_be() -> None:
@@ -88,15 +87,18 @@ def test_routing_takes_the_middle_of_the_run_or_where_it_would_be() -> None:
 
 def test_positions_of_keys_and_queries_at_each_level() -> None:
     """N = 16, two levels: level 0's keys are tokens 0-7 and queries 8-15; level 1's keys 0-3 and 8-11, queries
-    4-7 and 12-15. An unused slot (-1) stays -1."""
+    4-7 and 12-15. An unused slot (-1) stays -1. Groups of 2 slots take their first query's block; the group of
+    an unused first slot, the last block (of 4)."""
     order = torch.arange(8).expand(1, 1, 2, 8).flip(-1)  # the sorted keys in reverse index order
-    query = torch.tensor([[0, 3, -1, 7, 4], [0, 3, -1, 7, 4]]).view(1, 1, 2, 5)
-    k_rows, q_slots = level_positions(order.to(DEVICE), query.to(DEVICE))
-    assert k_rows.shape == (2, 1, 1, 8) and q_slots.shape == (2, 1, 1, 5)
+    query = torch.tensor([[0, 3, -1, 7, 4, 5], [0, 3, -1, 7, 4, 5]], dtype=torch.int32).view(1, 1, 2, 6)
+    block = torch.tensor([[0, 0, 0, 1, 2, 2, 2, 3], [1, 1, 1, 1, 0, 0, 0, 0]]).view(1, 1, 2, 8)
+    k_rows, q_slots, group_block = level_positions(order.to(DEVICE), query.to(DEVICE), block.to(DEVICE), 2)
+    assert k_rows.shape == (2, 1, 1, 8) and q_slots.shape == (2, 1, 1, 6) and group_block.shape == (2, 1, 1, 3)
     assert k_rows[0].view(-1).tolist() == [7, 6, 5, 4, 3, 2, 1, 0]
     assert k_rows[1].view(-1).tolist() == [11, 10, 9, 8, 3, 2, 1, 0]
-    assert q_slots[0].view(-1).tolist() == [8, 11, -1, 15, 12]
-    assert q_slots[1].view(-1).tolist() == [4, 7, -1, 15, 12]
+    assert q_slots[0].view(-1).tolist() == [8, 11, -1, 15, 12, 13]
+    assert q_slots[1].view(-1).tolist() == [4, 7, -1, 15, 12, 13]
+    assert group_block[0].view(-1).tolist() == [0, 3, 2] and group_block[1].view(-1).tolist() == [1, 3, 0]
 
 
 def test_the_models_stacked_placement_is_the_pytorch_routing_of_its_hashes() -> None:

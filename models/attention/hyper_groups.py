@@ -3,8 +3,9 @@
 in position order, fill ceil(count / b) groups of b slots, so every group reads one key block. G = ceil(M / b) + nb
 groups bound their sum; unused groups read block nb - 1.
 
-`group_queries` builds the slots in PyTorch (about twenty launches); `grouped_rows` lays the same groups out on LSH's
-past-only layout kernel (kernels/lsh_layout.py), key blocks for buckets and chunks of b, in one.
+`group_queries` builds the slots in PyTorch (about twenty launches); `slot_queries` lays the same groups out on LSH's
+past-only layout kernel (kernels/lsh_layout.py), key blocks for buckets and chunks of b, in one, and `grouped_rows`
+adds each group's block (the stacked levels find it on their positions kernel instead).
 """
 
 from __future__ import annotations
@@ -36,16 +37,22 @@ def group_queries(block_XM: torch.Tensor, nb: int, b: int) -> tuple[torch.Tensor
     return slot_XM, block_XG.clamp(max=nb - 1)
 
 
-def grouped_rows(block_XM: torch.Tensor, nb: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`group_queries` on the kernels, as rows: (query [..., G * b], the query index in each slot, -1 in an unused
-    one; the key block of each group [..., G]), leading dims [B, H] or [B, H, L]. A group's block is its first
-    query's (every used group has one); unused groups read block nb - 1, as there."""
+def slot_queries(block_XM: torch.Tensor, nb: int, b: int) -> torch.Tensor:
+    """The query in each of the G * b slots of `group_queries`' groups, on the kernel: [..., G * b] int32 query
+    indices, -1 in an unused slot; leading dims [B, H] or [B, H, L]."""
     M = block_XM.shape[-1]
     G = -(-M // b) + nb
     block_BHRM = block_XM if block_XM.dim() == 4 else block_XM.unsqueeze(2)
     order = torch.argsort(block_BHRM, dim=-1, stable=True)  # by block, then position
     query_BHRL, _ = bucket_layout(block_BHRM, order, b, G * b)  # (the shifted positions are LSH's, unused)
-    query_XL = query_BHRL.view(*block_XM.shape[:-1], G * b).long()
+    return query_BHRL.view(*block_XM.shape[:-1], G * b)
+
+
+def grouped_rows(block_XM: torch.Tensor, nb: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_queries` on the kernels, as rows: (query [..., G * b], the query index in each slot, -1 in an unused
+    one; the key block of each group [..., G]), leading dims [B, H] or [B, H, L]. A group's block is its first
+    query's (every used group has one); unused groups read block nb - 1, as there."""
+    query_XL = slot_queries(block_XM, nb, b).long()
     first_XG = query_XL[..., ::b]
     block_XG = block_XM.gather(-1, first_XG.clamp(min=0)).masked_fill_(first_XG < 0, nb - 1)
     return query_XL, block_XG

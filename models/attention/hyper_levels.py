@@ -27,7 +27,7 @@ import torch
 from kernels.hyper_blocks import _Layout
 from kernels.hyper_levels import hyper_causal_levels
 from kernels.hyper_placement import level_positions, level_tables, routed_blocks, stacked_sort_keys
-from models.attention.hyper_groups import grouped_rows
+from models.attention.hyper_groups import slot_queries
 
 if TYPE_CHECKING:
     from models.attention.hyper import HyperMechanism
@@ -51,15 +51,14 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     """Past-only routing of every level's off-diagonal blocks at once, as `HyperMechanism.placed` routes one level:
     (q_slots [L, B, H, G * b], k_rows [L, B, H, N / 2], group_block [L, B, H, G]) holding token positions, level l
     at index l, its 2^l blocks as segments of the row. The index work on the kernels of kernels/hyper_placement.py
-    (three launches where PyTorch took about thirty), with the sort and the groups between them."""
+    (three launches where PyTorch took about thirty), with the sort and the groups' layout between them."""
     M, b = q_BHNE.shape[2] // 2, mech.block_size
     buckets = (1 << mech.bits) + 1  # ranks 0 .. 2^bits (padding's rank, unused here)
     key_k, key_q = stacked_sort_keys(mech.bucket_rank(k_BHNE, None), mech.bucket_rank(q_BHNE, None), levels, buckets)
-    order_k = torch.argsort(key_k, dim=-1, stable=True)  # by segment, bucket, then position
-    block = routed_blocks(torch.gather(key_k, -1, order_k), key_q, b)
-    query, group_block = grouped_rows(block, M // b, b)
-    k_rows, q_slots = level_positions(order_k, query)
-    return q_slots, k_rows, group_block.movedim(2, 0).contiguous()
+    key_sorted, order_k = torch.sort(key_k, dim=-1, stable=True)  # by segment, bucket, then position
+    block = routed_blocks(key_sorted, key_q, b)
+    k_rows, q_slots, group_block = level_positions(order_k, slot_queries(block, M // b, b), block, b)
+    return q_slots, k_rows, group_block
 
 
 def level_uniforms(mech: HyperMechanism, B: int, H: int, levels: int, device: torch.device) -> torch.Tensor | None:
