@@ -1,9 +1,11 @@
 """Triton kernels of the index work of HyperAttention's stacked causal levels (models/attention/hyper_levels.py
-`stacked_placement`): the levels' sort keys, each query's routed key block, and the token positions of the sorted
-keys and of the grouped queries. About thirty small PyTorch ops for all levels together, most of them on [L, M]
-index tensors, become three launches; on a GPU the host's time per launch, not the work, set what they cost.
+`stacked_placement`, `causal_levels`): the levels' sort keys, each query's routed key block, the token positions
+of the sorted keys and of the grouped queries with each group's key block, and every level's sorted samples and
+tables (`_level_tables`). About forty small PyTorch ops for all levels together, most of them on [L, M] index
+tensors, and ten more a level, become four launches; on a GPU the host's time per launch, not the work, set what
+they cost.
 
-Every program handles BLOCK indices i of one level l of one (batch, head). Level l stacks the first and second
+The first three programs handle BLOCK indices i of one level l of one (batch, head). Level l stacks the first and second
 halves of its 2^l blocks: with half = M >> l (M = N / 2), index i lies in segment s = i // half, its key is token
 2 s half + (i - s half) = s half + i and its query that token + half. Keys sort by (segment, bucket rank,
 position): the key s * buckets + rank, then a stable sort.

@@ -1,7 +1,7 @@
 """The index work of HyperAttention's stacked causal levels on its Triton kernels (kernels/k_hyper_placement.py,
-under the interpreter at small shapes) against the same routing written in PyTorch: the levels' sort keys, the
-searchsorted routing to a key block, the token positions, and every level's samples and tables, bitwise. The whole layer against the level-by-level
-recursion is tests/test_hyper_levels.py's and tests/test_hyper.py's.
+under the interpreter at small shapes) against the same work written in PyTorch: the levels' sort keys, the
+searchsorted routing to a key block, the token positions and the groups' blocks, and every level's samples and
+tables, bitwise. The whole layer against the level-by-level recursion is tests/test_hyper_blocks_kernel.py's.
 
 ``KERNEL_TESTS_DEVICE=cuda`` runs them on the kernels compiled for a GPU, as tests/test_kernels.py does.
 """
