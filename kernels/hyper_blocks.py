@@ -6,7 +6,7 @@ kernels/hyper_blocks_reference.py.
 The kernels read q, k, v through the layout's indices and store out, lse, dq, dk, dv at the tokens' own rows: no
 sorted copy, no per-group copy of the samples and no merge of two parts exist (models/attention/hyper.py builds
 the layout). What the host adds: the samples sorted by row, two [NB + 1] tables (each key block's first group and
-first sample) and, in the backward, the splits' [m, D] fp32 sample gradients summed.
+first sample) and, in the backward, one fp32 buffer of the samples' gradient splits.
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ def hyper_backward(q, k, v, out, lse, dout, lay: _Layout, delta: torch.Tensor,
     indices = (lay.q_slots, lay.k_rows, lay.group_block)
 
     m, block_n = lay.n_samples, lay.cfg["BLOCK_N"]
-    dks = dvs = lse  # never read without samples (the block kernel's sample ranges are empty)
+    dks_part = dvs_part = lse  # never read without samples (the block kernel's sample ranges are empty)
+    splits = 0
     if m:
         sample_tiles = cdiv(lay.seg_samples, block_n)  # per segment
         # Under the interpreter two splits, so that the tests take the sum over splits.
@@ -147,7 +148,8 @@ def hyper_backward(q, k, v, out, lse, dout, lay: _Layout, delta: torch.Tensor,
         splits = min(max(1, lay.n_groups // lay.segments),
                      2 if interpreter_enabled() else max(1, SAMPLE_PROGRAMS // programs))
         # Every split's rows are written (a split past a segment's last group writes zeros).
-        # dK and dV of the samples in one buffer (each half contiguous, as the kernels index them): one sum.
+        # dK and dV of the samples in one buffer (each half contiguous, as the kernels index them); the dK/dV
+        # kernel sums the splits as it reads them.
         parts = torch.empty(2, splits, B * H, m, lay.block_d, device=q.device, dtype=torch.float32)
         dks_part, dvs_part = parts.unbind(0)
         grid = (splits * lay.segments * sample_tiles, B * H)
@@ -156,11 +158,10 @@ def hyper_backward(q, k, v, out, lse, dout, lay: _Layout, delta: torch.Tensor,
             lay.pad, *inputs, *lay.sizes, D, sample_tiles, splits, scales[0], *lay.segment_sizes,
             **lay.constexprs,
         ))  # fmt: skip
-        dks, dvs = parts.sum(1).unbind(0)
     tiles_per_block = cdiv(lay.block, block_n)
     stand_in.launch("hyper_bwd_dkdv", lambda: kern._hyper_bwd_dkdv[(lay.n_blocks * tiles_per_block, B * H)](
-        q, k, v, dout, lse, delta, dk, dv, dks, dvs, *indices, lay.first_group, lay.sample_rows, lay.sample_start,
-        lay.pad, *inputs, *strides(dk), *strides(dv), *lay.sizes, D, tiles_per_block, *scales,
+        q, k, v, dout, lse, delta, dk, dv, dks_part, dvs_part, *indices, lay.first_group, lay.sample_rows,
+        lay.sample_start, lay.pad, *inputs, *strides(dk), *strides(dv), *lay.sizes, D, tiles_per_block, splits, *scales,
         BLOCK_S=lay.cfg["BLOCK_S"], ACCUMULATE=accumulate, **lay.constexprs,
     ))  # fmt: skip
     grid, tiles = lay.query_grid(B * H)

@@ -23,9 +23,8 @@ Layout (int64 indices, all per (batch, head)):
   which each part's gradient is its own FlashAttention-2 backward (docs/kernels.md).
 Every query token sits in exactly one slot and every key token in exactly one row, so no two programs store to
 one place. A key's gradient from the samples is summed over every group: the samples kernel writes one fp32
-partial per split of the groups, the host sums the splits (a [m, E] tensor per head) and the block kernel adds
-each sample's sum to its key row's accumulator (a one-hot product), so dK and dV are each stored once, rounded
-once.
+partial per split of the groups, and the block kernel sums the splits of its samples and adds each sample's sum to
+its key row's accumulator (a one-hot product), so dK and dV are each stored once, rounded once.
 """
 
 from __future__ import annotations
@@ -254,8 +253,8 @@ def _hyper_bwd_samples(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Unscaled fp32 dK, dV of one tile of one segment's samples (`sample_tiles` tiles a segment) from that
-    segment's query groups in one split of them: DKS, DVS [splits, B*H, m, BLOCK_D] (summed over the splits by the
-    host). A sample sees every group of its segment but its own key block's."""
+    segment's query groups in one split of them: DKS, DVS [splits, B*H, m, BLOCK_D] (summed over the splits by
+    `_hyper_bwd_dkdv`). A sample sees every group of its segment but its own key block's."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h, _r = _program(pid_bh, n_heads, 1)
@@ -307,14 +306,15 @@ def _hyper_bwd_dkdv(
     stride_dob, stride_doh, stride_dot, stride_dod,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
-    n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, tiles_per_block, qk_scale, sm_scale,
+    n_heads, n_q, n_k, n_groups, n_blocks, block, n_samples, head_dim, tiles_per_block, splits, qk_scale, sm_scale,
     HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     ACCUMULATE: tl.constexpr = False,
 ):  # fmt: skip
     """dK, dV of one tile of key rows inside key block kb: the groups FirstGroup[kb] .. FirstGroup[kb+1]-1 that
-    attend to it, plus the summed sample gradients DKS, DVS [B*H, m, BLOCK_D] of the samples at these rows (samples
-    SampleStart[kb] .. SampleStart[kb+1]-1, SROW being ascending). Stored once at the key tokens' rows."""
+    attend to it, plus the sample gradients DKS, DVS [splits, B*H, m, BLOCK_D] of the samples at these rows, summed
+    over the splits (samples SampleStart[kb] .. SampleStart[kb+1]-1, SROW being ascending). Stored once at the key
+    tokens' rows."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h, _r = _program(pid_bh, n_heads, 1)
@@ -353,9 +353,14 @@ def _hyper_bwd_dkdv(
         j = start_s + offs_s
         srow = tl.load(SRow + bh * n_samples + j, mask=j < s_hi, other=-1)
         one_hot = (cols[:, None] == srow[None, :]).to(tl.float32)
-        part = (bh * n_samples + j)[:, None] * BLOCK_D + offs_d[None, :]
-        dk += tl.dot(one_hot, tl.load(DKS + part, mask=(j < s_hi)[:, None], other=0.0), input_precision="ieee")
-        dv += tl.dot(one_hot, tl.load(DVS + part, mask=(j < s_hi)[:, None], other=0.0), input_precision="ieee")
+        dks = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+        dvs = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+        for split in range(splits):
+            part = ((split * tl.num_programs(1) + bh) * n_samples + j)[:, None] * BLOCK_D + offs_d[None, :]
+            dks += tl.load(DKS + part, mask=(j < s_hi)[:, None], other=0.0)
+            dvs += tl.load(DVS + part, mask=(j < s_hi)[:, None], other=0.0)
+        dk += tl.dot(one_hot, dks, input_precision="ieee")
+        dv += tl.dot(one_hot, dvs, input_precision="ieee")
 
     _store_grad(DK + b * stride_dkb + h * stride_dkh, dk * sm_scale, k_tok, offs_d, stride_dkt, stride_dkd, head_dim,
                 ACCUMULATE)
