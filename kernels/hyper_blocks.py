@@ -185,13 +185,16 @@ def hyper_block_flash_attention(
     block: int,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HyperAttention's blocks + samples on the Triton kernels; arguments and semantics as
     kernels.hyper_blocks_reference.hyper_block_attention_reference (out [B, H, M, D], lse [B, H, M] at the query
-    tokens)."""
+    tokens). `tables`: each key block's first group and first sample, made already with `sample_rows` ascending
+    (kernels/hyper_placement.py `level_tables`)."""
     check_triton_inputs(q, k, v)
     check_hyper_block_inputs(q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block,
                              key_padding_mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    lay = _Layout(q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block, key_padding_mask, scale)
+    lay = _Layout(q, k, q_slots, k_rows, group_block, sample_rows, sample_log_weight, block, key_padding_mask, scale,
+                  tables=tables)
     return LayoutKernelFunction.apply(q, k, v, lay)

@@ -150,19 +150,26 @@ def test_bad_layouts_are_refused() -> None:
         hyper_block_attention_reference(q, q, q, twice, k_rows, group_block, samples, log_w, 4)
 
 
-# The paper routing's off-diagonal blocks are the non-causal path (its own case, with padding) at every level.
-# Causal cases (past-only routing): "causal_past_only" 64 -> 32 -> 16 tokens in blocks of 16, two levels stacked in
-# one pass (models/attention/hyper_levels.py); "causal_three_levels" 64 -> 32 -> 16 -> 8 in blocks of 4, where the
+# The paper routing's off-diagonal blocks are the non-causal path (its own cases) at every level. "non_causal" has
+# padded keys (the samples drawn among each row's real keys, the tables made on the host); "non_causal_whole_blocks"
+# none, at a multiple of the block (one piece's samples and tables on the tables kernel), in both modes. Causal
+# cases (past-only routing): "causal_past_only" 64 -> 32 -> 16 tokens in blocks of 16, two levels stacked in one pass
+# (models/attention/hyper_levels.py); "causal_three_levels" 64 -> 32 -> 16 -> 8 in blocks of 4, where the
 # recursion's draw order of its pieces' samples is bit-reversed (tests/test_hyper_placement_kernel.py: the tables
-# with batch rows), and the same in evaluation with two batch rows and heads ("causal_three_levels_eval": each
-# level's fixed draw); "causal_level_by_level" 72 tokens, whose halves of 36 are not whole blocks of 16, so the
-# recursion runs level by level on the kernel.
-CASES = {  # mode: (B, H, T, block_size, min_seq_len, causal)
-    "non_causal": (2, 1, 70, 16, 16, False),
-    "causal_past_only": (1, 2, 64, 16, 16, True),
-    "causal_three_levels": (1, 1, 64, 4, 8, True),
-    "causal_three_levels_eval": (2, 2, 64, 4, 8, True),
-    "causal_level_by_level": (1, 2, 72, 16, 16, True),
+# with batch rows), and the same in evaluation with two batch rows and heads (each level's fixed draw);
+# "causal_level_by_level" 72 tokens, whose halves of 36 are not whole blocks of 16, so the recursion runs level by
+# level on the kernel; "causal_level_by_level_eval" 96 -> 48 -> 24 -> 12, halves of whole blocks of 4 but 12 keys
+# at the last level, fewer than min_seq_len: level by level, each level's tables on the tables kernel with its own
+# evaluation draw.
+CASES = {  # mode: (B, H, T, block_size, min_seq_len, causal, training, padded)
+    "non_causal": (2, 1, 70, 16, 16, False, False, True),
+    "non_causal_whole_blocks": (2, 2, 64, 16, 16, False, True, False),
+    "non_causal_whole_blocks_eval": (2, 2, 64, 16, 16, False, False, False),
+    "causal_past_only": (1, 2, 64, 16, 16, True, True, False),
+    "causal_three_levels": (1, 1, 64, 4, 8, True, True, False),
+    "causal_three_levels_eval": (2, 2, 64, 4, 8, True, False, False),
+    "causal_level_by_level": (1, 2, 72, 16, 16, True, True, False),
+    "causal_level_by_level_eval": (2, 2, 96, 4, 16, True, False, False),
 }
 
 
@@ -170,18 +177,18 @@ CASES = {  # mode: (B, H, T, block_size, min_seq_len, causal)
 def test_the_model_on_the_kernel_equals_the_model_in_pytorch(monkeypatch, mode: str) -> None:
     """HyperMechanism with ATTN_BACKEND=triton (the fused blocks + samples, read through the sort orders) against
     the same mechanism on the PyTorch reference (the two parts and their lse merge): the same samples from the same
-    seed in training (causal, past-only routing: the off-diagonal blocks of every recursion level on the kernel) and
-    from each recursion level's own generator in evaluation (non-causal with padded keys; causal)."""
+    seed in training and from each recursion level's own generator in evaluation (causal, past-only routing: the
+    off-diagonal blocks of every recursion level on the kernel)."""
     from kernels import dispatch
     from models.attention.hyper import HyperMechanism, HyperMechanismConfig
 
-    B, H, T, block, min_seq_len, causal = CASES[mode]
+    B, H, T, block, min_seq_len, causal, training, padded = CASES[mode]
     cfg = HyperMechanismConfig(block_size=block, sample_size=8, min_seq_len=min_seq_len, lsh_bits=3)
-    mech = HyperMechanism(cfg, head_dim=16, layer_index=0).train(causal and not mode.endswith("_eval"))
+    mech = HyperMechanism(cfg, head_dim=16, layer_index=0).train(training)
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(B, H, T, 16, generator=gen) for _ in range(3))
     pad = None
-    if not causal:  # padding needs two rows
+    if padded:  # padding needs two rows
         pad = torch.zeros(B, T, dtype=torch.bool)
         pad[1, 50:] = True
     g_out = torch.randn(B, H, T, 16, generator=gen)

@@ -41,13 +41,14 @@ from pydantic import model_validator
 
 from kernels.dispatch import fused_kernels
 from kernels.hyper_blocks import hyper_block_flash_attention
+from kernels.hyper_placement import level_tables
 from kernels.merge_rounds import merge_below
 from kernels.simhash import MAX_BITS, simhash_rank
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.device_copies import DeviceCopies
 from models.attention.exact import ExactMechanism
 from models.attention.hyper_groups import group_queries, grouped_rows
-from models.attention.hyper_levels import causal_levels, stacked_levels
+from models.attention.hyper_levels import causal_levels, level_uniforms, stacked_levels
 from models.attention.hyper_rows import causal_rows
 from models.attention.lse import exact_attention, merge_lse, merge_lse_below
 
@@ -292,6 +293,15 @@ class HyperMechanism(nn.Module):
         against key block group_block_BHG[g] and the samples, drawn as `residual` draws them."""
         B, H, N = k_BHNE.shape[:3]
         dev = q_BHME.device
+        group_block_BHG = group_block_BHG.contiguous()  # once, for the tables and the kernels
+        if key_padding_BN is None and k_rows.shape[-1] == N:  # N real keys a row in whole blocks: one piece's
+            # samples and tables in one launch (kernels/hyper_placement.py), the same integers as below
+            rows, first_sample, first_group, log_w = level_tables(
+                level_uniforms(self, B, H, 1, dev, first_level=level), group_block_BHG[None], N, self.sample_size,
+                self.block_size, shared=not self.training)
+            return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG, rows[0],
+                                               log_w[0].view(B), self.block_size,
+                                               tables=(first_group[0], first_sample[0]))
         if self.sample_size > 0:
             # Without padding every row has N keys: a count on the host, no [B] tensor of it.
             n_real = N if key_padding_BN is None else real_keys(key_padding_BN, B, N, dev)

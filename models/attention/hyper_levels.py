@@ -61,16 +61,18 @@ def stacked_placement(mech: HyperMechanism, q_BHNE, k_BHNE, levels: int):
     return q_slots, k_rows, group_block
 
 
-def level_uniforms(mech: HyperMechanism, B: int, H: int, levels: int, device: torch.device) -> torch.Tensor | None:
-    """The uniform draws of every level for `level_tables`, flat; None without samples. In training level l's
+def level_uniforms(mech: HyperMechanism, B: int, H: int, levels: int, device: torch.device,
+                   first_level: int = 0) -> torch.Tensor | None:
+    """The uniform draws of `levels` levels for `level_tables`, flat; None without samples. In training level l's
     [2^l B, H, m], deepest level first, each drawn by one `uniform_` on its slice: the recursion's draws
     (`torch.rand` of that shape is `uniform_` on a new tensor of it: the same numbers from the same generator
-    state, on a CPU or a GPU). In evaluation the levels' fixed draws [L, H, m] (`mech.eval_draws`)."""
+    state, on a CPU or a GPU). In evaluation the fixed draws [L, H, m] of recursion levels first_level ..
+    first_level + L - 1 (`mech.eval_draws`): one call's own level alone takes levels=1 and its level there."""
     m = mech.sample_size
     if m == 0:
         return None
     if not mech.training:
-        return mech.eval_draws(H, m, levels, device)[:levels]
+        return mech.eval_draws(H, m, first_level + levels, device)[first_level:first_level + levels]
     sizes = [(B << level) * H * m for level in range(levels)]
     uniforms = torch.empty(sum(sizes), device=device)
     for part in uniforms.split(sizes[::-1]):  # deepest level first
