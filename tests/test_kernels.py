@@ -659,7 +659,8 @@ def test_chunked_attention_rejects_bad_arguments() -> None:
 # candidate that prune_configs keeps on an H100/H200 (sm_90) at head dim 128, bf16, against the limit and
 # against shared_memory_estimate (which must bound the compiler's figure); each flash kernel with the
 # opposite masking constexprs on an A100 (sm_80), same check; the chunked kernels, LSH's hash and layout and
-# HyperAttention's blocks + samples, SimHash ranks and causal levels' placement and tables on sm_90.
+# HyperAttention's blocks + samples, SimHash ranks and causal levels' placement and tables, and LSH's unit keys
+# on sm_90.
 # Runs in a fresh process because this one has TRITON_INTERPRET=1.
 _COMPILE_SCRIPT = """
 import os
@@ -668,7 +669,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import k_chunked_attention, k_flash_attention as kf, k_hyper_blocks, k_lsh_hash, k_lsh_layout, k_merge_rounds
-from kernels import k_hyper_placement, k_simhash
+from kernels import k_hyper_placement, k_simhash, k_unit_rows
 
 TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32", "Kpm": "*u8", "Pad": "*u8",
          "Pos": "*i64", "HALF": "*i32", "IDS": "*i64", "QTok": "*i64", "KTok": "*i64", "GBlock": "*i64",
@@ -678,7 +679,7 @@ TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32
          "BUCKET": "*i64", "ORDER": "*i64", "TOKEN": "*i32", "POS": "*i64", "RANK": "*i64", "RANK_K": "*i64",
          "RANK_Q": "*i64", "KEY_K": "*i64", "KEY_Q": "*i64", "KEY_SORTED": "*i64", "BLOCK_OUT": "*i64",
          "QUERY": "*i64", "K_ROWS": "*i64", "Q_SLOTS": "*i64", "U": "*fp32", "GROUP_BLOCK": "*i64", "SROW": "*i64",
-         "SSTART": "*i64", "FIRST_GROUP": "*i64", "LOGW": "*fp32"}
+         "SSTART": "*i64", "FIRST_GROUP": "*i64", "LOGW": "*fp32", "D": "*fp32", "eps": "fp32"}
 
 def compile_shared(fn, constexprs, num_warps, num_stages, arch):
     if isinstance(fn, triton.runtime.autotuner.Heuristics):
@@ -762,6 +763,11 @@ for shared_draws in (False, True):  # training's draws (the bit reversal) and ev
     shared = compile_shared(k_hyper_placement._level_tables, tables_args, cfg["num_warps"], 1, 90)
     assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], ("_level_tables", shared)
     print("_level_tables", "compiled")
+cfg = k_unit_rows.launch_config(interpret=False)
+for fn in (k_unit_rows._unit_rows_fwd, k_unit_rows._unit_rows_bwd):
+    shared = compile_shared(fn, {"BLOCK_R": cfg["BLOCK_R"], "BLOCK_E": 64}, cfg["num_warps"], 1, 90)
+    assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], (fn.__name__, shared)
+    print(fn.__name__, "compiled")
 """
 
 
@@ -777,7 +783,7 @@ def test_kernels_compile_for_gpu() -> None:
         [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 27, result.stdout
+    assert result.stdout.count("compiled") == 29, result.stdout
 
 
 def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:

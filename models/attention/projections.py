@@ -27,6 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
+from kernels.dispatch import fused_kernels
+from kernels.unit_rows import unit_rows_kernel
 from models.attention.base import _AttentionConfig
 from models.attention.exact import ExactMechanismConfig
 
@@ -331,7 +333,10 @@ class _UnitRows(torch.autograd.Function):
 
 
 def unit_rows(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """`F.normalize(x, dim=-1, eps=eps)`, bitwise in value, with a backward of six launches (`_UnitRows`)."""
+    """`F.normalize(x, dim=-1, eps=eps)`, bitwise in value, with a backward of six launches (`_UnitRows`); on the
+    kernels one launch each way (kernels/unit_rows.py), the same roundings."""
+    if x.dim() == 4 and fused_kernels(x):  # [B, H, T, E], the keys' shape
+        return unit_rows_kernel(x, eps)
     return _UnitRows.apply(x, eps)
 
 
