@@ -225,8 +225,8 @@ class LSHMechanism(nn.Module):
         depends only on (seed, layer, c), so a row with fewer buckets uses a prefix of the same rotation, and the
         columns go to the device once (models/attention/device_copies.py), not at every evaluation or decoding
         step. A longer row doubles the columns kept, so a length that grows token by token copies them rarely."""
-        if self.training and self.redraw:
-            return torch.randn(heads, self.n_hashes, self.head_dim, n_half, device=device).to(dtype)
+        if self.training and self.redraw:  # drawn in `dtype`, as HF's `_hash_vectors` and reformer_pytorch draw
+            return torch.randn(heads, self.n_hashes, self.head_dim, n_half, device=device, dtype=dtype)
 
         def seeded_columns(kept: torch.Tensor | None) -> torch.Tensor:
             width = n_half if kept is None else max(n_half, 2 * kept.shape[-1])
