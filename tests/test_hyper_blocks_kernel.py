@@ -156,9 +156,10 @@ def test_bad_layouts_are_refused() -> None:
 # cases (past-only routing): "causal_past_only" 64 -> 32 -> 16 tokens in blocks of 16, two levels stacked in one pass
 # (models/attention/hyper_levels.py); "causal_three_levels" 64 -> 32 -> 16 -> 8 in blocks of 4, where the
 # recursion's draw order of its pieces' samples is bit-reversed (tests/test_hyper_placement_kernel.py: the tables
-# with batch rows), and the same in evaluation with two batch rows and heads (each level's fixed draw);
+# with batch rows); "causal_two_levels_eval" 32 -> 16 -> 8, stacked, in evaluation with two heads (each level's
+# fixed draw, shared by the batch rows);
 # "causal_level_by_level" 72 tokens, whose halves of 36 are not whole blocks of 16, so the recursion runs level by
-# level on the kernel; "causal_level_by_level_eval" 96 -> 48 -> 24 -> 12, halves of whole blocks of 4 but 12 keys
+# level on the kernel; "causal_level_by_level_eval" 96 -> 48 -> 24 -> 12, halves of whole blocks of 8 but 12 keys
 # at the last level, fewer than min_seq_len: level by level, each level's tables on the tables kernel with its own
 # evaluation draw.
 CASES = {  # mode: (B, H, T, block_size, min_seq_len, causal, training, padded)
@@ -167,9 +168,9 @@ CASES = {  # mode: (B, H, T, block_size, min_seq_len, causal, training, padded)
     "non_causal_whole_blocks_eval": (2, 2, 64, 16, 16, False, False, False),
     "causal_past_only": (1, 2, 64, 16, 16, True, True, False),
     "causal_three_levels": (1, 1, 64, 4, 8, True, True, False),
-    "causal_three_levels_eval": (2, 2, 64, 4, 8, True, False, False),
+    "causal_two_levels_eval": (1, 2, 32, 4, 8, True, False, False),
     "causal_level_by_level": (1, 2, 72, 16, 16, True, True, False),
-    "causal_level_by_level_eval": (2, 2, 96, 4, 16, True, False, False),
+    "causal_level_by_level_eval": (1, 2, 96, 8, 16, True, False, False),
 }
 
 
