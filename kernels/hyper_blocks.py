@@ -5,8 +5,9 @@ kernels/hyper_blocks_reference.py.
 
 The kernels read q, k, v through the layout's indices and store out, lse, dq, dk, dv at the tokens' own rows: no
 sorted copy, no per-group copy of the samples and no merge of two parts exist (models/attention/hyper.py builds
-the layout). What the host adds: the samples sorted by row, two [NB + 1] tables (each key block's first group and
-first sample) and, in the backward, one fp32 buffer of the samples' gradient splits.
+the layout). Besides: the samples sorted by row and two [NB + 1] tables (each key block's first group and first
+sample), made here in PyTorch or given already (kernels/hyper_placement.py `level_tables`, one launch), and in the
+backward one fp32 buffer of the samples' gradient splits.
 """
 
 from __future__ import annotations
