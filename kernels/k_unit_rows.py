@@ -16,21 +16,22 @@ import triton
 import triton.language as tl
 
 from kernels.k_lsh_hash import _round_to_input
-
-
-def launch_config(interpret: bool) -> dict[str, int]:
-    """64 rows a program on a GPU (an fp32 tile of 64 x E), the interpreter's 16."""
-    if interpret:
-        return {"BLOCK_R": 16, "num_warps": 1}
-    return {"BLOCK_R": 64, "num_warps": 4}
+from kernels.k_merge_rounds import _tile, launch_config  # noqa: F401 (rows of features, as the merge's)
 
 
 @triton.jit
-def _row_offsets(r, n_heads, n_tokens, stride_b, stride_h, stride_t):
-    """Offsets of rows r (their (b, h, t) in [B, H, T] order) under strides (b, h, t)."""
+def _offsets(r, e, n_heads, n_tokens, stride_b, stride_h, stride_t):
+    """[rows, features] offsets of rows r under strides (b, h, t), the features contiguous."""
     t = r % n_tokens
     bh = r // n_tokens
-    return (bh // n_heads) * stride_b + (bh % n_heads) * stride_h + t.to(tl.int64) * stride_t
+    row = (bh // n_heads) * stride_b + (bh % n_heads) * stride_h + t.to(tl.int64) * stride_t
+    return row[:, None] + e[None, :]
+
+
+@triton.jit
+def _clamp_bound(eps, dtype: tl.constexpr, BLOCK_M: tl.constexpr):
+    """eps in `dtype`, as fp32 [BLOCK_M]: the value the norm is clamped at."""
+    return _round_to_input(tl.zeros([BLOCK_M], tl.float32) + eps, dtype)
 
 
 @triton.jit
@@ -38,21 +39,18 @@ def _unit_rows_fwd(
     X, Y, D,
     stride_xb, stride_xh, stride_xt, stride_yb, stride_yh, stride_yt,
     n_rows, n_heads, n_tokens, n_feat, eps,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Y = X / max(|X|, eps) rowwise in X's dtype; D [rows] fp32: the norm as rounded and clamped."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    e = tl.arange(0, BLOCK_E)
-    live = (r < n_rows)[:, None] & (e < n_feat)[None, :]
-    x_raw = tl.load(X + _row_offsets(r, n_heads, n_tokens, stride_xb, stride_xh, stride_xt)[:, None] + e[None, :],
-                    mask=live, other=0.0)
-    x = x_raw.to(tl.float32)
-    norm = _round_to_input(tl.sqrt(tl.sum(x * x, axis=1)), X.dtype.element_ty)  # vector_norm's, in x's dtype
-    d = tl.maximum(norm, _round_to_input(tl.zeros([BLOCK_R], tl.float32) + eps, X.dtype.element_ty))
-    y = _round_to_input(x / d[:, None], X.dtype.element_ty).to(X.dtype.element_ty)
-    tl.store(Y + _row_offsets(r, n_heads, n_tokens, stride_yb, stride_yh, stride_yt)[:, None] + e[None, :], y,
-             mask=live)
-    tl.store(D + r, d, mask=r < n_rows)
+    r, e, _, row_ok, live = _tile(n_rows, n_feat, BLOCK_M, BLOCK_E)
+    dtype = X.dtype.element_ty
+    x = tl.load(X + _offsets(r, e, n_heads, n_tokens, stride_xb, stride_xh, stride_xt), mask=live,
+                other=0.0).to(tl.float32)
+    norm = _round_to_input(tl.sqrt(tl.sum(x * x, axis=1)), dtype)  # vector_norm's, in x's dtype
+    d = tl.maximum(norm, _clamp_bound(eps, dtype, BLOCK_M))
+    y = _round_to_input(x / d[:, None], dtype).to(dtype)
+    tl.store(Y + _offsets(r, e, n_heads, n_tokens, stride_yb, stride_yh, stride_yt), y, mask=live)
+    tl.store(D + r, d, mask=row_ok)
 
 
 @triton.jit
@@ -60,20 +58,15 @@ def _unit_rows_bwd(
     G, Y, D, DX,
     stride_gb, stride_gh, stride_gt, stride_yb, stride_yh, stride_yt, stride_db, stride_dh, stride_dt,
     n_rows, n_heads, n_tokens, n_feat, eps,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """DX = (G - Y (Y . G)) / D rowwise, or G / D where the norm was clamped to eps (D == eps)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    e = tl.arange(0, BLOCK_E)
-    live = (r < n_rows)[:, None] & (e < n_feat)[None, :]
-    g_raw = tl.load(G + _row_offsets(r, n_heads, n_tokens, stride_gb, stride_gh, stride_gt)[:, None] + e[None, :],
-                    mask=live, other=0.0)
-    g = g_raw.to(tl.float32)
-    y = tl.load(Y + _row_offsets(r, n_heads, n_tokens, stride_yb, stride_yh, stride_yt)[:, None] + e[None, :],
-                mask=live, other=0.0).to(tl.float32)
-    d = tl.load(D + r, mask=r < n_rows, other=1.0)
-    eps_d = _round_to_input(tl.zeros([BLOCK_R], tl.float32) + eps, Y.dtype.element_ty)  # as the forward clamped
-    along = tl.where(d == eps_d, 0.0, tl.sum(g * y, axis=1))
+    r, e, _, row_ok, live = _tile(n_rows, n_feat, BLOCK_M, BLOCK_E)
+    g = tl.load(G + _offsets(r, e, n_heads, n_tokens, stride_gb, stride_gh, stride_gt), mask=live,
+                other=0.0).to(tl.float32)
+    y = tl.load(Y + _offsets(r, e, n_heads, n_tokens, stride_yb, stride_yh, stride_yt), mask=live,
+                other=0.0).to(tl.float32)
+    d = tl.load(D + r, mask=row_ok, other=1.0)
+    along = tl.where(d == _clamp_bound(eps, Y.dtype.element_ty, BLOCK_M), 0.0, tl.sum(g * y, axis=1))
     dx = _round_to_input((g - y * along[:, None]) / d[:, None], DX.dtype.element_ty).to(DX.dtype.element_ty)
-    tl.store(DX + _row_offsets(r, n_heads, n_tokens, stride_db, stride_dh, stride_dt)[:, None] + e[None, :], dx,
-             mask=live)
+    tl.store(DX + _offsets(r, e, n_heads, n_tokens, stride_db, stride_dh, stride_dt), dx, mask=live)

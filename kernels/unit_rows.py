@@ -18,7 +18,7 @@ def _launch(name: str, kernel_name: str, rows: int, args: tuple, n_feat: int) ->
 
     kern = jit_module(k_unit_rows)
     cfg = kern.launch_config(interpreter_enabled())
-    stand_in.launch(name, lambda: getattr(kern, kernel_name)[(cdiv(rows, cfg["BLOCK_R"]),)](
+    stand_in.launch(name, lambda: getattr(kern, kernel_name)[(cdiv(rows, cfg["BLOCK_M"]),)](
         *args, BLOCK_E=max(16, next_power_of_two(n_feat)), **cfg))
 
 

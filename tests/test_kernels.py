@@ -765,7 +765,7 @@ for shared_draws in (False, True):  # training's draws (the bit reversal) and ev
     print("_level_tables", "compiled")
 cfg = k_unit_rows.launch_config(interpret=False)
 for fn in (k_unit_rows._unit_rows_fwd, k_unit_rows._unit_rows_bwd):
-    shared = compile_shared(fn, {"BLOCK_R": cfg["BLOCK_R"], "BLOCK_E": 64}, cfg["num_warps"], 1, 90)
+    shared = compile_shared(fn, {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_E": 64}, cfg["num_warps"], 1, 90)
     assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], (fn.__name__, shared)
     print(fn.__name__, "compiled")
 """
