@@ -11,6 +11,7 @@ from torch.autograd.function import once_differentiable
 
 from kernels import stand_in
 from kernels.flash_attention import cdiv, interpreter_enabled, jit_module, next_power_of_two
+from kernels.merge_rounds import _slice_strides
 
 
 def _launch(name: str, kernel_name: str, rows: int, args: tuple, n_feat: int) -> None:
@@ -22,11 +23,11 @@ def _launch(name: str, kernel_name: str, rows: int, args: tuple, n_feat: int) ->
         *args, BLOCK_E=max(16, next_power_of_two(n_feat)), **cfg))
 
 
-def _row_strides(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """x [B, H, T, E] with its features contiguous (else a contiguous copy), and its (b, h, t) strides."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return x, (x.stride(0), x.stride(1), x.stride(2))
+def _row_strides(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """x [B, H, T, E] with its features contiguous (else a contiguous copy), and its (b, h, t) strides: the merge's
+    `_slice_strides` without its inner count."""
+    x, (_inner, *bht_strides) = _slice_strides(x)
+    return x, tuple(bht_strides)
 
 
 class _UnitRowsKernel(torch.autograd.Function):

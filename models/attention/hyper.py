@@ -294,15 +294,14 @@ class HyperMechanism(nn.Module):
         B, H, N = k_BHNE.shape[:3]
         dev = q_BHME.device
         group_block_BHG = group_block_BHG.contiguous()  # once, for the tables and the kernels
+        tables = None  # each key block's first group and first sample, when made on the kernel
         if key_padding_BN is None and k_rows.shape[-1] == N:  # N real keys a row in whole blocks: one piece's
             # samples and tables in one launch (kernels/hyper_placement.py), the same integers as below
             rows, first_sample, first_group, log_w = level_tables(
                 level_uniforms(self, B, H, 1, dev, first_level=level), group_block_BHG[None], N, self.sample_size,
                 self.block_size, shared=not self.training)
-            return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG, rows[0],
-                                               log_w[0].view(B), self.block_size,
-                                               tables=(first_group[0], first_sample[0]))
-        if self.sample_size > 0:
+            samples_BHm, log_w_B, tables = rows[0], log_w[0].view(B), (first_group[0], first_sample[0])
+        elif self.sample_size > 0:
             # Without padding every row has N keys: a count on the host, no [B] tensor of it.
             n_real = N if key_padding_BN is None else real_keys(key_padding_BN, B, N, dev)
             samples_BHm = self.sample_rows(B, H, n_real, k_rows.shape[-1], dev, level)
@@ -310,8 +309,8 @@ class HyperMechanism(nn.Module):
                        else self.sample_log_weight(n_real, torch.float32))
         else:  # blocks only: no samples, their weight unused
             samples_BHm, log_w_B = torch.zeros(B, H, 0, dtype=torch.long, device=dev), torch.zeros(B, device=dev)
-        return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG,
-                                           samples_BHm, log_w_B, self.block_size, key_padding_mask=key_padding_BN)
+        return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG, samples_BHm,
+                                           log_w_B, self.block_size, key_padding_mask=key_padding_BN, tables=tables)
 
     def _uniform(self, B: int, H: int, m: int, device: torch.device, level: int) -> torch.Tensor:
         if self.training:
