@@ -15,7 +15,8 @@ torch's max sees it; the ids can then differ from the matmul's only where the tw
 order, round to different bf16 values (tests/test_lsh_hash_kernel.py counts how often).
 
 Columns at or past a row's own half count (HALF[b]: rows of one batch may have fewer buckets than others) are
-not its buckets and win in neither half.
+not its buckets and win in neither half. Without HALF_PER_ROW every row's count is the rotation's width n_half
+(no padding, or a fixed n_buckets), so no count tensor exists.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _angular_hash(
     stride_ib, stride_ih, stride_ir, stride_it,
     n_heads, n_rounds, seq_len, head_dim, n_half,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, ROUND_TO_INPUT: tl.constexpr,
+    HALF_PER_ROW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ROUND_TO_INPUT: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     pid_bhr = tl.program_id(1)
@@ -62,7 +64,10 @@ def _angular_hash(
     bh = pid_bhr // n_rounds
     h = bh % n_heads
     b = bh // n_heads
-    half = tl.load(HALF + b)
+    if HALF_PER_ROW:
+        half = tl.load(HALF + b)
+    else:  # every row's count is the rotation's width
+        half = n_half
 
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     feats = tl.arange(0, BLOCK_E)

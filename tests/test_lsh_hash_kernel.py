@@ -102,6 +102,8 @@ def test_bf16_ids_are_those_of_the_exactly_rounded_projections() -> None:
     exact = torch.einsum("bhte,hren->bhrtn", k.double(), rot.double()).bfloat16()  # one rounding of each sum
     got = angular_hash(k.to(DEVICE), rot.to(DEVICE), half).cpu()
     assert torch.equal(got, angular_argmax(exact, None, half[:, None, None, None]))
+    # Without counts every row uses the rotation's 32 columns: the same ids, with no count tensor.
+    assert torch.equal(angular_hash(k.to(DEVICE), rot.to(DEVICE)).cpu(), got)
 
 
 def test_bad_shapes_are_refused_naming_what_is_wrong() -> None:

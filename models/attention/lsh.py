@@ -161,7 +161,7 @@ def hash_slice_rows(seq_len: int, head_dim: int, n_half: int) -> int:
 
 
 def angular_argmax(
-    xr_BHRTN: torch.Tensor, unused_B1111N: torch.Tensor | None, half_B111: torch.Tensor
+    xr_BHRTN: torch.Tensor, unused_B1111N: torch.Tensor | None, half_B111: torch.Tensor | int
 ) -> torch.Tensor:
     """Bucket ids [B, H, R, T] of angular LSH, argmax([xR; -xR]) (Reformer, Sec. 2), without the concatenation.
 
@@ -247,7 +247,7 @@ class LSHMechanism(nn.Module):
         elsewhere they are made `hash_slice_rows` tokens at a time, each slice no larger than k repeated over the
         rounds: memory linear in T, the ids those of one argmax over the whole row (`angular_argmax`).
         """
-        B, H, T, E = k_BHTE.shape
+        H, T = k_BHTE.shape[1:3]
         fused = fused_kernels(k_BHTE) if fused is None else fused  # the caller's choice, when it made it
         if self.bucket_factors:
             bucket_BHRT = self._factorized_buckets(k_BHTE, fused)
@@ -255,18 +255,17 @@ class LSHMechanism(nn.Module):
                 bucket_BHRT = bucket_BHRT.masked_fill(key_padding_mask_BT[:, None, None, :], self.n_buckets)
             return bucket_BHRT
         n_half = self.n_half_bound(T)  # the shapes': no row has more, so no count is read back from the device
-        if self.n_buckets is not None or key_padding_mask_BT is None or _BOUNDED_LAYOUT.get():
-            # One count for every row (bounded: as if every row were T tokens long).
-            half_B = torch.full((B,), n_half, device=k_BHTE.device, dtype=torch.int32)  # the hash kernel's dtype
-            uniform = True
-        else:  # each row's own count, from its real length; the columns past it are masked
+        # One count for every row, n_half (bounded: as if every row were T tokens long), or each row's own count
+        # from its real length, the columns past it masked.
+        per_row = not (self.n_buckets is not None or key_padding_mask_BT is None or _BOUNDED_LAYOUT.get())
+        half_B = None
+        if per_row:  # int32: the hash kernel's dtype
             half_B = (default_n_buckets_of((~key_padding_mask_BT).sum(-1), self.bucket_size) // 2).int()
-            uniform = False
         rot_HREN = self.rotations(H, n_half, k_BHTE.device, k_BHTE.dtype)
         if fused:  # the projections never written (kernels/k_lsh_hash.py)
             bucket_BHRT = angular_hash(k_BHTE, rot_HREN, half_B)
         else:
-            bucket_BHRT = self._hash_in_slices(k_BHTE, rot_HREN, half_B, n_half, uniform)
+            bucket_BHRT = self._hash_in_slices(k_BHTE, rot_HREN, half_B, n_half)
         if key_padding_mask_BT is not None:
             bucket_BHRT = bucket_BHRT.masked_fill(key_padding_mask_BT[:, None, None, :], 2 * n_half)
         return bucket_BHRT
@@ -275,28 +274,28 @@ class LSHMechanism(nn.Module):
         """Bucket ids of factorized hashing (trax `hash_vecs` with a list of n_buckets; Hugging Face
         `LSHSelfAttention._hash_vectors`): factor i takes the next f_i / 2 rotation columns, its own angular
         argmax b_i over them, and the id is b_1 + f_1 * b_2 + f_1 * f_2 * b_3 + ..."""
-        B, H = k_BHTE.shape[:2]
+        H = k_BHTE.shape[1]
         rot_HREN = self.rotations(H, sum(f // 2 for f in self.bucket_factors), k_BHTE.device, k_BHTE.dtype)
         bucket_BHRT, first_column, stride = None, 0, 1
         for factor in self.bucket_factors:
             half = factor // 2
             rot_factor_HREN = rot_HREN[..., first_column:first_column + half]
-            half_B = torch.full((B,), half, device=k_BHTE.device, dtype=torch.int32)
-            ids_BHRT = (angular_hash(k_BHTE, rot_factor_HREN, half_B) if fused
-                        else self._hash_in_slices(k_BHTE, rot_factor_HREN, half_B, half, uniform=True))
+            ids_BHRT = (angular_hash(k_BHTE, rot_factor_HREN) if fused
+                        else self._hash_in_slices(k_BHTE, rot_factor_HREN, None, half))
             bucket_BHRT = ids_BHRT if bucket_BHRT is None else bucket_BHRT + stride * ids_BHRT
             first_column, stride = first_column + half, stride * factor
         return bucket_BHRT
 
     @staticmethod
-    def _hash_in_slices(k_BHTE: torch.Tensor, rot_HREN: torch.Tensor, half_B: torch.Tensor, n_half: int,
-                        uniform: bool) -> torch.Tensor:
-        """`buckets`' ids in PyTorch: the projections of `hash_slice_rows` tokens at a time, argmax'd."""
+    def _hash_in_slices(k_BHTE: torch.Tensor, rot_HREN: torch.Tensor, half_B: torch.Tensor | None,
+                        n_half: int) -> torch.Tensor:
+        """`buckets`' ids in PyTorch: the projections of `hash_slice_rows` tokens at a time, argmax'd; each row's
+        half count is half_B's, or n_half for every row without it."""
         T, E = k_BHTE.shape[2:]
         # Columns c >= this row's half count are not its buckets (none when every row has the same count).
-        unused_B1111N = None if uniform else (
+        unused_B1111N = None if half_B is None else (
             torch.arange(n_half, device=k_BHTE.device) >= half_B[:, None])[:, None, None, None, :]
-        half_B111 = half_B[:, None, None, None]
+        half_B111 = n_half if half_B is None else half_B[:, None, None, None]
         rows = hash_slice_rows(T, E, n_half)
         slices_BHRS = [
             # The same product per token as over the whole row: each entry is one dot over E.
