@@ -248,18 +248,23 @@ def _forward(
     scale: float,
     cfg: dict[str, int] | None,
     out: torch.Tensor | None = None,
+    stat_pieces: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); `out` (q's shape, any strides) is written in place of a new contiguous buffer when given."""
+    """(out, lse); `out` (q's shape, any strides) is written in place of a new contiguous buffer when given. With
+    `stat_pieces` P > 1 the batch rows are P consecutive pieces of B / P sequences and lse is the sequences' own,
+    [B / P, H, P * seq_q] (k_flash_tiles `_stat_row`)."""
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
+    if batch % stat_pieces:
+        raise ValueError(f"{batch} batch rows are not whole sequences of stat_pieces={stat_pieces} pieces")
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    lse = torch.empty(batch // stat_pieces, heads, stat_pieces * seq_q, device=q.device, dtype=torch.float32)
     kpm, stride_kpm_b, stride_kpm_n = _mask_args(mask_BN, q)
     args = (
         q, k, v, out, lse, kpm,
         *strides(q), *strides(k), *strides(v), *strides(out),
         stride_kpm_b, stride_kpm_n,
-        heads, seq_q, seq_k, head_dim, scale * LOG2E, *_tuning_sizes(seq_q, seq_k),
+        heads, seq_q, seq_k, head_dim, scale * LOG2E, *_tuning_sizes(seq_q, seq_k), stat_pieces,
     )  # fmt: skip
     constexprs = dict(
         CAUSAL=causal, HAS_KPM=mask_BN is not None, **dot_options(q.dtype), BLOCK_D=next_power_of_two(head_dim)
@@ -282,11 +287,16 @@ def _backward(
     cfg: dict[str, int] | None,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     delta: torch.Tensor | None = None,
+    stat_pieces: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv); `grads` (buffers of q's, k's and v's shapes, any strides) are written when given, and `delta`
-    (`backward_delta`'s, contiguous) is taken instead of computed from out, dout and dlse."""
+    (`backward_delta`'s, contiguous) is taken instead of computed from out, dout and dlse. With `stat_pieces` P > 1,
+    lse and delta are the whole sequences' [B / P, H, P * seq_q] (as `_forward` gives them), delta required."""
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
+    if stat_pieces > 1 and delta is None:
+        raise ValueError("stat_pieces > 1 needs the sequences' delta: a delta from the pieces' out would be laid "
+                         "out by piece")
     delta = backward_delta(out, dout, dlse) if delta is None else delta
     if grads is None:
         grads = tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
@@ -296,7 +306,7 @@ def _backward(
         CAUSAL=causal, HAS_KPM=mask_BN is not None, **dot_options(q.dtype), BLOCK_D=next_power_of_two(head_dim)
     )
     qkv_strides = (*strides(q), *strides(k), *strides(v), *strides(dout))
-    sizes = (heads, seq_q, seq_k, head_dim, scale * LOG2E, scale, *_tuning_sizes(seq_q, seq_k))
+    sizes = (heads, seq_q, seq_k, head_dim, scale * LOG2E, scale, *_tuning_sizes(seq_q, seq_k), stat_pieces)
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, kpm, *qkv_strides, *strides(dk), stride_kpm_b, stride_kpm_n, *sizes)
     _launch("bwd_dkdv", lambda block_m, block_n: (cdiv(seq_k, block_n), batch * heads), dkdv_args, constexprs, cfg)
     dq_args = (q, k, v, dout, lse, delta, dq, kpm, *qkv_strides, *strides(dq), stride_kpm_b, stride_kpm_n, *sizes)

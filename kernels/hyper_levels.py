@@ -39,18 +39,6 @@ def as_pieces(x: torch.Tensor, pieces: int, view: bool = False) -> torch.Tensor:
     return x.view(shape) if view else x.reshape(shape)
 
 
-def from_pieces(x: torch.Tensor, batch: int) -> torch.Tensor:
-    """The inverse of `as_pieces` for [B * pieces, H, n] statistics: contiguous [B, H, pieces * n] (the kernels
-    index lse and delta as contiguous rows)."""
-    P, H, n = x.shape[0] // batch, x.shape[1], x.shape[2]
-    return x.view(batch, P, H, n).transpose(1, 2).reshape(batch, H, P * n).contiguous()
-
-
-def stat_pieces(x: torch.Tensor, pieces: int) -> torch.Tensor:
-    """[B, H, N] statistics as contiguous [B * pieces, H, N / pieces] (a reshape alone is a strided view at B = 1)."""
-    return as_pieces(x, pieces).contiguous()
-
-
 class CausalLevels:
     """The layout of Algorithm 4 in one pass for kernels.flash_attention.LayoutKernelFunction: `pieces` exact causal
     pieces, then each level's blocks + samples (`levels`, deepest first) merged in."""
@@ -62,9 +50,9 @@ class CausalLevels:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         P = self.pieces
         out = token_major_like(q)
-        _, lse_pieces = flash_forward(as_pieces(q, P), as_pieces(k, P), as_pieces(v, P), True, None, self.scale,
-                                      self.cfg, out=as_pieces(out, P, view=True))
-        lse = from_pieces(lse_pieces, q.shape[0])
+        # The pieces' lse is written straight into the sequences' [B, H, N] rows (`stat_pieces`).
+        _, lse = flash_forward(as_pieces(q, P), as_pieces(k, P), as_pieces(v, P), True, None, self.scale, self.cfg,
+                               out=as_pieces(out, P, view=True), stat_pieces=P)
         for lay in self.levels:  # deepest level first, as the recursion merges on its way back up
             hyper_forward(q, k, v, lay, merge_into=(out, lse))
         return out, lse
@@ -74,9 +62,9 @@ class CausalLevels:
         grads = tuple(token_major_like(x) for x in (q, k, v))
         delta = backward_delta(out, dout, dlse)  # of the final out: every part's backward takes it
         # The pieces' backward reads only lse and delta of the rows (out and dlse enter through delta).
-        flash_backward(as_pieces(q, P), as_pieces(k, P), as_pieces(v, P), as_pieces(out, P), stat_pieces(lse, P),
+        flash_backward(as_pieces(q, P), as_pieces(k, P), as_pieces(v, P), as_pieces(out, P), lse,
                        as_pieces(dout, P), None, True, None, self.scale, self.cfg,
-                       grads=tuple(as_pieces(g, P, view=True) for g in grads), delta=stat_pieces(delta, P))
+                       grads=tuple(as_pieces(g, P, view=True) for g in grads), delta=delta, stat_pieces=P)
         for lay in self.levels:
             hyper_backward(q, k, v, out, lse, dout, lay, delta, add_to=grads)
         return grads

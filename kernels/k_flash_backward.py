@@ -16,6 +16,7 @@ from kernels.k_flash_tiles import (
     _load_row_stats,
     _load_tile,
     _query_split,
+    _stat_row,
     _store_tile,
 )
 
@@ -58,7 +59,7 @@ def _flash_bwd_dkdv(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_kpm_b, stride_kpm_n,
-    n_heads, n_q, n_k, head_dim, qk_scale, sm_scale, n_q_key, n_k_key,
+    n_heads, n_q, n_k, head_dim, qk_scale, sm_scale, n_q_key, n_k_key, stat_pieces,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -74,8 +75,9 @@ def _flash_bwd_dkdv(
     offs_d = tl.arange(0, BLOCK_D)
     q_ptr = Q + b * stride_qb + h * stride_qh
     do_ptr = DO + b * stride_dob + h * stride_doh
-    lse_ptr = Lse + pid_bh.to(tl.int64) * n_q
-    delta_ptr = Delta + pid_bh.to(tl.int64) * n_q
+    row_stats = _stat_row(b, h, n_heads, stat_pieces) * n_q
+    lse_ptr = Lse + row_stats
+    delta_ptr = Delta + row_stats
 
     k = _load_tile(K + b * stride_kb + h * stride_kh, cols, offs_d, stride_kn, stride_kd, n_k, head_dim, EVEN_N, EVEN_D)
     v = _load_tile(V + b * stride_vb + h * stride_vh, cols, offs_d, stride_vn, stride_vd, n_k, head_dim, EVEN_N, EVEN_D)
@@ -143,7 +145,7 @@ def _flash_bwd_dq(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_kpm_b, stride_kpm_n,
-    n_heads, n_q, n_k, head_dim, qk_scale, sm_scale, n_q_key, n_k_key,
+    n_heads, n_q, n_k, head_dim, qk_scale, sm_scale, n_q_key, n_k_key, stat_pieces,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -165,7 +167,7 @@ def _flash_bwd_dq(
     do_ptr = DO + b * stride_dob + h * stride_doh
     q = _load_tile(q_ptr, rows, offs_d, stride_qm, stride_qd, n_q, head_dim, EVEN_M, EVEN_D)
     do = _load_tile(do_ptr, rows, offs_d, stride_dom, stride_dod, n_q, head_dim, EVEN_M, EVEN_D)
-    row_stats = pid_bh.to(tl.int64) * n_q
+    row_stats = _stat_row(b, h, n_heads, stat_pieces) * n_q
     lse2, delta = _load_row_stats(Lse + row_stats, Delta + row_stats, rows, n_q, EVEN_M)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_hi, hi = _key_split(start_m, n_k, CAUSAL, EVEN_N, BLOCK_M, BLOCK_N)

@@ -13,6 +13,7 @@ from kernels.k_flash_tiles import (
     _key_split,
     _load_tile,
     _online_softmax_step,
+    _stat_row,
     _store_tile,
 )
 
@@ -43,7 +44,7 @@ def _flash_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_kpm_b, stride_kpm_n,
-    n_heads, n_q, n_k, head_dim, qk_scale, n_q_key, n_k_key,
+    n_heads, n_q, n_k, head_dim, qk_scale, n_q_key, n_k_key, stat_pieces,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -83,10 +84,11 @@ def _flash_fwd(
     out, lse = _finish_softmax(m_i, l_i, acc)
     out_ptr = Out + b * stride_ob + h * stride_oh
     _store_tile(out_ptr, out, rows, offs_d, stride_om, stride_od, n_q, head_dim, EVEN_M, EVEN_D)
+    lse_ptr = Lse + _stat_row(b, h, n_heads, stat_pieces) * n_q
     if EVEN_M:
-        tl.store(Lse + pid_bh.to(tl.int64) * n_q + rows, lse)
+        tl.store(lse_ptr + rows, lse)
     else:
-        tl.store(Lse + pid_bh.to(tl.int64) * n_q + rows, lse, mask=rows < n_q)
+        tl.store(lse_ptr + rows, lse, mask=rows < n_q)
 
 
 _flash_fwd_tuned = autotuned("fwd", _flash_fwd)

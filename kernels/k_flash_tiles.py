@@ -89,6 +89,15 @@ def _finish_softmax(m_i, l_i, acc):
 
 
 @triton.jit
+def _stat_row(b, h, n_heads, stat_pieces):
+    """The row of lse and delta (contiguous rows of n_q) that batch row b, head h reads or writes: b * H + h, or
+    where the batch rows are `stat_pieces` consecutive pieces of longer sequences (HyperAttention's causal pieces,
+    kernels/hyper_levels.py), the piece's part of its sequence's [B / P, H, P * n_q] row, so that the statistics
+    of the pieces are those of the whole sequences with no copy between the layouts."""
+    return ((b // stat_pieces) * n_heads + h) * stat_pieces + b % stat_pieces
+
+
+@triton.jit
 def _load_row_stats(lse_ptr, delta_ptr, rows, n_q, ROWS_IN_BOUNDS: tl.constexpr = False):
     """lse in base 2 (with -inf of empty rows replaced by 0, whose P is all-zero anyway) and delta."""
     if ROWS_IN_BOUNDS:

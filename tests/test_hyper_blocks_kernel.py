@@ -168,7 +168,7 @@ CASES = {  # mode: (B, H, T, block_size, min_seq_len, causal, training, padded)
     "non_causal_whole_blocks_eval": (2, 2, 64, 16, 16, False, False, False),
     "causal_past_only": (1, 2, 64, 16, 16, True, True, False),
     "causal_three_levels": (1, 1, 64, 4, 8, True, True, False),
-    "causal_two_levels_eval": (1, 2, 32, 4, 8, True, False, False),
+    "causal_two_levels_eval": (2, 2, 32, 4, 8, True, False, False),
     "causal_level_by_level": (1, 2, 72, 16, 16, True, True, False),
     "causal_level_by_level_eval": (1, 2, 96, 8, 16, True, False, False),
 }

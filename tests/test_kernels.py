@@ -393,6 +393,36 @@ def test_flash_attention_gradient_through_lse_only() -> None:
     assert torch.equal(grads[2], torch.zeros_like(v))
 
 
+@needs_triton
+def test_pieces_write_and_read_the_sequences_row_statistics() -> None:
+    """stat_pieces = P: batch rows that are P consecutive pieces of B / P sequences (HyperAttention's causal pieces)
+    write lse into, and read lse and delta from, the sequences' own [B / P, H, P * n] rows: bitwise the values of
+    the pieces' [B, H, n] rows moved there, in the forward and in both backward kernels."""
+    from kernels.flash_attention import _backward, _current_fixed_config, _forward
+
+    B, P, H, n = 2, 3, 2, 21 * SEQ_SCALE  # a query tail: masked stores and loads of the statistics
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(B * P, H, n, 16, generator=gen).to(DEVICE) for _ in range(4))
+    cfg, scale = _current_fixed_config(), 0.25
+
+    def as_sequences(x):  # [B * P, H, n] -> [B, H, P * n]
+        return x.view(B, P, H, n).transpose(1, 2).reshape(B, H, P * n)
+
+    out, lse = _forward(q, k, v, True, None, scale, cfg)
+    out_p, lse_p = _forward(q, k, v, True, None, scale, cfg, stat_pieces=P)
+    assert lse_p.shape == (B, H, P * n) and torch.equal(lse_p, as_sequences(lse)) and torch.equal(out_p, out)
+    delta = backward_delta(out, dout, None)
+    grads = _backward(q, k, v, out, lse, dout, None, True, None, scale, cfg, delta=delta)
+    grads_p = _backward(q, k, v, out, lse_p, dout, None, True, None, scale, cfg, delta=as_sequences(delta),
+                        stat_pieces=P)
+    for name, got, want in zip(("dq", "dk", "dv"), grads_p, grads):
+        assert torch.equal(got, want), name
+    with pytest.raises(ValueError, match="not whole sequences of stat_pieces=4"):
+        _forward(q, k, v, True, None, scale, cfg, stat_pieces=4)
+    with pytest.raises(ValueError, match="needs the sequences' delta"):
+        _backward(q, k, v, out, lse_p, dout, None, True, None, scale, cfg, stat_pieces=P)
+
+
 # ---- chunked attention -------------------------------------------------------------------------------------
 
 
