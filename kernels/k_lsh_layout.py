@@ -2,8 +2,9 @@
 (bucket, position) order, the row of the layout each one takes, every bucket's run starting a new chunk of C rows,
 and the shifted positions of the causal test, in one launch instead of about twenty PyTorch ops.
 
-One program lays out one (batch, head, round) row, walking its sorted tokens BLOCK at a time with two carries:
-where the current bucket's run began, and how many chunks the tiles before have begun. In a tile, a token starts
+One program lays out one (batch, head, round) row: it fills the row's slots with -1 (filler rows), then walks its
+sorted tokens BLOCK at a time with two carries: where the current bucket's run began, and how many chunks the
+tiles before have begun. In a tile, a token starts
 a run where its bucket differs from the previous sorted token's; its rank in the run is its sorted index less the
 run's start (a running maximum of the starts); a chunk begins at every rank that is a multiple of C; and its row is
 C * (its chunk's index) + rank mod C. That is `bucket_aligned_slots`' row, C * (chunks of the lower buckets) + rank,
@@ -36,7 +37,7 @@ def _bucket_layout(
     stride_ob, stride_oh, stride_or, stride_ot,
     stride_tb, stride_th, stride_tr, stride_tl,
     stride_pb, stride_ph, stride_pr, stride_pt,
-    n_heads, n_rounds, seq_len, chunk,
+    n_heads, n_rounds, seq_len, chunk, length,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -48,6 +49,14 @@ def _bucket_layout(
     order_row = ORDER + b * stride_ob + h * stride_oh + r * stride_or
     token_row = TOKEN + b * stride_tb + h * stride_th + r * stride_tr
     pos_row = POS + b * stride_pb + h * stride_ph + r * stride_pr
+
+    # Every row of the layout starts as a filler (-1), then the tokens take theirs. The barrier orders the fill
+    # before the tokens' stores, which other threads of this program make to the same rows (a CTA's barrier makes
+    # its threads' earlier global stores visible to all of them), so no launch fills the buffer beforehand.
+    for l0 in range(0, length, BLOCK):
+        slot = l0 + tl.arange(0, BLOCK)
+        tl.store(token_row + slot * stride_tl, tl.full([BLOCK], -1, tl.int32), mask=slot < length)
+    tl.debug_barrier()
 
     run_start = 0  # sorted index where the run that reaches into this tile began
     chunks = 0  # chunks begun by the tiles before

@@ -27,9 +27,9 @@ def bucket_layout(bucket_BHRT: torch.Tensor, order_BHRT: torch.Tensor, bucket_si
     B, H, R, T = bucket_BHRT.shape
     if length < T:
         raise ValueError(f"the layout of {T} tokens needs at least {T} rows; got length={length}")
-    token_BHRL = torch.full((B, H, R, length), -1, dtype=torch.int32, device=bucket_BHRT.device)
     log = stand_in.active()
-    with stand_in.kernel_region(log):  # the positions are the kernel's own output, not glue
+    with stand_in.kernel_region(log):  # the layout and the positions are the kernel's own outputs, not glue
+        token_BHRL = torch.empty(B, H, R, length, dtype=torch.int32, device=bucket_BHRT.device)  # filled there
         positions_BHRT = torch.empty(B, H, R, T, dtype=torch.int64, device=bucket_BHRT.device)
         from kernels import k_lsh_layout
 
@@ -38,6 +38,6 @@ def bucket_layout(bucket_BHRT: torch.Tensor, order_BHRT: torch.Tensor, bucket_si
         stand_in.launch("lsh_layout", lambda: kern._bucket_layout[(B * H * R,)](
             bucket_BHRT, order_BHRT, token_BHRL, positions_BHRT,
             *strides(bucket_BHRT), *strides(order_BHRT), *strides(token_BHRL), *strides(positions_BHRT),
-            H, R, T, bucket_size, **cfg,
+            H, R, T, bucket_size, length, **cfg,
         ))  # fmt: skip
     return token_BHRL, positions_BHRT
