@@ -4,11 +4,11 @@ and the shifted positions of the causal test, in one launch instead of about twe
 
 One program lays out one (batch, head, round) row: it fills the row's slots with -1 (filler rows), then walks its
 sorted tokens BLOCK at a time with two carries: where the current bucket's run began, and how many chunks the
-tiles before have begun. In a tile, a token starts
-a run where its bucket differs from the previous sorted token's; its rank in the run is its sorted index less the
-run's start (a running maximum of the starts); a chunk begins at every rank that is a multiple of C; and its row is
-C * (its chunk's index) + rank mod C. That is `bucket_aligned_slots`' row, C * (chunks of the lower buckets) + rank,
-written as a count of the chunks begun before it, so no histogram over the bucket ids is needed.
+tiles before have begun. In a tile, a token starts a run where its bucket differs from the previous sorted token's;
+its rank in the run is its sorted index less the run's start (a running maximum of the starts); a chunk begins at
+every rank that is a multiple of C; and its row is C * (its chunk's index) + rank mod C. That is
+`bucket_aligned_slots`' row, C * (chunks of the lower buckets) + rank, written as a count of the chunks begun
+before it, so no histogram over the bucket ids is needed.
 """
 
 from __future__ import annotations

@@ -255,11 +255,10 @@ class LSHMechanism(nn.Module):
                 bucket_BHRT = bucket_BHRT.masked_fill(key_padding_mask_BT[:, None, None, :], self.n_buckets)
             return bucket_BHRT
         n_half = self.n_half_bound(T)  # the shapes': no row has more, so no count is read back from the device
-        # One count for every row, n_half (bounded: as if every row were T tokens long), or each row's own count
-        # from its real length, the columns past it masked.
-        per_row = not (self.n_buckets is not None or key_padding_mask_BT is None or _BOUNDED_LAYOUT.get())
+        # One count for every row, n_half (None; bounded: as if every row were T tokens long), or each row's own
+        # count from its real length, the columns past it masked (int32: the hash kernel's dtype).
         half_B = None
-        if per_row:  # int32: the hash kernel's dtype
+        if self.n_buckets is None and key_padding_mask_BT is not None and not _BOUNDED_LAYOUT.get():
             half_B = (default_n_buckets_of((~key_padding_mask_BT).sum(-1), self.bucket_size) // 2).int()
         rot_HREN = self.rotations(H, n_half, k_BHTE.device, k_BHTE.dtype)
         if fused:  # the projections never written (kernels/k_lsh_hash.py)
