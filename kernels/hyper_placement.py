@@ -77,6 +77,22 @@ def level_tables(uniforms: torch.Tensor | None, group_block_LBHG: torch.Tensor, 
     [L, B, H, NB + 1]; the samples' log weights [B, 2^l]). `uniforms`: the draws, flat (training: level l's
     [2^l B, H, m] in the recursion's batch order, deepest level first; `shared`, evaluation: [L, H, m]); None
     without samples (then no rows, first samples 0, the weights unused)."""
+    return _tables(uniforms, group_block_LBHG.contiguous(), n_half, samples, block, shared, diagonal=False)
+
+
+def diagonal_tables(uniforms: torch.Tensor | None, batch: int, heads: int, n_keys: int, samples: int, block: int,
+                    shared: bool, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor,
+                                                             list[torch.Tensor], torch.Tensor]:
+    """`level_tables` of one level of one piece whose group g sees key block g (the non-causal layer: n_keys keys
+    in whole blocks, query block g against key block g), and that group_block [1, B, H, NB] too, written by the same
+    launch, so no index tensor of it is made beforehand."""
+    with stand_in.kernel_region(stand_in.active()):  # the kernel's output
+        group_block = torch.empty(1, batch, heads, n_keys // block, dtype=torch.int64, device=device)
+    return (*_tables(uniforms, group_block, n_keys, samples, block, shared, diagonal=True), group_block)
+
+
+def _tables(uniforms: torch.Tensor | None, group_block_LBHG: torch.Tensor, n_half: int, samples: int, block: int,
+            shared: bool, diagonal: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     from kernels import k_hyper_placement
 
     L, B, H, G = group_block_LBHG.shape
@@ -89,12 +105,12 @@ def level_tables(uniforms: torch.Tensor | None, group_block_LBHG: torch.Tensor, 
         log_w = (torch.empty if m else torch.zeros)(B * ((1 << L) - 1), dtype=torch.float32, device=dev)
         kern = jit_module(k_hyper_placement)
         unused = group_block_LBHG  # a pointer the kernel never reads without samples
-        args = (uniforms if m else unused, group_block_LBHG.contiguous(), rows if m else unused, first_sample,
-                first_group, log_w, B, H, n_half, m, block, G, L)
+        args = (uniforms if m else unused, group_block_LBHG, rows if m else unused, first_sample, first_group, log_w,
+                B, H, n_half, m, block, G, L)
         cfg = kern.tables_config(interpreter_enabled(), m)
         grid = (1 << (L - 1), L, B * H)
         stand_in.launch("hyper_level_tables", lambda: kern._level_tables[grid](
-            *args, SHARED=shared, HAS_SAMPLES=m > 0, **cfg))
+            *args, SHARED=shared, HAS_SAMPLES=m > 0, DIAGONAL=diagonal, **cfg))
     level_rows = [rows[B * H * m * ((1 << l) - 1):B * H * m * ((2 << l) - 1)].view(B, H, m << l) for l in range(L)]
     level_log_w = [log_w[B * ((1 << l) - 1):B * ((2 << l) - 1)].view(B, 1 << l) for l in range(L)]
     return level_rows, first_sample, first_group, level_log_w

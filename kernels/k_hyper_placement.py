@@ -134,7 +134,7 @@ def _level_tables(
     U, GROUP_BLOCK, SROW, SSTART, FIRST_GROUP, LOGW,
     batch, heads, n_half, m, block, n_groups, n_levels,
     SHARED: tl.constexpr, HAS_SAMPLES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_G: tl.constexpr, DIAGONAL: tl.constexpr = False,
 ):  # fmt: skip
     """The tables of piece s of level l, one (batch, head) a program, for the level's blocks + samples kernels
     (kernels/k_hyper_blocks.py, one segment a piece): with half = M >> l keys a piece and nbp = half / block blocks,
@@ -148,7 +148,9 @@ def _level_tables(
       (`count_log_weight`'s value).
     U: in training level l's uniforms [2^l B, H, m], levels deepest first (their order of draws), in the
     recursion's batch order (piece s at row rev_l(s) B + b: each level concatenates first halves, then second);
-    SHARED (evaluation): [L, H, m], one draw a level for every piece and batch row."""
+    SHARED (evaluation): [L, H, m], one draw a level for every piece and batch row.
+    DIAGONAL (one level of one piece, G = NB: the non-causal layer, whose group g is query block g): group g sees
+    key block g, written into GROUP_BLOCK here rather than read, and block j's first group is j."""
     s = tl.program_id(0)
     level = tl.program_id(1)
     bh = tl.program_id(2)
@@ -185,10 +187,17 @@ def _level_tables(
             if HAS_SAMPLES:
                 first_sample += tl.sum((local[None, :] < (t * block)[:, None]).to(tl.int64), axis=1)
             tl.store(SSTART + table_row + j, first_sample, mask=t < n_j)
-            first_group = tl.zeros([BLOCK_J], dtype=tl.int64)
+            if DIAGONAL:
+                first_group = j.to(tl.int64)  # the groups before block j are blocks 0 .. j - 1
+            else:
+                first_group = tl.zeros([BLOCK_J], dtype=tl.int64)
+                for g0 in range(0, n_groups, BLOCK_G):
+                    g = g0 + tl.arange(0, BLOCK_G)
+                    group_block = tl.load(GROUP_BLOCK + (level * batch_heads + bh).to(tl.int64) * n_groups + g,
+                                          mask=g < n_groups, other=n_blocks + 1)
+                    first_group += tl.sum((group_block[None, :] < j[:, None]).to(tl.int64), axis=1)
+            tl.store(FIRST_GROUP + table_row + j, first_group, mask=t < n_j)
+        if DIAGONAL:  # no tensor of the groups' blocks exists before: this program writes its (batch, head)'s
             for g0 in range(0, n_groups, BLOCK_G):
                 g = g0 + tl.arange(0, BLOCK_G)
-                group_block = tl.load(GROUP_BLOCK + (level * batch_heads + bh).to(tl.int64) * n_groups + g,
-                                      mask=g < n_groups, other=n_blocks + 1)
-                first_group += tl.sum((group_block[None, :] < j[:, None]).to(tl.int64), axis=1)
-            tl.store(FIRST_GROUP + table_row + j, first_group, mask=t < n_j)
+                tl.store(GROUP_BLOCK + bh.to(tl.int64) * n_groups + g, g.to(tl.int64), mask=g < n_groups)

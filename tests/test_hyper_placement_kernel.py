@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels.hyper_blocks import block_tables
-from kernels.hyper_placement import level_positions, level_tables, routed_blocks, stacked_sort_keys
+from kernels.hyper_placement import diagonal_tables, level_positions, level_tables, routed_blocks, stacked_sort_keys
 from models.attention.hyper import HyperMechanism, HyperMechanismConfig
 from models.attention.hyper_groups import grouped_rows, slot_queries
 from models.attention.hyper_levels import level_uniforms, stacked_levels, stacked_placement
@@ -208,3 +208,23 @@ def test_without_samples_the_tables_are_the_groups_alone() -> None:
     assert all(r.numel() == 0 for r in rows) and not first_sample.any()
     for level in range(L):
         assert torch.equal(first_group[level].cpu(), block_tables(group_block[level], N // 2 // b, b)[0])
+
+
+@pytest.mark.parametrize("training, m", [(True, 5), (False, 5), (True, 0)],
+                         ids=["training", "evaluation", "no-samples"])
+def test_diagonal_tables_are_the_tables_of_query_block_g_against_key_block_g(training: bool, m: int) -> None:
+    """The non-causal layer's one piece (20 key blocks of 4 keys, in tiles of 4 blocks and of 4 groups): the group
+    blocks the kernel writes are 0 .. NB - 1 for every batch row and head, and the samples and tables are
+    `level_tables`' from that index, bitwise, from the same draws."""
+    B, H, N, b = 2, 3, 80, 4
+    cfg = HyperMechanismConfig(block_size=b, sample_size=m, min_seq_len=4, lsh_bits=3)
+    mech = HyperMechanism(cfg, head_dim=8, layer_index=1).train(training)
+    torch.manual_seed(23)
+    uniforms = level_uniforms(mech, B, H, 1, torch.device("cpu"))
+    uniforms = None if uniforms is None else uniforms.to(DEVICE)
+    *got, group_block = diagonal_tables(uniforms, B, H, N, m, b, not training, DEVICE)
+    assert torch.equal(group_block.cpu(), torch.arange(N // b).expand(1, B, H, N // b))
+    want = level_tables(uniforms, torch.arange(N // b).expand(1, B, H, N // b).to(DEVICE), N, m, b, not training)
+    for name, got_table, want_table in zip(("rows", "first_sample", "first_group", "log_w"), got, want):
+        got_table, want_table = (t if isinstance(t, torch.Tensor) else t[0] for t in (got_table, want_table))
+        assert torch.equal(got_table.cpu(), want_table.cpu()), name

@@ -790,8 +790,10 @@ for fn in (k_hyper_placement._stacked_keys, k_hyper_placement._routed_blocks, k_
     assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], (fn.__name__, shared)
     print(fn.__name__, "compiled")
 cfg = k_hyper_placement.tables_config(interpret=False, samples=256)
-for shared_draws in (False, True):  # training's draws (the bit reversal) and evaluation's
-    tables_args = dict(SHARED=shared_draws, HAS_SAMPLES=True, **{k: v for k, v in cfg.items() if k != "num_warps"})
+for shared_draws, diagonal in ((False, False), (True, False), (False, True)):  # training's draws (the bit
+    # reversal), evaluation's, and the non-causal layer's groups written by the kernel
+    tables_args = dict(SHARED=shared_draws, HAS_SAMPLES=True, DIAGONAL=diagonal,
+                       **{k: v for k, v in cfg.items() if k != "num_warps"})
     shared = compile_shared(k_hyper_placement._level_tables, tables_args, cfg["num_warps"], 1, 90)
     assert shared <= kf.SHARED_MEMORY_BY_ARCH[90], ("_level_tables", shared)
     print("_level_tables", "compiled")
@@ -815,7 +817,7 @@ def test_kernels_compile_for_gpu() -> None:
         [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 30, result.stdout
+    assert result.stdout.count("compiled") == 31, result.stdout
 
 
 def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:

@@ -41,7 +41,7 @@ from pydantic import model_validator
 
 from kernels.dispatch import fused_kernels
 from kernels.hyper_blocks import hyper_block_flash_attention
-from kernels.hyper_placement import level_tables
+from kernels.hyper_placement import diagonal_tables, level_tables
 from kernels.merge_rounds import merge_below
 from kernels.simhash import MAX_BITS, simhash_rank
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
@@ -219,9 +219,8 @@ class HyperMechanism(nn.Module):
         if fused_kernels(q_BHNE):  # (1) and (2) in one softmax, read through the orders (kernels/k_hyper_blocks.py)
             # Fillers -1 after the order; none (and no copy) when the length is a multiple of the block.
             rows = lambda order_BHN: F.pad(order_BHN, (0, extra), value=-1) if extra else order_BHN  # noqa: E731
-            return self.blocks_and_samples(q_BHNE, k_BHNE, v_BHNE, rows(order_q_BHN), rows(order_k_BHN),
-                                           torch.arange(nb, device=q_BHNE.device).expand(B, H, nb), key_padding_BN,
-                                           level)
+            return self.blocks_and_samples(q_BHNE, k_BHNE, v_BHNE, rows(order_q_BHN), rows(order_k_BHN), None,
+                                           key_padding_BN, level)  # query block g against key block g
         q_s, k_s, v_s = sort(q_BHNE, order_q_BHN), sort(k_BHNE, order_k_BHN), sort(v_BHNE, order_k_BHN)
         kpad_BHN = torch.zeros(B, H, N, dtype=torch.bool, device=q_BHNE.device)
         if key_padding_BN is not None:
@@ -290,16 +289,21 @@ class HyperMechanism(nn.Module):
     def blocks_and_samples(self, q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG, key_padding_BN, level):
         """(out, lse) of the block part and the sampled part in one softmax on the Triton kernels
         (kernels/hyper_blocks.py): the queries at `q_slots`, the sorted keys at `k_rows` (-1: filler), group g
-        against key block group_block_BHG[g] and the samples, drawn as `residual` draws them."""
+        against key block group_block_BHG[g] (None: block g) and the samples, drawn as `residual` draws them."""
         B, H, N = k_BHNE.shape[:3]
         dev = q_BHME.device
-        group_block_BHG = group_block_BHG.contiguous()  # once, for the tables and the kernels
         tables = None  # each key block's first group and first sample, when made on the kernel
         if key_padding_BN is None and k_rows.shape[-1] == N:  # N real keys a row in whole blocks: one piece's
             # samples and tables in one launch (kernels/hyper_placement.py), the same integers as below
-            rows, first_sample, first_group, log_w = level_tables(
-                level_uniforms(self, B, H, 1, dev, first_level=level), group_block_BHG[None], N, self.sample_size,
-                self.block_size, shared=not self.training)
+            uniforms = level_uniforms(self, B, H, 1, dev, first_level=level)
+            if group_block_BHG is None:  # the groups' blocks come from the same launch
+                rows, first_sample, first_group, log_w, group_block_LBHG = diagonal_tables(
+                    uniforms, B, H, N, self.sample_size, self.block_size, not self.training, dev)
+                group_block_BHG = group_block_LBHG[0]
+            else:
+                group_block_BHG = group_block_BHG.contiguous()  # once, for the tables and the kernels
+                rows, first_sample, first_group, log_w = level_tables(
+                    uniforms, group_block_BHG[None], N, self.sample_size, self.block_size, shared=not self.training)
             samples_BHm, log_w_B, tables = rows[0], log_w[0].view(B), (first_group[0], first_sample[0])
         elif self.sample_size > 0:
             # Without padding every row has N keys: a count on the host, no [B] tensor of it.
@@ -309,6 +313,9 @@ class HyperMechanism(nn.Module):
                        else self.sample_log_weight(n_real, torch.float32))
         else:  # blocks only: no samples, their weight unused
             samples_BHm, log_w_B = torch.zeros(B, H, 0, dtype=torch.long, device=dev), torch.zeros(B, device=dev)
+        if group_block_BHG is None:  # padded keys: query block g against key block g as an index
+            nb = k_rows.shape[-1] // self.block_size
+            group_block_BHG = torch.arange(nb, device=dev).expand(B, H, nb)
         return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG, samples_BHm,
                                            log_w_B, self.block_size, key_padding_mask=key_padding_BN, tables=tables)
 
