@@ -313,7 +313,7 @@ class HyperMechanism(nn.Module):
                        else self.sample_log_weight(n_real, torch.float32))
         else:  # blocks only: no samples, their weight unused
             samples_BHm, log_w_B = torch.zeros(B, H, 0, dtype=torch.long, device=dev), torch.zeros(B, device=dev)
-        if group_block_BHG is None:  # padded keys: query block g against key block g as an index
+        if group_block_BHG is None:  # padded keys, or keys short of whole blocks: block g's index made here
             nb = k_rows.shape[-1] // self.block_size
             group_block_BHG = torch.arange(nb, device=dev).expand(B, H, nb)
         return hyper_block_flash_attention(q_BHME, k_BHNE, v_BHNE, q_slots, k_rows, group_block_BHG, samples_BHm,
