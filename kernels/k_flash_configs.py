@@ -50,13 +50,18 @@ def shared_memory_estimate(kernel: str, cfg: dict[str, int], block_d: int, elem_
     """Bytes of shared memory a configuration needs, as Triton's software pipeliner lays it out: each tile
     the inner loop streams gets num_stages buffers, each tile kept for the whole program one. An upper
     bound: for sm_90 the compiler's figure for the forward and dQ kernels is this less the 1 KB allowance
-    (head dim 128, bf16), the dK/dV kernel keeps one of K, V in registers, and sm_80 needs less.
+    (head dim 128, bf16), and sm_80 needs less. The dK/dV kernel counts one more [BLOCK_N, BLOCK_M] tile: on sm_90
+    Triton 3.6 (torch 2.11's) needs up to this less the 1 KB allowance, 7-14.5 KB more than the count without
+    that tile (every configuration of 64 rows or more, head dims 64 and 128, bf16); Triton 3.9 needs 7-50 KB less
+    than this.
     tests/test_kernels.py::test_kernels_compile_for_gpu checks the bound against the compiler."""
     block_m, block_n, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]
     if kernel == "fwd":  # streams K, V; keeps Q
         streamed, resident, row_stats = 2 * block_n * block_d, block_m * block_d, 0
-    elif kernel == "bwd_dkdv":  # streams Q, dO and the fp32 lse, delta of the rows; keeps K, V
-        streamed, resident, row_stats = 2 * block_m * block_d, 2 * block_n * block_d, 2 * 4 * block_m
+    elif kernel == "bwd_dkdv":  # streams Q, dO and the fp32 lse, delta of the rows; keeps K, V and P^T or dS^T
+        streamed, row_stats = 2 * block_m * block_d, 2 * 4 * block_m
+        # Triton 3.6 stages P^T / dS^T for Hopper's warpgroup matmuls, which it uses from 64 rows on.
+        resident = 2 * block_n * block_d + (block_n * block_m if block_m >= 64 else 0)
     else:  # bwd_dq: streams K, V; keeps Q, dO
         streamed, resident, row_stats = 2 * block_n * block_d, 2 * block_m * block_d, 0
     barriers = 1024  # the pipeline's mbarriers and alignment, generously

@@ -693,6 +693,7 @@ def test_chunked_attention_rejects_bad_arguments() -> None:
 # on sm_90.
 # Runs in a fresh process because this one has TRITON_INTERPRET=1.
 _COMPILE_SCRIPT = """
+import inspect
 import os
 os.environ.pop("TRITON_INTERPRET", None)
 import triton
@@ -709,12 +710,17 @@ TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32
          "BUCKET": "*i64", "ORDER": "*i64", "TOKEN": "*i32", "POS": "*i64", "RANK": "*i64", "RANK_K": "*i64",
          "RANK_Q": "*i64", "KEY_K": "*i64", "KEY_Q": "*i64", "KEY_SORTED": "*i64", "BLOCK_OUT": "*i64",
          "QUERY": "*i64", "K_ROWS": "*i64", "Q_SLOTS": "*i64", "U": "*fp32", "GROUP_BLOCK": "*i64", "SROW": "*i64",
-         "SSTART": "*i64", "FIRST_GROUP": "*i64", "LOGW": "*fp32", "D": "*fp32", "eps": "fp32"}
+         "SSTART": "*i64", "FIRST_GROUP": "*i64", "LOGW": "*fp32", "D": "*fp32", "eps": "fp32", "Tok": "*i32",
+         "BLOCK_IN": "*i64"}
 
 def compile_shared(fn, constexprs, num_warps, num_stages, arch):
     if isinstance(fn, triton.runtime.autotuner.Heuristics):
         fn = fn.fn  # the @triton.jit function under @triton.heuristics
     constexprs = {**constexprs, **{n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d")}}
+    # A flag left out would be compiled as a runtime argument (a capitalised one as a pointer): not the kernel
+    # that runs.
+    flags = [n for n, p in inspect.signature(fn.fn).parameters.items() if "constexpr" in str(p.annotation)]
+    assert set(flags) <= set(constexprs), (fn.__name__, "constexprs not given:", sorted(set(flags) - set(constexprs)))
     # Tensors named in capitals are bf16 unless listed; every other argument is an int32 size or stride.
     signature = {name: "constexpr" if name in constexprs else TYPES.get(name, "*bf16" if name[0].isupper() else "i32")
                  for name in fn.arg_names}
@@ -740,7 +746,7 @@ for arch, masks in ((90, dict(CAUSAL=True, HAS_KPM=False, EVEN_M=True, EVEN_N=Tr
         assert shared <= min(limit, estimate(cfg)), (name, arch, str(cfg), shared, estimate(cfg), limit)
         print(name, f"sm_{arch}", str(cfg), "shared", shared, "estimate", estimate(cfg), "compiled")
 common = dict(HAS_KPM=True, DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
-              WRAP=True, CAUSAL=True, SELF_MASK=True)
+              WRAP=True, CAUSAL=True, SELF_MASK=True, HAS_POS=True, INDEXED=True)  # LSH's index-loaded layout
 for fn in (k_chunked_attention._chunked_fwd, k_chunked_attention._chunked_bwd_dkdv,
            k_chunked_attention._chunked_bwd_dq):
     shared = compile_shared(fn, common, 4, 2, 90)
