@@ -693,44 +693,11 @@ def test_chunked_attention_rejects_bad_arguments() -> None:
 # on sm_90.
 # Runs in a fresh process because this one has TRITON_INTERPRET=1.
 _COMPILE_SCRIPT = """
-import inspect
 import os
 os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kernels import k_chunked_attention, k_flash_attention as kf, k_hyper_blocks, k_lsh_hash, k_lsh_layout, k_merge_rounds
 from kernels import k_hyper_placement, k_simhash, k_unit_rows
-
-TYPES = {"qk_scale": "fp32", "sm_scale": "fp32", "Lse": "*fp32", "Delta": "*fp32", "Kpm": "*u8", "Pad": "*u8",
-         "Pos": "*i64", "HALF": "*i32", "IDS": "*i64", "QTok": "*i64", "KTok": "*i64", "GBlock": "*i64",
-         "SRow": "*i64", "FirstGroup": "*i64", "SampleStart": "*i64", "LogW": "*fp32", "DKS": "*fp32",
-         "DVS": "*fp32", "LSE": "*fp32", "LSE_OUT": "*fp32", "WEIGHT": "*fp32", "G_LSE": "*fp32", "G_LSE_R": "*fp32",
-         "LSE_A": "*fp32", "LSE_B": "*fp32", "ALPHA": "*fp32", "BETA": "*fp32", "G_LSE_A": "*fp32", "G_LSE_B": "*fp32",
-         "BUCKET": "*i64", "ORDER": "*i64", "TOKEN": "*i32", "POS": "*i64", "RANK": "*i64", "RANK_K": "*i64",
-         "RANK_Q": "*i64", "KEY_K": "*i64", "KEY_Q": "*i64", "KEY_SORTED": "*i64", "BLOCK_OUT": "*i64",
-         "QUERY": "*i64", "K_ROWS": "*i64", "Q_SLOTS": "*i64", "U": "*fp32", "GROUP_BLOCK": "*i64", "SROW": "*i64",
-         "SSTART": "*i64", "FIRST_GROUP": "*i64", "LOGW": "*fp32", "D": "*fp32", "eps": "fp32", "Tok": "*i32",
-         "BLOCK_IN": "*i64"}
-
-def compile_shared(fn, constexprs, num_warps, num_stages, arch):
-    if isinstance(fn, triton.runtime.autotuner.Heuristics):
-        fn = fn.fn  # the @triton.jit function under @triton.heuristics
-    constexprs = {**constexprs, **{n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d")}}
-    # A flag left out would be compiled as a runtime argument (a capitalised one as a pointer): not the kernel
-    # that runs.
-    flags = [n for n, p in inspect.signature(fn.fn).parameters.items() if "constexpr" in str(p.annotation)]
-    assert set(flags) <= set(constexprs), (fn.__name__, "constexprs not given:", sorted(set(flags) - set(constexprs)))
-    # Tensors named in capitals are bf16 unless listed; every other argument is an int32 size or stride.
-    signature = {name: "constexpr" if name in constexprs else TYPES.get(name, "*bf16" if name[0].isupper() else "i32")
-                 for name in fn.arg_names}
-    aligned = [i for i, n in enumerate(fn.arg_names) if signature[n] != "constexpr" and signature[n] != "fp32"
-               and (n[0].isupper() or n.startswith("stride_"))]
-    source = ASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in constexprs.items()},
-                       {(i,): [["tt.divisibility", 16]] for i in aligned})
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    return compiled.metadata.shared
+from kernels.offline_compile import shared_memory as compile_shared
 
 flash = {"fwd": kf._flash_fwd, "bwd_dkdv": kf._flash_bwd_dkdv, "bwd_dq": kf._flash_bwd_dq}
 base = dict(DOT_PRECISION="tf32", DOT_UPCAST=False, BLOCK_D=128)
