@@ -814,6 +814,30 @@ def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:
     assert any(c.kwargs == {"BLOCK_M": 128, "BLOCK_N": 128} and c.num_stages == 3 for c in kept)
 
 
+def test_the_estimate_bounds_every_recorded_compile() -> None:
+    """`shared_memory_estimate` against the shared memory the compiler allocated for every flash candidate, as
+    benchmarks/methods/kernel_shared_memory.py recorded it with each Triton a GPU may bring (3.6, the GPU image's,
+    and 3.9, CI's; sm_90 and sm_80). The estimate, recomputed now, must bound each: a candidate that
+    `prune_configs` keeps but that needs more than the device has fails at launch."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    import csv
+
+    from kernels import k_flash_attention as kf
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu-2core" / "kernel_shared_memory.csv"
+    with path.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {r["triton"].rsplit(".", 1)[0] for r in rows} >= {"3.6", "3.9"}, sorted({r["triton"] for r in rows})
+    over = []
+    for r in rows:
+        cfg = {"BLOCK_M": int(r["block_m"]), "BLOCK_N": int(r["block_n"]), "num_stages": int(r["num_stages"])}
+        estimate = kf.shared_memory_estimate(r["kernel"], cfg, int(r["head_dim"]), 2)
+        if int(r["compiler_bytes"]) > estimate:
+            over.append((r["triton"], r["kernel"], r["arch"], r["head_dim"], cfg, int(r["compiler_bytes"]), estimate))
+    assert len(rows) >= 152 and not over, over
+
+
 @pytest.mark.slow
 def test_import_needs_neither_triton_nor_cuda() -> None:
     """With triton hidden, `import kernels` works and dispatch falls back to the reference."""
