@@ -35,6 +35,9 @@ from kernels.flash_attention import MAX_HEAD_DIM, MIN_HEAD_DIM, TRITON_DTYPES, f
 from kernels.reference import SUPPORTED_DTYPES, chunked_attention_reference, exact_attention_reference
 
 BACKEND_ENV = "ATTN_BACKEND"
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+"""Asked once, at import: inside a compiled model a call of `find_spec` at each dispatch is a graph break (torch
+2.11's dynamo refuses to trace it: tests/test_compile_families.py), where a module constant is folded."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class BaseAttentionBackend:
 
     def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
         reasons = []
-        if self.needs_triton and importlib.util.find_spec("triton") is None:
+        if self.needs_triton and not TRITON_INSTALLED:
             reasons.append("triton is not installed")
         devices = {t.device.type for t in (inputs.q, inputs.k, inputs.v)}
         if not devices <= self.devices:

@@ -44,6 +44,19 @@ def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, to
     return w_a / total_safe, w_b / total_safe, lse
 
 
+# IN_PLACE_UNDER_COMPILE: under torch.compile the forwards below accumulate out of place, the same operations in
+# the same order (so the same values), and return their result without a no-op `.to()`. torch 2.11's dynamo gave
+# every input of the Function a zero gradient when its forward added in place into a product it had made, or
+# returned such a product through `.to()` of its own dtype (an alias of it); torch 2.13 does neither
+# (tests/test_compile_families.py, run with torch 2.11). Under the compiler, the buffer the in-place form saves is
+# the compiler's to plan.
+
+
+def _in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)`, but `x` itself where it already has that dtype (IN_PLACE_UNDER_COMPILE)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 class _MergeLse(torch.autograd.Function):
     """`merge_lse` with its accumulator written in place and a backward of its own; with `stacked`, out_a holds
     2B rows (B passed through, then the B rows merged with out_b) and the result is the two along the row axis.
@@ -64,11 +77,14 @@ class _MergeLse(torch.autograd.Function):
         acc = torch.promote_types(torch.promote_types(out_a.dtype, torch.float32), alpha.dtype)
         alpha_acc, beta_acc = alpha.to(acc), beta.to(acc)
         merged = a * alpha_acc[..., None]  # [..., M, D] in acc
-        merged.add_(out_b * beta_acc[..., None])
+        if torch.compiler.is_compiling():  # the same sum out of place: IN_PLACE_UNDER_COMPILE
+            merged = merged + out_b * beta_acc[..., None]
+        else:
+            merged.add_(out_b * beta_acc[..., None])
         ctx.save_for_backward(a, out_b, alpha_acc, beta_acc)
         ctx.stacked, ctx.lse_dtype = stacked, alpha.dtype
         if not stacked:
-            return merged.to(out_a.dtype), lse
+            return _in_dtype(merged, out_a.dtype), lse
         M = a.shape[-2]
         out = out_a.new_empty(*a.shape[:-2], 2 * M, a.shape[-1])
         out[..., :M, :].copy_(out_a[:B])
@@ -168,10 +184,13 @@ class _MergeLseMany(torch.autograd.Function):
         parts, part_weights = out_RM.unbind(dim), weight.unbind(dim)
         merged = parts[0] * part_weights[0][..., None]  # a new buffer in acc
         for part, w in zip(parts[1:], part_weights[1:], strict=True):
-            merged.addcmul_(part, w[..., None])
+            if torch.compiler.is_compiling():  # the same sum out of place: IN_PLACE_UNDER_COMPILE
+                merged = merged.addcmul(part, w[..., None])
+            else:
+                merged.addcmul_(part, w[..., None])
         ctx.save_for_backward(out_RM, weight)
         ctx.dim, ctx.lse_dtype = dim, lse_R.dtype
-        return merged.to(out_RM.dtype), lse
+        return _in_dtype(merged, out_RM.dtype), lse
 
     @staticmethod
     @once_differentiable  # the backward writes into out= buffers: a second derivative raises instead of being wrong
