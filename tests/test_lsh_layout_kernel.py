@@ -121,3 +121,52 @@ def test_on_the_layout_kernel_the_output_at_i_depends_on_nothing_after_i(monkeyp
         out = mech(*changed, causal=True)
         assert torch.equal(out[:, :, :i + 1], base[:, :, :i + 1]), i
         assert not torch.equal(out[:, :, i + 1:], base[:, :, i + 1:]), i  # the check can see a change
+
+
+# Compiled in a fresh process: this one has TRITON_INTERPRET=1.
+_LAYOUT_PTX_SCRIPT = """
+import os
+os.environ.pop("TRITON_INTERPRET", None)
+from kernels import k_lsh_layout
+from kernels.offline_compile import compile_for
+cfg = k_lsh_layout.launch_config(interpret=False)
+print(compile_for(k_lsh_layout._bucket_layout, {"BLOCK": cfg["BLOCK"]}, cfg["num_warps"], 1, 90).asm["ptx"])
+"""
+
+
+def _loops(ptx_lines: list[str]) -> list[tuple[int, int]]:
+    """(header line, back-edge line) of each loop of a PTX listing, in order: a branch to a label defined above."""
+    labels = {line.split(":")[0].strip(): i for i, line in enumerate(ptx_lines) if line.startswith("$L__BB")}
+    loops = []
+    for i, line in enumerate(ptx_lines):
+        target = line.split()[-1].rstrip(";") if "bra" in line else None
+        if target in labels and labels[target] < i:
+            loops.append((labels[target], i))
+    return loops
+
+
+@pytest.mark.slow
+def test_the_compiled_layout_kernel_passes_a_barrier_between_the_fill_and_the_tokens():
+    """Other threads of a program store tokens into slots the fill wrote -1 to, so every thread must pass a CTA
+    barrier after its fill stores and before the tokens' loop; the interpreter runs a program's stores in order and
+    cannot show it. The PTX for sm_90 (Triton's bundled ptxas, no GPU): the fill loop (stores), a `bar.sync`, then
+    the tokens' loop (stores). Without `tl.debug_barrier()` the first barrier is inside the tokens' loop (its scans'),
+    after that loop's header, and this fails."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton_dir = Path(importlib.util.find_spec("triton").origin).parent
+    if not (triton_dir / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton install has no bundled ptxas; cannot compile for NVIDIA GPUs")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _LAYOUT_PTX_SCRIPT], capture_output=True, text=True, env=env,
+                            cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    (fill_head, fill_back), (token_head, token_back) = _loops(lines)[:2]
+    assert any("st.global" in line for line in lines[fill_head:fill_back]), "no store in the fill loop"
+    assert any("st.global" in line for line in lines[token_head:token_back]), "no store in the tokens' loop"
+    assert any("bar.sync" in line for line in lines[fill_back:token_head]), "\n".join(lines[fill_back:token_head])
