@@ -31,11 +31,10 @@ ARG_TYPES = {
 """The arguments that are not bf16 tensors or int32 scalars: fp32 statistics and scales, int index tensors."""
 
 
-def compile_for(fn: Any, constexprs: dict[str, Any], num_warps: int, num_stages: int, arch: int,
-                tensor_type: str = "*bf16") -> Any:
+def compile_for(fn: Any, constexprs: dict[str, Any], num_warps: int, num_stages: int, arch: int) -> Any:
     """`fn` (a @triton.jit function, or one under @triton.heuristics) compiled for sm_`arch`. Every constexpr of
     the kernel must be in `constexprs`: one left out would be compiled as a runtime argument (a capitalised one as
-    a pointer), not the kernel that runs. `tensor_type`: the type of the tensors not in ARG_TYPES."""
+    a pointer), not the kernel that runs."""
     if isinstance(fn, triton.runtime.autotuner.Heuristics):
         fn = fn.fn
     constexprs = {**constexprs, **{n: 1 for n in fn.arg_names if n.startswith("stride_") and n.endswith("d")}}
@@ -44,7 +43,7 @@ def compile_for(fn: Any, constexprs: dict[str, Any], num_warps: int, num_stages:
     if missing:
         raise ValueError(f"{fn.__name__}: constexprs not given: {missing}")
     signature = {name: "constexpr" if name in constexprs else
-                 ARG_TYPES.get(name, tensor_type if name[0].isupper() else "i32") for name in fn.arg_names}
+                 ARG_TYPES.get(name, "*bf16" if name[0].isupper() else "i32") for name in fn.arg_names}
     aligned = [i for i, n in enumerate(fn.arg_names) if signature[n] not in ("constexpr", "fp32")
                and (n[0].isupper() or n.startswith("stride_"))]
     source = ASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in constexprs.items()},
@@ -53,7 +52,6 @@ def compile_for(fn: Any, constexprs: dict[str, Any], num_warps: int, num_stages:
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def shared_memory(fn: Any, constexprs: dict[str, Any], num_warps: int, num_stages: int, arch: int,
-                  tensor_type: str = "*bf16") -> int:
+def shared_memory(fn: Any, constexprs: dict[str, Any], num_warps: int, num_stages: int, arch: int) -> int:
     """Bytes of shared memory the compiler allocates for `fn` on sm_`arch` (see `compile_for`)."""
-    return compile_for(fn, constexprs, num_warps, num_stages, arch, tensor_type).metadata.shared
+    return compile_for(fn, constexprs, num_warps, num_stages, arch).metadata.shared

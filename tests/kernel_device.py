@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 KERNEL_DEVICE = os.environ.get("KERNEL_TESTS_DEVICE", "cpu")
 if KERNEL_DEVICE not in ("cpu", "cuda"):
@@ -43,3 +46,17 @@ def one_gpu_launch_config(request: pytest.FixtureRequest):
 
     with fixed_launch_config(*GPU_TEST_BLOCKS):
         yield
+
+
+def run_gpu_compile_script(script: str, timeout: float) -> str:
+    """The stdout of `script`, run from the repository root in a fresh process without TRITON_INTERPRET (this one
+    has it on the CPU), where it compiles kernels for an NVIDIA GPU through Triton's bundled ptxas
+    (kernels/offline_compile.py); the test is skipped where this triton install has no ptxas."""
+    triton_dir = Path(importlib.util.find_spec("triton").origin).parent
+    if not (triton_dir / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton install has no bundled ptxas; cannot compile for NVIDIA GPUs")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                            cwd=Path(__file__).resolve().parents[1], timeout=timeout, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout

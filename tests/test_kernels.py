@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 
 # First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
-from tests.kernel_device import DEVICE, HAS_TRITON, KERNEL_DEVICE, needs_triton, one_gpu_launch_config  # noqa: F401 (an autouse fixture)
+from tests.kernel_device import (  # noqa: F401 (an autouse fixture)
+    DEVICE, HAS_TRITON, KERNEL_DEVICE, needs_triton, one_gpu_launch_config, run_gpu_compile_script,
+)
 
-import importlib.util
 import inspect
 import math
 import subprocess
@@ -781,16 +782,8 @@ for fn in (k_unit_rows._unit_rows_fwd, k_unit_rows._unit_rows_bwd):
 @needs_triton
 @pytest.mark.slow
 def test_kernels_compile_for_gpu() -> None:
-    triton_dir = Path(importlib.util.find_spec("triton").origin).parent
-    if not (triton_dir / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton install has no bundled ptxas; cannot compile for NVIDIA GPUs")
-    root = Path(__file__).resolve().parents[1]
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=900
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 31, result.stdout
+    stdout = run_gpu_compile_script(_COMPILE_SCRIPT, timeout=900)
+    assert stdout.count("compiled") == 31, stdout
 
 
 def test_shared_memory_pruning_keeps_a_config_that_fits() -> None:

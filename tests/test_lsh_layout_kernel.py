@@ -10,7 +10,9 @@ longer than it needs (the bound the model gives it).
 from __future__ import annotations
 
 # First: on the CPU it sets TRITON_INTERPRET=1 before the @triton.jit modules are imported.
-from tests.kernel_device import DEVICE, needs_triton, one_gpu_launch_config  # noqa: F401 (an autouse fixture)
+from tests.kernel_device import (  # noqa: F401 (an autouse fixture)
+    DEVICE, needs_triton, one_gpu_launch_config, run_gpu_compile_script,
+)
 
 import pytest
 import torch
@@ -123,10 +125,7 @@ def test_on_the_layout_kernel_the_output_at_i_depends_on_nothing_after_i(monkeyp
         assert not torch.equal(out[:, :, i + 1:], base[:, :, i + 1:]), i  # the check can see a change
 
 
-# Compiled in a fresh process: this one has TRITON_INTERPRET=1.
 _LAYOUT_PTX_SCRIPT = """
-import os
-os.environ.pop("TRITON_INTERPRET", None)
 from kernels import k_lsh_layout
 from kernels.offline_compile import compile_for
 cfg = k_lsh_layout.launch_config(interpret=False)
@@ -152,20 +151,7 @@ def test_the_compiled_layout_kernel_passes_a_barrier_between_the_fill_and_the_to
     cannot show it. The PTX for sm_90 (Triton's bundled ptxas, no GPU): the fill loop (stores), a `bar.sync`, then
     the tokens' loop (stores). Without `tl.debug_barrier()` the first barrier is inside the tokens' loop (its scans'),
     after that loop's header, and this fails."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    triton_dir = Path(importlib.util.find_spec("triton").origin).parent
-    if not (triton_dir / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton install has no bundled ptxas; cannot compile for NVIDIA GPUs")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _LAYOUT_PTX_SCRIPT], capture_output=True, text=True, env=env,
-                            cwd=Path(__file__).resolve().parents[1], timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    lines = run_gpu_compile_script(_LAYOUT_PTX_SCRIPT, timeout=600).splitlines()
     (fill_head, fill_back), (token_head, token_back) = _loops(lines)[:2]
     assert any("st.global" in line for line in lines[fill_head:fill_back]), "no store in the fill loop"
     assert any("st.global" in line for line in lines[token_head:token_back]), "no store in the tokens' loop"

@@ -7,9 +7,10 @@ whatever Triton is installed: run it once per Triton version a GPU may bring (th
     python -m benchmarks.methods.kernel_shared_memory --out benchmarks/results      # about 3 min on 2 cores cold
     /tmp/v36/bin/python -m benchmarks.methods.kernel_shared_memory --out benchmarks/results   # a Triton 3.6 venv
 
-Appends to `<out>/<machine>/kernel_shared_memory.csv` one row per (Triton version, kernel, arch, head dim,
-candidate): the compiler's bytes, the estimate's, and the slack (estimate - compiler; negative where the bound
-fails). Prints the candidates over the estimate, and exits 1 if there are any.
+Writes this Triton's rows into `<out>/<machine>/kernel_shared_memory.csv`, replacing its earlier ones and keeping
+the other versions': one row per (kernel, arch, head dim, candidate), with the compiler's bytes, the estimate's,
+and the slack (estimate - compiler; negative where the bound fails). Prints the candidates over the estimate,
+and exits 1 if there are any.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
