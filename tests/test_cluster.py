@@ -188,6 +188,15 @@ preemption watcher (on a cluster, where nodes may be drained) as a restartable a
 object store, and Ray's C++ core logs that at ERROR (ray-project/ray#53727). No Ray setting silences it alone:
 RAY_BACKEND_LOG_LEVEL makes every process log that it was set, and turning the watcher off loses Ray Train's
 handling of preempted nodes."""
+RAY_PROCESS_ABORT = re.compile(
+    r"^(\[mutex\.cc : \d+\] RAW: .*"
+    r"|(\[[\d :,-]+ E \d+ \d+\] logging\.cc:\d+: )?(\*\*\* SIGABRT received at time=\d+ on cpu \d+ \*\*\*|PC: @ .*|\s*@ .*)"
+    r"|Fatal Python error: Aborted|Python runtime state: .*|Extension modules: .*)$")
+"""A Ray process of the job's that aborted in Ray's C++ core as it exited (abseil: "Mutex corrupt: both reader and
+writer lock held: 0xffffffff", a mutex already freed), seen once in the real-process tier on 2026-11-30 after a job
+that succeeded: Ray's, not the project's, and nothing the launcher can turn off. Its dump is let through only from a
+process without torch among its extension modules; the launcher and every trial's processes import torch, so a
+crash of theirs still fails the case (as does a non-zero exit, or a missing summary line)."""
 
 
 def test_ray_job_submit_runs_a_sweep_with_relative_paths_from_its_working_dir(tmp_path):
@@ -230,8 +239,13 @@ def test_ray_job_submit_runs_a_sweep_with_relative_paths_from_its_working_dir(tm
                           r"|best: val/ppl=.*|MLflow: sqlite:///.*|report: orchestrator report .*)$")
         lines = [line for line in output.splitlines() if line.strip()]
         unexpected = [line for line in lines if not (ours.match(line) or JOB_CLI_LINES.match(line)
-                                                     or PREEMPTION_WATCHER_NOTE.match(line))]
+                                                     or PREEMPTION_WATCHER_NOTE.match(line)
+                                                     or RAY_PROCESS_ABORT.match(line))]
         assert not unexpected, "\n".join(unexpected)
+        aborted = [line for line in lines if line.startswith("Extension modules: ")]
+        assert not [line for line in aborted if "torch" in line], output[-5000:]  # one of ours crashed
+        if any(RAY_PROCESS_ABORT.match(line) for line in lines):
+            print(f"a Ray process of the job aborted as it exited ({len(aborted)} dump(s)); the job itself succeeded")
         assert sum(1 for line in lines if PREEMPTION_WATCHER_NOTE.match(line)) <= 2, output[-5000:]
         # Where Ray unpacked the working dir: the job's cwd, so the relative paths' home.
         [job_dir] = {p.parent.resolve() for p in Path(head.temp_dir).glob("session_2*/runtime_resources/**/submitted.yaml")
