@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 
@@ -37,7 +36,9 @@ from kernels.reference import (
 # Elements of one block's logits across batch and heads: 2^22 fp32 values are 16 MiB per [rows, N] buffer,
 # and the backward holds four of them (S, P, dP, dS) at once.
 BLOCK_ELEMENTS = 1 << 22
-_MAX_BLOCKS: ContextVar[int | None] = ContextVar("blockwise_max_blocks", default=None)
+_max_blocks: int | None = None
+"""The enclosing `at_most_blocks` block's limit: a module global, not a ContextVar, which torch.compile cannot trace
+(kernels/flash_attention.py's `_fixed_config`)."""
 
 
 @contextmanager
@@ -46,11 +47,12 @@ def at_most_blocks(blocks: int) -> Iterator[None]:
     plan`, which runs attention on fake tensors, where an op costs the same at any size: a 16k sequence in blocks
     of BLOCK_ELEMENTS is 512 blocks per call, and HyperAttention's 16k plan took tens of minutes. The FLOPs are
     the same; the peak holds one larger block of logits."""
-    token = _MAX_BLOCKS.set(blocks)
+    global _max_blocks
+    previous, _max_blocks = _max_blocks, blocks
     try:
         yield
     finally:
-        _MAX_BLOCKS.reset(token)
+        _max_blocks = previous
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +159,6 @@ def exact_attention_blockwise(
     check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     rows = block_rows(q.shape[0], q.shape[1], k.shape[2], block_elements)
-    if (max_blocks := _MAX_BLOCKS.get()) is not None:
-        rows = max(rows, math.ceil(q.shape[2] / max_blocks))
+    if _max_blocks is not None:
+        rows = max(rows, math.ceil(q.shape[2] / _max_blocks))
     return BlockwiseAttentionFunction.apply(q, k, v, causal, key_padding_mask, scale, rows)

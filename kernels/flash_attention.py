@@ -14,7 +14,6 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from types import ModuleType
 
 import torch
@@ -138,7 +137,11 @@ def _mask_args(mask_BN: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.
 # ---- launch configuration: fixed (interpreter, or forced), else autotuned ------------------------------
 
 KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")
-_FIXED_CONFIG: ContextVar[dict[str, int] | None] = ContextVar("flash_attention_fixed_config", default=None)
+_fixed_config: dict[str, int] | None = None
+"""The enclosing `fixed_launch_config` block's configuration. A module global, not a ContextVar: the Functions read
+it at every call, and torch.compile traces a global's read (a guard) but breaks the graph at `ContextVar.get`
+(as kernels/stand_in.py's log). One model runs on one thread; each call reads it once in its forward and keeps it
+for its backward (`ctx.cfg`)."""
 
 
 @contextmanager
@@ -155,11 +158,12 @@ def fixed_launch_config(block_m: int, block_n: int, num_warps: int = 4, num_stag
         if block < 16 or block & (block - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile); got {block}")
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
-    token = _FIXED_CONFIG.set(cfg)
+    global _fixed_config
+    previous, _fixed_config = _fixed_config, cfg
     try:
         yield
     finally:
-        _FIXED_CONFIG.reset(token)
+        _fixed_config = previous
 
 
 def autotune_enabled() -> bool:
@@ -169,8 +173,8 @@ def autotune_enabled() -> bool:
 
 def _current_fixed_config() -> dict[str, int] | None:
     """The configuration this call runs with, or None for the autotuner's choice. Read once in the forward
-    and kept for the backward, which autograd may run on another thread (where the ContextVar is unset)."""
-    forced = _FIXED_CONFIG.get()
+    and kept for the backward, which autograd may run on another thread and after the block has ended."""
+    forced = _fixed_config
     if forced is not None:
         return forced
     if autotune_enabled():

@@ -38,7 +38,6 @@ import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Literal
 
 import torch
@@ -54,7 +53,9 @@ from models.attention.device_copies import DeviceCopies
 from models.attention.lse import chunked_attention, exact_attention, merge_lse_many
 
 _LAYER_SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for realistic depths
-_BOUNDED_LAYOUT: ContextVar[bool] = ContextVar("lsh_bounded_layout", default=False)
+_bounded_layout = False
+"""Inside `bounded_layout()`: a module global, not a ContextVar, which torch.compile cannot trace (the causal layer
+reads it at every call; kernels/flash_attention.py's `_fixed_config`)."""
 
 
 @contextmanager
@@ -65,11 +66,12 @@ def bounded_layout() -> Iterator[None]:
     so the outputs are the same, except for a padded row under the default n_buckets, which is hashed into the
     buckets of a full row. The cost is that of the worst case. For `orchestrator plan`, which runs models on fake
     tensors, whose values cannot be read."""
-    token = _BOUNDED_LAYOUT.set(True)
+    global _bounded_layout
+    previous, _bounded_layout = _bounded_layout, True
     try:
         yield
     finally:
-        _BOUNDED_LAYOUT.reset(token)
+        _bounded_layout = previous
 
 
 def layout_length_bound(seq_len: int, n_ids: int, bucket_size: int) -> int:
@@ -258,7 +260,7 @@ class LSHMechanism(nn.Module):
         # One count for every row, n_half (None; bounded: as if every row were T tokens long), or each row's own
         # count from its real length, the columns past it masked (int32: the hash kernel's dtype).
         half_B = None
-        if self.n_buckets is None and key_padding_mask_BT is not None and not _BOUNDED_LAYOUT.get():
+        if self.n_buckets is None and key_padding_mask_BT is not None and not _bounded_layout:
             half_B = (default_n_buckets_of((~key_padding_mask_BT).sum(-1), self.bucket_size) // 2).int()
         rot_HREN = self.rotations(H, n_half, k_BHTE.device, k_BHTE.dtype)
         if fused:  # the projections never written (kernels/k_lsh_hash.py)
@@ -349,8 +351,10 @@ class LSHMechanism(nn.Module):
     def bucket_aligned_slots(self, bucket_BHRT: torch.Tensor, order_BHRT: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Row of each token [B, H, R, T] in the (bucket, position) order with every bucket's run starting a new
         chunk, and the layout's length L: the longest over rows, heads and rounds (one host sync), or, inside
-        `bounded_layout`, `layout_length_bound`'s for any hashes. The PyTorch path's layout: on the kernels,
-        kernels/lsh_layout.py `bucket_layout` makes it at the bound."""
+        `bounded_layout` and under torch.compile, `layout_length_bound`'s for any hashes. The PyTorch path's layout:
+        on the kernels, kernels/lsh_layout.py `bucket_layout` makes it at the bound. Compiled, the read would be a
+        graph break inside the model's loop over its layers, where dynamo gives up on the whole frame and runs it
+        eagerly; the bound's extra rows are fillers, so the outputs are the same."""
         C, T = self.bucket_size, bucket_BHRT.shape[-1]
         # Ids run below 2 * n_half, padding's is 2 * n_half (`buckets`), and no row's n_half exceeds the bound: the
         # counts take the bound's columns, those of ids no token has staying zero (no chunk, no row), so the count
@@ -365,7 +369,7 @@ class LSHMechanism(nn.Module):
         rank_BHRT = torch.arange(T, device=bucket_BHRT.device) - torch.gather(first_sorted_BHRN, 3, sorted_bucket_BHRT)
         slot_sorted_BHRT = torch.gather(first_row_BHRN, 3, sorted_bucket_BHRT) + rank_BHRT
         slot_BHRT = torch.empty_like(slot_sorted_BHRT).scatter_(3, order_BHRT, slot_sorted_BHRT)
-        if _BOUNDED_LAYOUT.get():
+        if _bounded_layout or torch.compiler.is_compiling():
             return slot_BHRT, self.bounded_layout_length(T)
         return slot_BHRT, int(chunks_BHRN.sum(-1).max()) * C
 
