@@ -177,7 +177,12 @@ def _backward(
         # Summed into q's layout (a layer's heads are views of [B, T, H, E]): the projections' backward then
         # reads the gradients as they are, where contiguous [B, H, T, E] sums each took a copy there.
         with stand_in.glue_inside_kernel():
-            return torch.sum(grads, dim=3, out=_stacked_like(q, 3)).unbind(0)
+            summed = _stacked_like(q, 3)
+            if torch.compiler.is_compiling():
+                # dynamo breaks the graph at an out= that is not contiguous (4 breaks in a compiled LSH layer);
+                # inductor fuses the sum and the copy into one kernel that writes the strided buffer.
+                return summed.copy_(torch.sum(grads, dim=3)).unbind(0)
+            return torch.sum(grads, dim=3, out=summed).unbind(0)
     if lay.indexed:
         return dq.sum(2), dk.sum(2), dv.sum(2)
     return dq, dk, dv

@@ -150,15 +150,16 @@ class StandInBackend(TritonBackend):
 
 
 @contextmanager
-def stand_in_kernels() -> Iterator[stand_in.KernelLog]:
+def stand_in_kernels(counting: bool = True) -> Iterator[stand_in.KernelLog]:
     """Inside, attention calls the Triton kernels can take go to the stand-in, whatever ATTN_BACKEND says; the
-    log counts their launches by kernel name (flash_fwd, chunked_bwd_dq, bwd_delta, ...).
+    log counts their launches by kernel name (flash_fwd, chunked_bwd_dq, bwd_delta, ...), unless `counting` is
+    False (for torch.compile's capture of the kernels' path: kernels.stand_in.KernelLog.counting).
 
         with FakeTensorMode(), stand_in_kernels() as log:
             layer(x).backward(grad)
         log.launches  # Counter({'chunked_fwd': 1, ...})
     """
-    with stand_in.installed(stand_in.KernelLog()) as log:
+    with stand_in.installed(stand_in.KernelLog(counting=counting)) as log:
         yield log
 
 

@@ -27,6 +27,10 @@ class KernelLog:
     launches: Counter[str] = field(default_factory=Counter)
     run_kernels: bool = False
     """True: launch the kernels and count them (a real run, e.g. a test's reference for the stand-in's counts)."""
+    counting: bool = True
+    """False: stand in without counting or marking kernel regions, so that nothing but the kernels' absence sets
+    the path apart from a GPU's, where no log is installed: torch.compile can then trace the kernels' path on a CPU
+    (a count is a side effect dynamo refuses inside an autograd.Function; tests/test_compile_families.py)."""
     depth: int = 0
     """> 0 while inside the body of a kernel's autograd.Function (`kernel_region`)."""
 
@@ -72,7 +76,7 @@ def installed(log: KernelLog) -> Iterator[KernelLog]:
 @contextmanager
 def kernel_region(log: KernelLog | None) -> Iterator[None]:
     """The body of a kernel's autograd.Function; `log` is the forward's `active()` (None: nothing to mark)."""
-    if log is None:
+    if log is None or not log.counting:
         yield
         return
     previous = _swap(log)
@@ -90,7 +94,7 @@ def glue_inside_kernel() -> Iterator[None]:
     into a buffer it allocates): a counter then charges the buffer's bytes to the glue, as it charged the bytes of
     a sum that allocated its own output."""
     log = _log
-    if log is None:
+    if log is None or not log.counting:
         yield
         return
     depth, log.depth = log.depth, 0
@@ -105,5 +109,5 @@ def launch(name: str, run: Callable[[], object]) -> None:
     log = _log
     if log is None or log.run_kernels:
         run()
-    if log is not None:
+    if log is not None and log.counting:
         log.launches[name] += 1

@@ -17,6 +17,7 @@ on a cold 2-core machine, well under a minute with inductor's on-disk cache warm
 from __future__ import annotations
 
 import copy
+import importlib
 import re
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from models import LanguageModel, ModelConfig
 from models.attention import ATTENTION
 
 FAMILIES = ("mha", "mhe", "linformer", "lsh", "hyper")
+KERNEL_MODULES = sorted(path.stem for path in (Path(__file__).resolve().parents[1] / "kernels").glob("k_*.py"))
 CAUSAL = ("lsh", "hyper")
 CAUSAL_BREAKS = 1
 """The masked LM's `aten.nonzero`, which every kind has. The causal layers read no value back from the device under
@@ -138,3 +140,38 @@ def test_call_settings_are_read_inside_a_graph():
     with at_most_blocks(2):
         torch.testing.assert_close(blockwise(q), exact_attention_blockwise(q, q, q, causal=True)[0])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", ["lsh", "hyper"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_the_kernels_path_compiles_into_one_graph(kind, causal, fresh_dynamo, monkeypatch):
+    """A GPU's path through the lsh and hyper layers under torch.compile, on a CPU: the layer of the GPU suite's
+    long_attention (its dry-run size) with the Triton kernels stood in for and not counted (kernels/stand_in.py:
+    the launches skipped, every other op as on a GPU), forward and backward through dynamo and AOTAutograd. One
+    graph and no break: dynamo had broken the graph at each flash call (a ContextVar's `get`: 5 breaks in causal
+    hyper) and at the chunked backward's sum into a strided `out=` (4 in lsh), and inductor cannot fuse across a
+    break. What dynamo does with the kernels' launches themselves is the GPU's to show (benchmarks/gpu/
+    attention_profile.py's `+inductor` rows)."""
+    from benchmarks.gpu.speed import DRY_LONG_MODEL
+    from benchmarks.methods.attention_scaling import Settings, Variant, build_layer
+    from kernels.dispatch import stand_in_kernels
+
+    # As on a GPU, where the interpreter is off (a kernel test module in this process may have turned it on: under
+    # it, the wrappers repair Triton's interpreter first, a call dynamo skips). The kernel modules are imported
+    # first, as the process has them: Triton decides at import whether a kernel is interpreted, and the kernel
+    # tests that run after this one in the same process need theirs as they were.
+    for module in KERNEL_MODULES:
+        importlib.import_module(f"kernels.{module}")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    n, d_model = 64, DRY_LONG_MODEL["d_model"]
+    torch.manual_seed(0)
+    layer, _ = build_layer(Variant(kind, kind, DRY_LONG_MODEL["knobs"][kind]), n,
+                           Settings(lengths=(n,), d_model=d_model, heads=DRY_LONG_MODEL["heads"]))
+    compiled = torch.compile(layer.train(), backend="aot_eager")
+    x_BTD = torch.randn(1, n, d_model, requires_grad=True)
+    with stand_in_kernels(counting=False):  # the values are the stand-in's empty buffers: only the capture counts
+        compiled(x_BTD, key_padding_mask_BS=None, causal=causal).sum().backward()
+    counters = fresh_dynamo
+    assert sum(counters["graph_break"].values()) == 0, list(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1 and counters["aot_autograd"]["ok"] == 1, dict(counters["stats"])
+    assert x_BTD.grad is not None

@@ -135,22 +135,33 @@ def test_indexed_kernels_match_the_indexed_reference(dtype, B, T, L, padded):
         assert problem is None and err <= bound, f"{name}: {problem or f'max abs error {err:.3g} > {bound:.3g}'}"
 
 
-def test_indexed_gradients_come_back_in_the_inputs_layout():
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "compiled_branch"])
+def test_indexed_gradients_come_back_in_the_inputs_layout(monkeypatch, compiling: bool):
     """The indexed backward sums the rounds' dq, dk, dv into buffers laid out as q: a layer's heads are [B, H, T, E]
     views of its [B, T, H, E] projections, whose backward then reads the gradients without a copy (contiguous
-    [B, H, T, E] sums took one each). Values are the other cases'."""
-    gen = torch.Generator().manual_seed(2)
-    B, H, R, T, L = 1, 2, 2, 7, 12
-    bases = [torch.randn(B, T, H, E, generator=gen, requires_grad=True) for _ in range(3)]
-    q, k, v = (x.transpose(1, 2) for x in bases)
-    layouts = []
-    for x in (q, k, v):
-        x.register_hook(lambda g: layouts.append(g.stride()))
-    pos = torch.stack([torch.randperm(T, generator=gen) for _ in range(B * H * R)]).view(B, H, R, T)
-    out, _ = chunked_flash_attention(q, k, v, chunk=4, positions=pos, causal=True, wrap=False,
-                                     token_of_row=random_layout(B, H, R, T, L, gen))
-    out.sum().backward()
-    assert layouts == [q.stride()] * 3, (layouts, q.stride())
+    [B, H, T, E] sums took one each). Values are the other cases'. `compiled_branch`: the sum that torch.compile
+    takes (a copy into the strided buffer, where eager sums into it with out=; kernels/chunked_attention.py), run
+    eagerly with the interpreter's kernels: the same layout and the same gradients to the bit."""
+    def gradients():
+        gen = torch.Generator().manual_seed(2)
+        B, H, R, T, L = 1, 2, 2, 7, 12
+        bases = [torch.randn(B, T, H, E, generator=gen, requires_grad=True) for _ in range(3)]
+        q, k, v = (x.transpose(1, 2) for x in bases)
+        layouts = []
+        for x in (q, k, v):
+            x.register_hook(lambda g: layouts.append(g.stride()))
+        pos = torch.stack([torch.randperm(T, generator=gen) for _ in range(B * H * R)]).view(B, H, R, T)
+        out, _ = chunked_flash_attention(q, k, v, chunk=4, positions=pos, causal=True, wrap=False,
+                                         token_of_row=random_layout(B, H, R, T, L, gen))
+        (out * torch.randn(out.shape, generator=gen)).sum().backward()
+        assert layouts == [q.stride()] * 3, (layouts, q.stride())
+        return [x.grad for x in bases]
+
+    want = gradients()
+    if compiling:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        for name, got, expected in zip("qkv", gradients(), want):
+            assert torch.equal(got, expected), name
 
 
 def _joint(out_lse):
