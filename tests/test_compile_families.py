@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 import re
 from pathlib import Path
 
@@ -48,8 +49,11 @@ a term, which moves it by its own size."""
 def graph_breaks_in_results() -> dict[str, int]:
     """The `graph breaks` column of RESULTS.md's compile table, by kind."""
     section = RESULTS.read_text().split(COMPILE_SECTION, 1)[1].split("\n## ", 1)[0]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = itertools.takewhile(lambda line: line.startswith("|"), lines[start:])  # the section's first table
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in section.splitlines() if line.startswith("|") and not re.match(r"\|[-| ]+\|$", line)]
+            for line in table if not re.match(r"\|[-| ]+\|$", line)]
     header, body = rows[0], rows[1:]
     kind, breaks = header.index("kind"), header.index("graph breaks")
     return {row[kind]: int(row[breaks]) for row in body}

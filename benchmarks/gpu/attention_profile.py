@@ -37,8 +37,9 @@ PROFILE_LENGTHS = (16384, 131072)
 COMPILED_KINDS = tuple(kind + COMPILED for kind in PROFILE_KINDS)
 """The same layers under torch.compile (speed.COMPILED), at the shorter length only: whether inductor's fused glue
 takes the host's side out of the layers' time there (each case compiles for its shape: seconds a case). A dry run
-compiles causal lsh only (the layer with a host read, hence graph breaks) with dynamo's eager backend: the plumbing
-checked in the fast tier's time."""
+compiles causal lsh only (the layer whose eager path on a CPU reads its layout's length back; compiled, it takes the
+layout's bound, with no read and no graph break) with dynamo's eager backend: the plumbing checked in the fast
+tier's time."""
 DRY_COMPILED_KINDS = ("lsh" + COMPILED,)
 GRAPHED_KINDS = tuple(kind + GRAPHED for kind in PROFILE_KINDS)
 """The same layers replayed from CUDA graphs (speed.GRAPHED), at the shorter length on a GPU: host_ms near zero and
