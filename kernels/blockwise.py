@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kernels.block_setting import BlockSetting
 from kernels.reference import (
     autocast_off,
     check_attention_inputs,
@@ -36,9 +37,8 @@ from kernels.reference import (
 # Elements of one block's logits across batch and heads: 2^22 fp32 values are 16 MiB per [rows, N] buffer,
 # and the backward holds four of them (S, P, dP, dS) at once.
 BLOCK_ELEMENTS = 1 << 22
-_max_blocks: int | None = None
-"""The enclosing `at_most_blocks` block's limit: a module global, not a ContextVar, which torch.compile cannot trace
-(kernels/flash_attention.py's `_fixed_config`)."""
+_MAX_BLOCKS: BlockSetting[int | None] = BlockSetting(None)
+"""The enclosing `at_most_blocks` block's limit."""
 
 
 @contextmanager
@@ -47,12 +47,8 @@ def at_most_blocks(blocks: int) -> Iterator[None]:
     plan`, which runs attention on fake tensors, where an op costs the same at any size: a 16k sequence in blocks
     of BLOCK_ELEMENTS is 512 blocks per call, and HyperAttention's 16k plan took tens of minutes. The FLOPs are
     the same; the peak holds one larger block of logits."""
-    global _max_blocks
-    previous, _max_blocks = _max_blocks, blocks
-    try:
+    with _MAX_BLOCKS.set_to(blocks):
         yield
-    finally:
-        _max_blocks = previous
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -159,6 +155,6 @@ def exact_attention_blockwise(
     check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     rows = block_rows(q.shape[0], q.shape[1], k.shape[2], block_elements)
-    if _max_blocks is not None:
-        rows = max(rows, math.ceil(q.shape[2] / _max_blocks))
+    if (max_blocks := _MAX_BLOCKS.value) is not None:
+        rows = max(rows, math.ceil(q.shape[2] / max_blocks))
     return BlockwiseAttentionFunction.apply(q, k, v, causal, key_padding_mask, scale, rows)

@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 
 from kernels import stand_in
+from kernels.block_setting import BlockSetting
 from kernels.interpreter_compat import repair_index
 from kernels.reference import check_attention_inputs, check_key_padding_mask
 
@@ -137,10 +138,8 @@ def _mask_args(mask_BN: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.
 # ---- launch configuration: fixed (interpreter, or forced), else autotuned ------------------------------
 
 KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")
-_fixed_config: dict[str, int] | None = None
-"""The enclosing `fixed_launch_config` block's configuration. A module global, not a ContextVar: the Functions read
-it at every call, and torch.compile traces a global's read (a guard) but breaks the graph at `ContextVar.get`
-(as kernels/stand_in.py's log). One model runs on one thread; each call reads it once in its forward and keeps it
+_FIXED_CONFIG: BlockSetting[dict[str, int] | None] = BlockSetting(None)
+"""The enclosing `fixed_launch_config` block's configuration; each call reads it once in its forward and keeps it
 for its backward (`ctx.cfg`)."""
 
 
@@ -158,12 +157,8 @@ def fixed_launch_config(block_m: int, block_n: int, num_warps: int = 4, num_stag
         if block < 16 or block & (block - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile); got {block}")
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
-    global _fixed_config
-    previous, _fixed_config = _fixed_config, cfg
-    try:
+    with _FIXED_CONFIG.set_to(cfg):
         yield
-    finally:
-        _fixed_config = previous
 
 
 def autotune_enabled() -> bool:
@@ -174,7 +169,7 @@ def autotune_enabled() -> bool:
 def _current_fixed_config() -> dict[str, int] | None:
     """The configuration this call runs with, or None for the autotuner's choice. Read once in the forward
     and kept for the backward, which autograd may run on another thread and after the block has ended."""
-    forced = _fixed_config
+    forced = _FIXED_CONFIG.value
     if forced is not None:
         return forced
     if autotune_enabled():

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from kernels.block_setting import BlockSetting
+
 
 @dataclass
 class KernelLog:
@@ -39,38 +41,28 @@ class KernelLog:
         return self.depth > 0
 
 
-_log: KernelLog | None = None
-"""The enclosing `installed` block's log. A module global, not a ContextVar: `kernels.dispatch.select_backend` reads
-it on every attention call, and torch.compile traces a global's read (a guard) but breaks the graph at
-`ContextVar.get`. Counting runs one model on one thread; a kernel's backward gets its log passed explicitly
-(`kernel_region`)."""
-
-
-def _swap(log: KernelLog | None) -> KernelLog | None:
-    global _log
-    previous, _log = _log, log
-    return previous
+_LOG: BlockSetting[KernelLog | None] = BlockSetting(None)
+"""The enclosing `installed` block's log, read by `kernels.dispatch.select_backend` on every attention call
+(a BlockSetting: torch.compile traces its read). Counting runs one model on one thread; a kernel's backward gets
+its log passed explicitly (`kernel_region`)."""
 
 
 def active() -> KernelLog | None:
     """The log of the enclosing `installed` block, or None."""
-    return _log
+    return _LOG.value
 
 
 def standing_in() -> bool:
     """Launches are counted and not run (kernels.dispatch.stand_in_kernels)."""
-    log = _log
+    log = _LOG.value
     return log is not None and not log.run_kernels
 
 
 @contextmanager
 def installed(log: KernelLog) -> Iterator[KernelLog]:
     """Count every launch inside the block in `log`; stand in for it unless `log.run_kernels`."""
-    previous = _swap(log)
-    try:
+    with _LOG.set_to(log):
         yield log
-    finally:
-        _swap(previous)
 
 
 @contextmanager
@@ -79,13 +71,12 @@ def kernel_region(log: KernelLog | None) -> Iterator[None]:
     if log is None or not log.counting:
         yield
         return
-    previous = _swap(log)
-    log.depth += 1
-    try:
-        yield
-    finally:
-        log.depth -= 1
-        _swap(previous)
+    with _LOG.set_to(log):
+        log.depth += 1
+        try:
+            yield
+        finally:
+            log.depth -= 1
 
 
 @contextmanager
@@ -93,7 +84,7 @@ def glue_inside_kernel() -> Iterator[None]:
     """Inside a kernel's Function, a step that is glue, not the kernel's (the chunked backward's sum of the rounds
     into a buffer it allocates): a counter then charges the buffer's bytes to the glue, as it charged the bytes of
     a sum that allocated its own output."""
-    log = _log
+    log = _LOG.value
     if log is None or not log.counting:
         yield
         return
@@ -106,7 +97,7 @@ def glue_inside_kernel() -> Iterator[None]:
 
 def launch(name: str, run: Callable[[], object]) -> None:
     """Run one kernel launch unless standing in; count it under `name` inside `installed`."""
-    log = _log
+    log = _LOG.value
     if log is None or log.run_kernels:
         run()
     if log is not None and log.counting:

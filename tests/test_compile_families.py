@@ -122,8 +122,9 @@ def test_compiled_model_matches_eager(kind, causal, backend, fresh_dynamo):
 
 def test_call_settings_are_read_inside_a_graph():
     """The settings an attention call reads each time (the flash kernels' fixed launch configuration, the blockwise
-    path's block limit, LSH's bounded layout) are module globals, which dynamo reads under a guard: a ContextVar's
-    `get` is a graph break (kernels/stand_in.py), at every call of the flash kernel in a compiled model on a GPU."""
+    path's block limit, LSH's bounded layout) are kernels.block_setting.BlockSetting attributes, which dynamo reads
+    under a guard: a ContextVar's `get` is a graph break, at every call of the flash kernel in a compiled model on a
+    GPU."""
     from kernels.blockwise import at_most_blocks, exact_attention_blockwise
     from kernels.flash_attention import _current_fixed_config, fixed_launch_config
     from models.attention import lsh
@@ -131,7 +132,7 @@ def test_call_settings_are_read_inside_a_graph():
     @torch.compile(backend="eager", fullgraph=True)  # fullgraph: a graph break raises
     def settings(x: torch.Tensor) -> torch.Tensor:
         cfg = _current_fixed_config()
-        return x + (cfg["BLOCK_M"] if cfg is not None else 0) + lsh._bounded_layout
+        return x + (cfg["BLOCK_M"] if cfg is not None else 0) + lsh._BOUNDED_LAYOUT.value
 
     @torch.compile(backend="eager", fullgraph=True)
     def blockwise(q: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 from pydantic import model_validator
 
+from kernels.block_setting import BlockSetting
 from kernels.dispatch import fused_kernels
 from kernels.lsh_hash import angular_hash
 from kernels.lsh_layout import bucket_layout
@@ -53,9 +54,8 @@ from models.attention.device_copies import DeviceCopies
 from models.attention.lse import chunked_attention, exact_attention, merge_lse_many
 
 _LAYER_SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for realistic depths
-_bounded_layout = False
-"""Inside `bounded_layout()`: a module global, not a ContextVar, which torch.compile cannot trace (the causal layer
-reads it at every call; kernels/flash_attention.py's `_fixed_config`)."""
+_BOUNDED_LAYOUT = BlockSetting(False)
+"""True inside `bounded_layout()`."""
 
 
 @contextmanager
@@ -66,12 +66,8 @@ def bounded_layout() -> Iterator[None]:
     so the outputs are the same, except for a padded row under the default n_buckets, which is hashed into the
     buckets of a full row. The cost is that of the worst case. For `orchestrator plan`, which runs models on fake
     tensors, whose values cannot be read."""
-    global _bounded_layout
-    previous, _bounded_layout = _bounded_layout, True
-    try:
+    with _BOUNDED_LAYOUT.set_to(True):
         yield
-    finally:
-        _bounded_layout = previous
 
 
 def layout_length_bound(seq_len: int, n_ids: int, bucket_size: int) -> int:
@@ -260,7 +256,7 @@ class LSHMechanism(nn.Module):
         # One count for every row, n_half (None; bounded: as if every row were T tokens long), or each row's own
         # count from its real length, the columns past it masked (int32: the hash kernel's dtype).
         half_B = None
-        if self.n_buckets is None and key_padding_mask_BT is not None and not _bounded_layout:
+        if self.n_buckets is None and key_padding_mask_BT is not None and not _BOUNDED_LAYOUT.value:
             half_B = (default_n_buckets_of((~key_padding_mask_BT).sum(-1), self.bucket_size) // 2).int()
         rot_HREN = self.rotations(H, n_half, k_BHTE.device, k_BHTE.dtype)
         if fused:  # the projections never written (kernels/k_lsh_hash.py)
@@ -369,7 +365,7 @@ class LSHMechanism(nn.Module):
         rank_BHRT = torch.arange(T, device=bucket_BHRT.device) - torch.gather(first_sorted_BHRN, 3, sorted_bucket_BHRT)
         slot_sorted_BHRT = torch.gather(first_row_BHRN, 3, sorted_bucket_BHRT) + rank_BHRT
         slot_BHRT = torch.empty_like(slot_sorted_BHRT).scatter_(3, order_BHRT, slot_sorted_BHRT)
-        if _bounded_layout or torch.compiler.is_compiling():
+        if _BOUNDED_LAYOUT.value or torch.compiler.is_compiling():
             return slot_BHRT, self.bounded_layout_length(T)
         return slot_BHRT, int(chunks_BHRN.sum(-1).max()) * C
 
