@@ -8,15 +8,13 @@ declares, as class attributes, the metric names its `evaluate` returns, so the s
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, ClassVar, Literal, Union
 
-from pathlib import Path
+from pydantic import Field, field_validator, model_validator
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from tasks.data_files import DataFiles, _Config, check_eval_split
+from tasks.pretrained_config import PretrainedLMTaskConfig
 
 
 class BuiltinCorpusConfig(_Config):
@@ -39,33 +37,6 @@ class BuiltinCorpusConfig(_Config):
             raise ValueError(f"task.builtin.lexicon_size={self.lexicon_size} must be >= 6 (one noun per semantic class)")
         return self
 
-
-class DataFiles(_Config):
-    """Local files per split. LM: plain text paths (gzipped or not). Translation: path prefixes, read as
-    `<prefix>.<lang>` or `<prefix>.<lang>.gz`. Relative paths are made absolute against the working directory
-    where the spec is validated, because Ray workers may run elsewhere."""
-
-    train: str
-    """Training split (file for LM, prefix for translation)."""
-    validation: str | None = None
-    """Validation split; needed when task.eval_split is "validation"."""
-    test: str | None = None
-    """Test split; needed when task.eval_split is "test"."""
-
-    @field_validator("train", "validation", "test")
-    @classmethod
-    def _absolute(cls, value: str | None) -> str | None:
-        return None if value is None else str(Path(value).expanduser().resolve())
-
-
-
-def check_eval_split(files: DataFiles, eval_split: str, eval_batches: int | None) -> None:
-    """The evaluation settings of a task that reads local files: the split's file given, a positive cap."""
-    if eval_batches is not None and eval_batches < 1:
-        raise ValueError(f"task.eval_batches={eval_batches} must be >= 1, or leave it unset")
-    if getattr(files, eval_split) is None:
-        raise ValueError(f"task.eval_split={eval_split!r} but task.files.{eval_split} is not given; "
-                         f"add task.files.{eval_split} or change task.eval_split")
 
 class _TaskConfig(_Config):
     dataset: str = "builtin"
@@ -429,9 +400,6 @@ class ByteLMTaskConfig(_Config):
     def source_label(self) -> str:
         return f"bytes:{self.files.train}"
 
-
-# Defined in its own file (this one would pass its line limit); it builds on _Config and DataFiles above.
-from tasks.pretrained_config import PretrainedLMTaskConfig  # noqa: E402
 
 TaskConfig = Annotated[
     Union[MLMTaskConfig, CausalLMTaskConfig, TranslationTaskConfig, ClassifyTaskConfig, ListOpsTaskConfig,

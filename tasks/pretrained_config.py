@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from models.dropin import PatchConfig
-from tasks.config import DataFiles, _Config, check_eval_split
+from tasks.data_files import DataFiles, _Config, check_eval_split
 
 
 class PretrainedLMTaskConfig(_Config):
