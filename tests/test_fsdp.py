@@ -147,6 +147,48 @@ def test_every_layer_gets_its_own_group_unless_it_recomputes():
     assert all(id(p) not in layer_params for p in shared.shared_state.parameters())
 
 
+class _Moves:
+    """A replica's `.to` that records where it was sent and stays on the CPU: no GPU here, the device is what the
+    evaluation asked for."""
+
+    def __init__(self, replica: torch.nn.Module) -> None:
+        self.replica, self.devices = replica, []
+
+    def __call__(self, device) -> torch.nn.Module:
+        self.devices.append(torch.device(device))
+        return self.replica
+
+
+def test_rank_0_scores_its_replica_on_the_training_device_and_gives_the_device_back():
+    """A sharded run's evaluation (orchestrator/training/sharding.py `evaluate_replica`): rank 0's host replica takes
+    the gathered weights and is scored on the training device (it was scored on the CPU, at the CPU's speed, while
+    the other ranks waited in their next collective), in eval mode and without gradients; afterwards it is back in
+    host memory and in train mode, also when the evaluation fails."""
+    from orchestrator.training.sharding import evaluate_replica
+
+    replica = tiny_model()
+    moves = replica.to = _Moves(replica)
+    weights = {name: torch.full_like(value, 0.5) for name, value in tiny_model().state_dict().items()}
+    cuda, seen = torch.device("cuda", 0), {}
+
+    def evaluate(model: torch.nn.Module) -> dict[str, float]:
+        seen.update(device=moves.devices[-1], training=model.training, grad=torch.is_grad_enabled(),
+                    loaded=all(bool((p == 0.5).all()) for p in model.parameters()))
+        return {"val/loss": 1.0}
+
+    assert evaluate_replica(replica, weights, cuda, evaluate) == {"val/loss": 1.0}
+    assert seen == {"device": cuda, "training": False, "grad": False, "loaded": True}
+    assert moves.devices == [cuda, torch.device("cpu")] and replica.training
+
+    def fails(model: torch.nn.Module) -> dict[str, float]:
+        raise RuntimeError("out of memory")
+
+    moves.devices.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        evaluate_replica(replica, weights, cuda, fails)
+    assert moves.devices == [cuda, torch.device("cpu")] and replica.training
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["linformer-layerwise", "reversible"])
 def test_shared_and_recomputing_models_shard_with_the_same_gradients(variant, two_ranks):

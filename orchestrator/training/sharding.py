@@ -29,6 +29,7 @@ import io
 import pickle
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,26 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     )
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def evaluate_replica(replica: nn.Module, weights: dict[str, torch.Tensor], device: torch.device,
+                     evaluate: Callable[[nn.Module], dict[str, float]]) -> dict[str, float]:
+    """`evaluate` (Task.evaluate) of rank 0's unsharded replica, loaded with `weights` (`full_model_state`), on the
+    training `device`, in eval mode and without gradients. The replica lives in host memory, where Trainer.create
+    copied it before the model went to the device: it moves to the device for the evaluation only, so training
+    keeps the device's memory for its shards, and evaluation does not run at the CPU's speed while the other ranks
+    wait for rank 0 in their next collective (long enough, on a GPU cluster, for NCCL's watchdog to end the job).
+    It goes back to host memory and train mode afterwards, also when the evaluation fails."""
+    home = next(replica.parameters()).device
+    replica.load_state_dict(weights)
+    replica.to(device)
+    replica.eval()
+    try:
+        with torch.no_grad():
+            return evaluate(replica)
+    finally:
+        replica.to(home)
+        replica.train()
 
 
 def shard_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict]]:

@@ -41,6 +41,7 @@ from orchestrator.training.optimizer_step import (
     train_step,
 )
 from orchestrator.training.sharding import (
+    evaluate_replica,
     full_model_state,
     is_sharded,
     restore_sharded,
@@ -366,8 +367,7 @@ class Trainer:
             if self.rank != 0:
                 return {}
             assert self.eval_replica is not None, "Trainer.create keeps a replica on rank 0 of a sharded run"
-            self.eval_replica.load_state_dict(weights)
-            model = self.eval_replica
+            return evaluate_replica(self.eval_replica, weights, self.device, self.task.evaluate)
         if self.rank != 0:
             return {}
         model.eval()
