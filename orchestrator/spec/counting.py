@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +115,8 @@ def cpu_sdpa_flops() -> dict[Any, Any]:
 
 @dataclass(frozen=True)
 class StepCount:
-    """What one micro-batch's training step costs on one device, unsharded."""
+    """What one micro-batch's training step costs on one device: unsharded, or rank 0's share of an FSDP2 step over
+    `shards` workers (`count_step`'s)."""
 
     flops: int
     """Forward + backward FLOPs of one micro-batch (FlopCounterMode)."""
@@ -125,12 +126,6 @@ class StepCount:
     """MemTracker's split of that peak: Parameter, Gradient, Optstate, Activation, Temp, ..."""
     params_total: int
     params_attention: int
-    layer_params: int = 0
-    """Parameters of the largest transformer layer FSDP shards as its own group (orchestrator.training.sharding
-    .layers_to_shard); 0 when none is."""
-    root_params: int = 0
-    """Parameters in FSDP's root group: everything outside those layers (embeddings, output layer, norms, and the
-    layers of a reversible or memory stack)."""
 
 
 def _autocast(precision: str) -> Any:
@@ -138,20 +133,23 @@ def _autocast(precision: str) -> Any:
     return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
 
 
-def count_step(work: Workload, *, precision: str = "fp32", checkpointing: bool = False,
-               fake: bool = True) -> StepCount:
+def count_step(work: Workload, *, precision: str = "fp32", checkpointing: bool = False, fake: bool = True,
+               shards: int = 1) -> StepCount:
     """FLOPs and peak memory of `work`'s training step, on fake tensors (or real CPU ones, for the tests).
-    CPU autocast stands in for CUDA's: both run matmuls in the low dtype and keep softmax and norms in fp32."""
+    CPU autocast stands in for CUDA's: both run matmuls in the low dtype and keep softmax and norms in fp32.
+    With `shards` > 1 the model is sharded by FSDP2 as a run.strategy=fsdp run shards it (models/fsdp.py) over a
+    fake process group of that many ranks, and the peak is rank 0's: its shards of the weights, gradients and AdamW
+    state, whatever FSDP2 gathers, prefetches and reduces at once, and the activations (`fake_process_group`)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
     try:
         return _count_step(work, work.batch, precision, checkpointing,
-                           FakeTensorMode() if fake else torch.device("cpu"))
+                           FakeTensorMode() if fake else torch.device("cpu"), shards)
     except DataDependentOutputException:
         # A size read back from the values (a host sync) cannot be answered by shapes alone: such a model is
         # counted on real CPU tensors for one row of the batch and scaled: FLOPs and activations grow with the
         # rows, weights, gradients and AdamW state do not. (lsh sized its layout so until its bounded layout.)
-        one = _count_step(work, 1, precision, checkpointing, torch.device("cpu"))
+        one = _count_step(work, 1, precision, checkpointing, torch.device("cpu"), shards)
         states = sum(one.by_kind.get(k, 0) for k in STATE_KINDS)
         return dataclasses.replace(one, flops=one.flops * work.batch,
                                    peak_bytes=states + (one.peak_bytes - states) * work.batch)
@@ -177,6 +175,28 @@ def _flop_counter() -> Any:
     counter = FlopCounterMode(display=False, custom_mapping=cpu_sdpa_flops())
     counter.mod_tracker = _GlobalOnly()
     return counter
+
+
+@contextlib.contextmanager
+def fake_process_group(ranks: int) -> Iterator[Any]:
+    """A 1-D device mesh over a process group of `ranks` ranks that communicates nothing, this process as rank 0
+    (None for one rank): torch's "fake" backend, whose collectives give tensors of the right shapes (of fake tensors,
+    here), as torchtitan's memory estimation runs FSDP2 in one process (scripts/estimate/estimation.py). It is the
+    default process group while it lasts, so it refuses to start where one exists (a Ray Train worker's)."""
+    if ranks == 1:
+        yield None
+        return
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend, as torchtitan does
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise RuntimeError("counting a sharded step needs a process of its own: this one already has a process group")
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=ranks)
+    try:
+        yield init_device_mesh("cpu", (ranks,))  # outside fake mode: the mesh reads its ranks back
+    finally:
+        dist.destroy_process_group()
 
 
 def _forward_backward(work: Workload, model: nn.Module, rows: int, precision: str,
@@ -209,17 +229,21 @@ def peak_tracker() -> Any:
     return PeakTracker()
 
 
-def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, mode: Any) -> StepCount:
+def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, mode: Any,
+                shards: int = 1) -> StepCount:
     from models import checkpoint_activations
-    from models.transformer import layers_to_shard
+    from models.fsdp import apply_fsdp
 
-    with mode:
+    with fake_process_group(shards) as mesh, mode:
         torch.manual_seed(0)
         model = work.build().train()
-        if checkpointing:
-            checkpoint_activations(model)
         counts = model.parameter_counts()
-        layers = [sum(p.numel() for p in layer.parameters()) for layer in layers_to_shard(model)]
+        if checkpointing:  # the trainer's order: checkpointing, then the wrapper
+            checkpoint_activations(model)
+        if mesh is not None:
+            apply_fsdp(model, mesh, precision)
+            if precision == "bf16":
+                precision = "fp32"  # FSDP's bf16 policy computes in bf16 without autocast, as the trainer runs it
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         # The tracked step must hold AdamW's state, as every step after the first does. Without checkpointing,
         # a step on zero gradients makes it and one step is both counted and tracked. With checkpointing,
@@ -243,9 +267,8 @@ def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, 
         peak = tracker.get_tracker_snapshot("peak")
     by_device = next(iter(peak.values()), {"Total": 0})
     by_kind = {getattr(k, "value", k): int(v) for k, v in by_device.items()}
-    unique = sum(p.numel() for p in model.parameters())
     return StepCount(int(flops.get_total_flops()), by_kind.pop("Total"), by_kind, int(counts["total"]),
-                     int(counts["attention"]), max(layers, default=0), unique - sum(layers))
+                     int(counts["attention"]))
 
 
 def count_flops(work: Workload, *, precision: str = "fp32", fake: bool = True) -> int:

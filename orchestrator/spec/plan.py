@@ -1,7 +1,7 @@
 """`orchestrator plan`: what each trial of a study costs before a GPU is spent on it.
 
 Each distinct model's training step is counted once (orchestrator/spec/counting.py: FLOPs and peak memory on fake
-tensors). FSDP shards weights, gradients and optimizer state over the workers; activations stay whole per GPU.
+tensors); a run.strategy=fsdp trial's step is counted sharded by FSDP2 over its workers, so its memory is one GPU's.
 Step time = FLOPs of one optimizer step (grad_accum micro-batches) / (the GPU's dense bf16 peak x MFU);
 GPU-hours = step time x optim.max_steps x the GPUs a trial holds.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.spec.counting import STATE_KINDS, StepCount, count_by_depth, count_step, workload
+from orchestrator.spec.counting import StepCount, count_by_depth, count_step, workload
 from orchestrator.spec.gpus import DEFAULT_GPU, FIT_FRACTION, GpuKind, gpu_kind
 from orchestrator.spec.loading import Study, expected_trials
 from orchestrator.spec.models import ExperimentSpec
@@ -25,6 +25,11 @@ DEFAULT_MFU = 0.4
 """Model FLOP utilisation assumed for step times: about what torchtitan reports for dense bf16 training of
 models of this size on H100s; `--mfu` sets another."""
 GIB = 2**30
+SHARDED_PROBE_START = 3
+"""A sharded step's depth probes start at three layers: what FSDP2 holds unsharded at once (the layer computing,
+the one prefetched, the one whose gradients are being reduced) fills up over the first layers, and from three on
+each layer adds the same (its shards and activations). Probes from one or two layers put part of that one-off in
+every layer's slope: an 8-layer model's peak came out 27% and 15% too high (tests/test_plan.py)."""
 
 @dataclass(frozen=True)
 class TrialPlan:
@@ -51,25 +56,6 @@ class TrialPlan:
         return not self.fixes
 
 
-def fsdp_gathered_bytes(step: StepCount, precision: str) -> int:
-    """What FSDP2 holds unsharded at once (orchestrator/training/sharding.py: a group per layer, the rest in the
-    root's): the root group's parameters, which stay gathered from the forward to the backward, and two layers',
-    the one computing and the next, prefetched; in the mixed-precision policy's dtype (bf16 under run.precision
-    bf16, else fp32). A layer's unsharded gradient before its reduce-scatter is transient and not counted."""
-    itemsize = 2 if precision == "bf16" else 4
-    return (step.root_params + 2 * step.layer_params) * itemsize
-
-
-def per_gpu_bytes(step: StepCount, spec: ExperimentSpec) -> int:
-    """FSDP shards weights, gradients and AdamW state over the workers and gathers the weights back a layer at a
-    time (`fsdp_gathered_bytes`); activations stay whole on each GPU."""
-    if spec.run.strategy != "fsdp" or spec.run.workers == 1:
-        return step.peak_bytes
-    states = sum(step.by_kind.get(k, 0) for k in STATE_KINDS)
-    return (step.peak_bytes - states + states // spec.run.workers
-            + fsdp_gathered_bytes(step, spec.run.precision))
-
-
 def _fixes(spec: ExperimentSpec, memory: int, gpu: GpuKind) -> tuple[str, ...]:
     if memory <= FIT_FRACTION * gpu.memory_gib * GIB:
         return ()
@@ -93,21 +79,30 @@ def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU,
     """Plan one trial's spec on `gpu`."""
     key = _step_key(spec)
     if key not in _STEPS:
+        shards = fsdp_shards(spec)
         _STEPS[key] = count_by_depth(spec, functools.partial(count_step, precision=spec.run.precision,
-                                                             checkpointing=spec.run.activation_checkpointing))
+                                                             checkpointing=spec.run.activation_checkpointing,
+                                                             shards=shards),
+                                     start=1 if shards == 1 else SHARDED_PROBE_START)
     step = _STEPS[key]
     tokens = workload(spec).tokens
-    memory = per_gpu_bytes(step, spec)
+    memory = step.peak_bytes
     step_s = step.flops * spec.optim.grad_accum / (gpu.bf16_dense_flops * mfu)
     gpus = spec.run.workers * max(1.0, spec.run.gpus_per_worker)
     hours = step_s * spec.optim.max_steps * gpus / 3600
     return TrialPlan(dict(values or {}), gpu, step, tokens, memory, step_s, hours, _fixes(spec, memory, gpu))
 
 
+def fsdp_shards(spec: ExperimentSpec) -> int:
+    """The workers FSDP shards a trial's weights, gradients and AdamW state over: 1 unless run.strategy=fsdp."""
+    return spec.run.workers if spec.run.strategy == "fsdp" else 1
+
+
 def _step_key(spec: ExperimentSpec) -> str:
     """What the step's cost depends on: trials differing only in lr or seed share one count."""
     return json.dumps({"task": spec.task.model_dump(mode="json"), "model": spec.model.model_dump(mode="json"),
-                       "precision": spec.run.precision, "ac": spec.run.activation_checkpointing}, sort_keys=True)
+                       "precision": spec.run.precision, "ac": spec.run.activation_checkpointing,
+                       "shards": fsdp_shards(spec)}, sort_keys=True)
 
 
 _STEPS: dict[str, StepCount] = {}

@@ -2,7 +2,7 @@
 
 Sharding follows torchtitan (torchtitan/models/llama3/infra/parallelize.py, `apply_fsdp`): `fully_shard` on each
 transformer layer, then on the root, over an explicit 1-D device mesh (gloo on CPU, NCCL on CUDA: the process
-group Ray Train set up). Under run.precision=bf16 the mixed-precision policy computes with bf16 parameters and
+group Ray Train set up). models/fsdp.py does it, for training here and for `plan`'s count of a sharded step. Under run.precision=bf16 the mixed-precision policy computes with bf16 parameters and
 reduces gradients in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), with no autocast: the
 fp32 master weights and optimizer state stay sharded. Layers that share a parameter with the rest of the model
 (Linformer's layerwise projections), and the layers of a reversible stack or of a Transformer-XL memory stack
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.transformer import layers_to_shard
+from models.fsdp import apply_fsdp
 
 SHARDS_DIR = "sharded"
 """The DCP folder inside a checkpoint directory."""
@@ -51,20 +51,11 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, device: torch.device, precision: str, world_size: int) -> nn.Module:
-    """`model` (on `device`) sharded in place across the default process group's `world_size` ranks."""
+    """`model` (on `device`) sharded in place across the default process group's `world_size` ranks, as
+    models/fsdp.py shards every model."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # The root returns the logits of F.linear over [B, T, D], a view; FSDP2 warns that an in-place op on it would
-    # skip its pre-backward hook. Every task reads the logits out of place (`.float()`, cross_entropy, argmax).
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    mesh = init_device_mesh(device.type, (world_size,))
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
-              else MixedPrecisionPolicy())
-    for layer in layers_to_shard(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
+    return apply_fsdp(model, init_device_mesh(device.type, (world_size,)), precision)
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
