@@ -84,7 +84,7 @@ def rank_peak(precision: str, size: dict[str, int], repeats: int = REPEATS) -> i
 
 def _two_steps_peak(precision: str, size: dict[str, int]) -> int:
     from orchestrator.spec import workload
-    from orchestrator.training.sharding import shard_model
+    from orchestrator.training import shard_model
 
     work = workload(fsdp_spec(precision, **size))
     torch.manual_seed(0)
