@@ -71,10 +71,10 @@ state dominate (which FSDP divides), one whose activations do (which it does not
 PLAN_BELOW_A_RANK = 0.02
 PLAN_ABOVE_THE_LEAST_RANK = 0.08
 """How far a rank's measured peak may sit below plan's count, and the least rank's above it. The count runs
-FSDP2's step with collectives that finish at once; a real one overlaps them, so its peak can only be higher, and by
-how much depends on timing (up to 13% on one of two ranks over the benchmark's runs:
-benchmarks/results/cpu-2core/fsdp_memory.csv). The count FSDP2 replaced, a formula (the root group and two layers
-gathered), was 12% below both ranks of the first model and 18% above both of the second."""
+FSDP2's step with collectives that finish at once; a real one overlaps them, so its peak can only be higher, by how
+much depending on timing: single runs moved by up to 10%, the least of three (`rank_peak`) stayed within 4.5% of the
+count for every model of benchmarks/system/fsdp_memory.py. The count FSDP2's replaced, a formula (the root group
+and two layers gathered), was 12% below both ranks of the first model here and 18% above both of the second."""
 
 RUNS = {"fp32": ("fp32", "mha"), "linformer-layerwise": ("fp32", "linformer-layerwise"),
         "reversible": ("fp32", "reversible"), "bf16": ("bf16", "mha")}
