@@ -252,19 +252,25 @@ def _sharded_spec(layers: int, workers: int, d_model: int = 64, seq_len: int = 1
                           "run": {"strategy": "fsdp", "workers": workers}})
 
 
-def test_a_sharded_step_holds_its_share_of_the_optimizer_state():
+def test_a_sharded_plan_holds_a_share_of_the_states_and_rank_0_its_evaluation():
     """An FSDP trial's step is counted sharded (orchestrator/spec/counting.py `fake_process_group`, models/fsdp.py):
     rank 0 holds 1/W of AdamW's two fp32 moments (the dimensions divide by 2 and 4: no padding), whatever FSDP2
-    gathers at once besides, so going from 2 to 4 workers frees exactly a quarter of them; and the plan is that
-    sharded count (measured against two real ranks in tests/test_fsdp.py)."""
+    gathers at once besides, so going from 2 to 4 workers frees exactly a quarter of them (the count itself is
+    measured against two real ranks in tests/test_fsdp.py). Rank 0 also scores an unsharded fp32 replica on its
+    device (`evaluate_replica`) beside its shards of the weights and moments: for 16 layers over 16 workers that, not
+    the step, is the plan's memory per GPU; for 3 layers, whose activations and gathered layers weigh more than
+    their weights, the step's sharded peak is."""
     from orchestrator.spec.gpus import gpu_kind
-    from orchestrator.spec.plan import plan_spec
+    from orchestrator.spec.plan import plan_spec, rank0_evaluation_bytes
 
-    plan = plan_spec(_sharded_spec(3, 4), gpu_kind("H100"))
-    four, two = plan.step, count_step(workload(_sharded_spec(3, 2)), shards=2)
-    moments = 2 * 4 * two.params_total  # exp_avg and exp_avg_sq, fp32, of every parameter
-    assert two.by_kind["Optstate"] - four.by_kind["Optstate"] == moments // 2 - moments // 4
-    assert plan.memory_bytes == four.peak_bytes < two.peak_bytes
+    two, four = (plan_spec(_sharded_spec(3, workers), gpu_kind("H100")) for workers in (2, 4))
+    moments = 2 * 4 * two.step.params_total  # exp_avg and exp_avg_sq, fp32, of every parameter
+    assert two.step.by_kind["Optstate"] - four.step.by_kind["Optstate"] == moments // 2 - moments // 4
+    assert four.memory_bytes == four.step.peak_bytes < two.step.peak_bytes == two.memory_bytes
+    assert two.memory_bytes > rank0_evaluation_bytes(two.step, 2)
+    deep = plan_spec(_sharded_spec(16, 16), gpu_kind("H100"))
+    params = deep.step.params_total
+    assert deep.memory_bytes == 4 * params + 12 * params // 16 > deep.step.peak_bytes
 
 
 @pytest.mark.slow  # five sharded counts, 9 s of CPU: smaller models hide the first layers' fill-up under activations

@@ -86,7 +86,7 @@ def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU,
                                      start=1 if shards == 1 else SHARDED_PROBE_START)
     step = _STEPS[key]
     tokens = workload(spec).tokens
-    memory = step.peak_bytes
+    memory = max(step.peak_bytes, rank0_evaluation_bytes(step, fsdp_shards(spec)))
     step_s = step.flops * spec.optim.grad_accum / (gpu.bf16_dense_flops * mfu)
     gpus = spec.run.workers * max(1.0, spec.run.gpus_per_worker)
     hours = step_s * spec.optim.max_steps * gpus / 3600
@@ -96,6 +96,17 @@ def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU,
 def fsdp_shards(spec: ExperimentSpec) -> int:
     """The workers FSDP shards a trial's weights, gradients and AdamW state over: 1 unless run.strategy=fsdp."""
     return spec.run.workers if spec.run.strategy == "fsdp" else 1
+
+
+def rank0_evaluation_bytes(step: StepCount, shards: int) -> int:
+    """What rank 0 of a sharded run holds on its device while it evaluates (orchestrator/training/sharding.py
+    `evaluate_replica`): the unsharded replica in fp32 beside its shards of the fp32 weights and of AdamW's two
+    moments (the gradients are freed by then, and a forward without gradients keeps nothing for a backward). On
+    many workers this, not the training step, is rank 0's peak: 4 bytes a parameter whole against 16 sharded. 0 for
+    an unsharded run, whose evaluation holds less than its step."""
+    if shards == 1:
+        return 0
+    return 4 * step.params_total + 12 * step.params_total // shards
 
 
 def _step_key(spec: ExperimentSpec) -> str:
