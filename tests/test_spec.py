@@ -82,7 +82,10 @@ def test_yaml_and_dotted_overrides(tmp_path):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["model.attention.kind=linformr"], ["model.attention", "'mha'", "'linformer'"]),
+        (["model.attention.kind=linformr"], ["model.attention: kind='linformr' is not a kind here; did you mean "
+                                             "linformer? valid kinds: mha, sha,"]),
+        (["model.attention.kind=nystrom"], ["model.attention: kind='nystrom' is not a kind here; valid kinds: mha,"]),
+        (["task.kind=clmm"], ["task: kind='clmm' is not a kind here; did you mean clm? valid kinds: mlm, clm,"]),
         (["model.attention={kind: linformer, heads: 2, k: 64}"], ["model.attention", "k=64", "choose k <= max_seq_len"]),
         (["model.attention.head=2"], ["model.attention.head", "unknown field"]),
         (["optim.schedul=cosine"], ["optim.schedul", "unknown field", "did you mean schedule?"]),
@@ -99,7 +102,8 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["model.d_model=abc"], ["model.d_model", "integer"]),
         (["name=has space"], ["name"]),
     ],
-    ids=["unknown-kind", "k-over-seq-len", "typo-attention", "typo-optim", "typo-union-member", "moved-field",
+    ids=["unknown-kind", "unknown-kind-not-close", "unknown-task-kind", "k-over-seq-len", "typo-attention", "typo-optim",
+         "typo-union-member", "moved-field",
          "no-close-name", "metric-not-produced", "seq-len",
          "warmup", "fractional-gpu-ddp", "gpu-over-one-not-whole", "system-metrics-interval", "type",
          "name"],

@@ -71,6 +71,14 @@ def _unknown_field_message(root: type[BaseModel], loc: Sequence[Any]) -> str:
     return f"unknown field{hint} (docs/orchestrator.md lists every block's fields)"
 
 
+def _unknown_kind_message(ctx: Mapping[str, Any]) -> str:
+    """A discriminated union's tag (a block's `kind`) that names no member: the close kinds, then every kind."""
+    kinds = [kind.strip().strip("'") for kind in str(ctx["expected_tags"]).split(",")]
+    close = difflib.get_close_matches(str(ctx["tag"]), kinds, n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return f"kind={ctx['tag']!r} is not a kind here; {hint}valid kinds: {', '.join(kinds)}"
+
+
 def describe_errors(err: ValidationError, raw: Mapping[str, Any], root: type[BaseModel]) -> str:
     """One line per error of `raw` validated as `root` (ExperimentSpec), each naming its field."""
     lines = []
@@ -79,6 +87,8 @@ def describe_errors(err: ValidationError, raw: Mapping[str, Any], root: type[Bas
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             msg = _unknown_field_message(root, item["loc"])
+        elif item["type"] == "union_tag_invalid":
+            msg = _unknown_kind_message(item["ctx"])
         elif item["type"] == "missing":
             msg = "required field is missing; add it to the spec"
         elif item["type"] == "finite_number":
