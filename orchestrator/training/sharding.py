@@ -74,7 +74,7 @@ def evaluate_replica(replica: nn.Module, weights: dict[str, torch.Tensor], devic
     training `device`, in eval mode and without gradients. The replica lives in host memory, where Trainer.create
     copied it before the model went to the device: it moves to the device for the evaluation only, so training
     keeps the device's memory for its shards, and evaluation does not run at the CPU's speed while the other ranks
-    wait for rank 0 in their next collective (long enough, on a GPU cluster, for NCCL's watchdog to end the job).
+    wait for rank 0 in their next collective (where a long enough wait meets the process group's timeout).
     It goes back to host memory and train mode afterwards, also when the evaluation fails."""
     home = next(replica.parameters()).device
     replica.load_state_dict(weights)
