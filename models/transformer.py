@@ -330,8 +330,8 @@ class Seq2SeqTransformer(_CountsMixin, nn.Module):
 
 
 def layers_to_shard(model: nn.Module) -> list[nn.Module]:
-    """The transformer layers that can be FSDP groups of their own (orchestrator/training/sharding.py; plan counts
-    their gathered weights): those outside reversible and memory stacks whose parameters no other part of the
+    """The transformer layers that can be FSDP groups of their own (models/fsdp.py, for training and for plan's
+    count of a sharded step): those outside reversible and memory stacks whose parameters no other part of the
     model uses. Here because it is a fact of the model's structure, which training and planning both ask."""
     owners: dict[int, int] = {}
     for module in model.modules():

@@ -77,16 +77,15 @@ def _fixes(spec: ExperimentSpec, memory: int, gpu: GpuKind) -> tuple[str, ...]:
 def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU,
               values: dict[str, Any] | None = None) -> TrialPlan:
     """Plan one trial's spec on `gpu`."""
-    key = _step_key(spec)
+    key, shards = _step_key(spec), fsdp_shards(spec)
     if key not in _STEPS:
-        shards = fsdp_shards(spec)
         _STEPS[key] = count_by_depth(spec, functools.partial(count_step, precision=spec.run.precision,
                                                              checkpointing=spec.run.activation_checkpointing,
                                                              shards=shards),
                                      start=1 if shards == 1 else SHARDED_PROBE_START)
     step = _STEPS[key]
     tokens = workload(spec).tokens
-    memory = max(step.peak_bytes, rank0_evaluation_bytes(step, fsdp_shards(spec)))
+    memory = max(step.peak_bytes, rank0_evaluation_bytes(step, shards))
     step_s = step.flops * spec.optim.grad_accum / (gpu.bf16_dense_flops * mfu)
     gpus = spec.run.workers * max(1.0, spec.run.gpus_per_worker)
     hours = step_s * spec.optim.max_steps * gpus / 3600

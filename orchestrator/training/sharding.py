@@ -1,10 +1,9 @@
 """run.strategy=fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) and the sharded checkpoint it writes.
 
-Sharding follows torchtitan (torchtitan/models/llama3/infra/parallelize.py, `apply_fsdp`): `fully_shard` on each
-transformer layer, then on the root, over an explicit 1-D device mesh (gloo on CPU, NCCL on CUDA: the process
-group Ray Train set up). models/fsdp.py does it, for training here and for `plan`'s count of a sharded step. Under run.precision=bf16 the mixed-precision policy computes with bf16 parameters and
-reduces gradients in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), with no autocast: the
-fp32 master weights and optimizer state stay sharded. Layers that share a parameter with the rest of the model
+Sharding is models/fsdp.py's `apply_fsdp` (torchtitan's way: `fully_shard` on each transformer layer, then on the
+root; under run.precision=bf16, bf16 parameters and fp32 reductions with no autocast), which `plan`'s count of a
+sharded step uses too, here over an explicit 1-D device mesh of the process group Ray Train set up (gloo on CPU,
+NCCL on CUDA). Layers that share a parameter with the rest of the model
 (Linformer's layerwise projections), and the layers of a reversible stack or of a Transformer-XL memory stack
 (which call a layer's sub-blocks or `forward_with_memory`, not the layer itself, so the layer's all-gather hooks
 would not fire) stay in the root's group instead.
