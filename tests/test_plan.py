@@ -215,6 +215,27 @@ def test_reversible_models_are_counted(kind):
     assert flops_per_token(spec) == fake.flops / work.tokens
 
 
+def test_counting_leaves_every_random_stream_of_the_process_as_it_was(monkeypatch):
+    """A Train worker counts its FLOPs per token after seeding or restoring its run's streams: the count must give
+    the host's generator back and reseed no device's (torch.manual_seed reseeds every CUDA generator too, which
+    fork_rng(devices=[]) does not restore: rank 0 of a GPU run drew its dropout from seed 0, and a resumed run lost
+    its restored CUDA stream). The CPU build's device seeding functions are recorded instead of run."""
+    from orchestrator.spec.counting import flops_per_token
+
+    reseeded = []
+    for module in (torch.cuda, torch.mps, torch.xpu):
+        for name in ("manual_seed", "manual_seed_all"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, lambda seed, _at=f"{module.__name__}.{name}": reseeded.append(_at))
+    torch.default_generator.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.default_generator.manual_seed(1234)
+    assert flops_per_token(_spec("mha")) > 0  # the worker's count
+    count_step(workload(_spec("lsh")))  # plan's
+    assert reseeded == [], f"the count reseeded {reseeded}"
+    assert torch.equal(torch.rand(4), expected), "the count moved the host's generator"
+
+
 def test_plan_prints_a_row_per_trial_and_the_study_total(capsys):
     assert main(["plan", "configs/smoke.yaml"]) == 0
     out = capsys.readouterr().out

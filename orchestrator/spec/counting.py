@@ -229,13 +229,23 @@ def peak_tracker() -> Any:
     return PeakTracker()
 
 
+@contextlib.contextmanager
+def _host_seeded() -> Iterator[None]:
+    """The count's model built from seed 0, leaving every random stream of the process as it was. A Train worker
+    counts its FLOPs after seeding (or restoring) its run's streams, on the host only, so only the host's
+    generator is forked and seeded: `torch.manual_seed` would also reseed every CUDA generator, which
+    `fork_rng(devices=[])` does not give back (rank 0 of every GPU run then drew its dropout from seed 0)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(0)
+        yield
+
+
 def _count_step(work: Workload, rows: int, precision: str, checkpointing: bool, mode: Any,
                 shards: int = 1) -> StepCount:
     from models import checkpoint_activations
     from models.fsdp import apply_fsdp
 
-    with fake_process_group(shards) as mesh, mode:
-        torch.manual_seed(0)
+    with fake_process_group(shards) as mesh, _host_seeded(), mode:
         model = work.build().train()
         counts = model.parameter_counts()
         if checkpointing:  # the trainer's order: checkpointing, then the wrapper
@@ -286,9 +296,7 @@ def count_flops(work: Workload, *, precision: str = "fp32", fake: bool = True) -
 
 
 def _count_flops(work: Workload, rows: int, precision: str, mode: Any) -> int:
-    # A run counts after seeding its own weights: the count's seed must not move the run's random streams.
-    with torch.random.fork_rng(devices=[]), mode:
-        torch.manual_seed(0)
+    with _host_seeded(), mode:
         model = work.build().train()
         with _flop_counter() as flops:
             _forward_backward(work, model, rows, precision, blocks=1)  # the FLOPs do not depend on the blocks
