@@ -14,9 +14,10 @@ from benchmarks.gpu.training import matmul_parameters, step_flops
 from benchmarks.harness import peak_memory_bytes
 from models.attention import ATTENTION_KINDS
 from orchestrator.cli import main
-from orchestrator.spec import validate_spec, workload
+from orchestrator.spec import gpu_kind, validate_spec, workload
 from orchestrator.spec.counting import StepCount, Workload, count_step
 from orchestrator.spec.models import ExperimentSpec
+from orchestrator.spec.plan import GIB
 
 ANALYTIC_MARGIN = 0.05
 """6 N + 12 L d n leaves out the norms, softmax and loss (elementwise, uncounted by FlopCounterMode too) and counts
@@ -266,6 +267,27 @@ def test_validate_refuses_a_gpu_trial_that_cannot_fit(tmp_path, capsys):
     assert main(["validate", _too_big(tmp_path, 1), "--gpu", "L4"]) == 2
     err = capsys.readouterr().err
     assert "do not fit" in err and "L4" in err and "run.activation_checkpointing=true" in err
+
+
+def test_a_run_that_shares_its_gpu_must_fit_its_share_of_the_memory(capsys):
+    """run.gpus_per_worker=0.5 packs two runs onto one GPU side by side: each must fit half its memory. A trial of
+    about 17 GB fits an L4 (24 GB) whole and not half of one."""
+    from orchestrator.spec.plan import plan_spec, refusals
+
+    def spec(gpus: float):
+        return validate_spec({
+            "name": "packed", "task": {"kind": "clm", "dataset": "builtin", "vocab_size": 1000, "seq_len": 4096,
+                                       "batch_size": 32},
+            "model": {"d_model": 2048, "layers": 1, "ffn": 2048, "max_seq_len": 4096,
+                      "attention": {"kind": "mha", "heads": 16}},
+            "run": {"gpus_per_worker": gpus}})
+
+    whole, half = plan_spec(spec(1), gpu_kind("L4")), plan_spec(spec(0.5), gpu_kind("L4"))
+    assert whole.memory_bytes == half.memory_bytes and 12 * GIB < half.memory_bytes < 20 * GIB
+    assert whole.fits and not half.fits
+    assert half.fixes[0].startswith("run.gpus_per_worker=1 ")
+    (message,) = refusals([half])
+    assert "its share of L4's 24 GB (run.gpus_per_worker=0.5: 12 GB)" in message, message
 
 
 def _sharded_spec(layers: int, workers: int, d_model: int = 64, seq_len: int = 16):

@@ -97,7 +97,9 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["task.seq_len=64"], ["task.seq_len=64", "model.max_seq_len=32"]),
         (["optim.warmup_steps=20"], ["optim.warmup_steps=20", "max_steps=10"]),
         (["run.workers=2", "run.gpus_per_worker=0.5"], ["run.gpus_per_worker=0.5", "run.workers=2", "NCCL"]),
-        (["run.gpus_per_worker=1.5"], ["run.gpus_per_worker=1.5", "whole number"]),
+        (["run.gpus_per_worker=1.5"], ["run.gpus_per_worker=1.5", "each worker trains on one GPU", "other 1 would be"]),
+        (["run.workers=2", "run.gpus_per_worker=2"],
+         ["run.gpus_per_worker=2", "idle", "run.gpus_per_worker=1 with run.workers=4"]),
         (["tracking.system_metrics_interval_s=0"], ["tracking.system_metrics_interval_s must be > 0"]),
         (["model.d_model=abc"], ["model.d_model", "integer"]),
         (["name=has space"], ["name"]),
@@ -105,7 +107,7 @@ def test_yaml_and_dotted_overrides(tmp_path):
     ids=["unknown-kind", "unknown-kind-not-close", "unknown-task-kind", "k-over-seq-len", "typo-attention", "typo-optim",
          "typo-union-member", "moved-field",
          "no-close-name", "metric-not-produced", "seq-len",
-         "warmup", "fractional-gpu-ddp", "gpu-over-one-not-whole", "system-metrics-interval", "type",
+         "warmup", "fractional-gpu-ddp", "gpu-over-one-not-whole", "gpus-over-one", "system-metrics-interval", "type",
          "name"],
 )
 def test_errors_name_the_field_and_the_fix(tmp_path, overrides, expected):

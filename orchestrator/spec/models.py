@@ -4,6 +4,7 @@ validators whose messages name the field and the fix."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -90,7 +91,8 @@ class RunSettings(_Section):
     workers: int = 1
     """Ray Train workers (DDP ranks) per run."""
     gpus_per_worker: float = 0
-    """GPUs per worker; 0 trains on CPU with the gloo backend."""
+    """GPUs per worker, at most 1 (a worker is one rank on one device; below 1 packs runs of one worker onto a
+    GPU); 0 trains on CPU with the gloo backend."""
     cpus_per_worker: float = 1
     """CPUs reserved per worker."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -174,8 +176,14 @@ class RunSettings(_Section):
                 "whole GPU per rank (two ranks on one GPU fail in NCCL); use run.gpus_per_worker=1, or run.workers=1 "
                 "to pack several runs per GPU"
             )
-        if self.gpus_per_worker > 1 and self.gpus_per_worker != int(self.gpus_per_worker):
-            raise ValueError(f"run.gpus_per_worker={self.gpus_per_worker:g}: above 1, give a whole number of GPUs")
+        if self.gpus_per_worker > 1:
+            # A worker is one rank on one device (ray.train.torch.get_device: the lowest of its GPUs); the others
+            # would be reserved and idle.
+            raise ValueError(
+                f"run.gpus_per_worker={self.gpus_per_worker:g}: each worker trains on one GPU, so the other "
+                f"{math.ceil(self.gpus_per_worker) - 1:g} would be reserved and idle; use run.gpus_per_worker=1 with "
+                f"run.workers={self.workers * math.ceil(self.gpus_per_worker)} (one rank per GPU; run.strategy=fsdp "
+                "shards a model too large for one GPU)")
         if self.max_failures < -1:
             raise ValueError("run.max_failures must be >= 0, or -1 for unlimited retries")
         if self.strategy == "fsdp" and self.precision == "fp16":

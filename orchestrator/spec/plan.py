@@ -46,6 +46,9 @@ class TrialPlan:
     gpu_hours: float
     fixes: tuple[str, ...]
     """What would make it fit; empty when it fits."""
+    gpu_share: float = 1.0
+    """The part of a GPU the trial's worker holds (run.gpus_per_worker below 1 packs runs onto one GPU): its peak
+    must fit that part of the GPU's memory, beside the runs it shares the GPU with."""
 
     @property
     def flops_per_token(self) -> float:
@@ -56,10 +59,19 @@ class TrialPlan:
         return not self.fixes
 
 
+def gpu_share(spec: ExperimentSpec) -> float:
+    """The part of one GPU a worker of `spec` holds: run.gpus_per_worker below 1 (Ray places that many runs on a
+    GPU side by side), else the whole GPU (a worker trains on one)."""
+    return spec.run.gpus_per_worker if 0 < spec.run.gpus_per_worker < 1 else 1.0
+
+
 def _fixes(spec: ExperimentSpec, memory: int, gpu: GpuKind) -> tuple[str, ...]:
-    if memory <= FIT_FRACTION * gpu.memory_gib * GIB:
+    share = gpu_share(spec)
+    if memory <= FIT_FRACTION * share * gpu.memory_gib * GIB:
         return ()
     fixes = []
+    if share < 1:
+        fixes.append(f"run.gpus_per_worker=1 (a whole GPU per run, where {spec.run.gpus_per_worker:g} shares it)")
     batch = getattr(spec.task, "batch_size", None)
     if batch and batch > 1:
         fixes.append(f"task.batch_size={batch // 2} optim.grad_accum={spec.optim.grad_accum * 2} (same tokens per "
@@ -89,7 +101,8 @@ def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU,
     step_s = step.flops * spec.optim.grad_accum / (gpu.bf16_dense_flops * mfu)
     gpus = spec.run.workers * max(1.0, spec.run.gpus_per_worker)
     hours = step_s * spec.optim.max_steps * gpus / 3600
-    return TrialPlan(dict(values or {}), gpu, step, tokens, memory, step_s, hours, _fixes(spec, memory, gpu))
+    return TrialPlan(dict(values or {}), gpu, step, tokens, memory, step_s, hours, _fixes(spec, memory, gpu),
+                     gpu_share(spec))
 
 
 def fsdp_shards(spec: ExperimentSpec) -> int:
@@ -158,7 +171,8 @@ def format_plan(study: Study, plans: list[TrialPlan], mfu: float) -> str:
     """The table `orchestrator plan` prints: one row per trial, then the study's total."""
     gpu = plans[0].gpu
     lines = [f"plan on {gpu.name} ({gpu.memory_gib:g} GB, {gpu.bf16_dense_flops / 1e12:g} TFLOP/s dense bf16) at "
-             f"{mfu:.0%} MFU; fits = peak <= {FIT_FRACTION:.0%} of memory",
+             f"{mfu:.0%} MFU; fits = peak <= {FIT_FRACTION:.0%} of the memory a run holds (a share of the GPU below "
+             "run.gpus_per_worker=1)",
              f"{'trial':<48} {'params':>10} {'attn':>9} {'GFLOP/tok':>10} {'mem GB':>8} {'fits':>4} "
              f"{'step s':>9} {'GPU-h':>9}"]
     for p in plans:
@@ -178,6 +192,9 @@ def refusals(plans: list[TrialPlan]) -> list[str]:
         if p.fits:
             continue
         label = ", ".join(f"{k}={v!r}" for k, v in p.values.items()) or "the spec"
-        out.append(f"{label} needs {p.memory_bytes / GIB:.1f} GB per GPU, more than {FIT_FRACTION:.0%} of "
-                   f"{p.gpu.name}'s {p.gpu.memory_gib:g} GB; fixes:\n" + "\n".join(f"  - {f}" for f in p.fixes))
+        held = f"{p.gpu.name}'s {p.gpu.memory_gib:g} GB"
+        if p.gpu_share < 1:
+            held = f"its share of {held} (run.gpus_per_worker={p.gpu_share:g}: {p.gpu_share * p.gpu.memory_gib:g} GB)"
+        out.append(f"{label} needs {p.memory_bytes / GIB:.1f} GB per GPU, more than {FIT_FRACTION:.0%} of {held}; "
+                   "fixes:\n" + "\n".join(f"  - {f}" for f in p.fixes))
     return out
