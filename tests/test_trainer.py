@@ -4,6 +4,7 @@ for the final evaluation, and the exported model."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -112,6 +113,53 @@ def test_selection_on_the_scored_split_falls_back_to_the_latest():
     chosen = choose_checkpoint(_result({2: 10.0, 4: 30.0, 6: 20.0}), _translation_spec(eval_split="test"),
                                "best", "test")
     assert chosen.which == "latest" and chosen.path.endswith("checkpoint_000000006") and "eval_split" in chosen.note
+
+
+def test_the_final_evaluation_task_makes_the_runs_store_its_own_on_any_node(monkeypatch):
+    """final_evaluation scores as a Ray task on whichever node Ray picks; on a joined cluster that process has only
+    the job's environment, without the store's endpoint (a local Ray's raylet passed the launcher's down, so no
+    real-process test sees it). Ray's task runs here, in this process, with the endpoint unset."""
+    import ray
+
+    from orchestrator.launch import evaluate
+    from orchestrator.storage.object_store import ENDPOINT_VARS
+
+    for name in ENDPOINT_VARS:  # unset for the test, restored after it
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
+    seen = {}
+
+    def score(spec, chosen, split, **kwargs):
+        seen[split] = os.environ.get(ENDPOINT_VARS[0])
+        return {f"{split}/bleu": 1.0}
+
+    def remote(**resources):
+        return lambda fn: SimpleNamespace(options=lambda **_: SimpleNamespace(remote=lambda *a, **k: fn(*a, **k)))
+
+    monkeypatch.setattr(ray, "remote", remote)
+    monkeypatch.setattr(ray, "get", lambda value: value)
+    monkeypatch.setattr(evaluate, "score_and_store", score)
+    checkpoint = SimpleNamespace(path="s3://bucket/runs/t/checkpoint_000000004")
+    monkeypatch.setattr(evaluate, "choose_checkpoint", lambda *_: evaluate.ChosenCheckpoint(checkpoint, "best", {}))
+    raw = _translation_spec().model_dump(mode="json")
+    raw["run"].update(storage_path="s3://bucket/runs", storage_endpoint="http://10.0.0.5:8333")
+    metrics = evaluate.final_evaluation(validate_spec(raw), None, "s3://bucket/runs/t", cache_dir="/tmp/cache")
+    assert metrics == {"test/bleu": 1.0} and seen == {"test": "http://10.0.0.5:8333"}
+
+
+def test_a_checkpoint_is_scored_with_the_runs_matmul_precision(tmp_path, monkeypatch):
+    """The final evaluation and `orchestrator evaluate` run in fresh processes, where PyTorch's default fp32
+    matmuls would score a run that trained and validated with TF32 (run.tf32) in other, slower arithmetic."""
+    from orchestrator.training import scoring
+
+    raw = tiny_raw("tf32", max_steps=2)
+    raw["run"].update(tf32=False)
+    train_locally(validate_spec(raw), cache_dir=tmp_path / "cache", folder=tmp_path / "run")
+    applied = []
+    monkeypatch.setattr(scoring, "set_tf32", lambda run, device: applied.append((run.tf32, device)))
+    scoring.evaluate_checkpoint(latest_checkpoint(tmp_path / "run"), "test", cache_dir=tmp_path / "cache",
+                                out_dir=tmp_path / "out", device=torch.device("cpu"))
+    assert applied == [(False, torch.device("cpu"))]
 
 
 @pytest.mark.parametrize("kind", ["clm", "translation"])

@@ -31,6 +31,7 @@ from orchestrator.storage.layout import (
     spool_of,
 )
 from orchestrator.storage.locations import join, upload, write_json
+from orchestrator.storage.object_store import use_storage
 from orchestrator.tracking.write import open_tracker
 from orchestrator.training.checkpoint import read_checkpoint
 from orchestrator.training.scoring import (
@@ -99,6 +100,14 @@ def score_and_store(spec: ExperimentSpec, chosen: ChosenCheckpoint, split: str, 
     return dict(evaluation.metrics)
 
 
+def _score_on_a_node(spec: ExperimentSpec, chosen: ChosenCheckpoint, split: str, **kwargs: Any) -> dict[str, float]:
+    """`score_and_store` as the final evaluation's Ray task: on a joined cluster the task's process has only the
+    job's environment, so the spec's store becomes this process's first, as in each Train worker and trial driver
+    (an s3:// run with run.storage_endpoint otherwise read its checkpoint from, and wrote its scores to, AWS)."""
+    use_storage(spec.run.storage_endpoint, spec.run.storage_region)
+    return score_and_store(spec, chosen, split, **kwargs)
+
+
 def final_evaluation(spec: ExperimentSpec, result: Any, run_folder: str, *, cache_dir: str,
                      console: str | None = None) -> dict[str, float]:
     """The end of a run: the best checkpoint on the test split, exported, written to `<run_folder>/evaluation/`
@@ -124,7 +133,7 @@ def final_evaluation(spec: ExperimentSpec, result: Any, run_folder: str, *, cach
     if spec.run.gpus_per_worker:
         resources["num_gpus"] = min(1.0, spec.run.gpus_per_worker)
     # "DEFAULT" scheduling: outside a sweep trial's placement group, which reserves only its driver's CPU.
-    task = ray.remote(**resources)(score_and_store).options(scheduling_strategy="DEFAULT")
+    task = ray.remote(**resources)(_score_on_a_node).options(scheduling_strategy="DEFAULT")
     metrics = ray.get(task.remote(spec, chosen, "test", cache_dir=cache_dir,
                                   destination=join(run_folder, EVALUATION_DIR), export=True))
     print(f"[{console}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from orchestrator.spec import ExperimentSpec
 from orchestrator.training.checkpoint import TOKENIZER_FILE, read_checkpoint
 from orchestrator.training.export import ARCHITECTURES, export_model
+from orchestrator.training.trainer import set_tf32
 from tasks import TaskConfig, WorkerContext, build_task
 from tasks.data import lm_texts
 
@@ -76,6 +77,9 @@ def evaluate_checkpoint(directory: Path, split: str, *, cache_dir: Path, out_dir
         raise ValueError(f"the run's data has no {split} split (task.files.{split} is not set); "
                          "score another split with --split, or add the file to the spec")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # The run's matmul precision, as its validation had: a fresh process (the final evaluation's Ray task, the
+    # `evaluate` command) otherwise scores with PyTorch's full-fp32 matmuls, slower and other arithmetic.
+    set_tf32(spec.run, device)
     tokenizer = Path(directory) / TOKENIZER_FILE  # the run's own; older checkpoints rebuild it from the data
     task = build_task(task_cfg, spec.model, WorkerContext(seed=spec.optim.seed, device=device,
                                                           cache_dir=Path(cache_dir),
