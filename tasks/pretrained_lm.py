@@ -16,8 +16,12 @@ torch.exp2 of a loss in nats, 2^NLL, which is smaller than e^NLL: its numbers ar
 
 Speed. The same documents pass through the patched model and, with task.time_unpatched, through the unpatched
 one (every layer exact, in the same process, after the patched pass, weights shared): wall time of the forward
-passes and of the attention modules alone (forward hooks; CUDA synchronised around each). On CUDA the peak
-allocated memory of each pass is reported as well; on CPU none is (the allocator does not track it).
+passes and of the attention modules alone (forward hooks; CUDA synchronised around each). The first batch of
+each pass is scored but not timed: it pays the one-time costs (Triton compiles and autotuning, cuBLAS and SDPA
+set-up, the caching allocator's first blocks), which the patched pass, running first, would otherwise pay alone.
+A pass of one batch runs it again, timed, its loss counted once. On CUDA the peak allocated memory of each pass
+is reported as well (tasks/device_memory.py: GB of 1e9 bytes, without lowering the trainer's memory/peak_gb); on
+CPU none is (the allocator does not track it).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from models.dropin import patch_project_model
 from models.exported import CONFIG_FILE, TOKENIZER_FILE, load_model, read_export_config
 from models.hf_patching import attention_modules, mechanisms_detached, patch_hf_model
 from tasks.base import Batch, WorkerContext
+from tasks.device_memory import measured_peak
 from tasks.pretrained_config import PretrainedLMTaskConfig
 from tasks.long_range import read_bytes
 from tasks.tokenizer import EOS_ID
@@ -169,6 +174,7 @@ class _AttentionClock:
 
     def __init__(self, modules: list[nn.Module], device: torch.device):
         self.seconds, self.device, self._depth, self._start = 0.0, device, 0, 0.0
+        self.timing = True  # off for a warm-up batch
         self._handles = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),
                                                        m.register_forward_hook(self._leave))]
 
@@ -182,7 +188,8 @@ class _AttentionClock:
         self._depth -= 1
         if self._depth == 0:
             _synchronize(self.device)
-            self.seconds += time.perf_counter() - self._start
+            if self.timing:
+                self.seconds += time.perf_counter() - self._start
 
     def close(self) -> None:
         for handle in self._handles:
@@ -263,6 +270,7 @@ class PretrainedLMTask:
         metrics = {"val/loss": patched["loss"], "val/ppl": math.exp(min(patched["loss"], 50.0)),
                    "val/patched_layers": float(len(self.patched_layers)),
                    "val/forward_s": patched["forward_s"], "val/attention_s": patched["attention_s"],
+                   "val/timed_documents": patched["timed_documents"],
                    "val/documents": float(len(docs)), "val/tokens": float(docs.size)}
         if "peak_gb" in patched:
             metrics["val/peak_gb"] = patched["peak_gb"]
@@ -280,25 +288,30 @@ class PretrainedLMTask:
         return metrics
 
     def _score(self, model: PretrainedCausalLM, docs: np.ndarray, device: torch.device) -> dict[str, float]:
-        clock = _AttentionClock(model.attention_layers(), device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        total, count, forward_s = 0.0, 0, 0.0
-        try:
-            for start in range(0, len(docs), self.cfg.batch_size):
+        """Mean NLL over every document; seconds over the timed documents (all but the first batch's)."""
+        starts = list(range(0, len(docs), self.cfg.batch_size))
+        # The first batch is the warm-up (scored, not timed); a lone batch runs again for its time, not its loss.
+        runs = [(start, True) for start in starts] + ([(0, False)] if len(starts) == 1 else [])
+        total, count, forward_s, timed = 0.0, 0, 0.0, 0
+        with (contextlib.closing(_AttentionClock(model.attention_layers(), device)) as clock,
+              measured_peak(device) as peak):
+            for i, (start, scored) in enumerate(runs):
+                clock.timing = i > 0
                 tokens = torch.from_numpy(docs[start: start + self.cfg.batch_size]).to(device)
                 _synchronize(device)
                 began = time.perf_counter()
                 nll = self._nll_sum(model, tokens)
                 _synchronize(device)
-                forward_s += time.perf_counter() - began
-                total += float(nll)
-                count += tokens.numel() - tokens.shape[0]
-        finally:
-            clock.close()
-        out = {"loss": total / count, "forward_s": forward_s, "attention_s": clock.seconds}
-        if device.type == "cuda":
-            out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+                if clock.timing:
+                    forward_s += time.perf_counter() - began
+                    timed += tokens.shape[0]
+                if scored:
+                    total += float(nll)
+                    count += tokens.numel() - tokens.shape[0]
+        out = {"loss": total / count, "forward_s": forward_s, "attention_s": clock.seconds,
+               "timed_documents": float(timed)}
+        if peak.gb is not None:
+            out["peak_gb"] = peak.gb
         return out
 
     def artifacts(self) -> dict[str, Path]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import numpy as np
 import pytest
@@ -20,8 +21,10 @@ transformers = pytest.importorskip("transformers")
 from models import LanguageModel, ModelConfig
 from orchestrator.spec import ExperimentSpec
 from orchestrator.training.export import export_model
-from tasks import WorkerContext, build_task
+from tasks import WorkerContext, build_task, pretrained_lm
 from tasks.config import PretrainedLMTaskConfig
+from tasks.device_memory import measured_peak, peak_memory_gb
+from tests.test_device_memory import CUDA, fake_allocator
 
 WORDS = "the cat sat on a mat while dogs ran far away from home and birds sang in tall green trees".split()
 SEQ = 32
@@ -147,6 +150,66 @@ def test_a_byte_level_export_of_the_projects_own_lm_is_scored_and_patched(tmp_pa
     metrics = task.evaluate(model)
     assert metrics["val/ppl"] == pytest.approx(by_hand(model, task.documents(task.eval_stream, 5)), rel=1e-6)
     assert metrics["val/ppl_unpatched"] != pytest.approx(metrics["val/ppl"], rel=1e-6)
+
+
+# ---- what the speed and memory figures measure
+
+COMPILE_S = 1e6
+"""Virtual seconds of a stand-in for a GPU's one-time costs (a Triton compile and autotuning), added to the clock
+rather than slept: far above any real time of these tiny passes, so whether it was timed is never in doubt."""
+EXACT_EVERYWHERE = {"layers": "all", "attention": {"kind": "exact"}}
+
+
+@pytest.fixture
+def virtual_seconds(monkeypatch):
+    """time.perf_counter advanced by what is added to the returned list's one item."""
+    real, offset = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + offset[0])
+    return offset
+
+
+@pytest.mark.parametrize("documents, batch_size, timed", [(5, 1, 4), (5, 2, 3), (2, 2, 2), (1, 1, 1)],
+                         ids=["five-batches", "ragged-batches", "one-batch-of-two", "one-document"])
+def test_the_first_batch_of_each_pass_is_scored_but_not_timed(llama_folder, text_files, virtual_seconds,
+                                                               documents, batch_size, timed):
+    """The exact patch makes both passes the same computation, so only a one-time cost timed in the patched pass
+    (which runs first) would take its speed-up away from 1."""
+    task = build(task_config(llama_folder, text_files, documents=documents, batch_size=batch_size,
+                             patch=EXACT_EVERYWHERE))
+    model = task.build_model()
+    calls = []
+
+    def compile_on_first_call(*_):
+        if not calls:
+            virtual_seconds[0] += COMPILE_S
+        calls.append(None)
+
+    model.attention_layers()[0].dropin_mechanism.register_forward_pre_hook(compile_on_first_call)
+    metrics = task.evaluate(model)
+    assert 0 < metrics["val/forward_s"] < COMPILE_S and 0 < metrics["val/attention_s"] < COMPILE_S
+    assert 0 < metrics["val/forward_s_unpatched"] < COMPILE_S
+    assert 1e-2 < metrics["val/speedup"] < 1e2 and 1e-2 < metrics["val/attention_speedup"] < 1e2
+    assert len(calls) == max(-(-documents // batch_size), 2)  # a lone batch runs again
+    assert metrics["val/timed_documents"] == timed and metrics["val/documents"] == documents
+    # every document's loss counted once, the warm-up's included
+    assert metrics["val/ppl"] == pytest.approx(by_hand(model, task.documents(task.eval_stream, documents)), rel=1e-6)
+
+
+def test_measuring_each_pass_keeps_the_processs_peak_memory(llama_folder, text_files, monkeypatch):
+    """The scored passes' val/peak_gb are theirs alone, and the trainer's memory/peak_gb, read after an evaluation
+    of a fine-tuning run, still holds the training peak. The model stays on the CPU; the passes' peak scopes are
+    pointed at a fake CUDA counter, which a forward of the model raises by 1 GB and the patched mechanism by 2."""
+    fake = fake_allocator(monkeypatch)
+    monkeypatch.setattr(pretrained_lm, "measured_peak", lambda device: measured_peak(CUDA))
+    task = build(task_config(llama_folder, text_files, documents=2, patch=EXACT_EVERYWHERE))
+    model = task.build_model()
+    model.register_forward_pre_hook(lambda *_: fake.allocate(int(1e9)))
+    model.attention_layers()[0].dropin_mechanism.register_forward_pre_hook(lambda *_: fake.allocate(int(2e9)))
+    fake.allocate(int(8e9))  # the training steps before the evaluation
+    metrics = task.evaluate(model)
+    assert fake.resets == 2
+    assert metrics["val/peak_gb"] == pytest.approx(2.0) and metrics["val/peak_gb_unpatched"] == pytest.approx(1.0)
+    assert peak_memory_gb(CUDA) == pytest.approx(8.0)
 
 
 # ---- refusals before any cluster time

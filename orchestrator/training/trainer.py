@@ -19,7 +19,6 @@ import copy
 import math
 import queue
 import random
-import resource
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -48,6 +47,7 @@ from orchestrator.training.sharding import (
     shard_tensors,
 )
 from tasks import Batch, Task, WorkerContext, build_task
+from tasks.device_memory import peak_memory_gb
 
 
 def seed_everything(seed: int) -> None:
@@ -68,13 +68,6 @@ def set_tf32(run: RunSettings, device: torch.device) -> None:
         precision = "tf32" if run.tf32 else "ieee"
         torch.backends.cuda.matmul.fp32_precision = precision
         torch.backends.cudnn.conv.fp32_precision = precision
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    # On CPU: the process's peak resident set (ru_maxrss is in KiB on Linux).
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
 # --- when things happen ---------------------------------------------------------------------------------
