@@ -139,11 +139,14 @@ class AdaptiveInput(nn.Module):
         dtype = self.projections[0].weight.dtype
         out_BTD = torch.zeros(*tokens_BT.shape, self.d_model, device=tokens_BT.device, dtype=dtype)
         for lo, hi, table, proj in zip(self.bounds, self.bounds[1:], self.tables, self.projections):
-            in_band_BT = (tokens_BT >= lo) & (tokens_BT < hi)
-            if in_band_BT.any():
-                band_ND = proj(table(tokens_BT[in_band_BT] - lo))
-                # Under autocast (bf16 / fp16) the projection returns the low precision; the sum stays in the weights'.
-                out_BTD = out_BTD.index_put((in_band_BT,), band_ND.to(out_BTD.dtype))
+            # Every token through every band, kept where it belongs: gathering a band's own tokens reads their
+            # count back from the device (three waits a band at every step on a GPU, a graph break under
+            # torch.compile). The cost is each band's projection over the whole batch: d_model x (1 + 1/factor +
+            # ...) multiply-adds a token where it was d_model x its band's width, small beside one layer.
+            in_band_BT1 = ((tokens_BT >= lo) & (tokens_BT < hi)).unsqueeze(-1)
+            band_BTD = proj(table((tokens_BT - lo).clamp(0, hi - lo - 1)))
+            # Under autocast (bf16 / fp16) the projection returns the low precision; the sum stays in the weights'.
+            out_BTD = out_BTD + torch.where(in_band_BT1, band_BTD.to(dtype), 0.0)
         return out_BTD * self.scale
 
     def output_weight(self) -> torch.Tensor:

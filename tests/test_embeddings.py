@@ -124,6 +124,19 @@ def test_adaptive_input_shapes_parameter_count_and_tied_rows():
     torch.testing.assert_close(out[0] / emb.scale, weight[tokens[0]])  # the output layer scores the inputs
 
 
+def test_adaptive_input_reads_nothing_back_from_the_device():
+    """Each band's tokens are kept by a mask, not gathered: a gather reads the band's count back from the device
+    (three waits a band at every step on a GPU, a graph break under torch.compile). Fake tensors have no values, so
+    such a read raises here; the values are the previous test's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = ModelConfig(d_model=D, embedding={"kind": "adaptive", "cutoffs": [10, 25]}).embedding
+    with FakeTensorMode():
+        emb = AdaptiveInput(cfg, V, D)
+        emb(torch.randint(0, V, (2, 8))).sum().backward()
+    assert all(p.grad is not None for p in emb.parameters())
+
+
 def test_adaptive_input_language_model_runs_with_a_tied_head():
     model = LanguageModel(ModelConfig(d_model=D, layers=1, ffn=2 * D, max_seq_len=16,
                                       attention={"kind": "mha", "heads": 2},
