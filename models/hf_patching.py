@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -75,11 +76,52 @@ def register_dropin_attention() -> None:
     mask_interface.register(DROPIN_ATTENTION, sdpa_mask)
 
 
+class _PerTensor:
+    """A value kept per tensor object while it lives, under a key that must match: by identity, since a
+    WeakKeyDictionary compares colliding keys with ==, which is elementwise for tensors."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[weakref.ref, tuple, Any]] = {}
+
+    def get(self, t: torch.Tensor, key: tuple) -> tuple[bool, Any]:
+        entry = self._kept.get(id(t))
+        if entry is None or entry[0]() is not t or entry[1] != (_version(t), *key):
+            return False, None
+        return True, entry[2]
+
+    def keep(self, t: torch.Tensor, key: tuple, value: Any) -> None:
+        index = id(t)
+        self._kept[index] = (weakref.ref(t, lambda _, index=index: self._kept.pop(index, None)),
+                             (_version(t), *key), value)
+
+
+def _version(t: torch.Tensor) -> int:
+    """Changes when `t` is written in place (an inference tensor keeps no counter: 0)."""
+    return 0 if t.is_inference() else t._version
+
+
+_READ_MASKS = _PerTensor()
+"""A mask's per-key padding: transformers makes one mask a forward and hands that tensor to every layer, so the mask
+is checked and read back from the device once a forward, not once a patched layer (each read is a wait for the
+device: a 32-layer model made about 200 a generated token)."""
+_ROW_GROUPS = _PerTensor()
+"""The rows' groups of a padding tensor (the one `key_padding_from_mask` keeps), likewise."""
+
+
 def key_padding_from_mask(mask: torch.Tensor | None, causal: bool, T: int, S: int) -> torch.Tensor | None:
     """Per-key padding [B, S] (True = padding) of a 4-D mask [B, 1, T, S] (bool: True = may attend; float:
-    additive), after checking that the mask is exactly causal-plus-padding on every real query row."""
+    additive), after checking that the mask is exactly causal-plus-padding on every real query row. Read once
+    per mask tensor (`_READ_MASKS`)."""
     if mask is None:
         return None
+    found, padding = _READ_MASKS.get(mask, (causal, T, S))
+    if not found:
+        padding = _read_key_padding(mask, causal, T, S)
+        _READ_MASKS.keep(mask, (causal, T, S), padding)
+    return padding
+
+
+def _read_key_padding(mask: torch.Tensor, causal: bool, T: int, S: int) -> torch.Tensor | None:
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2:] != (T, S):
         raise ValueError(f"drop-in attention expects a [batch, 1, {T}, {S}] mask (got {tuple(mask.shape)}); "
                          "per-head masks are not supported")
@@ -88,7 +130,8 @@ def key_padding_from_mask(mask: torch.Tensor | None, causal: bool, T: int, S: in
     expected_BTS = ~padding_BS[:, None, :].expand(-1, T, S)
     if causal:
         expected_BTS = expected_BTS & torch.ones(T, S, dtype=torch.bool, device=mask.device).tril(S - T)
-    real_query_BT = ~padding_BS[:, S - T:] if S >= T else torch.ones(mask.shape[0], T, dtype=torch.bool)
+    real_query_BT = (~padding_BS[:, S - T:] if S >= T
+                     else torch.ones(mask.shape[0], T, dtype=torch.bool, device=mask.device))
     mismatch = (allowed_BTS != expected_BTS) & real_query_BT[:, :, None]
     if bool(mismatch.any()):
         raise ValueError("the model's attention mask is not causal attention over unpadded keys (a sliding window, "
@@ -149,22 +192,35 @@ def causal_rows_over_own_tokens(mechanism: nn.Module, q_BHTE: torch.Tensor, k_BH
         return _causal_rows(mechanism, q_BHTE, k_BHSE, v_BHSE)
     B, H, T, E = q_BHTE.shape
     S = k_BHSE.shape[2]
+    out_BHTE = q_BHTE.new_zeros(B, H, T, E)
+    for rows_G, keys_GN, queries_Gt in _row_groups(padding_BS, T, S):
+        pick = lambda x, idx: torch.gather(x[rows_G], 2, idx[:, None, :, None].expand(-1, H, -1, E))  # noqa: E731
+        out_GHtE = _causal_rows(mechanism, pick(q_BHTE, queries_Gt), pick(k_BHSE, keys_GN), pick(v_BHSE, keys_GN))
+        out_BHTE[rows_G] = out_BHTE[rows_G].scatter(2, queries_Gt[:, None, :, None].expand(-1, H, -1, E),
+                                                    out_GHtE.to(out_BHTE.dtype))
+    return out_BHTE
+
+
+def _row_groups(padding_BS: torch.Tensor, T: int, S: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The rows of each (real keys n, real queries t) group with t > 0, as (rows [G], their real keys' positions
+    [G, n], their real queries' positions among the last T [G, t]); made once per padding tensor (`_ROW_GROUPS`):
+    the counts are read back from the device."""
+    found, groups = _ROW_GROUPS.get(padding_BS, (T, S))
+    if found:
+        return groups
     n_keys_B = (~padding_BS).sum(-1)
     n_queries_B = (~padding_BS[:, S - T:]).sum(-1)
     real_first_BS = torch.argsort(padding_BS.to(torch.int8), dim=-1, stable=True)  # real positions, in order
-    out_BHTE = q_BHTE.new_zeros(B, H, T, E)
+    groups = []
     for n, t in sorted(set(zip(n_keys_B.tolist(), n_queries_B.tolist()))):
         if t == 0:
             continue
         rows_G = ((n_keys_B == n) & (n_queries_B == t)).nonzero().squeeze(1)
         keys_GN = real_first_BS[rows_G, :n]
         # The real queries are the row's last t real tokens: every position after a query is a query too.
-        queries_Gt = keys_GN[:, n - t:] - (S - T)
-        pick = lambda x, idx: torch.gather(x[rows_G], 2, idx[:, None, :, None].expand(-1, H, -1, E))  # noqa: E731
-        out_GHtE = _causal_rows(mechanism, pick(q_BHTE, queries_Gt), pick(k_BHSE, keys_GN), pick(v_BHSE, keys_GN))
-        out_BHTE[rows_G] = out_BHTE[rows_G].scatter(2, queries_Gt[:, None, :, None].expand(-1, H, -1, E),
-                                                    out_GHtE.to(out_BHTE.dtype))
-    return out_BHTE
+        groups.append((rows_G, keys_GN, keys_GN[:, n - t:] - (S - T)))
+    _ROW_GROUPS.keep(padding_BS, (T, S), groups)
+    return groups
 
 
 def _causal_rows(mechanism: nn.Module, q_BHTE: torch.Tensor, k_BHSE: torch.Tensor,

@@ -131,6 +131,44 @@ def test_left_padded_batched_generation_gives_each_prompt_its_own_tokens(kind):
     assert torch.equal(batched[1], greedy(model, long)[0])
 
 
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's values back to the host (each a wait for a GPU)."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_padded_step_reads_the_mask_back_once_whatever_the_patched_layers():
+    """transformers hands one mask tensor to every layer: its check and its rows' grouping, which read values back
+    from the device, run once a forward. A left-padded cached step of a model patched in every layer reads as much
+    with 4 layers as with 2 (it read about 6 times a layer)."""
+    def reads_of_a_step(layers: int) -> int:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **{**DECODER, "num_hidden_layers": layers}, num_key_value_heads=2)).eval()
+        patch_hf_model(model, PATCHES["lsh-fixed-buckets"])
+        short = torch.cat([torch.zeros(1, 4, dtype=torch.long), prompt(length=PROMPT - 4, seed=2)], 1)
+        ids = torch.cat([short, prompt(length=PROMPT, seed=3)])
+        mask = (torch.arange(PROMPT) >= torch.tensor([[4], [0]])).long()
+        with torch.no_grad():
+            cache = model(ids, attention_mask=mask, use_cache=True).cache
+            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            with HostReads() as reads:
+                model(torch.tensor([[5], [6]]), attention_mask=step_mask, cache=cache, use_cache=True)
+        return reads.count
+
+    two, four = reads_of_a_step(2), reads_of_a_step(4)
+    assert 0 < two == four, (two, four)
+
+
 @pytest.mark.parametrize("attention,limit", [(HYPER, 8), (LSH_DEFAULT, 5)], ids=["hyper", "lsh-default-buckets"])
 def test_a_stale_cache_is_refused_naming_the_fixes(attention, limit):
     """Below another layer, a mechanism whose earlier outputs move as tokens are appended would leave that layer's
