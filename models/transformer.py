@@ -245,22 +245,24 @@ class LanguageModel(_CountsMixin, nn.Module):
         self.head = OutputHead(cfg, vocab_size, self.embed.tokens)
 
     def forward(self, tokens_BT: torch.Tensor, key_padding_mask_BT: torch.Tensor | None = None,
-                scored_BT: torch.Tensor | None = None, memory: list[torch.Tensor] | None = None):
-        """Logits [B, T, V]; with `scored_BT` (bool, True = scored) only those positions' logits, [N, V] in
-        row-major order. Masked LM scores ~15% of positions, so the vocabulary projection and its softmax then
-        run on those alone (as fairseq's RoBERTa head does).
+                scored_N: torch.Tensor | None = None, memory: list[torch.Tensor] | None = None):
+        """Logits [B, T, V]; with `scored_N` (int64 positions in the row-major [B * T], as `scored_positions`
+        makes them) only those positions' logits, [N, V] in that order. Masked LM scores ~15% of positions, so the
+        vocabulary projection and its softmax then run on those alone (as fairseq's RoBERTa head does). Positions,
+        not a boolean mask: selecting by a mask reads its count back from the device (a wait in every step, and a
+        graph break under torch.compile), while the positions come with the batch from the host.
 
         With `memory` (model.memory; `empty_memory` for a row's first segment): (logits [B, T, V], the next
         segment's memory), the segment attending to the cached states of the previous ones. Through forward,
         not a method of its own, so that a DDP wrapper sees the call.
         """
         if memory is not None:
-            if key_padding_mask_BT is not None or scored_BT is not None:
+            if key_padding_mask_BT is not None or scored_N is not None:
                 raise ValueError("a segment with memory is scored whole, without padding mask or scored positions")
             h_BTD, new_memory = self.stack.forward_with_memory(self.embed(tokens_BT), memory)
             return self.head(h_BTD), new_memory
         h_BTD = self.stack(self.embed(tokens_BT), key_padding_mask_BT)
-        return self.head(h_BTD if scored_BT is None else h_BTD[scored_BT])
+        return self.head(h_BTD if scored_N is None else h_BTD.flatten(0, 1).index_select(0, scored_N))
 
 
     def empty_memory(self, batch_size: int, device: torch.device) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -54,6 +55,19 @@ class EvaluationFiles:
         if self._folder is None:
             return None
         return Path(self._folder.name) / name
+
+
+def scored_positions(targets_BT: np.ndarray, ignore: int) -> torch.Tensor:
+    """The positions of `targets_BT` that are scored (not `ignore`), int64 in the row-major [B * T]: what a model
+    takes to compute only those positions' logits (models/transformer.py LanguageModel.forward). Found on the host
+    with the batch, they go to the device with it; a boolean mask made on the device would have its count read
+    back at every step."""
+    return torch.from_numpy(np.flatnonzero(targets_BT.reshape(-1) != ignore))
+
+
+def scored_targets(targets_BT: torch.Tensor, scored_N: torch.Tensor) -> torch.Tensor:
+    """The targets at `scored_positions`, in their order: the labels of the model's [N, V] logits."""
+    return targets_BT.flatten().index_select(0, scored_N)
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models import LanguageModel, ModelConfig
-from tasks.base import Batch, WorkerContext
+from tasks.base import Batch, WorkerContext, scored_positions, scored_targets
 from tasks.config import CausalLMTaskConfig, MLMTaskConfig
 from tasks.data import epoch_permutation, prepare_lm, sharded_batches
 from tasks.recurrence import (
@@ -159,9 +159,8 @@ class _LanguageModelTask:
         targets_BT = t["targets"]
         if self.scores_targets_only:
             # The same sum as below without computing logits nobody scores (cross_entropy would ignore them).
-            scored_BT = targets_BT != IGNORE
-            logits_NV = model(t["tokens"], t.get("padding_mask"), scored_BT)
-            return F.cross_entropy(logits_NV.float(), targets_BT[scored_BT], reduction="sum")
+            logits_NV = model(t["tokens"], t.get("padding_mask"), t["scored"])
+            return F.cross_entropy(logits_NV.float(), scored_targets(targets_BT, t["scored"]), reduction="sum")
         logits_BTV = model(t["tokens"], t.get("padding_mask"))
         return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(), ignore_index=IGNORE,
                                reduction="sum")
@@ -212,7 +211,8 @@ class MaskedLMTask(_LanguageModelTask):
 
     def _make_batch(self, tokens_BL: np.ndarray, lengths_B: np.ndarray, rng: np.random.Generator) -> Batch:
         inputs_BT, targets_BT = apply_bert_masking(tokens_BL, lengths_B, self.mask_prob, self.vocab_size, rng)
-        tensors = {"tokens": torch.from_numpy(inputs_BT), "targets": torch.from_numpy(targets_BT)}
+        tensors = {"tokens": torch.from_numpy(inputs_BT), "targets": torch.from_numpy(targets_BT),
+                   "scored": scored_positions(targets_BT, IGNORE)}
         mask_BT = _padding_mask(lengths_B, tokens_BL.shape[1])
         if mask_BT is not None:
             tensors["padding_mask"] = mask_BT

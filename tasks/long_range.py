@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from models import LanguageModel, ModelConfig
 from models.classifier import SequenceClassifier
 from tasks import listops, mqar
-from tasks.base import Batch, WorkerContext
+from tasks.base import Batch, WorkerContext, scored_positions, scored_targets
 from tasks.cache import atomic_write, cache_key, locked
 from tasks.classify import pad_batch
 from tasks.config import ByteLMTaskConfig, ListOpsTaskConfig, MQARTaskConfig
@@ -203,13 +203,12 @@ class MQARTask(_ExampleTask):
         data = self.examples[split]
         targets_BT = mqar.targets(data["positions"][rows], data["answers"][rows], self.cfg.seq_len)
         tensors = {"tokens": torch.from_numpy(data["inputs"][rows].astype(np.int64)),
-                   "targets": torch.from_numpy(targets_BT)}
+                   "targets": torch.from_numpy(targets_BT), "scored": scored_positions(targets_BT, mqar.IGNORE)}
         return Batch(tensors, len(rows) * self.cfg.num_kv_pairs)
 
     def _scored(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        targets_BT = batch.tensors["targets"]
-        scored_BT = targets_BT != mqar.IGNORE
-        return model(batch.tensors["tokens"], None, scored_BT), targets_BT[scored_BT]
+        t = batch.tensors
+        return model(t["tokens"], None, t["scored"]), scored_targets(t["targets"], t["scored"])
 
 
 def read_bytes(path: str, field: str) -> np.ndarray:

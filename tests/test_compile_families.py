@@ -9,8 +9,8 @@ Families: `mha` (the exact mechanism; sha, mqa, gqa, skv and el_att differ from 
 `mhe` (head embeddings), and the approximate mechanisms `linformer`, `lsh` and `hyper`; `lsh` and `hyper` causal too
 (their causal layers have paths of their own: past-only layouts, the recursion's levels). Each model is one layer,
 d_model 32, 4 heads, its kind's `tiny_knobs`, on 2 x 32 tokens with about 30% of them scored, as masked LM
-scores them: `LanguageModel.forward`'s `h_BTD[scored_BT]` is the break every kind has (aten.nonzero), as in the
-benchmark. The first inductor compile of a process also warms inductor's caches: about 2-3 minutes for the file
+scores them: the scored positions come with the batch (tasks/base.py `scored_positions`), so selecting them is
+no graph break, where a boolean mask's count (aten.nonzero) was one in every kind. The first inductor compile of a process also warms inductor's caches: about 2-3 minutes for the file
 on a cold 2-core machine, well under a minute with inductor's on-disk cache warm.
 """
 
@@ -32,11 +32,12 @@ from models.attention import ATTENTION
 FAMILIES = ("mha", "mhe", "linformer", "lsh", "hyper")
 KERNEL_MODULES = sorted(path.stem for path in (Path(__file__).resolve().parents[1] / "kernels").glob("k_*.py"))
 CAUSAL = ("lsh", "hyper")
-CAUSAL_BREAKS = 1
-"""The masked LM's `aten.nonzero`, which every kind has. The causal layers read no value back from the device under
-torch.compile (causal LSH's PyTorch path takes its layout's bound there instead of reading the layout's length, a
-graph break inside the model's loop over its layers, where dynamo ran the whole frame eagerly), and no setting they
-read at each call is a ContextVar (test_call_settings_are_read_inside_a_graph)."""
+CAUSAL_BREAKS = 0
+"""None: the masked LM's scored positions come with the batch (a boolean mask's `aten.nonzero` was a break in
+every kind until 2026-11-30), the causal layers read no value back from the device under torch.compile (causal
+LSH's PyTorch path takes its layout's bound there instead of reading the layout's length, a graph break inside the
+model's loop over its layers, where dynamo ran the whole frame eagerly), and no setting they read at each call is a
+ContextVar (test_call_settings_are_read_inside_a_graph)."""
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"
 COMPILE_SECTION = "## torch.compile per attention kind"
 LOSS_RTOL = 1e-5
@@ -74,10 +75,10 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def masked_lm_loss(model: LanguageModel, tokens_BT: torch.Tensor, scored_BT: torch.Tensor) -> torch.Tensor:
+def masked_lm_loss(model: LanguageModel, tokens_BT: torch.Tensor, scored_N: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the scored positions; the same seed before each call, so both sides draw alike."""
     torch.manual_seed(5)
-    loss = F.cross_entropy(model(tokens_BT, None, scored_BT), tokens_BT[scored_BT])
+    loss = F.cross_entropy(model(tokens_BT, None, scored_N), tokens_BT.flatten()[scored_N])
     loss.backward()
     return loss.detach()
 
@@ -91,8 +92,7 @@ def masked_lm_loss(model: LanguageModel, tokens_BT: torch.Tensor, scored_BT: tor
 def test_compiled_model_matches_eager(kind, causal, backend, fresh_dynamo):
     """`aot_eager` (fast tier): dynamo captures the model with at most RESULTS.md's graph breaks and AOTAutograd's
     joint graph gives eager's loss and gradients; `inductor` (slow tier): the same through inductor's kernels.
-    Causal (`aot_eager`: dynamo's capture is what the causal paths add): no break beyond the masked LM's own
-    (CAUSAL_BREAKS)."""
+    Causal (`aot_eager`: dynamo's capture is what the causal paths add): no break (CAUSAL_BREAKS)."""
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=32, layers=1, ffn=64, dropout=0.0, max_seq_len=32,
                       attention={"kind": kind, "heads": 4, **ATTENTION.configs[kind].tiny_knobs})
@@ -101,10 +101,10 @@ def test_compiled_model_matches_eager(kind, causal, backend, fresh_dynamo):
     compiled.compile(backend=backend)  # inductor as run.compile does (orchestrator/training/trainer.py)
     generator = torch.Generator().manual_seed(1)
     tokens_BT = torch.randint(0, 64, (2, 32), generator=generator)
-    scored_BT = torch.rand(2, 32, generator=generator) < 0.3
+    scored_N = (torch.rand(2 * 32, generator=generator) < 0.3).nonzero().squeeze(1)
 
-    loss_eager = masked_lm_loss(eager, tokens_BT, scored_BT)
-    loss_compiled = masked_lm_loss(compiled, tokens_BT, scored_BT)
+    loss_eager = masked_lm_loss(eager, tokens_BT, scored_N)
+    loss_compiled = masked_lm_loss(compiled, tokens_BT, scored_N)
 
     counters = fresh_dynamo
     assert counters["stats"]["unique_graphs"] >= 1, "dynamo captured no graph: the model ran eagerly"

@@ -166,5 +166,21 @@ def test_masked_loss_projects_only_the_masked_positions(tmp_path):
     for g, e in zip(got_grads, expected_grads):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
     assert batch.n_tokens == int(scored.sum())
-    logits_NV = model(t["tokens"], t["padding_mask"], scored)
+    logits_NV = model(t["tokens"], t["padding_mask"], t["scored"])
     torch.testing.assert_close(logits_NV, model(t["tokens"], t["padding_mask"])[scored])
+
+
+def test_a_masked_lm_step_reads_nothing_back_from_the_device(tmp_path):
+    """The scored positions come with the batch from the host (tasks/base.py scored_positions): a step selects
+    them without reading a count back from the device, a wait in every micro-batch on a GPU and a graph break
+    under torch.compile. Fake tensors have no values, so any such read raises here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    task = _task("mlm", tmp_path)
+    batch, _ = next(task.train_batches())
+    torch.manual_seed(0)
+    with FakeTensorMode() as mode:
+        model = task.build_model()
+        fake = type(batch)({k: mode.from_tensor(v) for k, v in batch.tensors.items()}, batch.n_tokens)
+        task.loss(model, fake).backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -192,12 +192,14 @@ def test_mqar_accuracy_counts_answer_positions_only(tmp_path):
             super().__init__()
             self.wrong, self.w = wrong, torch.nn.Parameter(torch.zeros(1))
 
-        def forward(self, tokens_BT, padding_mask=None, scored_BT=None):
+        def forward(self, tokens_BT, padding_mask=None, scored_N=None):
             out = []
-            for row_tokens, row_scored in zip(tokens_BT, scored_BT):
+            T = tokens_BT.shape[1]
+            for row, row_tokens in enumerate(tokens_BT):
                 i = lookup[tuple(row_tokens.tolist())]
                 answers = mqar.targets(data["positions"][i:i + 1], data["answers"][i:i + 1], cfg.seq_len)[0]
-                wanted = answers[row_scored.numpy()]
+                in_row = scored_N[(scored_N >= row * T) & (scored_N < (row + 1) * T)] - row * T
+                wanted = answers[in_row.numpy()]
                 if self.wrong:
                     wanted[0] = cfg.vocab_size - 1 - (wanted[0] - cfg.vocab_size // 2)  # another value
                 out.append(F.one_hot(torch.as_tensor(wanted), cfg.vocab_size).float() * 20)

@@ -126,8 +126,8 @@ def _ours_logits(model: nn.Module, inputs_BT: torch.Tensor, labels_BT: torch.Ten
 
 
 def _ours_masked_logits(model: nn.Module, inputs_BT: torch.Tensor, labels_BT: torch.Tensor):
-    scored_BT = labels_BT != IGNORE
-    return model(inputs_BT, None, scored_BT), labels_BT[scored_BT]
+    scored_N = (labels_BT.flatten() != IGNORE).nonzero().squeeze(1)  # tasks/base.py scored_positions, on a tensor
+    return model(inputs_BT, None, scored_N), labels_BT.flatten()[scored_N]
 
 
 def _bert_logits(model: nn.Module, inputs_BT: torch.Tensor, labels_BT: torch.Tensor):
