@@ -18,7 +18,7 @@ level; both give the same tokens and scores up to floating-point rounding (tests
 
 A sentence whose search is done leaves the decoding batch (its rows of the prefixes, the cache, the encoder
 output and the source mask), as fairseq's generator drops finalised sentences, so a batch whose sentences end at
-different steps spends no decoder work on the finished ones; `active_A` maps the remaining rows back to input
+different steps spends no decoder work on the finished ones; `active` maps the remaining rows back to input
 order.
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -108,33 +109,45 @@ def _prefix_decoder(model: nn.Module, memory_NSD: torch.Tensor, src_padding_mask
     return cls(model, memory_NSD, src_padding_mask_NS)
 
 
-def _step_log_probs(logits_NV: torch.Tensor, specials: DecodeSpecials, force_eos_N: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities [N, V] of the next piece; forbidden ids get -inf, and only eos where force_eos."""
-    logp_NV = torch.log_softmax(logits_NV.float(), dim=-1)
-    logp_NV[:, list(specials.forbidden)] = -torch.inf
-    if force_eos_N.any():
-        eos_col_N = logp_NV[:, specials.eos].clone()
-        logp_NV[force_eos_N] = -torch.inf
-        # forcing keeps the model's own eos probability so finished scores stay true log-probabilities
-        logp_NV[force_eos_N, specials.eos] = eos_col_N[force_eos_N]
-    return logp_NV
+def _step_log_probs(logits_NV: torch.Tensor, eos: int, forbidden_F: torch.Tensor,
+                    force_eos_N: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities [N, V] of the next piece; forbidden ids get -inf, and only eos where force_eos. Nothing
+    is read back from the device: the forbidden ids are a device tensor, and forcing is a select on every row."""
+    logp_NV = torch.log_softmax(logits_NV.float(), dim=-1).index_fill_(1, forbidden_F, -torch.inf)
+    # forcing keeps the model's own eos probability so finished scores stay true log-probabilities
+    forced_NV = torch.full_like(logp_NV, -torch.inf)
+    forced_NV[:, eos] = logp_NV[:, eos]
+    return torch.where(force_eos_N[:, None], forced_NV, logp_NV)
+
+
+def _forbidden_ids(specials: DecodeSpecials, device: torch.device) -> torch.Tensor:
+    return torch.tensor(sorted(specials.forbidden), dtype=torch.long, device=device)
+
+
+def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without waiting for the device: pinned, then copied asynchronously (the pinned
+    block is not reused before the copy ends: PyTorch's host allocator records it)."""
+    host = torch.from_numpy(array)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 @torch.no_grad()
 def greedy_decode(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: torch.Tensor | None,
-                  max_len_B: torch.Tensor, specials: DecodeSpecials, *, incremental: bool | None = None) -> list[list[int]]:
+                  max_len_B: torch.Tensor, specials: DecodeSpecials, *,
+                  incremental: bool | None = None) -> list[list[int]]:
     """Argmax piece by piece until eos or the length limit; returns pieces without bos/eos."""
     B = src_BS.shape[0]
     memory_BSD = model.encode(src_BS, src_padding_mask_BS)
     decoder = _prefix_decoder(model, memory_BSD, src_padding_mask_BS, incremental)
     tokens_BT = torch.full((B, 1), specials.bos, dtype=torch.long, device=src_BS.device)
     finished_B = torch.zeros(B, dtype=torch.bool, device=src_BS.device)
+    forbidden_F = _forbidden_ids(specials, src_BS.device)
     for t in range(int(max_len_B.max())):
-        logp_BV = _step_log_probs(decoder.next_logits(tokens_BT), specials, t + 1 >= max_len_B)
+        logp_BV = _step_log_probs(decoder.next_logits(tokens_BT), specials.eos, forbidden_F, t + 1 >= max_len_B)
         next_B = logp_BV.argmax(-1).masked_fill(finished_B, specials.eos)
         tokens_BT = torch.cat([tokens_BT, next_B[:, None]], dim=1)
         finished_B |= next_B == specials.eos
-        if finished_B.all():
+        if finished_B.all():  # the step's one read from the device
             break
     out = []
     for row in tokens_BT[:, 1:].tolist():
@@ -153,64 +166,79 @@ def beam_search(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: tor
     `drop_finished`: a sentence whose search is done leaves the decoding batch, so the decoder and output layer
     run on unfinished sentences only; False keeps every sentence to the end (same hypotheses and scores, kept
     as the reference the tests compare against).
+
+    The device computes each step's candidates; the host keeps the book (finished hypotheses, which sentences
+    are done, a copy of the prefixes) from one read of the step's small [A, 2K] candidate tables, where reading
+    each decision back as it was made waited for the device about 18 times a step.
     """
     B, K, device = src_BS.shape[0], beam_size, src_BS.device
     memory_NSD = model.encode(src_BS, src_padding_mask_BS).repeat_interleave(K, dim=0)  # N = B * K
     mask_NS = None if src_padding_mask_BS is None else src_padding_mask_BS.repeat_interleave(K, dim=0)
     decoder = _prefix_decoder(model, memory_NSD, mask_NS, incremental)
-    # The decoding batch holds the A sentences active_A (input indices, ascending), K rows each; every per-
-    # sentence tensor below is indexed by position in active_A, `finished` by input index.
-    active_A = torch.arange(B, device=device)
+    forbidden_F = _forbidden_ids(specials, device)
+    # The decoding batch holds the A sentences `active` (input indices, ascending), K rows each; every per-
+    # sentence array below is indexed by position in `active`, `finished` by input index.
+    active = list(range(B))
     max_len_A = max_len_B
+    limit_A = max_len_B.cpu().numpy()
     tokens_NT = torch.full((B * K, 1), specials.bos, dtype=torch.long, device=device)
+    prefixes_NT = np.full((B * K, 1), specials.bos, dtype=np.int64)  # the host's copy of tokens_NT
     scores_AK = torch.full((B, K), -torch.inf, device=device)
     scores_AK[:, 0] = 0.0  # all beams start identical: keep one alive so the first step has K distinct picks
+    first_scores_A = np.zeros(B)  # the host's copy of scores_AK[:, 0]
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-    done_A = torch.zeros(B, dtype=torch.bool, device=device)
-    rank_2K = torch.arange(2 * K, device=device)
-    beam_K = torch.arange(K, device=device)
+    done_A = np.zeros(B, dtype=bool)
 
-    for t in range(int(max_len_B.max())):
-        A, active = active_A.shape[0], active_A.tolist()
-        logp_NV = _step_log_probs(decoder.next_logits(tokens_NT), specials, (t + 1 >= max_len_A).repeat_interleave(K))
+    for t in range(int(limit_A.max())):
+        A = len(active)
+        logp_NV = _step_log_probs(decoder.next_logits(tokens_NT), specials.eos, forbidden_F,
+                                  (t + 1 >= max_len_A).repeat_interleave(K))
         V = logp_NV.shape[-1]
         cand_AKV = scores_AK[:, :, None] + logp_NV.view(A, K, V)
         top_scores_A2K, top_index_A2K = cand_AKV.view(A, K * V).topk(min(2 * K, K * V), dim=-1)
         origin_A2K, piece_A2K = top_index_A2K // V, top_index_A2K % V
-
-        is_eos_A2K = piece_A2K == specials.eos
-        ends_A2K = is_eos_A2K & (rank_2K[: is_eos_A2K.shape[1]] < K) & torch.isfinite(top_scores_A2K) & ~done_A[:, None]
-        for a, j in ends_A2K.nonzero().tolist():
-            if len(finished[active[a]]) < K:
-                raw = float(top_scores_A2K[a, j])
-                seq = tokens_NT[a * K + int(origin_A2K[a, j]), 1:].tolist()
-                finished[active[a]].append((raw / float(t + 1) ** length_penalty, seq))
-
         # the K best continuations that do not end: candidates are sorted, so mask eos and take the top K
-        live_scores_A2K = top_scores_A2K.masked_fill(is_eos_A2K, -torch.inf)
-        keep_scores_AK, keep_AK = live_scores_A2K.topk(K, dim=-1)
-        origin_AK = origin_A2K.gather(1, keep_AK)
-        piece_AK = piece_A2K.gather(1, keep_AK)
+        keep_scores_AK, keep_AK = top_scores_A2K.masked_fill(piece_A2K == specials.eos, -torch.inf).topk(K, dim=-1)
+        origin_AK, piece_AK = origin_A2K.gather(1, keep_AK), piece_A2K.gather(1, keep_AK)
+        # The step's one read: float64 holds the fp32 scores and the ids exactly.
+        tables = torch.cat([top_scores_A2K, origin_A2K, piece_A2K, keep_scores_AK, origin_AK, piece_AK], 1)
+        top_scores, origins, pieces, keep_scores, keep_origins, keep_pieces = np.split(
+            tables.double().cpu().numpy(), np.cumsum([top_scores_A2K.shape[1]] * 3 + [K] * 2), axis=1)
 
-        done_A |= torch.tensor([len(finished[b]) >= K for b in active], device=device)
-        done_A |= t + 1 >= max_len_A  # the limit forced eos on every live beam
-        for a in done_A.nonzero().flatten().tolist():
+        ends = ((pieces == specials.eos) & (np.arange(pieces.shape[1]) < K) & np.isfinite(top_scores)
+                & ~done_A[:, None])
+        for a, j in zip(*np.nonzero(ends)):
+            if len(finished[active[a]]) < K:
+                seq = prefixes_NT[a * K + int(origins[a, j]), 1:].tolist()
+                finished[active[a]].append((float(top_scores[a, j]) / float(t + 1) ** length_penalty, seq))
+
+        done_A |= np.array([len(finished[b]) >= K for b in active])
+        done_A |= t + 1 >= limit_A  # the limit forced eos on every live beam
+        for a in np.flatnonzero(done_A):
             if not finished[active[a]]:  # only if every beam died at once: fall back to the best live one
-                finished[active[a]].append((float(scores_AK[a, 0]), tokens_NT[a * K, 1:].tolist()))
-        if bool(done_A.all()):
+                finished[active[a]].append((float(first_scores_A[a]), prefixes_NT[a * K, 1:].tolist()))
+        if done_A.all():
             break
-        if drop_finished and bool(done_A.any()):
+        if drop_finished and done_A.any():
             # Leaving the batch only removes rows: each remaining row's computation is unchanged.
-            alive_A = (~done_A).nonzero().flatten()
-            rows_N = (alive_A[:, None] * K + beam_K).view(-1)
-            tokens_NT = tokens_NT[rows_N]
+            alive = np.flatnonzero(~done_A)
+            rows = (alive[:, None] * K + np.arange(K)).reshape(-1)
+            alive_A, rows_N = _on_device(alive, device), _on_device(rows, device)
+            tokens_NT, prefixes_NT = tokens_NT[rows_N], prefixes_NT[rows]
             decoder.select(rows_N)
-            active_A, max_len_A, done_A = active_A[alive_A], max_len_A[alive_A], done_A[alive_A]
-            keep_scores_AK, origin_AK, piece_AK = keep_scores_AK[alive_A], origin_AK[alive_A], piece_AK[alive_A]
-            A = alive_A.shape[0]
-        scores_AK = keep_scores_AK.masked_fill(done_A[:, None], -torch.inf)
+            active, limit_A, done_A = [active[a] for a in alive], limit_A[alive], done_A[alive]
+            max_len_A, keep_scores_AK = max_len_A[alive_A], keep_scores_AK[alive_A]
+            origin_AK, piece_AK = origin_AK[alive_A], piece_AK[alive_A]
+            keep_scores, keep_origins, keep_pieces = keep_scores[alive], keep_origins[alive], keep_pieces[alive]
+            A = len(alive)
+        scores_AK = keep_scores_AK
+        if done_A.any():  # kept in the batch (drop_finished=False): a done sentence's beams make no more candidates
+            scores_AK = scores_AK.masked_fill(_on_device(done_A, device)[:, None], -torch.inf)
+        first_scores_A = np.where(done_A, -np.inf, keep_scores[:, 0])
         rows_N = (torch.arange(A, device=device)[:, None] * K + origin_AK).view(-1)
         tokens_NT = torch.cat([tokens_NT[rows_N], piece_AK.view(-1, 1)], dim=1)
+        rows = (np.arange(A)[:, None] * K + keep_origins.astype(np.int64)).reshape(-1)
+        prefixes_NT = np.concatenate([prefixes_NT[rows], keep_pieces.astype(np.int64).reshape(-1, 1)], axis=1)
         decoder.reorder_beams(origin_AK)
 
     hypotheses, best_scores = [], []
