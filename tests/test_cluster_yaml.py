@@ -187,3 +187,21 @@ def test_every_node_command_is_shell_that_parses(name):
     for command in commands:
         checked = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
         assert checked.returncode == 0, (command, checked.stderr)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_documented_sweep_command_passes_the_multi_node_checks(name):
+    """The `orchestrator sweep` in a config's header, on the cluster it describes (the head and its workers, or
+    an autoscaler), is not refused for storage or tracking the other nodes cannot reach (run.shared_storage for
+    an NFS folder; the head's address, not loopback)."""
+    from orchestrator.launch.preflight import check_multi_node
+    from orchestrator.spec import load_study
+
+    header = "\n".join(line.lstrip("#") for line in (REPO / name).read_text().splitlines() if line.startswith("#"))
+    command = re.search(r"orchestrator sweep (\S+)((?:\s+\\?\s*[\w.]+=\S+)*)", header)
+    overrides = [item for item in command.group(2).split() if item != "\\"]
+    assert any(item.startswith("run.storage_path=") for item in overrides), overrides
+    study = load_study(REPO / command.group(1), overrides)
+    config = load(name)
+    workers = len(config["provider"].get("worker_ips", []))
+    check_multi_node(study.base, nodes=1 + workers, autoscaling=not workers)

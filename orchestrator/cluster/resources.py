@@ -6,6 +6,7 @@ workers) would never be asked for more. The autoscaler's limits come from Ray's 
 Train V2 checks a worker group against; written by autoscaler v2 and KubeRay) or, for the cluster launcher's
 v1 autoscaler, from the config its monitor process on the head reads (`ray start --autoscaling-config`;
 `ray up` writes ~/ray_bootstrap_config.yaml). `ray job submit` runs the launcher on the head, next to it.
+A Ray Train worker's bundle is placed on one node, so the view also keeps each kind of node (`node_kinds`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 import yaml
@@ -22,6 +23,10 @@ import yaml
 HEAD_RESOURCE = "node:__internal_head__"
 """Ray's resource of the head node (1.0 there, absent elsewhere): how trial drivers ask for the head."""
 _MONITOR_SCRIPT = "autoscaler/_private/monitor.py"
+WORKER_RESOURCES = ("CPU", "GPU")
+"""What a Train worker's bundle asks of its node (launch/run.py build_trainer)."""
+_SAME_MACHINE_PROVIDER = "fake_multinode"
+"""Ray's autoscaler provider whose nodes are raylets on the head's machine (the slow tier's autoscaling cluster)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,12 @@ class ClusterView:
     """Resources when the autoscaler has added every node it may (= resources without an autoscaler)."""
     autoscaling: bool = False
     """An autoscaler may add nodes."""
+    node_kinds: tuple[dict[str, float], ...] = ()
+    """CPUs and GPUs of each kind of node: those alive now and the node types the autoscaler may add (those whose
+    config declares their resources); () when not known."""
+    one_machine: bool = False
+    """Every node, alive or to be added, runs on one machine (Ray's test clusters; the fake_multinode autoscaler):
+    a loopback address there reaches the same server from every node."""
 
     def most(self, resource: str) -> float:
         return max(self.capacity.get(resource, 0.0), self.resources.get(resource, 0.0))
@@ -44,26 +55,68 @@ def view_cluster() -> ClusterView:
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     resources = dict(ray.cluster_resources())
     head = next((dict(n.get("Resources", {})) for n in nodes if HEAD_RESOURCE in n.get("Resources", {})), {})
-    limits = _autoscaler_limits(head)
-    if limits is None:
-        return ClusterView(nodes=len(nodes), resources=resources, capacity=dict(resources))
+    kinds = [_kind(n.get("Resources", {})) for n in nodes]
+    # Nodes of one machine share its IP (Ray's test clusters start every raylet with the machine's address).
+    one_machine = len({n.get("NodeManagerAddress") for n in nodes}) <= 1
+    scaler = _autoscaler(head)
+    if scaler is None:
+        return ClusterView(nodes=len(nodes), resources=resources, capacity=dict(resources),
+                           node_kinds=_distinct(kinds), one_machine=one_machine)
+    limits = scaler.limits
     capacity = {k: max(resources.get(k, 0.0), limits.get(k, 0.0)) for k in {*resources, *limits}}
-    return ClusterView(nodes=len(nodes), resources=resources, capacity=capacity, autoscaling=True)
+    return ClusterView(nodes=len(nodes), resources=resources, capacity=capacity, autoscaling=True,
+                       node_kinds=_distinct([*kinds, *scaler.node_kinds]),
+                       one_machine=one_machine and not scaler.other_machines)
 
 
-def _autoscaler_limits(head: Mapping[str, float]) -> dict[str, float] | None:
-    """Resources of the largest cluster the autoscaler may build; None without an autoscaler."""
+class Autoscaler(NamedTuple):
+    limits: dict[str, float]
+    """Resources of the largest cluster the autoscaler may build."""
+    node_kinds: list[dict[str, float]]
+    """CPUs and GPUs of each node type it may add."""
+    other_machines: bool
+    """Its nodes are other machines (a cloud's instances, KubeRay's pods), where loopback is not the head."""
+
+
+def _autoscaler(head: Mapping[str, float]) -> Autoscaler | None:
+    """What the cluster's autoscaler may add; None without an autoscaler."""
     # Ray Train V2's own source (worker_group.py) for the same check.
     from ray._private.state import state
 
     try:
         recorded = state.get_max_resources_from_cluster_config()
+        groups = list(state.get_cluster_config().node_group_configs) if recorded else []
     except Exception:  # noqa: BLE001 - an older GCS without the record: fall back to the monitor's config
         recorded = None
-    if recorded:
-        return {k: float(v) for k, v in recorded.items()}
+    if recorded:  # autoscaler v2 and KubeRay record it; a group of max_count -1 has no limit
+        kinds = [_kind(dict(group.resources)) for group in groups if group.max_count != 0]
+        return Autoscaler({k: float(v) for k, v in recorded.items()}, kinds, other_machines=True)
     config = _monitor_config(ray.get_runtime_context().gcs_address)
-    return None if config is None else max_resources(config, head)
+    limits = None if config is None else max_resources(config, head)
+    if limits is None:
+        return None
+    provider = (config.get("provider") or {}).get("type")
+    return Autoscaler(limits, node_types(config), other_machines=provider != _SAME_MACHINE_PROVIDER)
+
+
+def _kind(resources: Mapping[str, float]) -> dict[str, float]:
+    return {name: float(resources.get(name, 0.0)) for name in WORKER_RESOURCES}
+
+
+def _distinct(kinds: list[dict[str, float]]) -> tuple[dict[str, float], ...]:
+    return tuple({tuple(kind.items()): kind for kind in kinds}.values())
+
+
+def _addable_types(config: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The worker node types of an autoscaler config that it may add (max_workers > 0)."""
+    return {name: t for name, t in (config.get("available_node_types") or {}).items()
+            if name != config.get("head_node_type") and (t.get("max_workers") or 0) > 0}
+
+
+def node_types(config: Mapping[str, Any]) -> list[dict[str, float]]:
+    """CPUs and GPUs of each worker node type an autoscaler config may add; a type whose resources are left for
+    Ray to detect ({}) is not known here, as in `max_resources`."""
+    return [_kind(t["resources"]) for t in _addable_types(config).values() if t.get("resources")]
 
 
 def max_resources(config: Mapping[str, Any], head: Mapping[str, float]) -> dict[str, float] | None:
@@ -71,8 +124,7 @@ def max_resources(config: Mapping[str, Any], head: Mapping[str, float]) -> dict[
     from a cluster launcher / autoscaler config; None when no worker type may be added. A node type whose
     `resources` are left for Ray to detect ({}: a cloud instance type) adds nothing here, so a check against
     it errs towards what is up now."""
-    types = {name: t for name, t in (config.get("available_node_types") or {}).items()
-             if name != config.get("head_node_type") and (t.get("max_workers") or 0) > 0}
+    types = _addable_types(config)
     if not types:
         return None
     cap = config.get("max_workers")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import ipaddress
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from orchestrator.spec import ExperimentSpec, SpecError
 from orchestrator.storage.layout import cache_dir_of
@@ -196,11 +198,40 @@ def _is_local_tracking(uri: str) -> bool:
     return "://" not in uri and not uri.startswith("databricks")  # a bare path is a file store
 
 
-def check_multi_node(spec: ExperimentSpec, nodes: int, autoscaling: bool) -> None:
+def _loopback_host(url: str) -> str | None:
+    """The host of `url` when it names the machine that opens it (127.0.0.0/8, ::1, localhost, 0.0.0.0), else None;
+    names are not resolved: on the head its own host name may map to 127.0.1.1, on the other nodes to the head."""
+    try:
+        host = urlsplit(url).hostname  # lower case, without the brackets of [::1]
+    except ValueError:
+        return None
+    if not host:
+        return None
+    if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: always the loopback
+        return host
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    loopback = address.is_loopback or address.is_unspecified or (mapped is not None and mapped.is_loopback)
+    return host if loopback else None
+
+
+def _head_address(url: str) -> str:
+    """`url` with its host replaced by a placeholder for the head's address that the other nodes reach."""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return parts._replace(netloc=f"<head-ip>{port}").geturl()
+
+
+def check_multi_node(spec: ExperimentSpec, nodes: int, autoscaling: bool, *, one_machine: bool = False) -> None:
     """On a cluster of several nodes (or one an autoscaler may grow), storage and tracking must be one place
     that every node reaches: Ray Train workers on other nodes write checkpoints to run.storage_path, and rank 0
     logs to tracking.uri from whichever node it lands on. Called once the cluster is known (after connect),
-    before any trial starts; a single node, or a head that runs everything, keeps local paths."""
+    before any trial starts; a single node, or a head that runs everything, keeps local paths. A loopback
+    address answers this check on the head but is each node itself: refused unless every node is on one machine
+    (`one_machine`: Ray's test clusters)."""
     if nodes <= 1 and not autoscaling:
         return
     where = f"{nodes} nodes" + (" and an autoscaler that may add more" if autoscaling else "")
@@ -220,4 +251,21 @@ def check_multi_node(spec: ExperimentSpec, nodes: int, autoscaling: bool) -> Non
             f"tracking.uri={uri!r} is a file on each node, but the Ray cluster has {where}: rank 0 logs from "
             "whichever node it runs on, so runs would be split across machines. Run `mlflow server` on the head "
             "(cluster.yaml starts one on port 5000) and set tracking.uri=http://<head-ip>:5000"
+        )
+    if one_machine:
+        return
+    if (host := _loopback_host(uri)) is not None:
+        raise SpecError(
+            f"tracking.uri={uri!r} is a loopback address, but the Ray cluster has {where}: it answers on the head, "
+            f"where this check runs, but on every other node {host} is that node itself, so rank 0 there could not "
+            f"reach the tracking server (its metrics would only be spooled). Give the server's address that the worker "
+            f"nodes reach: set tracking.uri={_head_address(uri)} (the head's private IP)"
+        )
+    endpoint = spec.run.storage_endpoint
+    if endpoint is not None and (host := _loopback_host(endpoint)) is not None:
+        raise SpecError(
+            f"run.storage_endpoint={endpoint!r} is a loopback address, but the Ray cluster has {where}: it answers on "
+            f"the head, where this check runs, but on every other node {host} is that node itself, so the workers "
+            f"there could not restore or write checkpoints. Give the store's address that the worker nodes reach: set "
+            f"run.storage_endpoint={_head_address(endpoint)} (the head's private IP, or the store's own host)"
         )

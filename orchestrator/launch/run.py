@@ -39,7 +39,8 @@ from orchestrator.launch.preflight import (
 from orchestrator.launch.pretrained import CHECKPOINTS_TAG
 from orchestrator.launch.pretrained import preflight as check_init_from
 from orchestrator.launch.worker_config import WORKER_CONFIG, WorkerConfig
-from orchestrator.spec import ExperimentSpec, SpecError, check_gpus, spec_to_yaml
+from orchestrator.spec import ExperimentSpec, check_gpus, spec_to_yaml
+from orchestrator.spec.resources import check_cpus, check_worker_fits
 from orchestrator.storage.layout import (
     META_FILE,
     PRETRAIN_DIR,
@@ -88,19 +89,17 @@ def connect() -> None:
 
 
 def check_cluster(spec: ExperimentSpec) -> ClusterView:
-    """The connected cluster can run `spec`: its GPUs and CPUs, counting what the autoscaler may add (a run
-    that fits only after scale-up is let through: its worker group's request makes the autoscaler add the
-    nodes), and storage and tracking every node reaches when there are several."""
+    """The connected cluster can run `spec`, its pretraining stage too: their GPUs and CPUs, counting what the
+    autoscaler may add (a run that fits only after scale-up is let through: its worker group's request makes the
+    autoscaler add the nodes), each worker on one node, and storage and tracking every node reaches when there
+    are several."""
     cluster = view_cluster()
     where = "the connected Ray cluster" + (" at its autoscaler's largest" if cluster.autoscaling else "")
     check_gpus(spec, cluster.most("GPU"), where)
-    need_cpu = spec.run.workers * spec.run.cpus_per_worker
-    if need_cpu > cluster.most("CPU"):
-        raise SpecError(
-            f"run.workers={spec.run.workers} x run.cpus_per_worker={spec.run.cpus_per_worker:g} asks for "
-            f"{need_cpu:g} CPUs but {where} has {cluster.most('CPU'):g}; lower one of them"
-        )
-    check_multi_node(spec, cluster.nodes, cluster.autoscaling)
+    check_cpus(spec, cluster.most("CPU"), where)
+    check_worker_fits(spec, cluster.node_kinds, "the connected Ray cluster"
+                      + (" with the node types its autoscaler may add" if cluster.autoscaling else ""))
+    check_multi_node(spec, cluster.nodes, cluster.autoscaling, one_machine=cluster.one_machine)
     return cluster
 
 
