@@ -70,6 +70,10 @@ def test_max_concurrent_counts_what_the_autoscaler_may_add():
     cpu_spec = spec(run={"workers": 2})
     assert max_concurrent_trials(cpu_spec, ClusterView(nodes=1, resources={"CPU": 0.0}, capacity={"CPU": 3.0},
                                                        autoscaling=True)) == 1
+    # a pretrain: stage of 8 workers holds 8 GPUs while it trains: 56 / 8 trials at once, not 56 / 2
+    staged = spec(**CLASSIFY, run={"workers": 2, "gpus_per_worker": 1, "precision": "bf16"},
+                  pretrain={**PRETRAIN, "run": {"workers": 8}})
+    assert max_concurrent_trials(staged, grown) == 7
 
 
 def test_a_sweeps_trial_drivers_get_absolute_paths(tmp_path, monkeypatch):

@@ -48,6 +48,7 @@ from orchestrator.launch.sweep_summary import summarize_sweep
 from orchestrator.launch.worker_config import WorkerConfig
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
 from orchestrator.spec.loading import SEED_PATH
+from orchestrator.spec.resources import stage_runs
 from orchestrator.spec.search_space import resolve, to_param_space, validation_points
 from orchestrator.storage.layout import RunLayout, finished, mark_finished
 from orchestrator.storage.locations import is_remote, ray_storage
@@ -79,12 +80,15 @@ and start as others end (or as the autoscaler adds nodes for them). 0.001 of the
 
 def max_concurrent_trials(spec: ExperimentSpec, cluster: ClusterView) -> int:
     """Trials that fit at once when the autoscaler has added every node it may: GPUs / GPUs per trial; on
-    CPU, CPUs / (workers x cpus per worker). More would only wait for their worker groups."""
+    CPU, CPUs / (workers x cpus per worker). More would only wait for their worker groups. A trial with a
+    `pretrain:` stage holds the larger of its stages' (the stages run one after the other)."""
     if spec.tune.max_concurrent is not None:
         return spec.tune.max_concurrent
-    if spec.run.gpus_per_run > 0:
-        return max(1, int(cluster.most("GPU") // spec.run.gpus_per_run))
-    per_trial = spec.run.workers * spec.run.cpus_per_worker
+    runs = [run for _, run in stage_runs(spec)]
+    gpus = max(run.gpus_per_run for run in runs)
+    if gpus > 0:
+        return max(1, int(cluster.most("GPU") // gpus))
+    per_trial = max(run.workers * run.cpus_per_worker for run in runs)
     return max(1, int(cluster.most("CPU") // per_trial))
 
 
