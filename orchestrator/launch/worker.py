@@ -302,7 +302,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     stop_system_metrics = None
     if spec.tracking.system_metrics and hooks.run_id is not None:
         stop_system_metrics = start_system_metrics(spec.tracking.uri, hooks.run_id,
-                                                   spec.tracking.system_metrics_interval_s)
+                                                   spec.tracking.system_metrics_interval_s, ctx.device)
     if rank == 0 and state is not None:
         sys.stdout.write(f"[{cfg.label}] resumed from step {trainer.step} (MLflow run {hooks.run_id})\n")
     status = "FAILED"

@@ -299,7 +299,7 @@ class TrackingSettings(_Section):
     folder's spool and are sent when the store answers, at the latest by `orchestrator resume`."""
     system_metrics: bool = False
     """Log MLflow's system metrics (system/*: CPU, memory, disk, network, and GPU utilisation and memory where
-    NVIDIA's NVML is installed) from rank 0's node every `system_metrics_interval_s`."""
+    NVIDIA's NVML is installed: rank 0's own GPU, as gpu_0) from rank 0's node every `system_metrics_interval_s`."""
     system_metrics_interval_s: float = 10.0
 
     @field_validator("uri")
