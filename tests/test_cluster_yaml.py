@@ -36,6 +36,19 @@ def test_schema_check_is_real():
         validate_config(prepare_config(broken))
 
 
+def test_nodes_boot_the_current_deep_learning_ami_not_rays_default():
+    """Ray's `latest_dlami` (or no ImageId) is DLAMI v71 in Ray's own table: Ubuntu 18.04 with a CUDA 11.2 driver,
+    on which the CUDA 12 GPU image and torch's wheels see no GPU. Every node type boots AWS's current Deep Learning
+    Base AMI, looked up by EC2 at launch from AWS's public SSM parameter."""
+    from ray.autoscaler._private.aws import config as aws_config
+
+    assert "Ubuntu 18.04" in aws_config.DEFAULT_AMI_NAME  # what latest_dlami still means in this Ray
+    for name, node_type in load("cluster.yaml")["available_node_types"].items():
+        image = node_type["node_config"].get("ImageId", "")
+        assert image.startswith("resolve:ssm:/aws/service/deeplearning/ami/x86_64/"), (name, image)
+        assert "nvidia-driver-gpu-ubuntu-22.04/latest/ami-id" in image, (name, image)
+
+
 def test_image_is_the_pinned_ray_gpu_image():
     image = load("cluster.yaml")["docker"]["image"]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
