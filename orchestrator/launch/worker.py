@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.config import AdaptiveInputConfig
 from orchestrator.console.progress import quiet_exit_in_finalizers, verbose
 from orchestrator.launch.deliver import store_task_files
 from orchestrator.launch.pretrained import load as load_pretrained
@@ -69,25 +68,14 @@ def _gather(obj: Any, world_size: int) -> list[Any]:
     return out
 
 
-def has_unused_parameters(spec: ExperimentSpec) -> bool:
-    """Whether a step can leave trainable parameters without a gradient, which DDP must be told of.
-
-    An untied adaptive input (model.embedding.kind=adaptive, model.tie_output=false) looks up a band's table only
-    when the batch holds one of its tokens, so a batch without rare tokens leaves the rare bands' tables and
-    projections out of the graph. Tied, the output layer uses every band on every step. (Checked against a probe
-    of every embedding kind, tied and untied, in tests/test_scale_features.py.)
-    """
-    return isinstance(spec.model.embedding, AdaptiveInputConfig) and not spec.model.tie_output
-
-
 def prepare(model: nn.Module, spec: ExperimentSpec, device: torch.device, world_size: int) -> nn.Module:
-    """DDP through Ray's prepare_model, which searches the graph for unused parameters only where a config can have
-    them (the search costs a graph traversal every step); FSDP2 by the project itself (Ray's prepare_model would
-    wrap in FSDP1, which refuses CPUs): orchestrator/training/sharding.py."""
+    """DDP through Ray's prepare_model, without a search for unused parameters (a graph traversal every step):
+    every step gives every trainable parameter a gradient (tests/test_scale_features.py probes each embedding,
+    tied and untied); FSDP2 by the project itself (Ray's prepare_model would wrap in FSDP1, which refuses CPUs):
+    orchestrator/training/sharding.py."""
     if spec.run.strategy == "fsdp":
         return shard_model(model.to(device), device, spec.run.precision, world_size)
-    kwargs = {"find_unused_parameters": True} if has_unused_parameters(spec) else None
-    return ray.train.torch.prepare_model(model, parallel_strategy="ddp", parallel_strategy_kwargs=kwargs)
+    return ray.train.torch.prepare_model(model, parallel_strategy="ddp")
 
 
 class RayHooks:
