@@ -20,7 +20,7 @@ import yaml
 from benchmarks import harness
 from benchmarks.methods import attention_scaling, decoding, patched_decoding
 from benchmarks.studies import mqar_curve
-from benchmarks.system import corpus_scale, ray_overhead, ray_startup, throughput
+from benchmarks.system import corpus_scale, host_reads, ray_overhead, ray_startup, throughput
 from models.attention import ATTENTION_KINDS
 from orchestrator.spec import load_spec, validate_spec
 
@@ -302,3 +302,21 @@ def test_test_tier_units_sums_each_xdist_group_and_reads_the_wall_time():
     assert units == {"@ray_cluster": 150.5, "tests/test_b.py::test_alone[x]": 12.25,
                      "tests/test_b.py::test_alone[y]": 0.01}
     assert wall == 99.5
+
+
+def test_host_reads_counts_what_brings_values_to_the_host_and_nothing_else():
+    """What benchmarks/system/host_reads.py counts: a value, a list, a truth value, a boolean-mask gather or write
+    (the mask's count is read first), a copy to the host; not an index of integers, nor arithmetic."""
+    t, mask, index = torch.arange(6.0), torch.arange(6) % 2 == 0, torch.tensor([0, 2])
+    with host_reads.HostReads() as reads:
+        _ = t[index] * 2 + t.sum()
+        t.index_select(0, index)
+    assert reads.count == 0
+    with host_reads.HostReads() as reads:
+        t.sum().item()
+        t.tolist()
+        bool(mask.any())
+        _ = t[mask]
+        t[mask] = 0.0
+        t.cpu()
+    assert reads.count == 6 and reads.calls["bool-index"] == 2
