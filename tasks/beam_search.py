@@ -201,9 +201,10 @@ def beam_search(model: nn.Module, src_BS: torch.Tensor, src_padding_mask_BS: tor
         keep_scores_AK, keep_AK = top_scores_A2K.masked_fill(piece_A2K == specials.eos, -torch.inf).topk(K, dim=-1)
         origin_AK, piece_AK = origin_A2K.gather(1, keep_AK), piece_A2K.gather(1, keep_AK)
         # The step's one read: float64 holds the fp32 scores and the ids exactly.
-        tables = torch.cat([top_scores_A2K, origin_A2K, piece_A2K, keep_scores_AK, origin_AK, piece_AK], 1)
+        tables = torch.cat([part.double() for part in (top_scores_A2K, origin_A2K, piece_A2K, keep_scores_AK,
+                                                        origin_AK, piece_AK)], 1)
         top_scores, origins, pieces, keep_scores, keep_origins, keep_pieces = np.split(
-            tables.double().cpu().numpy(), np.cumsum([top_scores_A2K.shape[1]] * 3 + [K] * 2), axis=1)
+            tables.cpu().numpy(), np.cumsum([top_scores_A2K.shape[1]] * 3 + [K] * 2), axis=1)
 
         ends = ((pieces == specials.eos) & (np.arange(pieces.shape[1]) < K) & np.isfinite(top_scores)
                 & ~done_A[:, None])
