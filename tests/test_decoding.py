@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from benchmarks.system.host_reads import HostReads
 from models import ModelConfig, Seq2SeqTransformer
 from models.kv_cache import DecoderCache
 from tasks.beam_search import DecodeSpecials, beam_search, greedy_decode, incremental_unsupported_reasons, max_lengths
@@ -237,21 +238,6 @@ def test_approximate_mechanisms_fall_back_to_full_recompute(caplog):
         model.start_decoding(model.encode(src_BS, mask_BS), mask_BS)
 
 
-class _HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the calls that bring a tensor's values to the host (on a GPU, each waits for the device)."""
-
-    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
-             torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.READS
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("drop_finished", [True, False])
 def test_a_decoding_step_reads_the_device_once(drop_finished):
     """The device computes each step's candidates and the host keeps the book from one read of the step's small
@@ -260,11 +246,11 @@ def test_a_decoding_step_reads_the_device_once(drop_finished):
     model = _model(CACHED_KINDS["mha"])
     src_BS, mask_BS, lengths_B = _sources()
     limit_B = max_lengths(lengths_B, 1.5, 4, cap=23)
-    with _HostReads() as reads:
+    with HostReads() as reads:
         hypotheses, _ = beam_search(model, src_BS, mask_BS, limit_B, SPECIALS, beam_size=3, length_penalty=1.0,
                                     drop_finished=drop_finished)
     steps = max(len(h) for h in hypotheses) + 1  # the longest hypothesis and its eos
     assert steps <= reads.count <= int(limit_B.max()) + 1
-    with _HostReads() as reads:
+    with HostReads() as reads:
         greedy_decode(model, src_BS, mask_BS, limit_B, SPECIALS)
     assert reads.count <= int(limit_B.max()) + 2

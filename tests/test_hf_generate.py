@@ -18,6 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from benchmarks.system.host_reads import HostReads
 from models.attention.exact import ExactMechanism
 from models.attention.hyper import HyperMechanism, HyperMechanismConfig
 from models.attention.lsh import LSHMechanismConfig
@@ -129,21 +130,6 @@ def test_left_padded_batched_generation_gives_each_prompt_its_own_tokens(kind):
     batched = greedy(model, ids, attention_mask=mask)
     assert torch.equal(batched[0], greedy(model, short)[0])
     assert torch.equal(batched[1], greedy(model, long)[0])
-
-
-class HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the calls that read a tensor's values back to the host (each a wait for a GPU)."""
-
-    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
-             torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.READS
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_padded_step_reads_the_mask_back_once_whatever_the_patched_layers():
