@@ -6,8 +6,9 @@ compiled, from the same initial weights and batches. The compiled side's first s
 (`compile_s`: their time above the eager steps'); then both sides are timed in alternation
 (`harness.interleaved_medians`, so load from other processes hits both alike). A kind that cannot compile
 keeps its error in `status`; `graph_breaks` counts where dynamo fell back to eager Python (data-dependent
-shapes, `.item()`-style host reads: none in any kind since the masked LM's scored positions come with the batch). Each kind runs with the knobs its
-config declares for the small benchmarks (`bench_knobs`, e.g. linformer k 32, lsh buckets of 16).
+shapes, `.item()`-style host reads: none in any kind since the masked LM's scored positions come with the
+batch). Each kind runs with the knobs its config declares for the small benchmarks (`bench_knobs`, e.g.
+linformer k 32, lsh buckets of 16).
 
     python -m benchmarks.system.compile_speed --out benchmarks/results
     python -m benchmarks.system.compile_speed --kinds mha linformer --steps 5    # a subset
