@@ -254,18 +254,14 @@ def check_multi_node(spec: ExperimentSpec, nodes: int, autoscaling: bool, *, one
         )
     if one_machine:
         return
-    if (host := _loopback_host(uri)) is not None:
-        raise SpecError(
-            f"tracking.uri={uri!r} is a loopback address, but the Ray cluster has {where}: it answers on the head, "
-            f"where this check runs, but on every other node {host} is that node itself, so rank 0 there could not "
-            f"reach the tracking server (its metrics would only be spooled). Give the server's address that the worker "
-            f"nodes reach: set tracking.uri={_head_address(uri)} (the head's private IP)"
-        )
-    endpoint = spec.run.storage_endpoint
-    if endpoint is not None and (host := _loopback_host(endpoint)) is not None:
-        raise SpecError(
-            f"run.storage_endpoint={endpoint!r} is a loopback address, but the Ray cluster has {where}: it answers on "
-            f"the head, where this check runs, but on every other node {host} is that node itself, so the workers "
-            f"there could not restore or write checkpoints. Give the store's address that the worker nodes reach: set "
-            f"run.storage_endpoint={_head_address(endpoint)} (the head's private IP, or the store's own host)"
-        )
+    addresses = [("tracking.uri", uri, "rank 0 there could not reach the tracking server (its metrics would only be "
+                  "spooled)", "server's", "the head's private IP"),
+                 ("run.storage_endpoint", spec.run.storage_endpoint, "the workers there could not restore or write "
+                  "checkpoints", "store's", "the head's private IP, or the store's own host")]
+    for field, url, consequence, whose, hint in addresses:
+        if url is not None and (host := _loopback_host(url)) is not None:
+            raise SpecError(
+                f"{field}={url!r} is a loopback address, but the Ray cluster has {where}: it answers on the head, "
+                f"where this check runs, but on every other node {host} is that node itself, so {consequence}. Give "
+                f"the {whose} address that the worker nodes reach: set {field}={_head_address(url)} ({hint})"
+            )

@@ -99,8 +99,9 @@ def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU,
     tokens = workload(spec).tokens
     memory = max(step.peak_bytes, rank0_evaluation_bytes(step, shards))
     step_s = step.flops * spec.optim.grad_accum / (gpu.bf16_dense_flops * mfu)
-    gpus = spec.run.workers * max(1.0, spec.run.gpus_per_worker)
-    hours = step_s * spec.optim.max_steps * gpus / 3600
+    # A worker holds one GPU (run.gpus_per_worker is at most 1); one packed onto a share of a GPU takes as much
+    # longer a step, so it costs the same GPU-hours.
+    hours = step_s * spec.optim.max_steps * spec.run.workers / 3600
     return TrialPlan(dict(values or {}), gpu, step, tokens, memory, step_s, hours, _fixes(spec, memory, gpu),
                      gpu_share(spec))
 

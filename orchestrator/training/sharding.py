@@ -3,10 +3,10 @@
 Sharding is models/fsdp.py's `apply_fsdp` (torchtitan's way: `fully_shard` on each transformer layer, then on the
 root; under run.precision=bf16, bf16 parameters and fp32 reductions with no autocast), which `plan`'s count of a
 sharded step uses too, here over an explicit 1-D device mesh of the process group Ray Train set up (gloo on CPU,
-NCCL on CUDA). Layers that share a parameter with the rest of the model
-(Linformer's layerwise projections), and the layers of a reversible stack or of a Transformer-XL memory stack
-(which call a layer's sub-blocks or `forward_with_memory`, not the layer itself, so the layer's all-gather hooks
-would not fire) stay in the root's group instead.
+NCCL on CUDA). Layers that share a parameter with the rest of the model (Linformer's layerwise projections), and
+the layers of a reversible stack or of a Transformer-XL memory stack (which call a layer's sub-blocks or
+`forward_with_memory`, not the layer itself, so the layer's all-gather hooks would not fire) stay in the root's
+group instead.
 
 A sharded checkpoint is written through torch.distributed.checkpoint (DCP): every rank writes its own shard of the
 model and optimizer tensors (`__<rank>_0.distcp`), rank 0 the index (`.metadata`); nothing is gathered onto one
