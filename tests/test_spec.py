@@ -150,6 +150,24 @@ def test_sweep_settings_cannot_be_searched():
         study_from_raw(base_raw(tune={"num_samples": {"grid": [1, 2]}}))
 
 
+def test_a_pretraining_stages_run_cannot_be_searched():
+    """The cluster check sees the base trial's stages only: a trial whose pretrain stage asked for 64 workers would
+    wait for them without end on a cluster that has 2 (orchestrator/spec/resources.py)."""
+    mlm = {"kind": "mlm", "seq_len": 16}
+
+    def two_stage(**pretrain) -> dict:
+        task = {"kind": "classify", "batch_size": 4, "vocab_size": 120, "max_len": 16}
+        return {**base_raw(pretrain=pretrain), "task": task}
+
+    study_from_raw(two_stage(task=mlm, run={"workers": 1}, optim={"lr": {"grid": [1e-3, 3e-3]}}))  # the rest can be
+    study_from_raw(two_stage(grid=[{"task": {**mlm, "seq_len": 8}}, {"task": mlm}]))
+    for stage in ({"task": mlm, "run": {"workers": {"grid": [1, 64]}}},
+                  {"task": mlm, "run": {"grid": [{"workers": 1}, {"workers": 64}]}},
+                  {"grid": [{"task": mlm}, {"task": mlm, "run": {"workers": 64}}]}):
+        with pytest.raises(SpecError, match="pretrain.run cannot be searched"):
+            study_from_raw(two_stage(**stage))
+
+
 def test_validate_prints_resolved_spec_and_trial_grid(tmp_path, capsys):
     raw = base_raw(model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "mhe", "heads": 2}]}},
                    optim={"lr": {"loguniform": [1e-4, 1e-3]}})

@@ -260,8 +260,8 @@ def study_from_raw(raw: Mapping[str, Any], *, progress: Callable[[str], None] | 
         domains = find_domains(raw)
     except SearchSpaceError as err:
         raise SpecError(f"spec: {err}") from err
-    for path in ("name", "tune", "run", "tracking"):
-        if any(d.path == path or d.path.startswith(path + ".") for d in domains):
+    for path in ("name", "tune", "run", "tracking", "pretrain.run"):
+        if any(d.path == path or d.path.startswith(path + ".") or _sets_run_of_stage(d, path) for d in domains):
             raise SpecError(
                 f"{path} cannot be searched: it configures the sweep itself; give it one value "
                 f"(search over task, model and optim fields)"
@@ -283,6 +283,14 @@ def study_from_raw(raw: Mapping[str, Any], *, progress: Callable[[str], None] | 
             progress(f"[{base.name}] validating: {done:,} of {len(plan):,} trial specs checked "
                      f"({last - started:.0f} s; Ctrl-C stops)")
     return Study(raw=raw, domains=domains, base=base)
+
+
+def _sets_run_of_stage(domain: Domain, path: str) -> bool:
+    """A domain over a whole `pretrain:` stage one of whose values sets its `run:`. A stage's run settings are
+    checked against the cluster once, before the sweep, as the spec's own are (orchestrator/launch/run.py
+    check_cluster), so no trial may choose its own."""
+    stage, _, field = path.rpartition(".")
+    return bool(stage) and domain.path == stage and any(isinstance(v, Mapping) and field in v for v in domain.values)
 
 
 def _refuse_too_many_trials(domains: Sequence[Domain], base: ExperimentSpec) -> None:
