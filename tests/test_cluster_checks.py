@@ -127,7 +127,8 @@ def launched(monkeypatch, cluster: ClusterView, **sections):
 def nodes_of(*kinds: dict[str, float], count: int = 4) -> ClusterView:
     """`count` nodes of each kind, up now."""
     total = {k: count * sum(kind.get(k, 0.0) for kind in kinds) for k in ("CPU", "GPU")}
-    return ClusterView(nodes=count * len(kinds), resources=total, capacity=dict(total), node_kinds=kinds)
+    return ClusterView(nodes=count * len(kinds), resources=total, capacity=dict(total), node_kinds=kinds,
+                       alive_nodes=kinds * count)
 
 
 def test_a_worker_must_fit_one_node_not_only_the_cluster(monkeypatch):
@@ -150,6 +151,35 @@ def test_a_workers_gpus_and_cpus_must_fit_the_same_node(monkeypatch):
             launched(monkeypatch, cluster, run={**SHARED, "gpus_per_worker": gpus, "cpus_per_worker": 8})
         launched(monkeypatch, cluster, run={**SHARED, "gpus_per_worker": gpus, "cpus_per_worker": 4})
     launched(monkeypatch, cluster, run={**SHARED, "cpus_per_worker": 64})  # no GPU: the CPU nodes take it
+
+
+def test_every_worker_must_be_placed_at_once_on_a_cluster_that_cannot_grow(monkeypatch):
+    """2 nodes of 3 CPUs: 3 workers of 2 CPUs fit the cluster's 6 and a node each, but a node holds one of them, so
+    Train's placement group would wait forever. The fixes named are the ones that place all 3."""
+    cluster = nodes_of({"CPU": 3.0}, count=2)
+    with pytest.raises(SpecError, match=r"run\.workers=3 workers of 2 CPUs each: only 2 can be placed at once on "
+                                        r"the nodes of the connected Ray cluster \(2 nodes of 0 GPUs and 3 CPUs; .*"
+                                        r"lower run\.workers to 2, or run\.cpus_per_worker to 1\.5, or add nodes"):
+        launched(monkeypatch, cluster, run={**SHARED, "workers": 3, "cpus_per_worker": 2})
+    launched(monkeypatch, cluster, run={**SHARED, "workers": 3, "cpus_per_worker": 1.5})
+    launched(monkeypatch, cluster, run={**SHARED, "workers": 2, "cpus_per_worker": 2})
+    grows = dataclasses.replace(cluster, autoscaling=True, capacity={"CPU": 12.0})  # the autoscaler adds the nodes it needs
+    launched(monkeypatch, grows, run={**SHARED, "workers": 3, "cpus_per_worker": 2})
+
+
+def test_gpu_workers_are_placed_by_their_scarcer_resource():
+    """Nodes of 2 GPUs and 8 CPUs: workers of a GPU and 4 CPUs fit 2 a node; with 5 CPUs, 1 (the CPUs run out)."""
+    from orchestrator.spec.resources import check_workers_placed
+
+    nodes = [{"GPU": 2.0, "CPU": 8.0}] * 2
+    check_workers_placed(spec(run={"workers": 4, "gpus_per_worker": 1, "cpus_per_worker": 4}), nodes, "here")
+    with pytest.raises(SpecError, match=r"run\.workers=4 workers of 5 CPUs and 1 GPUs each: only 2 can be placed at "
+                                        r"once on here .* lower run\.workers to 2, or run\.cpus_per_worker to 4, or"):
+        check_workers_placed(spec(run={"workers": 4, "gpus_per_worker": 1, "cpus_per_worker": 5}), nodes, "here")
+    with pytest.raises(SpecError, match=r"run\.workers=5 .* only 4 .* lower run\.workers to 4, or add nodes"):
+        check_workers_placed(spec(run={"workers": 5, "gpus_per_worker": 1, "cpus_per_worker": 1}), nodes, "here")
+    check_workers_placed(spec(run={"workers": 3, "cpus_per_worker": 2.66}), [{"CPU": 8.0}], "here")  # 3 x 2.66 <= 8
+    check_workers_placed(spec(run={"workers": 7, "cpus_per_worker": 0.1}), [{"CPU": 0.7}], "here")  # 0.7 / 0.1 < 7
 
 
 def test_a_worker_needs_a_node_with_its_gpus():
@@ -224,7 +254,9 @@ def test_the_pretraining_stage_is_checked_with_its_own_run_settings(monkeypatch)
     cases = [({"workers": 64}, r"pretrain\.run\.workers=64 x pretrain\.run\.gpus_per_worker=1 asks for 64 GPUs"),
              ({"workers": 32, "cpus_per_worker": 4}, r"pretrain\.run\.workers=32 x pretrain\.run\.cpus_per_worker=4 "
                                                      r"asks for 128 CPUs"),
-             ({"cpus_per_worker": 12}, r"pretrain\.run\.cpus_per_worker=12 asks for 12 CPUs on one node")]
+             ({"cpus_per_worker": 12}, r"pretrain\.run\.cpus_per_worker=12 asks for 12 CPUs on one node"),
+             ({"workers": 20, "cpus_per_worker": 3}, r"pretrain\.run\.workers=20 workers of 3 CPUs and 1 GPUs each: "
+                                                     r"only 16 can be placed")]
     for stage_run, message in cases:
         with pytest.raises(SpecError, match=message):
             launched(monkeypatch, cluster, **CLASSIFY, run={**SHARED, **base},

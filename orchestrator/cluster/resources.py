@@ -42,6 +42,8 @@ class ClusterView:
     node_kinds: tuple[dict[str, float], ...] = ()
     """CPUs and GPUs of each kind of node: those alive now and the node types the autoscaler may add (those whose
     config declares their resources); () when not known."""
+    alive_nodes: tuple[dict[str, float], ...] = ()
+    """CPUs and GPUs of each node alive now, one entry per node; () when not known."""
     one_machine: bool = False
     """Every node, alive or to be added, runs on one machine (Ray's test clusters; the fake_multinode autoscaler):
     a loopback address there reaches the same server from every node."""
@@ -61,11 +63,11 @@ def view_cluster() -> ClusterView:
     scaler = _autoscaler(head)
     if scaler is None:
         return ClusterView(nodes=len(nodes), resources=resources, capacity=dict(resources),
-                           node_kinds=_distinct(kinds), one_machine=one_machine)
+                           node_kinds=_distinct(kinds), alive_nodes=tuple(kinds), one_machine=one_machine)
     limits = scaler.limits
     capacity = {k: max(resources.get(k, 0.0), limits.get(k, 0.0)) for k in {*resources, *limits}}
     return ClusterView(nodes=len(nodes), resources=resources, capacity=capacity, autoscaling=True,
-                       node_kinds=_distinct([*kinds, *scaler.node_kinds]),
+                       node_kinds=_distinct([*kinds, *scaler.node_kinds]), alive_nodes=tuple(kinds),
                        one_machine=one_machine and not scaler.other_machines)
 
 

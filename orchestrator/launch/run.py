@@ -40,7 +40,7 @@ from orchestrator.launch.pretrained import CHECKPOINTS_TAG
 from orchestrator.launch.pretrained import preflight as check_init_from
 from orchestrator.launch.worker_config import WORKER_CONFIG, WorkerConfig
 from orchestrator.spec import ExperimentSpec, check_gpus, spec_to_yaml
-from orchestrator.spec.resources import check_cpus, check_worker_fits
+from orchestrator.spec.resources import check_cpus, check_worker_fits, check_workers_placed
 from orchestrator.storage.layout import (
     META_FILE,
     PRETRAIN_DIR,
@@ -91,14 +91,16 @@ def connect() -> None:
 def check_cluster(spec: ExperimentSpec) -> ClusterView:
     """The connected cluster can run `spec`, its pretraining stage too: their GPUs and CPUs, counting what the
     autoscaler may add (a run that fits only after scale-up is let through: its worker group's request makes the
-    autoscaler add the nodes), each worker on one node, and storage and tracking every node reaches when there
-    are several."""
+    autoscaler add the nodes), each worker on one node, all workers at once on the nodes of a cluster that cannot
+    grow, and storage and tracking every node reaches when there are several."""
     cluster = view_cluster()
     where = "the connected Ray cluster" + (" at its autoscaler's largest" if cluster.autoscaling else "")
     check_gpus(spec, cluster.most("GPU"), where)
     check_cpus(spec, cluster.most("CPU"), where)
     check_worker_fits(spec, cluster.node_kinds, "the connected Ray cluster"
                       + (" with the node types its autoscaler may add" if cluster.autoscaling else ""))
+    if not cluster.autoscaling:  # a cluster that grows adds the nodes the group asks for
+        check_workers_placed(spec, cluster.alive_nodes, "the nodes of the connected Ray cluster")
     check_multi_node(spec, cluster.nodes, cluster.autoscaling, one_machine=cluster.one_machine)
     return cluster
 
@@ -149,16 +151,17 @@ def build_trainer(spec: ExperimentSpec, *, run_name: str, storage_path: str, wor
     always the latest (for resume)."""
     # Deferred: ray.train (and the worker and console modules, which import it) only after use_train_v2().
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from orchestrator.launch.ray_console import train_logging_config
+    from orchestrator.launch.train_actors import torch_trainer_class
     from orchestrator.launch.worker import train_loop_per_worker
 
     resources = {"CPU": spec.run.cpus_per_worker}
     ray_path, filesystem = ray_storage(storage_path)
     if spec.run.gpus_per_worker:
         resources["GPU"] = spec.run.gpus_per_worker
-    return TorchTrainer(
+    return torch_trainer_class()(
         train_loop_per_worker,
         train_loop_config={WORKER_CONFIG: worker},
         # Rank 0 evaluates alone while the others wait in their next collective: the timeout must outlast it.

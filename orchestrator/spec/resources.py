@@ -1,8 +1,11 @@
 """What a spec asks of the machine or cluster it is launched on, checked before launching: every Train run it makes
-(a `pretrain:` stage's, then its own) against the GPUs and CPUs there, in all and on a single node."""
+(a `pretrain:` stage's, then its own) against the GPUs and CPUs there, in all, on a single node, and spread over the
+nodes of a cluster that cannot grow."""
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from orchestrator.spec.models import ExperimentSpec, RunSettings, SpecError
@@ -72,6 +75,55 @@ def check_worker_fits(spec: ExperimentSpec, nodes: Sequence[Mapping[str, float]]
             f"{field}.cpus_per_worker={cpus:g} asks for {cpus:g} CPUs on one node ({placed}), but the largest node of "
             f"{where} has {_describe(largest)}; {lower}add nodes with more CPUs"
         )
+
+
+def check_workers_placed(spec: ExperimentSpec, nodes: Sequence[Mapping[str, float]], where: str) -> None:
+    """All workers of every stage are placed at once on `nodes`: the GPUs and CPUs of each node of a cluster that
+    cannot add any (none known: not checked). A run whose workers fit the totals and a node each may still not
+    all be placed: 3 workers of 2 CPUs on 2 nodes of 3 CPUs fit one per node. Ray Train places the whole group
+    or nothing, and waits for it without end (`check_worker_fits`)."""
+    if not nodes:
+        return
+    for field, run in stage_runs(spec):
+        gpus, cpus, workers = run.gpus_per_worker, run.cpus_per_worker, run.workers
+        placed = workers_placed(nodes, cpus=cpus, gpus=gpus, most=workers)
+        if placed >= workers:
+            continue
+        fixes = [f"lower {field}.workers to {placed}"]
+        fewer_cpus = fewest_cpus_per_worker(nodes, workers, cpus=cpus, gpus=gpus)
+        if fewer_cpus is not None:  # (not fewer GPUs: several workers need a whole GPU each, models.py)
+            fixes.append(f"{field}.cpus_per_worker to {fewer_cpus:g}")
+        each = f"{cpus:g} CPUs" + (f" and {gpus:g} GPUs" if gpus else "")
+        kinds = Counter((node.get("GPU", 0.0), node.get("CPU", 0.0)) for node in nodes)
+        held = ", ".join(f"{n} node{'s' * (n > 1)} of {g:g} GPUs and {c:g} CPUs" for (g, c), n in kinds.items())
+        raise SpecError(
+            f"{field}.workers={workers} workers of {each} each: only {placed} can be placed at once on {where} "
+            f"({held}; a worker's GPUs and CPUs are on a single node, and Ray Train waits for every worker of the "
+            f"run); {', or '.join(fixes)}, or add nodes"
+        )
+
+
+def workers_placed(nodes: Sequence[Mapping[str, float]], *, cpus: float, gpus: float, most: int) -> int:
+    """Workers of `cpus` CPUs and `gpus` GPUs that `nodes` hold at once (up to `most`): the workers are alike, so
+    each node holds as many as its scarcer resource allows."""
+    def on(node: Mapping[str, float]) -> int:
+        fits = [math.floor(node.get(name, 0.0) / need + 1e-9) for name, need in (("CPU", cpus), ("GPU", gpus))
+                if need > 0]
+        return min([most, *fits])
+
+    return min(most, sum(on(node) for node in nodes))
+
+
+def fewest_cpus_per_worker(nodes: Sequence[Mapping[str, float]], workers: int, *, cpus: float,
+                           gpus: float) -> float | None:
+    """The most CPUs per worker, below `cpus`, at which all `workers` are placed on `nodes` with `gpus` each; None
+    when no amount does. A node holds k workers of at most its CPUs / k each, so those quotients are the
+    candidates; the one found is rounded down to hundredths (8 CPUs / 3: 2.66), which still fits."""
+    candidates = sorted({node.get("CPU", 0.0) / k for node in nodes for k in range(1, workers + 1)}, reverse=True)
+    for amount in (math.floor(c * 100) / 100 for c in candidates):
+        if 0 < amount < cpus and workers_placed(nodes, cpus=amount, gpus=gpus, most=workers) >= workers:
+            return amount
+    return None
 
 
 def _describe(node: Mapping[str, float]) -> str:
