@@ -9,10 +9,16 @@ module for the rest. A process that lives less than one interval may be missed, 
 sample of a process is not counted, so the totals are lower bounds (a few tenths of a second per process).
 
     python -m benchmarks.system.launch_cpu --repeats 2 --out benchmarks/results   # the tests' tiny 24-step run
+    python -m benchmarks.system.launch_cpu --repeats 4 --label after --against /tmp/before --out benchmarks/results
+
+The second line measures this checkout and another (a `git worktree` at /tmp/before, labelled `before`) in turn,
+each repeat: each launch has its checkout first on PYTHONPATH, which orchestrator/cluster/ray_env.py hands on to
+the processes of its local Ray.
 
 Without `-- COMMAND`, the command is `python -m orchestrator train` of the real-process tier's spec
 (tests/real_runs.py `write_spec`: a 1-layer d_model 16 causal LM, 24 steps, a checkpoint every 4, SQLite MLflow)
-in a temporary folder; the CSV gets one row per (repeat, process kind) and a total per repeat.
+in a temporary folder. The CSV gets one row per (label, repeat, process kind) and a total per repeat, with the
+checkout's commit; a run replaces its labels' rows and keeps the others.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Row, results_dir, write_csv
+from benchmarks.harness import Row, read_csv, results_dir, write_csv
 
 TICKS = os.sysconf("SC_CLK_TCK")
 SITE = re.compile(r"^.*?/site-packages/")
@@ -68,10 +74,11 @@ def session_cpu(session: int) -> dict[int, tuple[str, float]]:
     return found
 
 
-def measure(command: Sequence[str], cwd: Path, interval: float) -> tuple[Counter[str], float, int]:
+def measure(command: Sequence[str], cwd: Path, interval: float,
+            env: dict[str, str] | None = None) -> tuple[Counter[str], float, int]:
     """CPU seconds per process kind of `command` run to its end, its wall seconds and exit code."""
     start = time.monotonic()
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     last: dict[int, tuple[str, float]] = {}
     while proc.poll() is None:
@@ -98,24 +105,43 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between samples of /proc")
     parser.add_argument("--out", default=None, help="results root; the CSV goes to <out>/<machine>/launch_cpu.csv")
+    parser.add_argument("--label", default="latest", help="the rows' label (after, ...)")
+    parser.add_argument("--against", default=None, metavar="CHECKOUT",
+                        help="another checkout, measured in turn with this one each repeat, labelled --against-label")
+    parser.add_argument("--against-label", default="before")
     parser.add_argument("command", nargs="*", help="after --: the command to measure (default: the tiny run)")
     args = parser.parse_args(argv)
+    here = Path(__file__).resolve().parents[2]
+    sides = [(args.label, here)] + ([(args.against_label, Path(args.against).resolve())] if args.against else [])
     rows: list[Row] = []
     for repeat in range(1, args.repeats + 1):
-        with tempfile.TemporaryDirectory(prefix="launch-cpu-") as tmp:
-            folder = Path(tmp)
-            command = args.command or tiny_train(folder)
-            by_kind, wall, code = measure(command, folder, args.interval)
-        total = sum(by_kind.values())
-        print(f"repeat {repeat}: {total:.1f} CPU-s over {wall:.1f} s wall, exit {code}")
-        for kind, cpu in by_kind.most_common():
-            print(f"  {cpu:6.2f}  {kind}")
-            rows.append({"repeat": repeat, "process": kind, "cpu_s": round(cpu, 2)})
-        rows.append({"repeat": repeat, "process": "(all)", "cpu_s": round(total, 2), "wall_s": round(wall, 1),
-                     "exit_code": code})
+        for label, checkout in sides:
+            version = checkout_commit(checkout)
+            with tempfile.TemporaryDirectory(prefix="launch-cpu-") as tmp:
+                folder = Path(tmp)
+                command = args.command or tiny_train(folder)
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(checkout),
+                                                                                os.environ.get("PYTHONPATH"))))}
+                by_kind, wall, code = measure(command, folder, args.interval, env)
+            total = sum(by_kind.values())
+            print(f"{label} ({version}) repeat {repeat}: {total:.1f} CPU-s over {wall:.1f} s wall, exit {code}")
+            for kind, cpu in by_kind.most_common():
+                print(f"  {cpu:6.2f}  {kind}")
+                rows.append({"label": label, "version": version, "repeat": repeat, "process": kind,
+                             "cpu_s": round(cpu, 2)})
+            rows.append({"label": label, "version": version, "repeat": repeat, "process": "(all)",
+                         "cpu_s": round(total, 2), "wall_s": round(wall, 1), "exit_code": code})
     if args.out:
-        print(f"wrote {write_csv(rows, results_dir(args.out, torch.device('cpu')) / 'launch_cpu.csv')}")
+        path = results_dir(args.out, torch.device("cpu")) / "launch_cpu.csv"
+        labels = {label for label, _ in sides}
+        kept = [row for row in (read_csv(path) if path.exists() else []) if row.get("label") not in labels]
+        print(f"wrote {write_csv([*kept, *rows], path)}")
     return rows
+
+
+def checkout_commit(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=10", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
 
 
 if __name__ == "__main__":
