@@ -238,7 +238,8 @@ def test_sweep_trial_that_trained_during_a_whole_outage_gets_its_run_and_every_p
 def test_two_launchers_side_by_side_finish_with_clean_consoles(tmp_path, server):
     """Two `orchestrator train` started at once on one machine, each with its own local Ray: both finish, and
     neither console shows a traceback (Ray Train's PlacementGroupCleaner, asking the state API without an
-    address, died on "Found multiple active Ray instances" before each local Ray's processes knew their own).
+    address, died on "Found multiple active Ray instances" before each local Ray's processes knew their own; a
+    local Ray's runs no longer start it, and any Ray code that looks its cluster up that way still finds its own).
     Each console is a run's own without --verbose: one line per report (evaluations at steps 4 and 8), none of Ray
     Train's report log or of its workers' prefixed lines (--verbose brings them back: tests/test_user_view.py)."""
     specs = [write_spec(tmp_path, name, server.uri, optim={"max_steps": 8}) for name in ("left", "right")]

@@ -152,9 +152,10 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 
 def own_address() -> dict[str, str]:
     """The address the local Ray's GCS will have, given to every one of its processes as RAY_ADDRESS. Ray code
-    that looks its cluster up instead of using its connection (Ray Train's PlacementGroupCleaner asks the state
-    API with no address) otherwise scans the machine for GCS processes and fails as soon as a second Ray runs
-    there ("Found multiple active Ray instances"), e.g. another launcher's, and its thread dies with it."""
+    that looks its cluster up instead of using its connection (Ray's State API client with no address, as Ray
+    Train's PlacementGroupCleaner calls it: a local Ray's runs now leave that actor out, launch/train_actors.py)
+    otherwise scans the machine for GCS processes and fails as soon as a second Ray runs there ("Found multiple
+    active Ray instances"), e.g. another launcher's, and its thread dies with it."""
     import ray._private.services
 
     with socket.socket() as probe:  # a free port for the GCS (RAY_GCS_SERVER_PORT, read by ray/_private/node.py)
