@@ -288,3 +288,22 @@ def test_only_the_tracking_modules_build_mlflow_clients_or_create_runs():
     tracking = set((PACKAGE / "tracking").glob("*.py"))
     offenders = _offenders(r"MlflowClient\(|create_run|from mlflow|import mlflow", tracking)
     assert not offenders, "read through orchestrator.tracking.read, write through .write:\n" + "\n".join(offenders)
+
+
+def test_the_callback_a_runs_controller_unpickles_imports_ray_alone():
+    """Ray unpickles a run's callbacks in its Train controller's process, importing the module that defines each:
+    the launcher's report relay must not bring the spec, torch and the models into every controller."""
+    import ast
+
+    from orchestrator.launch.ray_console import RunReports
+    from orchestrator.launch.report_relay import ReportRelay
+
+    reports = RunReports.__new__(RunReports)  # without its queue actor (no Ray here)
+    reports._queue = "queue"
+    relay = reports.relay()
+    assert type(relay) is ReportRelay and relay.queue == "queue"
+    tree = ast.parse((PACKAGE / "launch" / "report_relay.py").read_text())
+    imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
+                for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names}
+    assert {name.split(".")[0] for name in imported} <= {"__future__", "typing", "ray"}, imported

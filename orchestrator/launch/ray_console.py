@@ -14,8 +14,9 @@ Without --verbose:
   error.txt and the launcher prints the one-line reason.
 Worker output still reaches the terminal (`log_to_driver` stays on): a worker's own messages, such as
 the checkpoint it resumed from, matter. The report lines come from the launcher: a sweep's from a Tune
-`Callback` on its driver (`SweepConsole`), a run's from `RunReports`, whose Ray Train callback queues rank
-0's reports from the run's controller to a thread of the launcher.
+`Callback` on its driver (`SweepConsole`), a run's from `RunReports`, whose Ray Train callback
+(orchestrator/launch/report_relay.py) queues rank 0's reports from the run's controller to a thread of the
+launcher.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from orchestrator.console.progress import (
     verbose,
 )
 from orchestrator.launch.preflight import LaunchError
+from orchestrator.launch.report_relay import ReportRelay
 
 QUIET_LEVEL = "ERROR"
 """Ray's and Ray Train's own loggers without --verbose: errors still show, progress chatter does not."""
@@ -143,17 +145,6 @@ class SweepConsole(Callback):
         self._progress(force=True)
 
 
-class _ReportRelay(UserCallback):
-    """On a run's Ray Train controller: rank 0's metrics of every report into the launcher's queue."""
-
-    def __init__(self, queue: Queue):
-        self.queue = queue
-
-    def after_report(self, run_context, metrics, checkpoint):
-        if metrics:
-            self.queue.put(dict(metrics[0]))  # rank 0 evaluates and logs; the others report the same step
-
-
 class RunReports:
     """The report lines of one `orchestrator train` run, printed by the launcher as they come. Use as a
     context manager around `trainer.fit()`, with `relay()` among the trainer's callbacks."""
@@ -166,7 +157,7 @@ class RunReports:
         self._thread = threading.Thread(target=self._drain, name="run-reports", daemon=True)
 
     def relay(self) -> UserCallback:
-        return _ReportRelay(self._queue)
+        return ReportRelay(self._queue)
 
     def _drain(self) -> None:
         while True:
