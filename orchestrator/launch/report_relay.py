@@ -3,8 +3,8 @@
 Ray unpickles a run's callbacks in the controller's own process, which imports the module that defines each one
 (and everything that module imports) before the run can start. So this module imports Ray's alone: defined next
 to the launcher's console (orchestrator/launch/ray_console.py), the callback had each controller import the
-spec, its FLOP counting, torch, the models and the tasks, 2.4 s of imports per `orchestrator train`
-(docs/testing.md, "Where the slow tier's time goes").
+spec, its FLOP counting, the models and the tasks: 0.65 CPU-s of each `orchestrator train` (the controller
+imports torch for Ray Train's TorchConfig anyway; docs/testing.md, "Where the slow tier's time goes").
 """
 
 from __future__ import annotations
