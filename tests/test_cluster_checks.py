@@ -163,7 +163,7 @@ def test_every_worker_must_be_placed_at_once_on_a_cluster_that_cannot_grow(monke
         launched(monkeypatch, cluster, run={**SHARED, "workers": 3, "cpus_per_worker": 2})
     launched(monkeypatch, cluster, run={**SHARED, "workers": 3, "cpus_per_worker": 1.5})
     launched(monkeypatch, cluster, run={**SHARED, "workers": 2, "cpus_per_worker": 2})
-    grows = dataclasses.replace(cluster, autoscaling=True, capacity={"CPU": 12.0})  # the autoscaler adds the nodes it needs
+    grows = dataclasses.replace(cluster, autoscaling=True, capacity={"CPU": 12.0})  # it adds the nodes it needs
     launched(monkeypatch, grows, run={**SHARED, "workers": 3, "cpus_per_worker": 2})
 
 
