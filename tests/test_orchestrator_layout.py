@@ -296,13 +296,13 @@ def test_the_callback_a_runs_controller_unpickles_imports_ray_alone():
     import ast
 
     from orchestrator.launch.ray_console import RunReports
-    from orchestrator.launch.report_relay import ReportRelay
+    from orchestrator.launch.controller_parts import ReportRelay
 
     reports = RunReports.__new__(RunReports)  # without its queue actor (no Ray here)
     reports._queue = "queue"
     relay = reports.relay()
     assert type(relay) is ReportRelay and relay.queue == "queue"
-    tree = ast.parse((PACKAGE / "launch" / "report_relay.py").read_text())
+    tree = ast.parse((PACKAGE / "launch" / "controller_parts.py").read_text())
     imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
                 for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
                 for alias in node.names}

@@ -1,5 +1,6 @@
 """The trainer a run is built with leaves out Ray Train's dataset manager (no datasets) and, on a local Ray, its
-placement-group cleaner, and keeps every other callback Ray makes (orchestrator/launch/train_actors.py)."""
+placement-group cleaner and autoscaling coordinator, and keeps every other callback Ray makes
+(orchestrator/launch/train_actors.py)."""
 
 from __future__ import annotations
 
@@ -68,11 +69,44 @@ def test_a_trainer_with_datasets_keeps_its_dataset_manager():
     assert unused_callback_types(has_datasets=False, local_ray=False) == (DatasetsCallback,)
 
 
-def test_a_ray_without_the_private_method_gets_rays_own_trainer(monkeypatch):
+@pytest.mark.parametrize("local_ray", [True, False], ids=["local Ray", "joined cluster"])
+def test_on_a_local_ray_the_controller_gets_the_fixed_policy_that_asks_no_autoscaler(tmp_path, monkeypatch,
+                                                                                      local_ray):
+    """What `fit` hands the controller: on a local Ray the same fixed worker group, whose decisions ask no
+    autoscaling coordinator for resources (Ray's would start one); on a joined cluster Ray's own policy."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy, ResizeDecision, create_scaling_policy
+
+    from orchestrator.launch.controller_parts import FixedWorkersWithoutAutoscaler
+
+    monkeypatch.setattr(ray_env, "_started_here", local_ray)
+    monkeypatch.delenv(ray_env.LOCAL_RAY, raising=False)
+    trainer = built_trainer(tmp_path)
+    handed = {}
+    monkeypatch.setattr(TorchTrainer.__mro__[1], "_initialize_and_run_controller",
+                        lambda self, **kwargs: handed.update(kwargs) or "result")
+    rays = create_scaling_policy(trainer.scaling_config)
+    assert type(rays) is FixedScalingPolicy  # what fit() makes, and what is swapped
+    assert trainer._initialize_and_run_controller(scaling_policy=rays, other="kept") == "result"
+    assert handed["other"] == "kept"
+    policy = handed["scaling_policy"]
+    if not local_ray:
+        assert policy is rays
+        return
+    assert type(policy) is FixedWorkersWithoutAutoscaler and policy.scaling_config is trainer.scaling_config
+    policy.after_controller_start(train_run_context=None)
+    decision = policy.make_decision_for_non_running_worker_group()  # Ray's asserts a coordinator client here
+    assert isinstance(decision, ResizeDecision) and decision.num_workers == trainer.scaling_config.num_workers
+    assert policy._coordinator_client is None
+    policy.before_controller_abort()
+
+
+@pytest.mark.parametrize("method", ["_create_default_callbacks", "_initialize_and_run_controller"])
+def test_a_ray_without_a_private_method_gets_rays_own_trainer(monkeypatch, method):
     from ray.train.torch import TorchTrainer
 
     from orchestrator.launch import train_actors
 
     assert train_actors.torch_trainer_class() is train_actors.LeanTorchTrainer
-    monkeypatch.delattr(TorchTrainer.__mro__[1], "_create_default_callbacks")
+    monkeypatch.delattr(TorchTrainer.__mro__[1], method)
     assert train_actors.torch_trainer_class() is TorchTrainer

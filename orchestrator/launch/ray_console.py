@@ -15,7 +15,7 @@ Without --verbose:
 Worker output still reaches the terminal (`log_to_driver` stays on): a worker's own messages, such as
 the checkpoint it resumed from, matter. The report lines come from the launcher: a sweep's from a Tune
 `Callback` on its driver (`SweepConsole`), a run's from `RunReports`, whose Ray Train callback
-(orchestrator/launch/report_relay.py) queues rank 0's reports from the run's controller to a thread of the
+(orchestrator/launch/controller_parts.py) queues rank 0's reports from the run's controller to a thread of the
 launcher.
 """
 
@@ -43,7 +43,7 @@ from orchestrator.console.progress import (
     verbose,
 )
 from orchestrator.launch.preflight import LaunchError
-from orchestrator.launch.report_relay import ReportRelay
+from orchestrator.launch.controller_parts import ReportRelay
 
 QUIET_LEVEL = "ERROR"
 """Ray's and Ray Train's own loggers without --verbose: errors still show, progress chatter does not."""
