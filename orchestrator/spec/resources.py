@@ -90,7 +90,7 @@ def check_workers_placed(spec: ExperimentSpec, nodes: Sequence[Mapping[str, floa
         if placed >= workers:
             continue
         fixes = [f"lower {field}.workers to {placed}"]
-        fewer_cpus = fewest_cpus_per_worker(nodes, workers, cpus=cpus, gpus=gpus)
+        fewer_cpus = most_cpus_placing_all(nodes, workers, cpus=cpus, gpus=gpus)
         if fewer_cpus is not None:  # (not fewer GPUs: several workers need a whole GPU each, models.py)
             fixes.append(f"{field}.cpus_per_worker to {fewer_cpus:g}")
         each = f"{cpus:g} CPUs" + (f" and {gpus:g} GPUs" if gpus else "")
@@ -114,8 +114,8 @@ def workers_placed(nodes: Sequence[Mapping[str, float]], *, cpus: float, gpus: f
     return min(most, sum(on(node) for node in nodes))
 
 
-def fewest_cpus_per_worker(nodes: Sequence[Mapping[str, float]], workers: int, *, cpus: float,
-                           gpus: float) -> float | None:
+def most_cpus_placing_all(nodes: Sequence[Mapping[str, float]], workers: int, *, cpus: float,
+                          gpus: float) -> float | None:
     """The most CPUs per worker, below `cpus`, at which all `workers` are placed on `nodes` with `gpus` each; None
     when no amount does. A node holds k workers of at most its CPUs / k each, so those quotients are the
     candidates; the one found is rounded down to hundredths (8 CPUs / 3: 2.66), which still fits."""
