@@ -19,6 +19,7 @@ import math
 import os
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -279,3 +280,13 @@ def results_dir(out: str | Path, device: torch.device) -> Path:
     folder = Path(out) / machine_label(device)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def code_version(repo: Path) -> str:
+    """The commit of the checkout, `+dirty` when tracked files other than results differ from it."""
+    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=repo, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results",
+         ":(exclude)benchmarks/RESULTS.md"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    return commit + ("+dirty" if changed else "")

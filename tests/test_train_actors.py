@@ -75,7 +75,11 @@ def test_on_a_local_ray_the_controller_gets_the_fixed_policy_that_asks_no_autosc
     """What `fit` hands the controller: on a local Ray the same fixed worker group, whose decisions ask no
     autoscaling coordinator for resources (Ray's would start one); on a joined cluster Ray's own policy."""
     from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy, ResizeDecision, create_scaling_policy
+    from ray.train.v2._internal.execution.scaling_policy import (
+        FixedScalingPolicy,
+        ResizeDecision,
+        create_scaling_policy,
+    )
 
     from orchestrator.launch.controller_parts import FixedWorkersWithoutAutoscaler
 

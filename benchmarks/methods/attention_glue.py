@@ -30,7 +30,6 @@ replaces its rows), each with the git commit that produced it (`version`; `+dirt
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.methods.attention_scaling import Settings, Variant, build_layer
 from benchmarks.gpu.speed import LAYER_KIND_OF, LAYER_KINDS, LONG_MODEL, layer_knobs
-from benchmarks.harness import Row, read_csv, results_dir, write_csv
+from benchmarks.harness import Row, code_version, read_csv, results_dir, write_csv
 from kernels import stand_in
 from kernels.dispatch import stand_in_kernels
 
@@ -157,16 +156,6 @@ def run_case(label: str, n: int, causal: bool) -> Row:
         "top_glue_mib": " ".join(f"{name}:{size / 2**20:.0f}" for name, size in
                                  sorted(counter.op_bytes.items(), key=lambda item: -item[1])[:6]),
     }
-
-
-def code_version(repo: Path) -> str:
-    """The commit of the checkout, `+dirty` when tracked files other than results differ from it."""
-    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=repo, capture_output=True, text=True,
-                            check=True).stdout.strip()
-    changed = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results",
-         ":(exclude)benchmarks/RESULTS.md"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
-    return commit + ("+dirty" if changed else "")
 
 
 def cases(labels: Sequence[str], lengths: Sequence[int]) -> list[tuple[str, int, bool]]:

@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.harness import Row, peak_memory_bytes, read_csv, results_dir, write_csv
-from benchmarks.methods.attention_glue import code_version
+from benchmarks.harness import Row, code_version, peak_memory_bytes, read_csv, results_dir, write_csv
 
 WORLD = 2
 MODELS: dict[str, dict[str, int]] = {

@@ -24,7 +24,6 @@ that commit's code first on the path:
 from __future__ import annotations
 
 import argparse
-import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from benchmarks.harness import read_csv, results_dir, write_csv
+from benchmarks.harness import code_version, read_csv, results_dir, write_csv
 
 READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
          torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu, torch.masked_select,
@@ -162,8 +161,7 @@ def main() -> None:
     import models
 
     tree = Path(models.__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=10", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = code_version(tree)
     with tempfile.TemporaryDirectory() as cache:
         rows = [*_decoding(), _masked_lm_step(Path(cache)), _adaptive_input(), _patched_step(2), _patched_step(4)]
     for row in rows:

@@ -18,7 +18,7 @@ the processes of its local Ray.
 Without `-- COMMAND`, the command is `python -m orchestrator train` of the real-process tier's spec
 (tests/real_runs.py `write_spec`: a 1-layer d_model 16 causal LM, 24 steps, a checkpoint every 4, SQLite MLflow)
 in a temporary folder. The CSV gets one row per (label, repeat, process kind) and a total per repeat, with the
-checkout's commit; a run replaces its labels' rows and keeps the others.
+checkout's commit (`+dirty` when its tracked files differ from it); a run replaces its labels' rows and keeps the others.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Row, read_csv, results_dir, write_csv
+from benchmarks.harness import Row, code_version, read_csv, results_dir, write_csv
 
 TICKS = os.sysconf("SC_CLK_TCK")
 SITE = re.compile(r"^.*?/site-packages/")
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     rows: list[Row] = []
     for repeat in range(1, args.repeats + 1):
         for label, checkout in sides:
-            version = checkout_commit(checkout)
+            version = code_version(checkout)
             with tempfile.TemporaryDirectory(prefix="launch-cpu-") as tmp:
                 folder = Path(tmp)
                 command = args.command or tiny_train(folder)
@@ -137,11 +137,6 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         kept = [row for row in (read_csv(path) if path.exists() else []) if row.get("label") not in labels]
         print(f"wrote {write_csv([*kept, *rows], path)}")
     return rows
-
-
-def checkout_commit(checkout: Path) -> str:
-    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=10", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
 
 
 if __name__ == "__main__":

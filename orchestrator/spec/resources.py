@@ -94,8 +94,8 @@ def check_workers_placed(spec: ExperimentSpec, nodes: Sequence[Mapping[str, floa
         if fewer_cpus is not None:  # (not fewer GPUs: several workers need a whole GPU each, models.py)
             fixes.append(f"{field}.cpus_per_worker to {fewer_cpus:g}")
         each = f"{cpus:g} CPUs" + (f" and {gpus:g} GPUs" if gpus else "")
-        kinds = Counter((node.get("GPU", 0.0), node.get("CPU", 0.0)) for node in nodes)
-        held = ", ".join(f"{n} node{'s' * (n > 1)} of {g:g} GPUs and {c:g} CPUs" for (g, c), n in kinds.items())
+        kinds = Counter(_describe(node) for node in nodes)
+        held = ", ".join(f"{n} node{'s' * (n > 1)} of {kind}" for kind, n in kinds.items())
         raise SpecError(
             f"{field}.workers={workers} workers of {each} each: only {placed} can be placed at once on {where} "
             f"({held}; a worker's GPUs and CPUs are on a single node, and Ray Train waits for every worker of the "
