@@ -22,6 +22,8 @@ import threading
 import pytest
 import torch
 
+from tests import schedule
+
 RUN_SLOW = "RUN_SLOW"
 """The switch of the real-process tier: set to 1 (or true/yes) to run the tests marked `slow`."""
 _DESELECTED = pytest.StashKey[int]()
@@ -99,14 +101,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = _worker_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-    if _run_slow():
-        return
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    if slow:
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
-        config.hook.pytest_deselected(items=slow)
-        config.stash[_DESELECTED] = len(slow)
+    if not _run_slow():
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+            config.hook.pytest_deselected(items=slow)
+            config.stash[_DESELECTED] = len(slow)
+    items[:] = schedule.longest_first(items, unit_of=_work_unit, test_id=lambda item: item.nodeid,
+                                      is_slow=lambda item: item.get_closest_marker("slow") is not None,
+                                      seconds=schedule.recorded_seconds())
 
+
+def _work_unit(item: pytest.Item) -> str:
+    """What pytest-xdist deals out as one: an xdist_group, or the test alone."""
+    marker = item.get_closest_marker("xdist_group")
+    return f"@{marker.kwargs.get('name', marker.args[0] if marker.args else '')}" if marker else item.nodeid
 
 
 def _worker_group(item: pytest.Item) -> str | None:
@@ -122,6 +131,22 @@ def _worker_group(item: pytest.Item) -> str | None:
     if any(d.scope == "module" for defs in definitions.values() for d in defs):
         return item.nodeid.split("::", 1)[0]
     return None
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _RECORDED is not None:
+        _RECORDED.append((report.nodeid, report.duration))
+
+
+_RECORDED: list[tuple[str, float]] | None = [] if schedule.record_path() else None
+"""Each phase's time, when RECORD_TEST_SECONDS asks for them (tests/schedule.py); under pytest-xdist the
+controller gets every worker's reports, and only it writes."""
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    path = schedule.record_path()
+    if path and _RECORDED and not hasattr(session.config, "workerinput"):
+        schedule.write_seconds(path, _RECORDED)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
