@@ -8,11 +8,14 @@ kill-by-PID cases are in tests/test_faults.py).
 - A run that failed and was resumed to FINISHED loses its `orchestrator.failure` tag.
 - A trial cut short: the sweep's summary takes the newest registered checkpoint's report when Tune's last result
   is older (`newest_report`).
+- The last step's checkpoint written but never registered by Ray (a kill or a lost node before the controller's
+  poll): the resume registers it again and the run finishes, where it used to stop at the registered step.
 
 Real-process tier: each case is two short Ray Train runs."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -82,3 +85,48 @@ def test_a_truncated_registered_checkpoint_is_rewritten_under_a_new_name_and_the
     # The failure is history: neither its tag nor its description stays on the finished run.
     assert FAILURE_TAG not in finished.data.tags
     assert not finished.data.tags.get(NOTE_TAG, "").startswith("**Failed:**")
+
+
+def _forget_newest_checkpoint(folder: Path) -> str:
+    """Ray Train's record of `folder`'s run without its newest checkpoint, whose files stay: as when the launcher
+    or the node dies after the checkpoint's upload and before the controller's poll registered it."""
+    path = folder / "checkpoint_manager_snapshot.json"
+    snapshot = json.loads(path.read_text())
+    kept = [(result, index) for result, index in zip(snapshot["checkpoint_results"],
+                                                     snapshot["checkpoint_report_indices"], strict=True)]
+    newest = max(kept, key=lambda pair: pair[0]["metrics"]["step"])
+    kept.remove(newest)
+    snapshot["checkpoint_results"] = [result for result, _ in kept]
+    snapshot["checkpoint_report_indices"] = [index for _, index in kept]
+    snapshot["latest_checkpoint_result"] = max(snapshot["checkpoint_results"], key=lambda r: r["metrics"]["step"])
+    path.write_text(json.dumps(snapshot))
+    return newest[0]["checkpoint_dir_name"]
+
+
+def test_a_last_checkpoint_ray_had_not_registered_finishes_the_run_on_resume(ray_cluster, tmp_path, capfd):
+    """The last step's checkpoint is in storage but Ray never registered it. The resume restores that step, has
+    nothing left to train, and registers the checkpoint again; before, Ray's result stayed at the step before and
+    every resume ended "stopped at step 10 of 12". MLflow keeps one point per metric and step."""
+    spec = validate_spec(raw_spec(tmp_path, "unregistered"))
+    with pytest.raises(LaunchError, match="orchestrator resume unregistered"):
+        run_training(spec, fail_at_step=STEPS)  # after the last step's report: its checkpoint is written
+    folder = tmp_path / "runs" / "unregistered"
+    assert _forget_newest_checkpoint(folder) == "checkpoint_000000012"
+    capfd.readouterr()
+    resumed = resume("unregistered", str(tmp_path / "runs"))
+    said = capfd.readouterr().out
+    assert resumed.metrics["step"] == STEPS
+    assert re.findall(r"resumed from step (\d+)", said) == [str(STEPS)], said[-3000:]
+    assert f"step {STEPS}'s checkpoint had not been registered with Ray Train" in said, said[-3000:]
+    client = MlflowClient(spec.tracking.uri)
+    finished = client.get_run(resumed.mlflow_run_id)
+    assert finished.info.status == "FINISHED"
+    for key in ("val/ppl", "train/loss"):
+        steps = [m.step for m in client.get_metric_history(resumed.mlflow_run_id, key)]
+        assert sorted(steps) == sorted(set(steps)) and max(steps) == STEPS, (key, steps)
+    # The same weights, evaluated again: the registered report's score is the logged one of that step.
+    logged = max(client.get_metric_history(resumed.mlflow_run_id, "val/ppl"), key=lambda m: m.step)
+    assert resumed.metrics["val/ppl"] == pytest.approx(logged.value, rel=1e-6)
+    registered = json.loads((folder / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
+    assert registered["metrics"]["step"] == STEPS
+    assert read_checkpoint(folder / registered["checkpoint_dir_name"]).step == STEPS

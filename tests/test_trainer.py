@@ -63,6 +63,26 @@ def test_best_keeps_the_better_value_and_its_step(mode, values, best, step):
     assert (tracker.value, tracker.step) == (best, step)
 
 
+def test_a_worker_registers_its_restored_last_step_only_when_ray_holds_an_older_checkpoint():
+    """A Train worker restored at optim.max_steps from a checkpoint Ray never registered has no report left to
+    register it (orchestrator/launch/worker.py); one restored before the last step, or from Ray's own, does."""
+    from types import SimpleNamespace
+
+    from orchestrator.launch.worker import final_checkpoint_unregistered
+
+    def ray_holds(name):
+        return SimpleNamespace(path=f"s3://bucket/runs/r/{name}")
+
+    at = {step: SimpleNamespace(step=step) for step in (10, 12)}
+    assert final_checkpoint_unregistered(at[12], ray_holds("checkpoint_000000010"), max_steps=12)
+    assert final_checkpoint_unregistered(at[12], None, max_steps=12)
+    assert not final_checkpoint_unregistered(at[12], ray_holds("checkpoint_000000012"), max_steps=12)
+    assert not final_checkpoint_unregistered(at[12], ray_holds("checkpoint_000000012-r1"), max_steps=12)
+    assert not final_checkpoint_unregistered(at[10], ray_holds("checkpoint_000000008"), max_steps=12)  # trains on
+    assert not final_checkpoint_unregistered(None, None, max_steps=12)
+    assert not final_checkpoint_unregistered(at[12], None, max_steps=0)  # scoring only: no checkpoints
+
+
 def test_local_resume_continues_the_loss_curve_and_the_best(tmp_path):
     spec = validate_spec(tiny_raw())
     _, reference = train_locally(spec, cache_dir=tmp_path / "cache")

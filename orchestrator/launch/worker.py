@@ -87,9 +87,9 @@ class RayHooks:
         self.mlflow: MlflowLogger | None = None
         self.logger = MetricsLogger()
         self._uploading: list[Path] = []
+        """Temporary folders of checkpoints Ray may still be uploading (run.checkpoint_upload=async)."""
         self.taken_names: set[str] = set()
         """Checkpoint folder names in storage when this attempt started (`_restore_point`)."""
-        """Temporary folders of checkpoints Ray may still be uploading (run.checkpoint_upload=async)."""
         self.sizes: dict[str, float] = {}
         """params.attention / params.total, in every result reported to Tune (not logged as MLflow metrics: they
         are params there), so a further objective of tune.metric may be a size (spec COST_OBJECTIVES)."""
@@ -224,6 +224,27 @@ def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> tup
     return None, taken
 
 
+def final_checkpoint_unregistered(state: TrainingState | None, registered: Any, max_steps: int) -> bool:
+    """The run was restored at its last step from a checkpoint that Ray had not registered: a kill or a lost node
+    between the checkpoint's upload and the controller's next poll. With nothing left to train, no report would
+    register it, Ray's result would stay at the registered step before, and the launcher would call the run
+    stopped there ("stopped at step 28 of 32"), on every resume again."""
+    if state is None or max_steps == 0 or state.step < max_steps:
+        return False
+    return registered is None or checkpoint_order(Path(registered.path).name)[0] < state.step
+
+
+def register_final_checkpoint(trainer: Trainer, hooks: RayHooks, label: str) -> None:
+    """Report the restored last step to Ray with its checkpoint (written again, under a fresh name) and its
+    validation metrics evaluated again (the same weights: the same scores). MLflow keeps the points it has of that
+    step from the report Ray missed (MlflowLogger sends a metric's step once). Every rank: the checkpoint gathers."""
+    step = trainer.step
+    hooks.report(trainer, step, {**trainer.evaluate(), **trainer.best.as_metrics()}, True)
+    if hooks.rank == 0:
+        sys.stdout.write(f"[{label}] step {step}'s checkpoint had not been registered with Ray Train; "
+                         "registered it again\n")
+
+
 def quiet_train_reports() -> None:
     """Called first in every Train worker's loop: without --verbose, Ray Train's execution context, which logs
     each report's TrainingReport repr at INFO through a logger named by its file path (`logging.getLogger(
@@ -268,7 +289,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                              initialize=pretrained.initializer(spec.model.freeze) if pretrained else None)
 
     run = cfg.run
-    state, taken_names = _restore_point(ray.train.get_checkpoint(), cfg.run_path, cfg.label, rank)
+    registered = ray.train.get_checkpoint()
+    state, taken_names = _restore_point(registered, cfg.run_path, cfg.label, rank)
     if state is not None:
         trainer.restore(state)
         run = run.with_run_id(state.mlflow_run_id)  # the run id may have appeared only after an outage
@@ -300,6 +322,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         except NonFiniteLoss as err:
             mark_diverged(cfg.run_path, str(err))
             raise
+        if final_checkpoint_unregistered(state, registered, spec.optim.max_steps):
+            register_final_checkpoint(trainer, hooks, cfg.label)
         hooks.wait_for_uploads()  # the last checkpoint is in storage before the run is called finished
         status = "FINISHED"
         hooks.store_task_files(trainer.task.artifacts())
