@@ -2,10 +2,10 @@
 
 pytest-xdist (`--dist loadgroup`) deals out work units (a group that must share a worker, or a single test) in the
 order it is given them, and each worker asks for the next when it is done. In the slow tier the units take from
-2 s to 17 minutes, and in collection order two of the longest (the S3 sweeps, 4 and 2 minutes) came last: one
-worker ran them alone while the other had nothing left, about two minutes of CI at the end of every run
-(docs/testing.md, "The order of the slow tier"). Dealing the longest first (the LPT rule) leaves the short ones
-for the end, where they even the workers out.
+a second to 17 minutes, and in collection order two of the longest (the S3 sweeps, 4 and 2 minutes) came last: in
+the run measured, one worker ran the second alone for its last two minutes while the other had nothing left
+(docs/testing.md, "Ordering helps only at the end"). Dealing the longest first (the LPT rule) leaves the short
+ones for the end, where they even the workers out.
 
 A unit's length is the sum of its tests' times in the slow tier's last recorded run (SECONDS_FILE). A slow test
 not in it yet (a new one) counts as the longest recorded test, so that it goes early: a short one there costs
