@@ -92,9 +92,9 @@ def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist and `-m` read the marks (their own modifyitems hooks)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n`, pyproject's addopts), tests that share the session's Ray or a module's fixture
-    run on one worker (`--dist loadgroup`); the rest spread over the workers one by one. Without RUN_SLOW=1 the
-    real-process tier is deselected (not skipped: it is not this command's work), and the summary says how to
-    run it."""
+    run on one worker (`--dist loadgroup`); the rest spread over the workers one by one, the longest work first
+    (tests/schedule.py). Without RUN_SLOW=1 the real-process tier is deselected (not skipped: it is not this
+    command's work), and the summary says how to run it."""
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)  # a server's process: the real-process tier's (docs/testing.md)
