@@ -21,14 +21,17 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import Row, results_dir, write_csv
+from tests.schedule import bare_id
 
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)s (setup|call|teardown)\s+(\S.*)$")
 WALL = re.compile(r" in (\d+(?:\.\d+)?)s(?: \(|$)")
 
 
 def unit_of(nodeid: str) -> str:
-    """The scheduling unit: `@group` for a grouped test, the nodeid (parameters included) otherwise."""
-    return "@" + nodeid.split("@", 1)[1] if "@" in nodeid else nodeid
+    """The scheduling unit: `@group` for a grouped test, the nodeid (parameters included) otherwise. The suffix is
+    told from an `@` in a test's own parameters as tests/schedule.py tells it."""
+    bare = bare_id(nodeid)
+    return nodeid[len(bare):] if bare != nodeid else nodeid
 
 
 def read_log(text: str) -> tuple[Counter[str], float | None]:
