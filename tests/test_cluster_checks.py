@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator.cluster.resources import ClusterView, max_resources
 from orchestrator.launch.preflight import check_multi_node
-from orchestrator.launch.sweep import max_concurrent_trials, pin_paths
+from orchestrator.launch.sweep import max_concurrent_trials, pin_paths, tune_config
 from orchestrator.spec import SpecError, study_from_raw, validate_spec
 
 
@@ -75,6 +75,15 @@ def test_max_concurrent_counts_what_the_autoscaler_may_add():
                   pretrain={**PRETRAIN, "run": {"workers": 8}})
     assert max_concurrent_trials(staged, grown) == 7
 
+
+@pytest.mark.parametrize(("scheduler", "reused"), [("fifo", True), ("asha", False)])
+def test_trial_drivers_are_reused_under_fifo_only(scheduler, reused):
+    """Under FIFO a trial ends when its driver returns, so Tune may start the next trial in that process; an
+    ASHA-stopped trial's driver is still inside its Train run (handing it over hung a sweep: sweep.py)."""
+    study = study_from_raw({"name": "r", "task": {"kind": "clm"}, "tune": {"scheduler": scheduler},
+                            "model": {"attention": {"kind": "mha", "heads": {"grid": [2, 4]}}}})
+    cluster = ClusterView(nodes=1, resources={"CPU": 2.0}, capacity={"CPU": 2.0})
+    assert tune_config(study, cluster).reuse_actors is reused
 
 def test_a_sweeps_trial_drivers_get_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 
 import pytest
 
-from orchestrator.console.progress import SweepProgress, describe_config, report_line, trial_label
+from orchestrator.console.progress import (
+    SweepProgress,
+    describe_config,
+    quiet_exit_in_finalizers,
+    report_line,
+    trial_label,
+)
 
 
 def test_a_whole_attention_block_is_described_by_kind_and_knobs():
@@ -102,3 +109,14 @@ def test_a_sigterm_exit_inside_a_finalizer_is_not_printed_but_other_errors_are(e
                           cwd=PROJECT_ROOT, env={**os.environ, "ORCHESTRATOR_VERBOSE": "0"}, timeout=60)
     assert done.stdout == "went on\n"
     assert ("Exception ignored" in done.stderr) is shown, done.stderr
+
+
+def test_the_finalizer_hook_is_set_once_however_often_a_process_asks(monkeypatch):
+    """A trial driver reused for trial after trial (orchestrator/launch/sweep.py) asks once per trial; a hook
+    wrapping the last one each time would end, a thousand trials on, in a RecursionError at the first finalizer."""
+    monkeypatch.setenv("ORCHESTRATOR_VERBOSE", "0")
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    quiet_exit_in_finalizers()
+    first = sys.unraisablehook
+    quiet_exit_in_finalizers()
+    assert sys.unraisablehook is first and first.drops_system_exit

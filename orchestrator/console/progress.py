@@ -40,14 +40,15 @@ def quiet_exit_in_finalizers() -> None:
     traceback, which Ray then forwards to the launcher's terminal. The process is ending as asked, so that
     SystemExit is dropped here (in our Ray processes: trial drivers, Train workers); every other unraisable
     exception is printed as Python would, and --verbose prints all."""
-    if verbose():
-        return
+    if verbose() or getattr(sys.unraisablehook, "drops_system_exit", False):
+        return  # a reused trial driver comes here once per trial: one hook, not a chain as deep as its trials
     default = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
         if not isinstance(unraisable.exc_value, SystemExit):
             default(unraisable)
 
+    hook.drops_system_exit = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
 
 

@@ -152,7 +152,7 @@ def point_tags(config: dict[str, Any], seed: int) -> dict[str, str]:
     return {SEED_TAG: str(seed), POINT_TAG: describe_config(point) or "(no swept values)"}
 
 
-def _tune_config(study: Study, cluster: ClusterView):
+def tune_config(study: Study, cluster: ClusterView):
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
@@ -188,7 +188,14 @@ def _tune_config(study: Study, cluster: ClusterView):
     return tune.TuneConfig(metric=metric, mode=mode, scheduler=scheduler, search_alg=search_alg,
                            num_samples=settings.num_samples,
                            max_concurrent_trials=max_concurrent_trials(spec, cluster),
-                           trial_name_creator=_trial_name, trial_dirname_creator=_trial_name)
+                           trial_name_creator=_trial_name, trial_dirname_creator=_trial_name,
+                           reuse_actors=reuses_trial_drivers(settings.scheduler))
+
+
+def reuses_trial_drivers(scheduler: str) -> bool:
+    """Under FIFO a trial starts in an ended trial's driver, saving a new process's imports (docs/orchestrator.md,
+    "Trial drivers"); an ASHA-stopped trial's driver is still in `trainer.fit()`, and handing it over hung a sweep."""
+    return scheduler == "fifo"
 
 
 def _console(study: Study):
@@ -322,7 +329,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
                 tuner = tune.Tuner(
                     trainable,
                     param_space=to_param_space(study.domains, spec.tune.search),
-                    tune_config=_tune_config(study, cluster),
+                    tune_config=tune_config(study, cluster),
                     run_config=tune.RunConfig(name=spec.name, storage_path=ray_storage(layout.storage)[0],
                                               storage_filesystem=filesystem,
                                               failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
