@@ -285,6 +285,18 @@ def test_launch_cpu_names_each_process_by_its_actor_module_or_script():
     assert process_kind("") == "(exited)"
 
 
+def test_launch_cpu_sweeps_its_trials_one_at_a_time_under_fifo(tmp_path):
+    """`--trials N`: the sweep whose trials hand their drivers on (docs/orchestrator.md, "Trial drivers")."""
+    from benchmarks.system.launch_cpu import tiny_launch
+    from orchestrator.spec import expected_trials, load_study
+
+    assert tiny_launch(tmp_path)[-2] == "train"
+    command = tiny_launch(tmp_path, trials=3)
+    assert command[-2] == "sweep"
+    study = load_study(command[-1])
+    assert expected_trials(study) == 3 and study.base.tune.max_concurrent == 1
+    assert study.base.tune.scheduler == "fifo"
+
 def test_test_tier_units_sums_each_xdist_group_and_reads_the_wall_time():
     from benchmarks.system.test_tier_units import read_log
 

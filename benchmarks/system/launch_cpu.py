@@ -10,6 +10,8 @@ sample of a process is not counted, so the totals are lower bounds (a few tenths
 
     python -m benchmarks.system.launch_cpu --repeats 2 --out benchmarks/results   # the tests' tiny 24-step run
     python -m benchmarks.system.launch_cpu --repeats 4 --label after --against /tmp/before --out benchmarks/results
+    python -m benchmarks.system.launch_cpu --trials 3 --repeats 4 --label sweep3-after --against /tmp/before \
+        --against-label sweep3-before --out benchmarks/results   # a 3-trial sweep, one trial at a time
 
 The second line measures this checkout and another (a `git worktree` at /tmp/before, labelled `before`) in turn,
 each repeat: each launch has its checkout first on PYTHONPATH, which orchestrator/cluster/ray_env.py hands on to
@@ -17,8 +19,10 @@ the processes of its local Ray.
 
 Without `-- COMMAND`, the command is `python -m orchestrator train` of the real-process tier's spec
 (tests/real_runs.py `write_spec`: a 1-layer d_model 16 causal LM, 24 steps, a checkpoint every 4, SQLite MLflow)
-in a temporary folder. The CSV gets one row per (label, repeat, process kind) and a total per repeat, with the
-checkout's commit (`+dirty` when its tracked files differ from it); a run replaces its labels' rows and keeps the others.
+in a temporary folder; with `--trials N`, `python -m orchestrator sweep` of N such runs (a grid of learning
+rates, FIFO, one trial at a time). The CSV gets one row per (label, repeat, process kind) and a total per repeat,
+with the checkout's commit (`+dirty` when its tracked files differ from it); a run replaces its labels' rows and
+keeps the others, so a sweep's rows want labels of their own (`--label sweep3-after`).
 """
 
 from __future__ import annotations
@@ -92,12 +96,17 @@ def measure(command: Sequence[str], cwd: Path, interval: float,
     return by_kind, time.monotonic() - start, proc.returncode
 
 
-def tiny_train(folder: Path) -> list[str]:
-    """The real-process tier's tiny run (tests/real_runs.py), as a command in `folder`."""
+def tiny_launch(folder: Path, trials: int = 0) -> list[str]:
+    """The real-process tier's tiny run (tests/real_runs.py), as a command in `folder`; with `trials`, a FIFO sweep
+    of that many of them (learning rates apart), one at a time, as the tier's sweeps that are killed midway run."""
     from tests.real_runs import write_spec  # importable from the repository root, where benchmarks run
 
-    spec = write_spec(folder, "launch-cpu", f"sqlite:///{folder / 'mlflow.db'}")
-    return [sys.executable, "-m", "orchestrator", "train", str(spec)]
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    if not trials:
+        return [sys.executable, "-m", "orchestrator", "train", str(write_spec(folder, "launch-cpu", uri))]
+    rates = [round(3e-3 / (i + 1), 6) for i in range(trials)]
+    spec = write_spec(folder, "launch-cpu", uri, optim={"lr": {"grid": rates}}, tune={"max_concurrent": 1})
+    return [sys.executable, "-m", "orchestrator", "sweep", str(spec)]
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
@@ -109,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--against", default=None, metavar="CHECKOUT",
                         help="another checkout, measured in turn with this one each repeat, labelled --against-label")
     parser.add_argument("--against-label", default="before")
+    parser.add_argument("--trials", type=int, default=0,
+                        help="measure a FIFO sweep of this many tiny runs, one at a time, instead of one run")
     parser.add_argument("command", nargs="*", help="after --: the command to measure (default: the tiny run)")
     args = parser.parse_args(argv)
     here = Path(__file__).resolve().parents[2]
@@ -119,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
             version = code_version(checkout)
             with tempfile.TemporaryDirectory(prefix="launch-cpu-") as tmp:
                 folder = Path(tmp)
-                command = args.command or tiny_train(folder)
+                command = args.command or tiny_launch(folder, args.trials)
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(checkout),
                                                                                 os.environ.get("PYTHONPATH"))))}
                 by_kind, wall, code = measure(command, folder, args.interval, env)
