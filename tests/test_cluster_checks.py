@@ -85,6 +85,7 @@ def test_trial_drivers_are_reused_under_fifo_only(scheduler, reused):
     cluster = ClusterView(nodes=1, resources={"CPU": 2.0}, capacity={"CPU": 2.0})
     assert tune_config(study, cluster).reuse_actors is reused
 
+
 def test_a_sweeps_trial_drivers_get_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     study = study_from_raw({"name": "p", "task": {"kind": "clm", "dataset": "files",
