@@ -84,7 +84,10 @@ def test_every_reader_of_checkpoints_refuses_a_state_that_would_run_code(tmp_pat
     with pytest.raises(CheckpointError, match=message):  # the local runner resuming from its folder
         train_locally(spec, cache_dir=tmp_path / "cache", folder=run)
     # A resumed Ray Train worker skips it as unreadable, says so, and starts from step 0 (no older checkpoint).
-    assert worker._restore_point(None, str(run), "unit", rank=0) == (None, {"checkpoint_000000002"})
+    def restore(state, shards):
+        raise AssertionError("a refused checkpoint was restored")
+
+    assert worker._restore_point(None, str(run), "unit", rank=0, restore=restore) == (None, {"checkpoint_000000002"})
     assert "checkpoint_000000002 (CheckpointError:" in capsys.readouterr().out
     assert not marker.exists()
 

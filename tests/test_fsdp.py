@@ -242,6 +242,110 @@ def test_a_sharded_checkpoint_reads_back_in_full_in_one_process(fp32_ranks):
         read_checkpoint(merged)
 
 
+
+def _resume_main(rank: int, merged: str, out: str, world: int) -> None:
+    """One rank of a resumed sharded run: a fresh model with other weights, restored from `merged` the way a Ray
+    Train worker restores (read_checkpoint without the tensors, then Trainer.restore's read of its own shards);
+    writes the full state it ended with and the bytes its read took from each shard file."""
+    from orchestrator.training import sharding
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
+    try:
+        taken: dict[str, int] = {}
+        plain = sharding.safe_shard_reader
+
+        def recording_reader(directory):
+            reader = plain(directory)
+            read_data = reader.read_data
+
+            def read_and_record(plan, planner):
+                for item in plan.items:
+                    stored = reader.storage_data[item.storage_index]
+                    taken[stored.relative_path] = taken.get(stored.relative_path, 0) + stored.length
+                return read_data(plan, planner)
+
+            reader.read_data = read_and_record
+            return reader
+
+        sharding.safe_shard_reader = recording_reader
+        torch.manual_seed(7)  # other weights than the checkpoint's: the read must replace every one
+        model = sharding.shard_model(tiny_model(), torch.device("cpu"), "fp32", world)
+        for p in model.parameters():
+            torch.nn.init.normal_(p)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5.0)
+        state = read_checkpoint(Path(merged), in_full=False)
+        assert state.sharded and state.model == {}
+        try:
+            sharding.restore_own_shards(model, optimizer, Path(merged) / SHARDS_DIR, state.optimizer["param_groups"])
+        except BaseException as err:  # DCP's read error is a BaseException  # noqa: BLE001
+            (Path(out) / f"raised{rank}.txt").write_text(f"{type(err).__name__}: {err}")
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        full_model, full_optim = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        if rank == 0:
+            torch.save({"model": full_model, "optim": full_optim}, Path(out) / "restored.pt")
+        (Path(out) / f"taken{rank}.json").write_text(json.dumps(taken))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [WORLD, 1])
+def test_each_rank_of_a_resumed_sharded_run_reads_its_own_shards(fp32_ranks, tmp_path, world):
+    """A resumed FSDP run restores the checkpoint's exact weights and AdamW state with no rank reading the full
+    state: on the same number of ranks each reads its own rank's file and, of the other's, only tensors that every
+    rank holds whole, which DCP stores once; on one rank (resharded by DCP), all of both files."""
+    root, got = fp32_ranks
+    merged = gathered_checkpoint(root)
+    mp.spawn(_resume_main, args=(str(merged), str(tmp_path), world), nprocs=world, join=True)
+    restored = torch.load(tmp_path / "restored.pt")
+    written = read_checkpoint(merged)  # the whole state, read in one process
+    assert restored["model"].keys() == got["params"].keys()
+    for name, value in got["params"].items():
+        torch.testing.assert_close(restored["model"][name], value, rtol=0, atol=0, msg=name)
+    for name, slots in written.optimizer["state"].items():
+        for slot, value in slots.items():
+            torch.testing.assert_close(restored["optim"]["state"][name][slot], value, rtol=0, atol=0,
+                                       msg=f"{name}/{slot}")
+    assert restored["optim"]["param_groups"][0]["lr"] == pytest.approx(1e-2)
+    sizes = {f.name: f.stat().st_size for f in (merged / SHARDS_DIR).glob("*.distcp")}
+    taken = [json.loads((tmp_path / f"taken{rank}.json").read_text()) for rank in range(world)]
+    if world == 1:
+        assert taken == [sizes]
+        return
+    for rank, mine in enumerate(taken):  # measured: 213 of 380 kB each (the shards, and what both ranks hold)
+        assert mine[f"__{rank}_0.distcp"] == sizes[f"__{rank}_0.distcp"], (rank, mine, sizes)
+        assert sum(mine.values()) < 0.6 * sum(sizes.values()), (rank, mine, sizes)
+
+
+@pytest.mark.slow
+def test_a_shard_file_missing_fails_every_rank_of_a_resume_alike(fp32_ranks, tmp_path):
+    """A rank's shard lost from the checkpoint: every rank's read fails (DCP gathers the ranks' errors), so every
+    rank of a Ray Train worker group skips that checkpoint together (worker.py `_restore_point`), none waits."""
+    root, _ = fp32_ranks
+    merged = gathered_checkpoint(root)
+    (merged / SHARDS_DIR / "__1_0.distcp").unlink()
+    mp.spawn(_resume_main, args=(str(merged), str(tmp_path), WORLD), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        raised = (tmp_path / f"raised{rank}.txt").read_text()
+        assert raised.startswith("CheckpointException") and "__1_0.distcp" in raised, raised[:500]
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_of_another_model_is_an_error_not_a_checkpoint_to_skip(fp32_ranks):
+    """Tensors missing or of another shape: resuming from an older checkpoint would not help, so the worker does
+    not fall back (worker.py lets ShardMismatchError through) and the error names the tensors and the fix."""
+    from orchestrator.training.sharding import ShardMismatchError, restore_own_shards
+
+    root, _ = fp32_ranks
+    merged = gathered_checkpoint(root)
+    model = tiny_model(ffn=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    groups = read_checkpoint(merged, in_full=False).optimizer["param_groups"]
+    with pytest.raises(ShardMismatchError, match=r"ffn.*missing or of another shape; resume with the spec"):
+        restore_own_shards(model, optimizer, merged / SHARDS_DIR, groups)
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("touch PWNED",))

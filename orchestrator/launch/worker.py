@@ -14,7 +14,7 @@ import logging
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -50,7 +50,7 @@ from orchestrator.training.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from orchestrator.training.sharding import shard_model
+from orchestrator.training.sharding import SHARDS_DIR, ShardMismatchError, shard_model
 from orchestrator.training.trainer import Cadence, NonFiniteLoss, Trainer, unwrap
 from tasks.base import WorkerContext
 
@@ -196,11 +196,13 @@ class RayHooks:
         self.logger.close(status)
 
 
-def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> tuple[TrainingState | None, set[str]]:
-    """The newest readable checkpoint of this run: Ray's registered latest, or a newer complete one on disk
-    that a kill kept Ray from registering; an unreadable one (truncated, corrupt) is skipped, said, and the
-    one before it is taken. Also the checkpoint names already in storage, which new checkpoints must not reuse
-    (`fresh_checkpoint_name`): every rank lists them here, before any rank can write one."""
+def _restore_point(registered: Any, run_path: str, label: str, rank: int,
+                   restore: Callable[[TrainingState, Path | None], None]) -> tuple[TrainingState | None, set[str]]:
+    """Restore the newest readable checkpoint of this run (`restore`: Trainer.restore): Ray's registered latest, or
+    a newer complete one on disk that a kill kept Ray from registering; an unreadable one (truncated, corrupt, a
+    shard missing) is skipped, said, and the one before it is taken. Also the checkpoint names already in storage,
+    which new checkpoints must not reuse (`fresh_checkpoint_name`): every rank lists them here, before any rank can
+    write one."""
     fs, path = storage_fs(run_path)
     candidates = {name: ray.train.Checkpoint(join(path, name), filesystem=fs) for name in checkpoint_steps(run_path)}
     if registered is not None:
@@ -210,14 +212,24 @@ def _restore_point(registered: Any, run_path: str, label: str, rank: int) -> tup
     for name in sorted(candidates, key=checkpoint_order, reverse=True):
         try:
             with candidates[name].as_directory() as directory:
-                state = read_checkpoint(Path(directory))
-        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
-            skipped.append(f"{name} ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})")
+                state = read_checkpoint(Path(directory), in_full=False)
+                if state.sharded:  # each rank reads its own shards, while the folder is here (from S3: a download)
+                    restore(state, Path(directory) / SHARDS_DIR)
+        except ShardMismatchError:
+            raise  # another model's checkpoint, not a damaged one: an older one would not fit either
+        except BaseException as err:  # noqa: BLE001 - DCP's read error (a shard missing) is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [""]
+            reason = lines[0] if isinstance(err, Exception) else lines[-1]  # DCP's: the ranks, a traceback, the error
+            skipped.append(f"{name} ({type(err).__name__}: {reason[:120]})")
             continue
         if rank == 0 and skipped:
             sys.stdout.write(f"[{label}] checkpoint {', '.join(skipped)} is unreadable; resuming from the "
                              f"previous intact checkpoint {name} instead (the unreadable folder is left as it "
                              "is; the steps after it are checkpointed under new names)\n")
+        if not state.sharded:
+            restore(state, None)
         return state, taken
     if rank == 0 and skipped:
         sys.stdout.write(f"[{label}] no readable checkpoint ({', '.join(skipped)}); starting from step 0\n")
@@ -290,9 +302,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     run = cfg.run
     registered = ray.train.get_checkpoint()
-    state, taken_names = _restore_point(registered, cfg.run_path, cfg.label, rank)
+    state, taken_names = _restore_point(registered, cfg.run_path, cfg.label, rank, trainer.restore)
     if state is not None:
-        trainer.restore(state)
         run = run.with_run_id(state.mlflow_run_id)  # the run id may have appeared only after an outage
 
     hooks = RayHooks(cfg, spec, run, rank)

@@ -5,8 +5,9 @@ rank's data position, stream state and RNG states, the MLflow run id), `spec.yam
 can be rebuilt from the checkpoint alone; STYLE.md section 3) and `tokenizer.model` (the run's sentencepiece
 model, which scoring and fine-tuning read instead of rebuilding it from the data). A sharded (FSDP) run's model
 and optimizer tensors are in `sharded/` instead, one file per rank (torch.distributed.checkpoint), read back in
-full by `read_checkpoint` (orchestrator/training/sharding.py). The directory is filled under a
-temporary name and renamed into place, so a crash never leaves a half-written checkpoint for Ray to upload.
+full by `read_checkpoint`, or by a resumed sharded run each rank its own shards (orchestrator/training/sharding.py).
+The directory is filled under a temporary name and renamed into place, so a crash never leaves a half-written
+checkpoint for Ray to upload.
 
 A checkpoint holds data, never code: `state.pt` is tensors, numbers, strings and containers of them, and is read
 with `torch.load(weights_only=True)`, PyTorch's restricted unpickler, so a `state.pt` planted in a shared bucket or
@@ -163,8 +164,10 @@ def _legacy_numpy_types() -> list[Any]:
             (reconstruct, "numpy.core.multiarray._reconstruct"), (reconstruct, "numpy._core.multiarray._reconstruct")]
 
 
-def read_checkpoint(directory: Path) -> TrainingState:
-    """The state of a checkpoint directory (written by `write_checkpoint`), read as data only."""
+def read_checkpoint(directory: Path, *, in_full: bool = True) -> TrainingState:
+    """The state of a checkpoint directory (written by `write_checkpoint`), read as data only. A sharded one's
+    tensors are read in full, unless `in_full` is False: a sharded run's ranks then read their own shards from the
+    folder (`Trainer.restore(state, shards=...)`), and the state holds the optimizer's param groups only."""
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{directory} holds no {STATE_FILE}; it was not written by "
@@ -184,7 +187,7 @@ def read_checkpoint(directory: Path) -> TrainingState:
     if unknown := sorted(data.keys() - TrainingState.__dataclass_fields__.keys()):
         raise CheckpointError(f"{path} holds fields no training state has: {unknown}")
     state = TrainingState(**data)
-    if state.sharded:
+    if state.sharded and in_full:
         try:
             state.model, state.optimizer = load_full_state(Path(directory) / SHARDS_DIR,
                                                            state.optimizer.get("param_groups", []))

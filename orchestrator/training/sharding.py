@@ -121,6 +121,45 @@ def restore_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, model_st
                    options=StateDictOptions(full_state_dict=True))
 
 
+class ShardMismatchError(ValueError):
+    """A sharded checkpoint of another model (not a damaged one: resuming from an older checkpoint would not help)."""
+
+
+def restore_own_shards(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
+                       param_groups: list[dict]) -> None:
+    """Read a sharded checkpoint's DCP folder straight into this rank's shards, as torchtitan resumes: DCP reads,
+    for each tensor, only the parts that overlap this rank's shard, so no rank holds the full state (which
+    `restore_sharded` needs: the model, gradients-sized AdamW moments and all, on every rank at once). A run resumed
+    on another number of ranks is resharded by the same read. A collective of every rank; a shard file missing or
+    cut short fails every rank alike (DCP gathers the ranks' read errors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    flat, _ = shard_tensors(model, optimizer)  # AdamW's moments made by a zero step first (torch's state_dict.py)
+    reader = safe_shard_reader(directory)
+    stored = reader.read_metadata().state_dict_metadata
+    wrong = sorted(key for key, value in flat.items()
+                   if not isinstance(stored.get(key), TensorStorageMetadata) or stored[key].size != value.shape)
+    if wrong:
+        raise ShardMismatchError(f"{directory} does not hold this model's tensors: {wrong[:3]} are missing or of another "
+                         "shape; resume with the spec that wrote it")
+    dcp.load(flat, storage_reader=reader)
+    model_state, optimizer_state = _unflatten(flat, param_groups)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+
+def _unflatten(flat: dict[str, Any], param_groups: list[dict]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`shard_tensors`' flat keys back to a model state and an FQN-keyed optimizer state."""
+    model_state = {k[len(MODEL_PREFIX):]: v for k, v in flat.items() if k.startswith(MODEL_PREFIX)}
+    slots: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith(OPTIM_PREFIX):
+            name, slot = key[len(OPTIM_PREFIX):].rsplit("/", 1)
+            slots.setdefault(name, {})[slot] = value
+    return model_state, {"state": slots, "param_groups": param_groups}
+
+
 # --- reading a sharded checkpoint as data ------------------------------------------------------------------
 
 
@@ -197,10 +236,4 @@ def load_full_state(directory: Path, param_groups: list[dict]) -> tuple[dict[str
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load(flat, storage_reader=safe_shard_reader(directory), no_dist=True)
-    model_state = {k[len(MODEL_PREFIX):]: v for k, v in flat.items() if k.startswith(MODEL_PREFIX)}
-    slots: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in flat.items():
-        if key.startswith(OPTIM_PREFIX):
-            name, slot = key[len(OPTIM_PREFIX):].rsplit("/", 1)
-            slots.setdefault(name, {})[slot] = value
-    return model_state, {"state": slots, "param_groups": param_groups}
+    return _unflatten(flat, param_groups)

@@ -22,6 +22,7 @@ import random
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -43,6 +44,7 @@ from orchestrator.training.sharding import (
     evaluate_replica,
     full_model_state,
     is_sharded,
+    restore_own_shards,
     restore_sharded,
     shard_tensors,
 )
@@ -292,14 +294,19 @@ class Trainer:
 
     # --- state ---------------------------------------------------------------------------------------
 
-    def restore(self, state: TrainingState) -> None:
+    def restore(self, state: TrainingState, shards: Path | None = None) -> None:
         """Continue from a checkpoint of this run: weights, optimizer, schedule, step, best, and this rank's
-        data position, stream state and RNG (a run resumed on fewer ranks keeps the positions it has)."""
+        data position, stream state and RNG (a run resumed on fewer ranks keeps the positions it has). A sharded
+        state read without its tensors (`read_checkpoint(in_full=False)`) comes with its DCP folder, `shards`."""
         if state.sharded != is_sharded(self.model):
             raise ValueError(f"checkpoint of step {state.step} was written by a {'sharded' if state.sharded else 'DDP'} "
                              f"run; this run is {'sharded' if is_sharded(self.model) else 'not sharded'}: resume it "
                              "with the run.strategy it was trained with")
-        if state.sharded:
+        if state.sharded and not state.model:
+            if shards is None:
+                raise ValueError(f"checkpoint of step {state.step} was read without its shards: pass its folder")
+            restore_own_shards(self.model, self.opt.optimizer, shards, state.optimizer.get("param_groups", []))
+        elif state.sharded:
             # The full (FQN-keyed) state, read from every rank's shards; each rank keeps its own shard of it.
             restore_sharded(self.model, self.opt.optimizer, state.model, state.optimizer)
         else:
