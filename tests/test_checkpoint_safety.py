@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -138,3 +139,39 @@ def test_a_run_resumes_from_its_own_checkpoint_after_the_change(tmp_path):
     longer = spec.model_copy(update={"optim": spec.optim.model_copy(update={"max_steps": 3})})
     trainer, _ = train_locally(longer, cache_dir=tmp_path / "cache", folder=tmp_path / "run")
     assert trainer.step == 3
+
+
+def _sharded_checkpoints(run: Path, steps: tuple[int, ...]) -> None:
+    """state.pt files of a sharded run (their tensors would be in sharded/, which the restore below stands in for)."""
+    for step in steps:
+        write_checkpoint(run, TrainingState(step=step, model={}, optimizer={"param_groups": []}, scheduler={},
+                                            scaler={}, data_positions=[None], rng=[], mlflow_run_id=None,
+                                            sharded=True), "name: x\n")
+
+
+def test_a_resume_skips_a_sharded_checkpoint_whose_shards_cannot_be_read_and_nothing_else(tmp_path, capsys):
+    """A resumed worker's ranks read their own shards inside `_restore_point`: DCP's read error (a shard missing,
+    raised on every rank) skips that checkpoint for the one before; any other error of the restore (another
+    model, another run.strategy) stops the run, since an older checkpoint would not do either."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    run = tmp_path / "run"
+    _sharded_checkpoints(run, (2, 4))
+    restored = []
+
+    def shard_missing_at_4(state, shards):
+        if state.step == 4:
+            missing = FileNotFoundError(f"No such file: {shards}/__1_0.distcp")
+            raise CheckpointException("load", {1: (missing, traceback.StackSummary())})
+        restored.append((state.step, shards.name))
+
+    state, taken = worker._restore_point(None, str(run), "unit", rank=0, restore=shard_missing_at_4)
+    assert state.step == 2 and restored == [(2, "sharded")] and taken == {checkpoint_name(2), checkpoint_name(4)}
+    out = capsys.readouterr().out
+    assert f"checkpoint {checkpoint_name(4)} (CheckpointException: " in out and "__1_0.distcp" in out, out
+
+    def another_model(state, shards):
+        raise ValueError("does not hold this model's tensors")
+
+    with pytest.raises(ValueError, match="this model's tensors"):
+        worker._restore_point(None, str(run), "unit", rank=0, restore=another_model)

@@ -335,7 +335,7 @@ def test_a_shard_file_missing_fails_every_rank_of_a_resume_alike(fp32_ranks, tmp
 @pytest.mark.slow
 def test_a_sharded_checkpoint_of_another_model_is_an_error_not_a_checkpoint_to_skip(fp32_ranks):
     """Tensors missing or of another shape: resuming from an older checkpoint would not help, so the worker does
-    not fall back (worker.py lets ShardMismatchError through) and the error names the tensors and the fix."""
+    not fall back (worker.py `_restore_point` skips read errors only) and the error names the tensors and the fix."""
     from orchestrator.training.sharding import ShardMismatchError, restore_own_shards
 
     root, _ = fp32_ranks

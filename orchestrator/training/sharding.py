@@ -142,8 +142,8 @@ def restore_own_shards(model: nn.Module, optimizer: torch.optim.Optimizer, direc
     wrong = sorted(key for key, value in flat.items()
                    if not isinstance(stored.get(key), TensorStorageMetadata) or stored[key].size != value.shape)
     if wrong:
-        raise ShardMismatchError(f"{directory} does not hold this model's tensors: {wrong[:3]} are missing or of another "
-                         "shape; resume with the spec that wrote it")
+        raise ShardMismatchError(f"{directory} does not hold this model's tensors: {wrong[:3]} are missing or of "
+                                 "another shape; resume with the spec that wrote it")
     dcp.load(flat, storage_reader=reader)
     model_state, optimizer_state = _unflatten(flat, param_groups)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
