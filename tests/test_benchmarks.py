@@ -297,6 +297,7 @@ def test_launch_cpu_sweeps_its_trials_one_at_a_time_under_fifo(tmp_path):
     assert expected_trials(study) == 3 and study.base.tune.max_concurrent == 1
     assert study.base.tune.scheduler == "fifo"
 
+
 def test_test_tier_units_sums_each_xdist_group_and_reads_the_wall_time():
     from benchmarks.system.test_tier_units import read_log
 

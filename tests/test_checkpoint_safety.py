@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -150,10 +149,11 @@ def _sharded_checkpoints(run: Path, steps: tuple[int, ...]) -> None:
 
 
 def test_a_resume_skips_a_sharded_checkpoint_whose_shards_cannot_be_read_and_nothing_else(tmp_path, capsys):
-    """A resumed worker's ranks read their own shards inside `_restore_point`: DCP's read error (a shard missing,
-    raised on every rank) skips that checkpoint for the one before; any other error of the restore (another
+    """A resumed worker's ranks read their own shards inside `_restore_point`: a read error (a shard missing, DCP's
+    error on every rank, as tests/test_fsdp.py raises it) skips that checkpoint for the one before, named by the
+    end of its message; any other error of the restore (another
     model, another run.strategy) stops the run, since an older checkpoint would not do either."""
-    from torch.distributed.checkpoint.api import CheckpointException
+    from orchestrator.training.sharding import ShardReadError
 
     run = tmp_path / "run"
     _sharded_checkpoints(run, (2, 4))
@@ -161,14 +161,14 @@ def test_a_resume_skips_a_sharded_checkpoint_whose_shards_cannot_be_read_and_not
 
     def shard_missing_at_4(state, shards):
         if state.step == 4:
-            missing = FileNotFoundError(f"No such file: {shards}/__1_0.distcp")
-            raise CheckpointException("load", {1: (missing, traceback.StackSummary())})
+            raise ShardReadError(f"{shards} cannot be read, a rank's shard is missing or incomplete: "
+                                 f"FileNotFoundError: [Errno 2] No such file or directory: '{shards}/__1_0.distcp'")
         restored.append((state.step, shards.name))
 
     state, taken = worker._restore_point(None, str(run), "unit", rank=0, restore=shard_missing_at_4)
     assert state.step == 2 and restored == [(2, "sharded")] and taken == {checkpoint_name(2), checkpoint_name(4)}
     out = capsys.readouterr().out
-    assert f"checkpoint {checkpoint_name(4)} (CheckpointException: " in out and "__1_0.distcp" in out, out
+    assert f"checkpoint {checkpoint_name(4)} (ShardReadError: " in out and "__1_0.distcp'" in out, out
 
     def another_model(state, shards):
         raise ValueError("does not hold this model's tensors")

@@ -242,7 +242,6 @@ def test_a_sharded_checkpoint_reads_back_in_full_in_one_process(fp32_ranks):
         read_checkpoint(merged)
 
 
-
 def _resume_main(rank: int, merged: str, out: str, world: int) -> None:
     """One rank of a resumed sharded run: a fresh model with other weights, restored from `merged` the way a Ray
     Train worker restores (read_checkpoint without the tensors, then Trainer.restore's read of its own shards);
@@ -277,7 +276,7 @@ def _resume_main(rank: int, merged: str, out: str, world: int) -> None:
         assert state.sharded and state.model == {}
         try:
             sharding.restore_own_shards(model, optimizer, Path(merged) / SHARDS_DIR, state.optimizer["param_groups"])
-        except BaseException as err:  # DCP's read error is a BaseException  # noqa: BLE001
+        except sharding.ShardReadError as err:
             (Path(out) / f"raised{rank}.txt").write_text(f"{type(err).__name__}: {err}")
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -321,15 +320,16 @@ def test_each_rank_of_a_resumed_sharded_run_reads_its_own_shards(fp32_ranks, tmp
 
 @pytest.mark.slow
 def test_a_shard_file_missing_fails_every_rank_of_a_resume_alike(fp32_ranks, tmp_path):
-    """A rank's shard lost from the checkpoint: every rank's read fails (DCP gathers the ranks' errors), so every
-    rank of a Ray Train worker group skips that checkpoint together (worker.py `_restore_point`), none waits."""
+    """A rank's shard lost from the checkpoint: every rank's read fails with a ShardReadError naming the file (DCP
+    gathers the ranks' errors), so every rank of a Ray Train worker group skips that checkpoint together (worker.py
+    `_restore_point`), none waits."""
     root, _ = fp32_ranks
     merged = gathered_checkpoint(root)
     (merged / SHARDS_DIR / "__1_0.distcp").unlink()
     mp.spawn(_resume_main, args=(str(merged), str(tmp_path), WORLD), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         raised = (tmp_path / f"raised{rank}.txt").read_text()
-        assert raised.startswith("CheckpointException") and "__1_0.distcp" in raised, raised[:500]
+        assert raised.startswith("ShardReadError") and "__1_0.distcp" in raised, raised[:500]
 
 
 @pytest.mark.slow
@@ -345,6 +345,7 @@ def test_a_sharded_checkpoint_of_another_model_is_an_error_not_a_checkpoint_to_s
     groups = read_checkpoint(merged, in_full=False).optimizer["param_groups"]
     with pytest.raises(ShardMismatchError, match=r"ffn.*missing or of another shape; resume with the spec"):
         restore_own_shards(model, optimizer, merged / SHARDS_DIR, groups)
+
 
 class _RunsCode:
     def __reduce__(self):

@@ -50,7 +50,7 @@ from orchestrator.training.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from orchestrator.training.sharding import SHARDS_DIR, shard_model
+from orchestrator.training.sharding import SHARDS_DIR, ShardIndexError, ShardReadError, shard_model
 from orchestrator.training.trainer import Cadence, NonFiniteLoss, Trainer, unwrap
 from tasks.base import WorkerContext
 
@@ -196,19 +196,11 @@ class RayHooks:
         self.logger.close(status)
 
 
-class _Unreadable(Exception):
-    """A checkpoint `read_checkpoint` refused or could not read (`error`)."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _shard_read_error(err: BaseException) -> bool:
-    """DCP's CheckpointException (a BaseException): a rank's shard missing or cut short, raised on every rank
-    alike. DCP's module is loaded by then: the read that raised it imported it."""
-    api = sys.modules.get("torch.distributed.checkpoint.api")
-    return api is not None and isinstance(err, api.CheckpointException)
+def _shortened(message: str, width: int = 120) -> str:
+    """A message's first line in `width` characters, its middle left out: a long path's start and, at its end,
+    the file or reason that names what failed."""
+    line = message.splitlines()[0] if message else ""
+    return line if len(line) <= width else f"{line[:width // 2 - 3]}...{line[-(width // 2):]}"
 
 
 def _restore_point(registered: Any, run_path: str, label: str, rank: int,
@@ -225,24 +217,17 @@ def _restore_point(registered: Any, run_path: str, label: str, rank: int,
     taken = set(candidates)
     skipped: list[str] = []
     for name in sorted(candidates, key=checkpoint_order, reverse=True):
+        restoring = False
         try:
             with candidates[name].as_directory() as directory:
-                try:
-                    state = read_checkpoint(Path(directory), in_full=False)
-                except Exception as err:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
-                    raise _Unreadable(err) from None
+                state = read_checkpoint(Path(directory), in_full=False)
                 if state.sharded:  # each rank reads its own shards, while the folder is here (from S3: a download)
+                    restoring = True
                     restore(state, Path(directory) / SHARDS_DIR)
-        except BaseException as err:  # noqa: BLE001 - DCP's read error (a shard missing) is a BaseException
-            if not isinstance(err, _Unreadable) and not _shard_read_error(err):
+        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
+            if restoring and not isinstance(err, (ShardReadError, ShardIndexError)):
                 raise  # another model's checkpoint, another strategy's: an older checkpoint would not do either
-            cause = err.error if isinstance(err, _Unreadable) else err
-            lines = [line.strip() for line in str(cause).splitlines() if line.strip()] or [""]
-            if isinstance(err, _Unreadable):
-                reason = lines[0][:120]
-            else:  # DCP's: the ranks, a traceback, then the error, whose end names the file (a long path's start not)
-                reason = lines[-1] if len(lines[-1]) <= 120 else f"...{lines[-1][-117:]}"
-            skipped.append(f"{name} ({type(cause).__name__}: {reason})")
+            skipped.append(f"{name} ({type(err).__name__}: {_shortened(str(err))})")
             continue
         if rank == 0 and skipped:
             sys.stdout.write(f"[{label}] checkpoint {', '.join(skipped)} is unreadable; resuming from the "

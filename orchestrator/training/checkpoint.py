@@ -34,6 +34,7 @@ from orchestrator.storage.layout import checkpoint_name
 from orchestrator.training.sharding import (
     SHARDS_DIR,
     ShardIndexError,
+    ShardReadError,
     load_full_state,
     save_shards,
 )
@@ -191,12 +192,6 @@ def read_checkpoint(directory: Path, *, in_full: bool = True) -> TrainingState:
         try:
             state.model, state.optimizer = load_full_state(Path(directory) / SHARDS_DIR,
                                                            state.optimizer.get("param_groups", []))
-        except ShardIndexError as err:
+        except (ShardIndexError, ShardReadError) as err:
             raise CheckpointError(str(err)) from None
-        except BaseException as err:  # DCP's CheckpointException is a BaseException: a shard missing or cut short
-            if isinstance(err, (KeyboardInterrupt, SystemExit)):
-                raise
-            last = next((line.strip() for line in reversed(str(err).splitlines()) if line.strip()), type(err).__name__)
-            raise CheckpointError(f"{Path(directory) / SHARDS_DIR} cannot be read in full ({last[:300]}): a rank's "
-                                  "shard is missing or incomplete") from None
     return state

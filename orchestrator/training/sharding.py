@@ -23,12 +23,13 @@ that shards imports it, inside the functions below (benchmarks/RESULTS.md, "Star
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import pickle
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,20 +132,22 @@ def restore_own_shards(model: nn.Module, optimizer: torch.optim.Optimizer, direc
     for each tensor, only the parts that overlap this rank's shard, so no rank holds the full state (which
     `restore_sharded` needs: the model, gradients-sized AdamW moments and all, on every rank at once). A run resumed
     on another number of ranks is resharded by the same read. A collective of every rank; a shard file missing or
-    cut short fails every rank alike (DCP gathers the ranks' read errors)."""
+    cut short fails every rank alike with a ShardReadError (DCP gathers the ranks' read errors)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     flat, _ = shard_tensors(model, optimizer)  # AdamW's moments made by a zero step first (torch's state_dict.py)
     reader = safe_shard_reader(directory)
-    stored = reader.read_metadata().state_dict_metadata
+    with _shard_read(directory):
+        stored = reader.read_metadata().state_dict_metadata
     wrong = sorted(key for key, value in flat.items()
                    if not isinstance(stored.get(key), TensorStorageMetadata) or stored[key].size != value.shape)
     if wrong:
         raise ShardMismatchError(f"{directory} does not hold this model's tensors: {wrong[:3]} are missing or of "
                                  "another shape; resume with the spec that wrote it")
-    dcp.load(flat, storage_reader=reader)
+    with _shard_read(directory):
+        dcp.load(flat, storage_reader=reader)
     model_state, optimizer_state = _unflatten(flat, param_groups)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
@@ -165,6 +168,24 @@ def _unflatten(flat: dict[str, Any], param_groups: list[dict]) -> tuple[dict[str
 
 class ShardIndexError(ValueError):
     """A DCP index that is not one this project writes."""
+
+
+class ShardReadError(ValueError):
+    """A rank's shard missing or cut short: DCP's read failed (under a process group, on every rank alike)."""
+
+
+@contextlib.contextmanager
+def _shard_read(directory: Path) -> Iterator[None]:
+    """DCP's read error, a BaseException (CheckpointException) whose last line names the failing file, as a
+    ShardReadError that says so."""
+    try:
+        yield
+    except BaseException as err:
+        if isinstance(err, (KeyboardInterrupt, SystemExit, ShardIndexError)):
+            raise
+        last = next((line.strip() for line in reversed(str(err).splitlines()) if line.strip()), type(err).__name__)
+        raise ShardReadError(f"{directory} cannot be read, a rank's shard is missing or incomplete: "
+                             f"{last[-300:]}") from None
 
 
 @functools.cache
@@ -229,11 +250,11 @@ def load_full_state(directory: Path, param_groups: list[dict]) -> tuple[dict[str
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = safe_shard_reader(directory)
-    entries = reader.read_metadata().state_dict_metadata
-    flat = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-            for key, meta in entries.items() if isinstance(meta, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+    with _shard_read(directory), warnings.catch_warnings():
+        # DCP's "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        entries = safe_shard_reader(directory).read_metadata().state_dict_metadata
+        flat = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+                for key, meta in entries.items() if isinstance(meta, TensorStorageMetadata)}
         dcp.load(flat, storage_reader=safe_shard_reader(directory), no_dist=True)
     return _unflatten(flat, param_groups)
