@@ -97,8 +97,9 @@ fi
 
 step "kernel tests (limit ${kernel_s} s, $workers processes)"
 # shellcheck disable=SC2086 # the test files are words
-env "${device_env[@]}" timeout -s TERM "$kernel_s" "$python" -m pytest -q -p no:cacheprovider -n "$workers" \
-    --durations=15 $kernel_tests > "$files/kernel_tests.txt" 2>&1
+# addopts replaced: pyproject's name pytest-xdist 3.8's options, and the image's pytest-xdist may be older.
+env "${device_env[@]}" timeout -s TERM "$kernel_s" "$python" -m pytest -q -p no:cacheprovider -o addopts="-ra" \
+    -n "$workers" --dist loadgroup --durations=15 $kernel_tests > "$files/kernel_tests.txt" 2>&1
 kernel_rc=$?
 tail -n 25 "$files/kernel_tests.txt"
 [ "$kernel_rc" = 124 ] && echo "kernel tests: stopped at their limit (${kernel_s} s)"
