@@ -155,7 +155,7 @@ def test_a_dry_window_unpacks_the_bundle_runs_the_kernel_tests_and_the_suite_and
     assert summary_rows((out / "gpu_suite_summary.md").read_text())["train_step"]["status"] == "dry-run"
     with tarfile.open(out / "window.tar.xz") as archive:
         names = {member.name.removeprefix("./") for member in archive.getmembers() if member.isfile()}
-        freeze = archive.extractfile("./pip_freeze.txt").read().decode()
+        freeze = archive.extractfile("pip_freeze.txt").read().decode()
     machine = next(name.split("/")[1] for name in names if name.startswith("suite/"))
     assert names == {"versions.txt", "pip_freeze.txt", "kernel_tests.txt", f"suite/{machine}/gpu_suite_summary.md",
                      f"suite/{machine}/gpu_train_step.csv"}

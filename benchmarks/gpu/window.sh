@@ -57,7 +57,10 @@ step() { echo "== [$((SECONDS - start)) s] $*"; }
 step "setup"
 if [ -n "$bundle" ]; then
     site=${TMPDIR:-/tmp}/gpu-window-site
-    rm -rf "$site" && mkdir -p "$site" && tar -xJf "$bundle" -C "$site" || { echo "could not unpack $bundle"; exit 1; }
+    # Python's tarfile, not tar: an image may lack xz. The data filter refuses links and paths out of the folder.
+    rm -rf "$site" && mkdir -p "$site" && "$python" -c 'import sys, tarfile
+tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$bundle" "$site" ||
+        { echo "could not unpack $bundle"; exit 1; }
     export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
     echo "unpacked $bundle into $site ($(du -sm "$site" | cut -f1) MiB)"
 else
@@ -125,7 +128,17 @@ summary=$(find "$files/suite" -name gpu_suite_summary.md 2>/dev/null | head -n 1
 [ -n "$summary" ] && cp "$summary" "$out/gpu_suite_summary.md"
 cp "$files/kernel_tests.txt" "$out/kernel_tests.txt"
 # The sweep part's MLflow store and Ray's trial folders stay behind: gpu_sweep.csv holds what they showed.
-tar -cJf "$out/window.tar.xz" -C "$files" --exclude='./suite/*/sweep' . && rm -rf "$files"
+"$python" - "$files" "$out/window.tar.xz" <<'EOF' && rm -rf "$files"
+import sys, tarfile
+from pathlib import Path
+files = Path(sys.argv[1])
+with tarfile.open(sys.argv[2], "w:xz") as archive:
+    for path in sorted(files.rglob("*")):
+        relative = path.relative_to(files)
+        in_sweep = len(relative.parts) > 2 and relative.parts[0] == "suite" and relative.parts[2] == "sweep"
+        if path.is_file() and not in_sweep:
+            archive.add(path, arcname=str(relative))
+EOF
 step "done: $out (console.txt, kernel_tests.txt, gpu_suite_summary.md, window.tar.xz)"
 exec >&- 2>&-
 wait "$tee_pid"
