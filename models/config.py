@@ -9,6 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from models.attention.registry import ATTENTION, AttentionConfig, AttentionRegistry
 
+REVERSIBLE_DECODER = (
+    "model.reversible=true is not supported for a translation decoder: its cross-attention is a third residual "
+    "branch that the two-stream RevNet block has no place for. Set model.reversible=false for translation, or use "
+    "it with masked or causal LM"
+)
+"""Raised by the spec check (ModelConfig.check_task) and, for models built without one, by the decoder stack."""
+
 
 class StandardEmbeddingConfig(BaseModel):
     """A d_model lookup table (tied with the output layer unless model.tie_output is false)."""
@@ -81,6 +88,12 @@ class DeFINEConfig(BaseModel):
                     f"multiple of the group counts {self.groups()} (transform={self.transform}, g_max={self.g_max}): "
                     "each group takes an equal share of every layer; pick a multiple or a smaller g_max"
                 )
+        if self.input_dim > self.width:
+            raise ValueError(
+                f"model.embedding.input_dim={self.input_dim} is larger than model.embedding.width={self.width}: "
+                "DeFINE's Map-Expand-Reduce widens the lookup of width n (input_dim) up to k (width), n < k (Mehta "
+                "et al., 2020, Sec. 3); raise width to at least input_dim, or lower input_dim"
+            )
         return self
 
 
@@ -107,6 +120,12 @@ class AdaptiveInputConfig(BaseModel):
         if self.factor < 1:
             raise ValueError(f"model.embedding.factor must be >= 1 (got {self.factor}); the paper uses 4")
         return self
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError when the bands do not fit a vocabulary of `vocab_size` ids."""
+        if self.cutoffs[-1] >= vocab_size:
+            raise ValueError(f"model.embedding.cutoffs={self.cutoffs} must stay below the vocabulary size "
+                             f"{vocab_size}; drop or lower the last cutoff")
 
     def band_dims(self, d_model: int) -> list[int]:
         return [int(d_model // self.factor**i) for i in range(len(self.cutoffs) + 1)]
@@ -184,6 +203,10 @@ class ModelConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         attention = data.get("attention", {"kind": "mha"})
+        if isinstance(attention, list):
+            raise ValueError(f"model.attention is a list of {len(attention)}, but a list is not an attention block: "
+                             "give one block ({kind: mha, heads: 8}), or sweep several with {grid: [{kind: mha}, "
+                             "{kind: linformer, k: 64}]}")
         if isinstance(attention, BaseModel):
             attention = attention.model_dump()
         attention = dict(attention)
@@ -235,6 +258,22 @@ class ModelConfig(BaseModel):
                                  "recomputes its input and has no cached states); drop one of them")
         self.attention.mechanism.check_model(self)
         return self
+
+    def check_task(self, kind: str, longest: int, source: str, vocab_size: int | None) -> None:
+        """Raise ValueError, naming the field to fix, where this model does not fit the task that feeds it: `kind`
+        is task.kind, `longest` the longest sequence it feeds (`source` names what sets it, e.g. task.seq_len),
+        `vocab_size` its vocabulary (None where the spec does not fix it). The spec check calls this
+        (orchestrator/spec/models.py), so `validate` refuses what would otherwise fail at model build."""
+        if self.reversible and kind == "translation":
+            raise ValueError(REVERSIBLE_DECODER)
+        if self.decoder_layers is not None and kind != "translation":
+            raise ValueError(f"model.decoder_layers={self.decoder_layers} is the decoder depth of a translation "
+                             f"model; task.kind: {kind} has no separate decoder, so it would be ignored: remove "
+                             "model.decoder_layers (model.layers sets the depth)")
+        if isinstance(self.embedding, AdaptiveInputConfig) and vocab_size is not None:
+            self.embedding.check_vocab(vocab_size)
+        where = "model.attention.mechanism" if "mechanism" in type(self.attention).model_fields else "model.attention"
+        self.attention.mechanism.check_length(longest, source, where)
 
     @classmethod
     def for_registry(cls, registry: AttentionRegistry) -> type[ModelConfig]:

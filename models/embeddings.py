@@ -121,9 +121,7 @@ class AdaptiveInput(nn.Module):
 
     def __init__(self, cfg: AdaptiveInputConfig, vocab_size: int, d_model: int):
         super().__init__()
-        if cfg.cutoffs[-1] >= vocab_size:
-            raise ValueError(f"model.embedding.cutoffs={cfg.cutoffs} must stay below the vocabulary size {vocab_size}; "
-                             "drop or lower the last cutoff")
+        cfg.check_vocab(vocab_size)
         self.bounds = [0, *cfg.cutoffs, vocab_size]
         self.d_model, self.scale = d_model, math.sqrt(d_model)
         dims = cfg.band_dims(d_model)

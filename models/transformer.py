@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from models.config import ModelConfig
+from models.config import REVERSIBLE_DECODER, ModelConfig
 from models.embeddings import build_positions, build_token_embedding
 from models.kv_cache import DecoderCache, LayerKV
 from models.reversible import reversible_stack
@@ -114,11 +114,7 @@ class TransformerStack(nn.Module):
     def __init__(self, cfg: ModelConfig, n_layers: int, shared_state: nn.ModuleDict, *, causal: bool, cross: bool):
         super().__init__()
         if cfg.reversible and cross:
-            raise ValueError(
-                "model.reversible=true is not supported for a translation decoder: its cross-attention is a third "
-                "residual branch that the two-stream RevNet block has no place for. Set model.reversible=false "
-                "for translation, or use it with masked or causal LM"
-            )
+            raise ValueError(REVERSIBLE_DECODER)
         self.reversible = cfg.reversible
         self.mem_len = cfg.memory.mem_len if cfg.memory is not None else None
         self.layers = nn.ModuleList(

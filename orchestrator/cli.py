@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.console import set_verbose
-from orchestrator.launch import LaunchError, check_data_files, check_storage
+from orchestrator.launch import LaunchError, check_before_ray, check_data_files
 from orchestrator.spec import (
     DEFAULT_GPU,
     SpecError,
@@ -134,7 +134,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _check_local_gpus(study: Study) -> None:
-    """Without a cluster to ask yet, the GPUs of this machine are what a run can get."""
+    """Without a cluster to ask yet (RAY_ADDRESS), the GPUs of this machine are what a run can get."""
     if not os.environ.get("RAY_ADDRESS"):
         check_gpus(study.base, local_gpu_count(), "this machine (no RAY_ADDRESS set)")
 
@@ -414,13 +414,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("validate", "sweep"):
             _check_fit(study, args.gpu)
         if args.command == "validate":
-            check_storage(spec)  # train and sweep check it again, in their own preflight
+            check_before_ray(spec)  # storage, labelled data, tracking: as train's and sweep's preflight
             try:
                 _check_local_gpus(study)
             except SpecError as err:  # a cluster spec validated on a laptop: worth a note, not a failure
-                print(f"note: {err}\n(set RAY_ADDRESS to check against a cluster)", file=sys.stderr)
-            print(spec_to_yaml(spec) if not study.domains else
-                  "# first trial of the sweep\n" + spec_to_yaml(spec))
+                print(f"note: {err}\n(validate asks no cluster; train and sweep check its GPUs once connected)",
+                      file=sys.stderr)
+            print(spec_to_yaml(spec) if not study.domains else "# first trial of the sweep\n" + spec_to_yaml(spec))
             print(_describe_grid(study))
             return 0
         _check_local_gpus(study)

@@ -64,6 +64,8 @@ class _TaskConfig(_Config):
     def _check_common(self) -> "_TaskConfig":
         if self.vocab_size < 16:
             raise ValueError(f"task.vocab_size={self.vocab_size} is too small; use at least 16")
+        if self.dataset == "builtin" and self.files is None:
+            _check_builtin_corpus(self, self._builtin_sides())
         if self.eval_batches is not None and self.eval_batches < 1:
             raise ValueError(f"task.eval_batches={self.eval_batches} must be >= 1, or leave it unset")
         if self.files is not None and getattr(self.files, self.eval_split) is None:
@@ -73,12 +75,30 @@ class _TaskConfig(_Config):
             )
         return self
 
+    def _builtin_sides(self) -> tuple[str, ...]:
+        """The builtin corpus's languages this kind reads: the xa text (LM, classification)."""
+        return ("xa",)
+
     @property
     def source_label(self) -> str:
         """Short human name of the data source for logs and errors."""
         if self.files is not None:
             return f"files:{self.files.train}"
         return self.dataset if self.config is None else f"{self.dataset}/{self.config}"
+
+
+def _check_builtin_corpus(cfg: _TaskConfig, languages: tuple[str, ...]) -> None:
+    """The builtin corpus has the languages asked for, and task.vocab_size holds its characters (sentencepiece
+    refuses a smaller vocabulary in the worker); from the lexicon, without building the corpus."""
+    from tasks.corpora import builtin_language_problem, builtin_vocab_floor  # corpora imports this module
+
+    if len(languages) == 2 and (problem := builtin_language_problem(*languages)):
+        raise ValueError(problem)
+    floor = builtin_vocab_floor(cfg.builtin, languages)
+    if cfg.vocab_size < floor:
+        raise ValueError(f"task.vocab_size={cfg.vocab_size} is too small for the builtin corpus: sentencepiece needs "
+                         f"a piece for each of its characters and 5 special pieces, {floor} here; set "
+                         f"task.vocab_size >= {floor}")
 
 
 class _CorpusTaskConfig(_TaskConfig):
@@ -185,10 +205,16 @@ class TranslationTaskConfig(_CorpusTaskConfig):
             data = {"source_lang": "xa", "target_lang": "xb", **data}
         return data
 
+    def _builtin_sides(self) -> tuple[str, ...]:
+        return (self.source_lang, self.target_lang)  # one joint vocabulary over both sides
+
     @model_validator(mode="after")
     def _check_translation(self) -> "TranslationTaskConfig":
         if self.source_lang == self.target_lang:
             raise ValueError(f"task.source_lang and task.target_lang are both {self.source_lang!r}; they must differ")
+        if self.max_source_len < 1:
+            raise ValueError(f"task.max_source_len={self.max_source_len} must be >= 1 (pieces of the longest "
+                             "training source or target kept; 128 by default)")
         if self.max_tokens < self.max_source_len:
             raise ValueError(
                 f"task.max_tokens={self.max_tokens} is smaller than task.max_source_len={self.max_source_len}; "

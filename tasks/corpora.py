@@ -135,12 +135,39 @@ def builtin_lm_corpus(cfg: BuiltinCorpusConfig) -> dict[str, list[str]]:
     return out
 
 
-def builtin_parallel_corpus(cfg: BuiltinCorpusConfig, source_lang: str, target_lang: str) -> dict[str, tuple[list[str], list[str]]]:
-    """(sources, targets) per split of the synthetic pair, in the requested direction."""
+def builtin_language_problem(source_lang: str, target_lang: str) -> str | None:
+    """Why a translation spec cannot use the builtin pair in that direction, or None (no corpus is built)."""
     for field, lang in (("source_lang", source_lang), ("target_lang", target_lang)):
         if lang not in BUILTIN_LANGUAGES:
-            raise ValueError(f"task.{field}={lang!r}: the builtin pair has languages {BUILTIN_LANGUAGES}; "
-                             "use those codes or point task.files at real parallel data")
+            return (f"task.{field}={lang!r}: the builtin pair has languages {BUILTIN_LANGUAGES}; "
+                    "use those codes or point task.files at real parallel data")
+    return None
+
+
+SPECIAL_PIECES = 5
+"""Pieces sentencepiece reserves besides the characters: pad, unk, bos, eos and <mask> (tasks/tokenizer.py)."""
+
+
+def builtin_vocab_floor(cfg: BuiltinCorpusConfig, languages: tuple[str, ...]) -> int:
+    """The smallest task.vocab_size sentencepiece accepts for the builtin corpus in `languages` (tasks/tokenizer.py
+    trains with character_coverage=1.0, so every character is a piece): the characters the grammar can render
+    (its lexicon, the plural suffix / particle, "." and the word boundary) plus SPECIAL_PIECES. Computed from the
+    lexicon alone, in microseconds; a bound the sampled corpus never exceeds (a tiny corpus may need less)."""
+    lex = _lexicon(cfg.seed, cfg.lexicon_size)
+    chars = {" ", "."}
+    for language in languages:
+        side = BUILTIN_LANGUAGES.index(language)
+        for words in (lex.nouns, lex.verbs, lex.adjectives, lex.adverbs, lex.determiners, lex.prepositions):
+            chars.update(*words[side])
+        chars.update("s" if side == 0 else "ko")  # xa's plural suffix, xb's plural particle
+    return len(chars) + SPECIAL_PIECES
+
+
+def builtin_parallel_corpus(cfg: BuiltinCorpusConfig, source_lang: str,
+                            target_lang: str) -> dict[str, tuple[list[str], list[str]]]:
+    """(sources, targets) per split of the synthetic pair, in the requested direction."""
+    if problem := builtin_language_problem(source_lang, target_lang):
+        raise ValueError(problem)
     grammar = SyntheticGrammar(cfg.seed, cfg.lexicon_size)
     out: dict[str, tuple[list[str], list[str]]] = {}
     for i, (split, n) in enumerate(_split_sizes(cfg).items()):

@@ -27,7 +27,11 @@ MEMORY_MARGIN = 0.20
 
 def _spec(kind: str, d_model: int = 32, seq_len: int = 32, batch: int = 2, checkpointing: bool = False,
           layers: int = 1):
-    attention = {"kind": kind, "heads": 4, **({"k": seq_len // 2} if kind == "linformer" else {})}
+    # Knobs that fit sequences of seq_len (the spec check refuses larger ones): Linformer's k and LSH's chunk at most
+    # seq_len; hyper with min_seq_len = seq_len, at which a causal LM still runs exact attention (what is counted).
+    knobs = {"linformer": {"k": seq_len // 2}, "lsh": {"bucket_size": min(64, seq_len)},
+             "hyper": {"min_seq_len": seq_len, "block_size": seq_len}}.get(kind, {})
+    attention = {"kind": kind, "heads": 4, **knobs}
     # linformer mixes future positions: a masked LM, as its paper trains it.
     task_kind = "mlm" if kind == "linformer" else "clm"
     return validate_spec({
@@ -90,7 +94,7 @@ def test_mha_flops_match_six_n_plus_attention(fake_counts):
 
 
 # In the slow tier: d_model = seq_len = 64, the same path at a larger size (weights 4x, attention logits 4x, logits
-# 2x), and hyper, which below its min_seq_len (4096 by default) is exact attention: mha's ops and peak plus a buffer
+# 2x), and hyper, which up to its min_seq_len (seq_len in _spec) is exact attention: mha's ops and peak plus a buffer
 # of hyperplanes. The fast tier keeps mha, linformer and lsh with and without checkpointing at 32, the depth probes'
 # size, so their counts are shared with the depth test (_FakeCounts).
 MEMORY_CASES = [pytest.param(kind, size, ac, id=f"{kind}-d{size}-{'ac' if ac else 'noac'}",
@@ -132,7 +136,7 @@ def test_memory_estimate_within_20_percent_of_the_cpu_peak(kind, size, checkpoin
     assert abs(estimate - measured) / measured <= MEMORY_MARGIN, (estimate, measured)
 
 
-# In the slow tier: hyper, which below its min_seq_len (4096 by default) is exact attention, so at these lengths its
+# In the slow tier: hyper, which up to its min_seq_len (seq_len in _spec) is exact attention, so at these lengths its
 # layers run mha's ops (plus a buffer of hyperplanes) and mha-noac proves what it would; and mha-ac, whose checkpointed
 # probes linformer-ac runs too (mha's projections with Linformer's mechanism; the case nearest the 10% margin).
 SLOW_DEPTH_CASES = (("mha", True), ("hyper", False))

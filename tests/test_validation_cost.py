@@ -78,7 +78,7 @@ def test_validating_a_d_model_16384_grid_allocates_no_weights(tmp_path):
     """A real layer 0 of mha at d_model=16384 is 4 x 16384^2 fp32 = 4.3 GB; the grid asks four such blocks. The
     process's peak RSS grows by less than 200 MB over a validation of the same grid at d_model=16."""
     small = _clm_raw("small", tmp_path)
-    kinds = [{"kind": kind, "heads": 4} for kind in ("mha", "mqa", "lsh", "hyper")]
+    kinds = [{"kind": kind, "heads": 4, **tiny_knobs(kind)} for kind in ("mha", "mqa", "lsh", "hyper")]
     small["model"]["attention"] = {"grid": kinds}
     big = {**small, "name": "big", "model": {**small["model"], "d_model": 16384, "ffn": 64}}
     for name, raw in (("small", small), ("big", big)):

@@ -36,6 +36,11 @@ class _MechanismConfig(_Config):
     def check_model(self, model: Any) -> None:
         """Raise ValueError, naming the field to fix, where this mechanism does not fit the validated ModelConfig."""
 
+    def check_length(self, longest: int, source: str, where: str) -> None:
+        """Raise ValueError, naming the field to fix, where this mechanism degenerates on inputs of at most
+        `longest` tokens: `source` names what sets that length (e.g. "task.seq_len"), `where` the block's path
+        (model.attention, model.attention.mechanism or task.patch.attention). Called by the spec check."""
+
 
 class _AttentionConfig(_Config):
     heads: int = 8
@@ -60,6 +65,9 @@ class _AttentionConfig(_Config):
     def _check_heads(self) -> "_AttentionConfig":
         if self.heads < 1:
             raise ValueError(f"model.attention.heads must be >= 1 (got {self.heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.attention.dropout must be in [0, 1) (got {self.dropout}); it is the dropout "
+                             "probability of the attention weights, 0 disables it")
         if self.d_model is not None and self.d_model % self.heads:
             raise ValueError(
                 f"model.attention.heads={self.heads} does not divide model.d_model={self.d_model}; "

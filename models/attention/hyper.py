@@ -50,6 +50,7 @@ from models.attention.exact import ExactMechanism
 from models.attention.hyper_groups import group_queries, grouped_rows
 from models.attention.hyper_levels import causal_levels, level_uniforms, stacked_levels
 from models.attention.hyper_rows import causal_rows
+from models.attention.lengths import hyper_length, hyper_model
 from models.attention.lse import exact_attention, merge_lse, merge_lse_below
 
 _LAYER_SEED_STRIDE = 1_000_003
@@ -86,6 +87,7 @@ class HyperMechanismConfig(_MechanismConfig):
     causal_routing: Literal["past_only", "paper"] = "past_only"
     """Under causal: past_only places each query in the key order by its own hash (a function of the past
     only); paper sorts the queries of a block together, which LEAKS THE FUTURE."""
+    check_length, check_model = hyper_length, hyper_model
 
     @model_validator(mode="after")
     def _check(self) -> "HyperMechanismConfig":

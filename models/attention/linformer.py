@@ -33,6 +33,7 @@ from pydantic import model_validator
 
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.exact import ExactMechanism
+from models.attention.lengths import linformer_length
 from models.attention.projections import CompressedContext
 
 
@@ -48,6 +49,7 @@ class LinformerMechanismConfig(_MechanismConfig):
     """linear: learned k x n matrix; mean/max pooling or a conv with kernel = stride = max_seq_len / k."""
     max_seq_len: int | None = None
     """Longest sequence the projection covers (defaults to model.max_seq_len); shorter inputs slice E/F."""
+    check_length = linformer_length
 
     @classmethod
     def fill_from_model(cls, block: dict[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:

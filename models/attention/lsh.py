@@ -51,6 +51,7 @@ from kernels.lsh_layout import bucket_layout
 from kernels.merge_rounds import merge_rounds
 from models.attention.base import _AttentionConfig, _MechanismConfig, _MechanismKindConfig
 from models.attention.device_copies import DeviceCopies
+from models.attention.lengths import lsh_length
 from models.attention.lse import chunked_attention, exact_attention, merge_lse_many
 
 _LAYER_SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for realistic depths
@@ -113,6 +114,7 @@ class LSHMechanismConfig(_MechanismConfig):
     causal_routing: Literal["past_only", "paper"] = "past_only"
     """Under causal: past_only attends to the last bucket_size earlier keys of the query's own bucket (a
     function of the past only); paper sorts and chunks the whole sequence, which LEAKS THE FUTURE."""
+    check_length = lsh_length
 
     @model_validator(mode="after")
     def _check(self) -> "LSHMechanismConfig":

@@ -106,6 +106,13 @@ class MHEConfig(_ProjectionKindConfig):
     tiny_knobs = {"mode": "mul", "init_std": 0.1}
     bench_knobs = {"mode": "mul"}
 
+    @model_validator(mode="after")
+    def _check_init(self) -> "MHEConfig":
+        if self.init_std < 0:
+            raise ValueError(f"model.attention.init_std must be >= 0 (got {self.init_std}): it is the standard "
+                             "deviation of the head embeddings' normal init; the default is 0.02")
+        return self
+
 
 # --- projection schemes ---------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ parent run), `prepare`, and `local_run` (the core in this process without Ray)."
 from orchestrator import lazy_face
 
 OFFERS = {
-    **dict.fromkeys(["LaunchError", "check_data_files", "check_storage", "check_tracking"], "preflight"),
+    **dict.fromkeys(["LaunchError", "check_before_ray", "check_data_files", "check_storage", "check_tracking"],
+                    "preflight"),
     **dict.fromkeys(["run_training", "RunOutcome"], "run"),
     **dict.fromkeys(["run_sweep", "SweepOutcome"], "sweep"),
     "resume": "resuming",

@@ -1,23 +1,27 @@
 """Checks that need the machine, not just the spec, done before Ray starts: a missing or empty data file
 fails here in a second with the field's name, not half a minute later inside a Ray worker; a tracking store
 that cannot be reached is refused unless the spec opts into offline logging; a multi-node cluster gets
-storage and tracking that every node reaches (`check_multi_node`, once the cluster is known); and an s3://
-storage answers and takes writes (`check_storage`). (A run name is held by one live launcher at a time:
-orchestrator/launch/name_lock.py.)"""
+storage and tracking that every node reaches (`check_multi_node`, once the cluster is known); and a storage
+URI has a known scheme, a local storage folder can be made and written, an s3:// storage answers and takes
+writes (`check_storage`). `orchestrator validate` runs these too, the tracking server's round trip included
+(`check_before_ray`). (A run name is held by one live launcher at a time: orchestrator/launch/name_lock.py.)"""
 
 from __future__ import annotations
 
 import codecs
+import difflib
 import gzip
 import ipaddress
 import os
+import re
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from orchestrator.spec import ExperimentSpec, SpecError
 from orchestrator.storage.layout import cache_dir_of
-from orchestrator.storage.locations import is_remote
+from orchestrator.storage.locations import is_remote, storage_scheme_problem
 from orchestrator.storage.object_store import (
     StorageError,
     check_s3_storage,
@@ -35,15 +39,98 @@ class LaunchError(RuntimeError):
 def check_storage(spec: ExperimentSpec) -> None:
     """The spec's run.storage_endpoint / storage_region become this process's S3 settings (storage.use_storage),
     and an s3:// run.storage_path answers and takes writes, before any trial starts (SpecError naming the field
-    and the fix); local paths are checked against the file system's length limits (`check_path_lengths`), and
-    local and other remote storage otherwise by their first write."""
+    and the fix); a URI's scheme is one pyarrow's file systems know; a local path is checked against the file
+    system's length limits (`check_path_lengths`) and must be a folder this process can make and write
+    (`folder_problem`, nothing created); other remote storage (gs://) is checked by its first write."""
+    storage = spec.run.storage_path
+    if problem := storage_scheme_problem(storage):
+        raise SpecError(f"run.storage_path={storage!r}: {problem}")
     check_path_lengths(spec)
+    if not is_remote(storage) and (problem := folder_problem(Path(storage))):
+        raise SpecError(f"run.storage_path={storage!r} cannot hold runs: {problem}; choose a folder this user can "
+                        "create and write (e.g. run.storage_path=runs), or fix that folder's permissions")
     use_storage(spec.run.storage_endpoint, spec.run.storage_region)
-    if is_s3(spec.run.storage_path):
+    if is_s3(storage):
         try:
             check_s3_storage(spec.run.storage_path)
         except StorageError as err:
             raise SpecError(str(err)) from None
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why `path` cannot be (or become) a folder this process writes, judged at its nearest existing part without
+    creating anything (an unnamed O_TMPFILE probe, which works as root too, unlike os.access), or None."""
+    existing = path.expanduser().absolute()
+    while not _exists(existing) and existing != existing.parent:  # False under a regular file too
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"{existing} cannot be written ({err.strerror or err})"
+    return None
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a folder above it not searchable (EACCES), a name too long: judged at a parent instead
+        return False
+
+
+def check_before_ray(spec: ExperimentSpec) -> None:
+    """What `validate` checks of the machine beyond the data files, as train's and sweep's preflight do before
+    Ray: the storage (check_storage), a classification spec's columns and labels (parsed into a throwaway cache,
+    so that validate writes nothing), and the tracking store (check_tracking_uri, then, for a server, the
+    round trip of check_tracking)."""
+    check_storage(spec)
+    with tempfile.TemporaryDirectory(prefix="orchestrator-validate-") as cache:
+        check_labelled_data(spec, cache)
+    check_tracking_uri(spec)
+    if spec.tracking.uri.startswith(("http://", "https://")):
+        from orchestrator.tracking.write import open_tracker  # mlflow: only when there is a server to ask
+
+        check_tracking(spec, open_tracker(spec.tracking))
+
+
+TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks",
+                    "databricks-uc", "uc")
+"""URI schemes MLflow's tracking stores take (a database scheme may name its driver: postgresql+psycopg2)."""
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why MLflow cannot use `uri` as a tracking store whatever answers there (a host:port without its scheme,
+    which MLflow reads as a folder; a misspelt scheme), or None; no store is contacted."""
+    if re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]+):\d+/?", uri):
+        return (f"tracking.uri={uri!r} is a host and port without a scheme (MLflow would read it as a folder); "
+                f"write tracking.uri=http://{uri.rstrip('/')}")
+    found = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", uri)
+    scheme = found.group(1).lower() if found else ""
+    if not scheme or scheme.split("+")[0] in TRACKING_SCHEMES:
+        return None
+    close = difflib.get_close_matches(scheme, TRACKING_SCHEMES, n=1)
+    hint = f"did you mean {close[0]}://? " if close else ""
+    return (f"tracking.uri={uri!r}: {scheme!r} is not a tracking store scheme; {hint}use one of "
+            f"{', '.join(TRACKING_SCHEMES)} (e.g. tracking.uri=sqlite:///mlflow.db or http://<host>:5000)")
+
+
+def check_tracking_uri(spec: ExperimentSpec) -> None:
+    """The tracking URI is one MLflow takes, and a SQLite store's or file store's folder can be made and written
+    (SpecError naming tracking.uri); nothing is contacted or created."""
+    uri = spec.tracking.uri
+    if problem := tracking_uri_problem(uri):
+        raise SpecError(problem)
+    if uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+    elif _is_local_tracking(uri) and not uri.startswith("sqlite:"):
+        folder = Path(uri.removeprefix("file://"))
+    else:
+        return
+    if problem := folder_problem(folder):
+        raise SpecError(f"tracking.uri={uri!r}: the store cannot be written there: {problem}; point it at a folder "
+                        "this user can write (e.g. tracking.uri=sqlite:///mlflow.db) or fix its permissions")
 
 
 PATH_HEADROOM = 512
@@ -163,7 +250,10 @@ def check_labelled_data(spec: ExperimentSpec, cache_dir: str) -> None:
 
 
 def check_tracking(spec: ExperimentSpec, tracker: "MlflowTracker") -> None:
-    """The tracking store answers, or the spec says to train without it (tracking.offline_ok)."""
+    """The tracking URI is one MLflow takes (whatever tracking.offline_ok says: a misspelt scheme never answers),
+    and the store answers, or the spec says to train without it (tracking.offline_ok)."""
+    if problem := tracking_uri_problem(spec.tracking.uri):
+        raise LaunchError(problem)
     if spec.tracking.offline_ok or tracker.reachable():
         return
     refused = str(tracker.last_error or "")

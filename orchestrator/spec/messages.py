@@ -71,11 +71,16 @@ def _unknown_field_message(root: type[BaseModel], loc: Sequence[Any]) -> str:
     return f"unknown field{hint} (docs/orchestrator.md lists every block's fields)"
 
 
+def did_you_mean(name: str, kinds: Sequence[str]) -> str:
+    """The hint 'did you mean a or b? ' naming the kinds close to a misspelt `name`; '' when none is close."""
+    close = difflib.get_close_matches(name, list(kinds), n=2, cutoff=0.6)
+    return f"did you mean {' or '.join(close)}? " if close else ""
+
+
 def _unknown_kind_message(ctx: Mapping[str, Any]) -> str:
     """A discriminated union's tag (a block's `kind`) that names no member: the close kinds, then every kind."""
     kinds = [kind.strip().strip("'") for kind in str(ctx["expected_tags"]).split(",")]
-    close = difflib.get_close_matches(str(ctx["tag"]), kinds, n=2, cutoff=0.6)
-    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    hint = did_you_mean(str(ctx["tag"]), kinds)
     return f"kind={ctx['tag']!r} is not a kind here; {hint}valid kinds: {', '.join(kinds)}"
 
 
@@ -93,5 +98,8 @@ def describe_errors(err: ValidationError, raw: Mapping[str, Any], root: type[Bas
             msg = "required field is missing; add it to the spec"
         elif item["type"] == "finite_number":
             msg = f"must be a finite number (got {item['input']}); NaN and infinity are refused"
+        elif item["type"] == "int_from_float":
+            msg += ("; this field takes integers: to search it, use {randint: [lo, hi]} (hi excluded) or "
+                    "{grid: [...]}, not uniform or loguniform, which draw floats")
         lines.append(f"  {path}: {msg}" if path else f"  {msg}")
     return "\n".join(lines)

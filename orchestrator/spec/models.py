@@ -10,21 +10,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from models import ModelConfig
 from orchestrator.spec.merge import merge_mappings
 from orchestrator.spec.messages import describe_errors
 from orchestrator.spec.names import Name
 from orchestrator.storage.locations import resolve as resolve_location
-from tasks import check_compatible
+from tasks import check_compatible, listops, long_range
 from tasks.config import TaskConfig
 
 COST_OBJECTIVES = ("params.attention", "params.total", "train/tokens_per_s", "memory/peak_gb", "train/loss")
@@ -72,10 +65,8 @@ class OptimConfig(_Section):
             raise ValueError("optim.max_steps must be >= 1 (0 only for task.kind: pretrained_lm, which may score "
                              "without training) and optim.grad_accum >= 1")
         if not 0 <= self.warmup_steps <= self.max_steps:
-            raise ValueError(
-                f"optim.warmup_steps={self.warmup_steps} must be in [0, optim.max_steps={self.max_steps}]; "
-                "shorten the warmup or train longer"
-            )
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be in [0, optim.max_steps="
+                             f"{self.max_steps}]; shorten the warmup or train longer")
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay must be >= 0 (got {self.weight_decay}); 0 disables it")
         if self.grad_clip is not None and self.grad_clip <= 0:
@@ -365,14 +356,13 @@ class ExperimentSpec(_Section):
             raise ValueError(f"optim.max_steps=0 trains nothing, which only task.kind: pretrained_lm (scoring a "
                              f"pretrained model) can do; task.kind={self.task.kind} needs optim.max_steps >= 1")
         check_compatible(self.task, self.model)
+        _check_fit(self.task, self.model)
         metrics = tuple(self.task.metrics)
         objectives = self.tune.metric if isinstance(self.tune.metric, list) else [self.tune.metric]
         if objectives[0] is not None and objectives[0] not in metrics:
-            raise ValueError(
-                f"tune.metric={objectives[0]!r} is not reported by task.kind={self.task.kind}; "
-                f"choose one of {list(metrics)}" + (" (the first objective ranks checkpoints: a task metric)"
-                                                    if len(objectives) > 1 else "")
-            )
+            raise ValueError(f"tune.metric={objectives[0]!r} is not reported by task.kind={self.task.kind}; choose "
+                             f"one of {list(metrics)}" + (" (the first objective ranks checkpoints: a task metric)"
+                                                          if len(objectives) > 1 else ""))
         for name in objectives[1:]:
             if name not in metrics + COST_OBJECTIVES:
                 raise ValueError(f"tune.metric objective {name!r} is reported by no run of task.kind={self.task.kind}; "
@@ -439,6 +429,19 @@ class ExperimentSpec(_Section):
 
 
 _PRETRAIN_FIELDS = ("task", "optim", "run")
+
+
+def _check_fit(task: Any, model: ModelConfig) -> None:
+    """The model (pretrained_lm: its patch) against the longest sequence and the vocabulary the task feeds it."""
+    if task.kind == "pretrained_lm":  # check_compatible refused its model: block; the patch's knobs run
+        if task.patch.layers not in (0, "none"):
+            task.patch.attention.check_length(task.seq_len, "task.seq_len", "task.patch.attention")
+        return
+    # Translation: the decoder's evaluation targets and beam search reach model.max_seq_len (tasks/translation.py).
+    longest, source = ((model.max_seq_len, "model.max_seq_len") if task.kind == "translation" else
+                       (task.max_len, "task.max_len") if task.kind == "classify" else (task.seq_len, "task.seq_len"))
+    vocab = getattr(task, "vocab_size", {"bytelm": long_range.BYTE_VOCAB, "listops": listops.VOCAB_SIZE}.get(task.kind))
+    model.check_task(task.kind, longest, source, None if model.init_from else vocab)  # init_from: the run's tokenizer
 
 
 def spec_to_yaml(spec: ExperimentSpec | Mapping[str, Any]) -> str:

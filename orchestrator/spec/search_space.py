@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from orchestrator.spec.messages import did_you_mean
+
 DomainKind = Literal["grid", "choice", "uniform", "loguniform", "randint"]
 DOMAIN_KINDS: tuple[str, ...] = ("grid", "choice", "uniform", "loguniform", "randint")
 _RANGE_KINDS = ("uniform", "loguniform", "randint")
@@ -124,11 +126,23 @@ def is_domain(node: Any) -> bool:
     return isinstance(node, Mapping) and len(node) == 1 and next(iter(node)) in DOMAIN_KINDS
 
 
+def _misspelt_domain(path: str, node: Any) -> None:
+    """Refuse a one-key mapping of a list whose key is close to a domain kind ({gird: [2, 4]}), which would
+    otherwise reach the field as a mapping and be refused for its type without a word about the domain."""
+    if isinstance(node, Mapping) and len(node) == 1 and not is_domain(node):
+        (key, args), = node.items()
+        hint = did_you_mean(str(key), DOMAIN_KINDS) if isinstance(args, list) else ""
+        if hint:
+            raise SearchSpaceError(f"{path}: {key!r} is not a search domain kind; {hint}domain kinds: "
+                                   f"{', '.join(DOMAIN_KINDS)}, e.g. {{grid: {args!r}}}")
+
+
 def find_domains(raw: Mapping[str, Any], prefix: str = "") -> list[Domain]:
     """Every search domain in a raw spec, in document order."""
     found: list[Domain] = []
     for key, node in raw.items():
         path = f"{prefix}{key}"
+        _misspelt_domain(path, node)
         if is_domain(node):
             found.append(_parse_domain(path, node))
         elif isinstance(node, Mapping):

@@ -23,6 +23,22 @@ def is_remote(location: str) -> bool:
     return "://" in location
 
 
+STORAGE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs", "file")
+"""URI schemes pyarrow.fs.FileSystem.from_uri knows (storage_fs); any other is refused by the preflight."""
+
+
+def storage_scheme_problem(location: str) -> str | None:
+    """Why a storage URI's scheme is not one pyarrow's file systems know (with the accepted ones), or None; a local
+    path has none. Nothing is contacted."""
+    if not is_remote(location):
+        return None
+    scheme = location.split("://", 1)[0].lower()
+    if scheme in STORAGE_SCHEMES:
+        return None
+    return (f"the scheme {scheme!r} is not one pyarrow's file systems know; use one of "
+            f"{', '.join(s + '://' for s in STORAGE_SCHEMES)} (e.g. s3://<bucket>/runs), or a local path")
+
+
 def resolve(location: str) -> str:
     """A URI as is, a local path made absolute (`~` expanded): what a launcher stores and compares."""
     return location if is_remote(location) else str(Path(location).expanduser().resolve())
