@@ -3,9 +3,13 @@ each refusal names the field and the fix, and the boundary value of every new ch
 
 from __future__ import annotations
 
-import pytest
+import typing
 
-from orchestrator.spec import SpecError, study_from_raw, validate_spec
+import pytest
+from pydantic import BaseModel
+
+from orchestrator.spec import SpecError, search_space, study_from_raw, validate_spec
+from orchestrator.spec.models import ExperimentSpec
 from tests.test_spec import base_raw
 
 SEQ = 16
@@ -182,6 +186,38 @@ def test_a_misspelt_domain_kind_is_named_with_the_close_kind():
         with pytest.raises(SpecError, match=r"model.layers: 'gird' is not a search domain kind; did you mean grid\?"):
             check(base_raw(model={"layers": {"gird": [1, 2]}}))
     assert len(study_from_raw(base_raw(model={"layers": {"grid": [1, 2]}})).domains) == 1
+
+
+@pytest.mark.parametrize("typo, kind", [("gird", "grid"), ("choise", "choice"), ("unifrom", "uniform"),
+                                         ("log_uniform", "loguniform"), ("randit", "randint")])
+def test_typos_of_every_domain_kind_are_caught(typo, kind):
+    with pytest.raises(SpecError, match=rf"'{typo}' is not a search domain kind; did you mean {kind}( or \w+)?\?"):
+        study_from_raw(base_raw(model={"layers": {typo: [1, 2]}}))
+
+
+def test_no_field_of_the_spec_reads_as_a_misspelt_domain_kind():
+    """A one-key mapping of a list under a field name (`{train: [...]}`) is not a domain typo: no field name of any
+    block is as close to a domain kind as a typo is (at difflib's default 0.6, train, compile and init_from were)."""
+    fields: set[str] = set()
+    blocks = [ExperimentSpec]
+    while blocks:
+        block = blocks.pop()
+        for name, field in block.model_fields.items():
+            fields.add(name)
+            stack = [field.annotation]
+            while stack:
+                annotation = stack.pop()
+                stack.extend(typing.get_args(annotation))
+                if isinstance(annotation, type) and issubclass(annotation, BaseModel) and annotation not in blocks:
+                    blocks.append(annotation)
+    assert len(fields) > 100
+    misread = []
+    for name in sorted(fields):
+        try:
+            search_space.find_domains({"x": {name: [1, 2]}})
+        except search_space.SearchSpaceError:
+            misread.append(name)
+    assert misread == []
 
 
 def test_uniform_on_an_integer_field_points_to_randint_or_a_grid():

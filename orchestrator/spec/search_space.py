@@ -131,7 +131,9 @@ def _misspelt_domain(path: str, node: Any) -> None:
     otherwise reach the field as a mapping and be refused for its type without a word about the domain."""
     if isinstance(node, Mapping) and len(node) == 1 and not is_domain(node):
         (key, args), = node.items()
-        hint = did_you_mean(str(key), DOMAIN_KINDS) if isinstance(args, list) else ""
+        # 0.75: a typo of a kind (gird, choise, unifrom, randit) is that close, and no field of the spec is
+        # (at 0.6 `train`, `compile` and `init_from` were: a one-key mapping of a list under them is not a domain).
+        hint = did_you_mean(str(key), DOMAIN_KINDS, cutoff=0.75) if isinstance(args, list) else ""
         if hint:
             raise SearchSpaceError(f"{path}: {key!r} is not a search domain kind; {hint}domain kinds: "
                                    f"{', '.join(DOMAIN_KINDS)}, e.g. {{grid: {args!r}}}")
