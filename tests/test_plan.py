@@ -84,6 +84,36 @@ def test_fake_tensor_flops_equal_a_real_cpu_run(kind, fake_counts):
     assert fake.params_total == real.params_total
 
 
+def _txl_spec(mem_len: int) -> ExperimentSpec:
+    return validate_spec({
+        "name": "plan-txl", "task": {"kind": "clm", "dataset": "builtin", "vocab_size": 256, "seq_len": 32,
+                                     "batch_size": 2},
+        "model": {"d_model": 32, "layers": 2, "ffn": 64, "max_seq_len": 32, "dropout": 0.0, "positional": "relative",
+                  "attention": {"kind": "mha", "heads": 4}, "memory": {"mem_len": mem_len}},
+    })
+
+
+def test_a_transformer_xl_step_is_counted_with_its_cache_of_mem_len_states():
+    """model.memory: the counted step is a steady-state segment, attending to mem_len cached states per layer (a
+    plan that ignored the cache said 'fits, 0.16 GB' for mem_len 10,000,000 as for 64)."""
+    none, cached = count_step(workload(_txl_spec(0))), count_step(workload(_txl_spec(32)))
+    assert cached.flops == count_step(workload(_txl_spec(32)), fake=False).flops  # fake tensors count a real run
+    # Each layer's scores and weighted values over the 32 extra keys, forward and backward (x3): a lower bound,
+    # since the cache also goes through the key and value projections and the relative-position terms.
+    B, T, M, D, L = 2, 32, 32, 32, 2
+    assert cached.flops - none.flops >= 3 * 4 * B * T * M * D * L
+    assert cached.peak_bytes - none.peak_bytes >= L * B * M * D * 4  # the cache itself, fp32
+
+
+def test_a_cache_too_large_for_the_gpu_is_said_with_the_mem_len_that_fits_a_segment():
+    from orchestrator.spec.plan import plan_spec
+
+    huge = plan_spec(_txl_spec(10_000_000), gpu_kind("H100"))
+    assert not huge.fits  # 75 GiB at these tiny sizes (d_model 32, batch 2): the cache and its scores
+    assert "model.memory.mem_len=32 (each layer's cache and the attention over it grow with mem_len=10000000)" in \
+        huge.fixes
+
+
 def test_mha_flops_match_six_n_plus_attention(fake_counts):
     # d_model = seq_len = 32, the memory and depth tests' size, whose count they share (attention is 10% of it).
     spec = _spec("mha", d_model=32, seq_len=32, batch=2, layers=2)

@@ -62,6 +62,22 @@ def _lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
+def _segment_loss(mem_len: int) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]:
+    """A Transformer-XL segment's loss in the steady state (model.memory): every layer attends to mem_len cached
+    states of the previous segments besides the segment (tasks/lm.py `_loss_sum`), so the count holds the cache and
+    the attention over mem_len + seq_len keys; a row's first segment, with none, costs less."""
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        tokens_BT, targets_BT = batch
+        dtype = next(model.parameters()).dtype  # the cache's dtype: the model's, as `empty_memory` makes it
+        memory = [torch.zeros(tokens_BT.shape[0], mem_len, model.cfg.d_model, dtype=dtype)
+                  for _ in model.stack.layers]
+        logits_BTV, _ = model(tokens_BT, memory=memory)
+        return F.cross_entropy(logits_BTV.flatten(0, -2).float(), targets_BT.flatten())
+
+    return loss
+
+
 def workload(spec: ExperimentSpec) -> Workload:
     """The model each task kind builds (tasks/*.py `build_model`) and a batch of the shape its loader makes.
     Masked LM scores all positions here (the task scores ~15%), so its vocabulary projection is overcounted;
@@ -76,8 +92,9 @@ def workload(spec: ExperimentSpec) -> Workload:
         B, T = task.batch_size, task.seq_len
         vocab = getattr(task, "vocab_size", 259)
         causal = kind == "clm" or getattr(task, "causal", kind == "mqar")
+        loss = _lm_loss if cfg.memory is None else _segment_loss(cfg.memory.mem_len)
         return Workload(lambda: LanguageModel(cfg, vocab, causal=causal),
-                        lambda b: (ints((b, T)), ints((b, T))), _lm_loss, B, T)
+                        lambda b: (ints((b, T)), ints((b, T))), loss, B, T)
     if kind in ("classify", "listops"):
         B, T = task.batch_size, task.seq_len if kind == "listops" else cfg.max_seq_len
         vocab, classes = ((listops.VOCAB_SIZE, listops.NUM_CLASSES) if kind == "listops"

@@ -80,6 +80,10 @@ def _fixes(spec: ExperimentSpec, memory: int, gpu: GpuKind) -> tuple[str, ...]:
         fixes.append("run.activation_checkpointing=true (recompute each layer in backward)")
     if not spec.model.reversible and not spec.run.activation_checkpointing:
         fixes.append("model.reversible=true (RevNet layers: activation memory flat in depth)")
+    mem_len = spec.model.memory.mem_len if spec.model.memory is not None else 0
+    if mem_len > spec.task.seq_len:  # Transformer-XL's own runs cache about a segment (mem_len = seq_len or so)
+        fixes.append(f"model.memory.mem_len={spec.task.seq_len} (each layer's cache and the attention over it grow "
+                     f"with mem_len={mem_len})")
     if spec.run.strategy != "fsdp" or spec.run.workers == 1:
         fixes.append("run.strategy=fsdp with run.workers>1 (weights, gradients and AdamW state sharded)")
     fixes.append(f"--gpu with more memory than {gpu.name}'s {gpu.memory_gib:g} GB")
