@@ -33,6 +33,7 @@ from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name as canonical  # PEP 503: as pip compares names
 
 PROJECT = "attention-orchestrator"
 
@@ -56,11 +57,6 @@ EXTRAS_LEFT_OUT = {"mlflow": {"auth"}}
 
 DEFAULT_LIMIT_MIB = 56.0
 """The call's 64 MiB, less the checkout's own files (about 7 MiB) and some room."""
-
-
-def canonical(name: str) -> str:
-    """A distribution's name as pip compares them (PEP 503)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def names_in(text: str) -> set[str]:

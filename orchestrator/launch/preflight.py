@@ -122,8 +122,8 @@ def check_tracking_uri(spec: ExperimentSpec) -> None:
     uri = spec.tracking.uri
     if problem := tracking_uri_problem(uri):
         raise SpecError(problem)
-    if uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
-        folder = Path(uri.removeprefix("sqlite:///")).parent
+    if database := _sqlite_file(uri):
+        folder = Path(database).parent
     elif _is_local_tracking(uri) and not uri.startswith("sqlite:"):
         folder = Path(uri.removeprefix("file://"))
     else:
@@ -161,10 +161,15 @@ def _local_paths(spec: ExperimentSpec) -> list[tuple[str, str]]:
     prepared = getattr(spec.task, "prepared_path", None)  # corpus tasks only
     if prepared and not is_remote(prepared):
         paths.append(("task.prepared_path", prepared))
-    sqlite = "sqlite:///"
-    if spec.tracking.uri.startswith(sqlite) and spec.tracking.uri != sqlite + ":memory:":
-        paths.append(("tracking.uri", spec.tracking.uri[len(sqlite):]))
+    if database := _sqlite_file(spec.tracking.uri):
+        paths.append(("tracking.uri", database))
     return paths
+
+
+def _sqlite_file(uri: str) -> str | None:
+    """The database file of a SQLite tracking URI (None for another store, or SQLite in memory)."""
+    prefix = "sqlite:///"
+    return uri[len(prefix):] if uri.startswith(prefix) and uri != prefix + ":memory:" else None
 
 
 def _limits(path: Path) -> tuple[int, int]:
