@@ -56,6 +56,10 @@ class PretrainedLMTaskConfig(_Config):
         /, . or ~, or more than one /) must be a folder; anything else is a hub id ("gpt2", "org/name")."""
         path = Path(value).expanduser()
         if path.is_dir():
+            if not any((path / name).is_file() for name in ("config.json", "model.json")):
+                raise ValueError(f"task.pretrained={value} is a folder without config.json (a Hugging Face model) "
+                                 "or model.json (an export of this project); point it at the folder that holds "
+                                 "the model's files")
             return str(path.resolve())
         if value.startswith(("/", ".", "~")) or value.count("/") > 1:
             raise ValueError(f"task.pretrained={value} is not a folder (relative paths are resolved against the "
@@ -80,3 +84,33 @@ class PretrainedLMTaskConfig(_Config):
     @property
     def source_label(self) -> str:
         return f"pretrained:{self.pretrained}"
+
+
+def pretrained_model_problem(cfg: PretrainedLMTaskConfig) -> str | None:
+    """Why a hub id in `task.pretrained` cannot be loaded, found without downloading it (the launcher asks before
+    Ray starts; a worker would find out after the cluster started); None for a folder, a model in the hub's
+    cache, or one the hub knows."""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    from tasks.text_sources import _hub_endpoint, hub_cache, hub_reachable
+
+    source = cfg.pretrained
+    if Path(source).expanduser().is_dir() or isinstance(
+            try_to_load_from_cache(source, "config.json", cache_dir=hub_cache()), str):
+        return None
+    advice = ("download it where the hub is reachable and point task.pretrained at the folder "
+              "(`hf download <id> --local-dir <folder>`), or use an export folder of this project")
+    if not hub_reachable():
+        return (f"task.pretrained={source!r} is not in the Hugging Face cache on this machine and the hub "
+                f"({_hub_endpoint()}) cannot be reached from it; {advice}")
+    try:
+        HfApi(endpoint=_hub_endpoint()).model_info(source, timeout=10)
+    except GatedRepoError:
+        return (f"task.pretrained={source!r} is gated on the hub: accept its terms there and log in (`hf auth "
+                f"login`, or HF_TOKEN on every node), or {advice}")
+    except RepositoryNotFoundError:
+        return f"task.pretrained={source!r}: the Hugging Face hub has no such model (check the spelling); or {advice}"
+    except Exception:  # noqa: BLE001 - a flaky answer is not a verdict: the worker's own load will say more
+        return None
+    return None

@@ -106,11 +106,17 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
 def _in_local_cache(name: str, cache_dir: Path) -> bool:
     """`name` was downloaded before: into this project's datasets cache (`datasets` names the folder
     <namespace>___<name>) or into the hub's own cache (datasets--<namespace>--<name>)."""
+    return ((Path(_hf_cache(cache_dir)) / name.replace("/", "___")).is_dir()
+            or (hub_cache() / f"datasets--{name.replace('/', '--')}").is_dir())
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub's cache folder as the environment names it now (huggingface_hub reads it once, at
+    import)."""
     import os
 
-    hub_cache = Path(os.environ.get("HF_HUB_CACHE", Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"))
-    return ((Path(_hf_cache(cache_dir)) / name.replace("/", "___")).is_dir()
-            or (hub_cache / f"datasets--{name.replace('/', '--')}").is_dir())
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    return Path(os.environ.get("HF_HUB_CACHE", home / "hub"))
 
 
 def hub_dataset_problem(cfg: LMConfig | TranslationTaskConfig | ClassifyTaskConfig, cache_dir: Path) -> str | None:

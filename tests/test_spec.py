@@ -304,6 +304,7 @@ def test_every_study_spec_validates_at_every_scale(tmp_path):
             with pytest.raises(SpecError, match=f"task.pretrained={produced} is not a folder"):
                 load_study(path)
             (tmp_path / produced).mkdir(parents=True, exist_ok=True)
+            (tmp_path / produced / "model.json").write_text("{}")  # what the producing study's export writes
             overrides = [f"task.pretrained={tmp_path / produced}"]
         for scale in scales:
             study = load_study(path, overrides, scale=scale)

@@ -204,13 +204,18 @@ def _data_files(spec: ExperimentSpec) -> list[tuple[str, list[Path]]]:
 
 
 def check_data_files(spec: ExperimentSpec) -> None:
-    """Every local data file the spec names exists and is not empty, and a hub dataset is cached here or known
-    to the hub (SpecError naming the field): a missing dataset fails in seconds, not inside a Ray worker."""
+    """Every local data file the spec names exists and is not empty, and a hub dataset or pretrained model is
+    cached here or known to the hub (SpecError naming the field): a missing one fails in seconds, not inside a Ray
+    worker."""
     from tasks.text_sources import hub_dataset_problem
 
     # only tasks that may name a hub dataset have task.dataset (not the generated ones, nor bytelm's files)
     problem = (hub_dataset_problem(spec.task, Path(cache_dir_of(spec.run.storage_path)))
                if hasattr(spec.task, "dataset") else None)
+    if spec.task.kind == "pretrained_lm":
+        from tasks.pretrained_config import pretrained_model_problem
+
+        problem = pretrained_model_problem(spec.task)
     if problem:
         raise SpecError(problem)
     for field, candidates in _data_files(spec):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.spec.merge import merge_base
-from orchestrator.spec.messages import describe_errors
+from orchestrator.spec.messages import booleans_as_numbers, describe_errors
 from orchestrator.spec.models import ExperimentSpec, SpecError
 from orchestrator.spec.search_space import (
     MAX_TRIALS,
@@ -25,6 +25,7 @@ from orchestrator.spec.search_space import (
     find_domains,
     grid_size,
     is_domain,
+    repeated_value,
     resolve,
     set_path,
 )
@@ -46,7 +47,21 @@ def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a document whose aliases expand past MAX_SPEC_VALUES values."""
+    """yaml.SafeLoader that refuses a document whose aliases expand past MAX_SPEC_VALUES values, and a mapping that
+    gives one key twice (YAML keeps the last silently: a block pasted in below would undo a field set above it)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: later keys override the merged ones
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"found the key {key!r} twice; keep one (YAML would silently use the last)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
     def construct_document(self, node: yaml.Node) -> Any:
         if (size := _expanded_size(node, {})) > MAX_SPEC_VALUES:
@@ -119,7 +134,7 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
         if not sep or not key or not re.fullmatch(r"[A-Za-z0-9_.]+", key):
             raise SpecError(f"override {item!r} is not key.path=value; e.g. model.attention.k=64")
         try:
-            parsed = yaml.safe_load(value) if value else ""
+            parsed = bounded_yaml(value) if value else ""
         except yaml.YAMLError as err:
             raise SpecError(f"override {item!r}: value is not valid YAML: {err}") from err
         out = _assign(out, key, parsed, f"override {item!r}")
@@ -208,6 +223,8 @@ def validate_spec(raw: Mapping[str, Any], *, where: str = "spec") -> ExperimentS
             f"{where} has search domains ({paths}); run it with `orchestrator sweep`, or pin them with "
             f"overrides such as {domains[0].path}=<value>"
         )
+    if booleans := booleans_as_numbers(raw, [ExperimentSpec]):
+        raise SpecError(f"{where} is invalid:\n" + "\n".join(booleans))
     try:
         return ExperimentSpec.model_validate(raw)
     except ValidationError as err:
@@ -326,6 +343,9 @@ def seed_domains(raw: Mapping[str, Any], domains: Sequence[Domain]) -> list[Doma
                         f"{SEED_PATH} no search domain")
     if not isinstance(seeds, list) or not seeds or not all(isinstance(seed, int) for seed in seeds):
         raise SpecError(f"tune.seeds={seeds!r} must be a list of integer seeds, e.g. [0, 1, 2]")
+    if (twice := repeated_value(seeds)) is not None:
+        raise SpecError(f"tune.seeds={seeds!r} lists seed {twice} more than once: a repeated seed trains the same run "
+                        "again; list each seed once")
     return [Domain(SEED_PATH, "grid", tuple(seeds))]
 
 

@@ -103,3 +103,32 @@ def describe_errors(err: ValidationError, raw: Mapping[str, Any], root: type[Bas
                     "{grid: [...]}, not uniform or loguniform, which draw floats")
         lines.append(f"  {path}: {msg}" if path else f"  {msg}")
     return "\n".join(lines)
+
+
+
+def _flat_types(annotation: Any) -> set[Any]:
+    """The types an annotation admits, through Optional, unions and Annotated."""
+    args = get_args(annotation)
+    return {t for arg in args for t in _flat_types(arg)} if args else {annotation}
+
+
+def booleans_as_numbers(raw: Mapping[str, Any], classes: Sequence[type[BaseModel]], path: str = "") -> list[str]:
+    """One line per YAML boolean given to a field that takes a number and not a boolean, walking `raw` through the
+    models of `classes` (ExperimentSpec at the top): pydantic's lax ints read `run.workers: true` as 1 worker and
+    `false` as 0, and a spec that says true where it means a count is a slip, not a request."""
+    if "kind" in raw:  # a discriminated union's member: the classes whose `kind` literal is this one
+        classes = [cls for cls in classes if "kind" not in cls.model_fields
+                   or raw["kind"] in get_args(cls.model_fields["kind"].annotation)] or classes
+    lines = []
+    for key, value in raw.items():
+        annotations = [cls.model_fields[key].annotation for cls in classes if key in cls.model_fields]
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(value, bool):
+            types = {t for a in annotations for t in _flat_types(a)}
+            if types & {int, float}:  # (no field admits both a bool and a number)
+                lines.append(f"  {where}: {str(value).lower()} is a boolean, and this field takes a number; "
+                             "write the number")
+        elif isinstance(value, Mapping):
+            inner = [c for a in annotations for c in _model_classes(a)]
+            lines += booleans_as_numbers(value, inner, where) if inner else []
+    return lines

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 import random
 from collections.abc import Iterator, Mapping
@@ -103,6 +104,10 @@ def _parse_domain(path: str, node: Mapping[str, Any]) -> Domain:
     (kind, args), = node.items()
     if not isinstance(args, list) or not args:
         raise SearchSpaceError(f"{path}: {{{kind}: ...}} needs a non-empty list, got {args!r}; e.g. {{{kind}: [1, 2]}}")
+    if kind == "grid" and (twice := repeated_value(args)) is not None:
+        raise SearchSpaceError(f"{path}: {{grid: [...]}} lists {twice!r} more than once, and every grid value is a "
+                               "trial: the repeats would train the same run again; list each value once (to repeat "
+                               "runs over seeds, set tune.seeds: [0, 1, 2])")
     if kind in ("grid", "choice"):
         return Domain(path, kind, tuple(args))
     args = [_number(a) for a in args]
@@ -119,6 +124,17 @@ def _parse_domain(path: str, node: Mapping[str, Any]) -> Domain:
     if kind == "randint" and not (isinstance(lo, int) and isinstance(hi, int)):
         raise SearchSpaceError(f"{path}: {{randint: [{lo}, {hi}]}} needs integers; use uniform for floats")
     return Domain(path, kind, (lo, hi))
+
+
+def repeated_value(values: list[Any]) -> Any:
+    """The first value of `values` that an earlier one equals (mappings and lists compared by content), or None."""
+    seen = set()
+    for value in values:
+        key = json.dumps(value, sort_keys=True, default=repr)
+        if key in seen:
+            return value
+        seen.add(key)
+    return None
 
 
 def is_domain(node: Any) -> bool:
