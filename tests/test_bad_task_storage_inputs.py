@@ -147,7 +147,7 @@ def test_an_unknown_storage_scheme_is_refused_with_the_schemes_accepted(tmp_path
 
 @pytest.mark.parametrize("uri, says", [
     ("htp://127.0.0.1:9", "tracking.uri='htp://127.0.0.1:9': 'htp' is not a tracking store scheme; did you mean "
-                          "http://?"),
+                          "http?"),
     ("127.0.0.1:9", "tracking.uri='127.0.0.1:9' is a host and port without a scheme (MLflow would read it as a "
                     "folder); write tracking.uri=http://127.0.0.1:9"),
 ])

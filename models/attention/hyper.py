@@ -50,7 +50,7 @@ from models.attention.exact import ExactMechanism
 from models.attention.hyper_groups import group_queries, grouped_rows
 from models.attention.hyper_levels import causal_levels, level_uniforms, stacked_levels
 from models.attention.hyper_rows import causal_rows
-from models.attention.lengths import hyper_length, hyper_model
+from models.attention.lengths import hyper_dropout, hyper_length, hyper_model
 from models.attention.lse import exact_attention, merge_lse, merge_lse_below
 
 _LAYER_SEED_STRIDE = 1_000_003
@@ -145,9 +145,7 @@ class HyperMechanism(nn.Module):
 
     def __init__(self, cfg: HyperMechanismConfig, head_dim: int, layer_index: int, dropout: float = 0.0):
         super().__init__()
-        if dropout:
-            raise ValueError(f"model.attention.dropout={dropout} is not supported by the hyper mechanism (its "
-                             "parts are merged through their log-sum-exp); set model.attention.dropout to 0")
+        hyper_dropout(dropout)
         self.exact = ExactMechanism()
         self.block_size, self.sample_size = cfg.block_size, cfg.sample_size
         self.min_seq_len, self.bits = cfg.min_seq_len, cfg.lsh_bits

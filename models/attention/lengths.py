@@ -54,8 +54,12 @@ def hyper_length(cfg: Any, longest: int, source: str, where: str) -> None:
 
 
 def hyper_model(cfg: Any, model: Any) -> None:
-    """The hyper mechanism merges its parts through their log-sum-exp: no dropout on the attention weights (its
-    module refuses it at build; this says so at validate)."""
-    if model.attention.dropout:
-        raise ValueError(f"model.attention.dropout={model.attention.dropout} is not supported by the hyper mechanism "
-                         "(its parts are merged through their log-sum-exp); set model.attention.dropout to 0")
+    """The hyper mechanism's check of the whole model at validate (its module makes the same one at build)."""
+    hyper_dropout(model.attention.dropout)
+
+
+def hyper_dropout(dropout: float) -> None:
+    """The hyper mechanism merges its parts through their log-sum-exp: no dropout on the attention weights."""
+    if dropout:
+        raise ValueError(f"model.attention.dropout={dropout} is not supported by the hyper mechanism (its parts are "
+                         "merged through their log-sum-exp); set model.attention.dropout to 0")

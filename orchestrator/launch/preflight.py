@@ -9,7 +9,6 @@ writes (`check_storage`). `orchestrator validate` runs these too, the tracking s
 from __future__ import annotations
 
 import codecs
-import difflib
 import gzip
 import ipaddress
 import os
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from orchestrator.spec import ExperimentSpec, SpecError
+from orchestrator.spec.messages import did_you_mean
 from orchestrator.storage.layout import cache_dir_of
 from orchestrator.storage.locations import is_remote, storage_scheme_problem
 from orchestrator.storage.object_store import (
@@ -110,8 +110,7 @@ def tracking_uri_problem(uri: str) -> str | None:
     scheme = found.group(1).lower() if found else ""
     if not scheme or scheme.split("+")[0] in TRACKING_SCHEMES:
         return None
-    close = difflib.get_close_matches(scheme, TRACKING_SCHEMES, n=1)
-    hint = f"did you mean {close[0]}://? " if close else ""
+    hint = did_you_mean(scheme, TRACKING_SCHEMES, most=1)
     return (f"tracking.uri={uri!r}: {scheme!r} is not a tracking store scheme; {hint}use one of "
             f"{', '.join(TRACKING_SCHEMES)} (e.g. tracking.uri=sqlite:///mlflow.db or http://<host>:5000)")
 

@@ -71,9 +71,10 @@ def _unknown_field_message(root: type[BaseModel], loc: Sequence[Any]) -> str:
     return f"unknown field{hint} (docs/orchestrator.md lists every block's fields)"
 
 
-def did_you_mean(name: str, kinds: Sequence[str], cutoff: float = 0.6) -> str:
-    """The hint 'did you mean a or b? ' naming the kinds close to a misspelt `name`; '' when none is close."""
-    close = difflib.get_close_matches(name, list(kinds), n=2, cutoff=cutoff)
+def did_you_mean(name: str, kinds: Sequence[str], cutoff: float = 0.6, most: int = 2) -> str:
+    """The hint 'did you mean a or b? ' naming the (at most `most`) kinds close to a misspelt `name`; '' when none
+    is close."""
+    close = difflib.get_close_matches(name, list(kinds), n=most, cutoff=cutoff)
     return f"did you mean {' or '.join(close)}? " if close else ""
 
 
