@@ -22,14 +22,18 @@ from mlflow.entities import Metric, Param
 from scipy import stats
 
 from orchestrator.report.build import PARENT_TAG, ReportError, build_report
+from orchestrator.report.compare import analyse
+from orchestrator.report.metrics import MethodRow, Summary, peop, prr
 from orchestrator.report.objectives import as_list
 from orchestrator.report.pareto import Objective, non_dominated
 from orchestrator.report.stats import (
+    SIGN_FLIP,
     Interval,
     compare,
     holm,
     holm_level,
     power_analysis,
+    ratio_interval,
 )
 
 SEEDS = 10
@@ -281,3 +285,128 @@ def test_a_published_paired_row_gives_back_scipys_t_test(tmp_path):
     assert comparison.check_p == 0.25 and comparison.interval(0.95).low == pytest.approx(ci.low)
     text = from_report(tmp_path, "val/bpb")
     assert "| lsh |" in text and "| better |" in text and "indistinguishable |" in text  # new and old verdicts
+
+
+# --- the statistics a reviewer checked by simulation and by hand -------------------------------------------------
+
+
+def _method(label: str, scores, params: float, seeds=None, ref: float | None = None, low: tuple | None = None,
+            mode: str = "max") -> MethodRow:
+    seeds = tuple(str(s) for s in (seeds if seeds is not None else range(len(scores))))
+    mean = float(np.mean(scores))
+    return MethodRow(label=label, kind=label, knobs={}, run_ids=tuple(f"{label}-{s}" for s in seeds),
+                     n_runs=len(scores), score_mean=mean, score_std=float(np.std(scores, ddof=1)),
+                     params_attention=params, params_total=params,
+                     prr=prr(mean, ref, mode) if ref is not None else math.nan,
+                     peop=peop(mean, low[0], params, low[1], mode) if low is not None else math.nan,
+                     tokens_per_s=math.nan, peak_memory_gb=math.nan, seeds=seeds, scores=tuple(scores))
+
+
+def _summary(rows: dict, mode: str = "max") -> Summary:
+    """rows: label -> (scores, params[, seeds]); mha the reference, sha the lower one."""
+    ref, low = float(np.mean(rows["mha"][0])), (float(np.mean(rows["sha"][0])), rows["sha"][1])
+    return Summary([_method(label, *spec, ref=ref, low=None if label == "sha" else low, mode=mode)
+                    for label, spec in rows.items()], "mha", "sha")
+
+
+@pytest.mark.parametrize("seeds", [2, 3, 5])
+def test_the_ratio_interval_holds_the_true_ratio_95_percent_of_the_time(seeds):
+    """Paired normal scores with a seed effect shared by the methods, true ratio of means 0.95 (PRR and PEoP are
+    affine in it: test_the_ratio_interval_is_the_delta_methods_by_hand). A percentile bootstrap over the seeds
+    held the truth 52% of the time at 2 seeds, 74% at 3 and 82% at 5; the delta method's t interval about 95%.
+    2,000 studies: the count's sd is 9.7, so [1855, 1945] is 4.6 sd each side. Unpaired (Welch's case) too."""
+    rng = np.random.default_rng(seeds)
+    studies = 2000
+    shared = rng.normal(0.0, 2.0, size=(studies, seeds))
+    ref = 100.0 + shared + rng.normal(0, 1.0, (studies, seeds))
+    method = 95.0 + shared + rng.normal(0, 1.0, (studies, seeds))
+    paired = sum(0.95 in ratio_interval(x, y, 0.95, paired=True) for x, y in zip(method, ref))
+    apart = sum(0.95 in ratio_interval(x, y, 0.95, paired=False)
+                for x, y in zip(95.0 + rng.normal(0, 1.0, (studies, seeds)), 100.0 + rng.normal(0, 2.0, (studies, 4))))
+    assert 1855 <= paired <= 1945 and 1855 <= apart <= 1945, (paired, apart)
+
+
+def test_prr_peop_and_the_difference_use_the_seeds_of_their_interval():
+    """mha ran seeds 0-4, mhe 0-2, and mha's seeds 3-4 happened to be high: every number of mhe's row is over
+    seeds 0-2, so each interval holds its own point (the all-run PRR, 97.3%, lay below its interval)."""
+    rows = {"mha": ([80.0, 80.4, 79.8, 83.0, 83.4], 4000.0), "sha": ([76.0, 76.5, 75.8, 78.9, 79.3], 1000.0),
+            "mhe": ([79.0, 79.5, 78.9], 1010.0, [0, 1, 2])}
+    summary = _summary(rows)
+    stats_ = analyse(summary, "max")
+    mhe = stats_.rows["mhe"]
+    assert mhe.prr == pytest.approx(np.mean([79.0, 79.5, 78.9]) / np.mean([80.0, 80.4, 79.8]))
+    assert mhe.prr in mhe.prr_ci and mhe.peop in mhe.peop_ci
+    assert mhe.comparison.diff == pytest.approx(np.mean([-1.0, -0.9, -0.9]))
+    from orchestrator.report.tables import rows_to_frame, rows_to_markdown
+
+    frame = rows_to_frame(summary.rows, stats_).set_index("method")
+    assert frame.loc["mhe", "prr"] == pytest.approx(mhe.prr)
+    assert f"{100 * mhe.prr:.1f}% [" in rows_to_markdown(summary.rows, "val/acc", "max", stats_)
+
+
+def test_the_ratio_interval_is_the_delta_methods_by_hand():
+    rows = {"mha": ([80.0, 81.0, 79.0], 4000.0), "sha": ([70.0, 72.0, 71.0], 1000.0),
+            "mhe": ([78.0, 80.5, 77.0], 2000.0)}
+    mhe = analyse(_summary(rows), "max").rows["mhe"]
+    x, y = np.array(rows["mhe"][0]), np.array(rows["mha"][0])
+    r = x.mean() / y.mean()
+    se = np.std(x - r * y, ddof=1) / math.sqrt(3) / y.mean()
+    half = stats.t.ppf(0.975, 2) * se
+    assert [mhe.prr_ci.low, mhe.prr_ci.high] == pytest.approx([r - half, r + half])
+    # perplexity (min): PRR = 2 - R, so the interval flips end to end
+    flipped = analyse(_summary(rows, "min"), "min").rows["mhe"]
+    assert [flipped.prr_ci.low, flipped.prr_ci.high] == pytest.approx([2 - r - half, 2 - r + half])
+
+
+def test_welch_with_a_constant_group_takes_the_other_groups_degrees_of_freedom_as_scipy_does():
+    method, reference = {"a": 1.0, "b": 1.3}, {f"r{i}": 2.0 for i in range(5)}
+    result = compare(method, reference, 0.95)
+    expected = stats.ttest_ind([1.0, 1.3], [2.0] * 5, equal_var=False)
+    ci = expected.confidence_interval(0.95)
+    assert result.df == pytest.approx(1.0)
+    assert [result.ci.low, result.ci.high] == pytest.approx([ci.low, ci.high])
+    assert result.p_value == pytest.approx(expected.pvalue)
+
+
+def test_the_same_difference_on_every_seed_is_decided_by_the_sign_flip_test_without_a_zero_width_interval():
+    # accuracies on a 100-example dev set: the gap is 0.01 on both seeds, equal up to float rounding
+    result = compare({"0": 0.80, "1": 0.82}, {"0": 0.81, "1": 0.83}, 0.95)
+    assert result.test == SIGN_FLIP and result.p_value == pytest.approx(0.5)
+    assert math.isnan(result.ci.low) and math.isnan(result.mdd) and "no spread" in result.note
+    rows = {"mha": ([0.81, 0.83], 4000.0), "sha": ([0.70, 0.74], 1000.0), "mhe": ([0.80, 0.82], 2000.0)}
+    assert analyse(_summary(rows), "max").rows["mhe"].verdict == "indistinguishable"
+    # six seeds of the same gap: the sign-flip test's p is 2 / 64, below 0.05
+    six = compare({str(s): 0.5 + s / 100 for s in range(6)}, {str(s): 0.6 + s / 100 for s in range(6)}, 0.95)
+    assert six.test == SIGN_FLIP and six.p_value == pytest.approx(2 / 64)
+
+
+def test_a_diverged_seed_leaves_the_row_untested():
+    result = compare({"0": 78.0, "1": math.nan, "2": 78.5}, {"0": 80.0, "1": 80.5, "2": 79.0}, 0.95)
+    assert result.test == "" and math.isnan(result.p_value) and math.isnan(result.check_p)
+    assert "not finite" in result.note
+    rows = {"mha": ([80.0, 80.5, 79.0], 4000.0), "sha": ([75.0, 76.0, 74.0], 1000.0),
+            "mhe": ([78.0, math.nan, 78.5], 2000.0)}
+    assert analyse(_summary(rows), "max").rows["mhe"].verdict == "n/a"
+
+
+def test_power_and_the_sign_flip_note_use_the_verdicts_holm_level():
+    """Five methods on 5 seeds; a's p is 0.0126 and its Holm p 0.0506 (indistinguishable). At plain alpha its
+    detectable difference (1.68) was below its own |Δ| (1.92) and 'seeds for Δ' was the 5 already run; at its
+    Holm level (about 0.0125) it is 2.48, and 7 seeds."""
+    base = np.array([80.0, 81.0, 79.5, 80.5, 80.2])
+    d = np.array([1.0, 1.4, 0.6, 1.2, 0.8])
+    d = (d - d.mean()) / np.std(d, ddof=1) + 4.3 / math.sqrt(5)
+    rows = {"mha": (base, 4000.0), "sha": (base - 3 + np.array([0, .5, -.5, .2, -.2]), 1000.0),
+            "a": (base + d, 2000.0), "b": (base + np.array([.1, -.3, .2, -.1, .05]), 2000.0),
+            "c": (base + np.array([.3, -.2, .2, -.4, .05]), 2000.0),
+            "d": (base + np.array([-.3, .2, -.2, .4, .1]), 2000.0)}
+    stats_ = analyse(_summary(rows), "max")
+    a = stats_.rows["a"]
+    assert a.verdict == "indistinguishable" and a.p_holm > 0.05 > a.comparison.p_value
+    level = 0.05 * a.comparison.p_value / a.p_holm
+    critical = stats.t.ppf(1 - level / 2, 4)
+    at_mdd = a.comparison.mdd / (np.std(d, ddof=1) / math.sqrt(5))
+    assert stats.nct.sf(critical, 4, at_mdd) + stats.nct.sf(critical, 4, -at_mdd) == pytest.approx(0.8, abs=1e-6)
+    assert a.comparison.mdd > abs(a.comparison.diff) and a.comparison.seeds_needed == 7
+    # the t-test and the sign-flip check (p = 0.0625) agree at that level: no "disagrees" note
+    assert a.comparison.check_p == pytest.approx(0.0625) and "disagrees" not in a.comparison.note

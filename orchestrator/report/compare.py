@@ -25,6 +25,9 @@ from orchestrator.report.stats import (
     holm_level,
     mean_interval,
     mean_of,
+    ratio_interval,
+    sign_flip_disagrees,
+    with_power_at,
 )
 
 BETTER, WORSE, SAME, UNTESTED = "better", "worse", "indistinguishable", "n/a"
@@ -43,7 +46,12 @@ class RowStats:
     diff_ci: Interval
     """The difference's interval at the Holm-adjusted level (`holm_level`): it excludes 0 exactly when the verdict
     is better or worse, so the two never contradict each other on a row."""
+    prr: float
+    """PRR on the seeds its interval uses: those both ran when paired (a method on seeds 0-2 against a reference on
+    0-4 is compared on 0-2), else every run of each; the same as the table's seed-mean PRR when the seeds match."""
     prr_ci: Interval
+    peop: float
+    """PEoP on the seeds its interval uses, as `prr`."""
     peop_ci: Interval
     tokens_ci: Interval
     memory_ci: Interval
@@ -89,22 +97,22 @@ def verdict_of(comparison: Comparison | None, p_holm: float, alpha: float, mode:
     return BETTER if higher == (mode == "max") else WORSE
 
 
-def _ratio_interval(row: MethodRow, other: MethodRow, ratio: Callable[[float, float], float], level: float,
-                    seeds: Sequence[object] | None) -> Interval:
-    """Bootstrap interval of ratio(mean of row's scores, mean of other's) over seeds: resampled jointly on the
-    `seeds` both ran when given (the pairs of the test), else each method's runs on their own."""
-    def statistic(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
-        means_x, means_y = np.mean(x, axis=axis), np.mean(y, axis=axis)
-        values = [ratio(float(a), float(b)) for a, b in zip(np.ravel(means_x), np.ravel(means_y))]
-        return np.reshape(np.array(values, dtype=float), np.shape(means_x))
-
+def _ratio_interval(row: MethodRow, other: MethodRow, of_ratio: Callable[[float], float], level: float,
+                    seeds: Sequence[object] | None) -> tuple[float, Interval]:
+    """(value, interval) of of_ratio(R), R = the ratio of row's seed mean to other's: on the `seeds` both ran when
+    given (paired, the pairs of the test), else on every run of each. `of_ratio` is affine in R (PRR and PEoP
+    are), so the delta method's interval of R maps onto it end to end."""
     if seeds is not None:
         mine, theirs = dict(zip(row.seeds, row.scores)), dict(zip(other.seeds, other.scores))
         x, y = [mine[s] for s in seeds], [theirs[s] for s in seeds]
     else:
         x, y = list(row.scores), list(other.scores)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return bootstrap_interval([x, y], statistic, level, paired=seeds is not None)
+    if not (x and y) or float(np.mean(y)) == 0.0:
+        return math.nan, Interval.none()
+    value = of_ratio(float(np.mean(x)) / float(np.mean(y)))
+    interval = ratio_interval(x, y, level, paired=seeds is not None)
+    ends = sorted((of_ratio(interval.low), of_ratio(interval.high)))
+    return value, Interval(*ends) if all(math.isfinite(end) for end in ends) else Interval.none()
 
 
 def _shared_seeds(row: MethodRow, other: MethodRow) -> list[object] | None:
@@ -137,26 +145,34 @@ def analyse(summary: Summary, mode: Mode, *, alpha: float = 0.05, bootstrap: boo
         comparisons[row.label] = comparison
     labels = list(comparisons)
     adjusted = dict(zip(labels, holm([comparisons[label].p_value for label in labels])))
+    for label, comparison in comparisons.items():  # power and the check at the level the verdict uses
+        row_alpha = 1.0 - holm_level(alpha, comparison.p_value, adjusted[label])
+        comparison = with_power_at(comparison, row_alpha)
+        if note := sign_flip_disagrees(comparison, row_alpha):
+            comparison = replace(comparison, note="; ".join(filter(None, [comparison.note, note])))
+        comparisons[label] = comparison
     m = sum(not math.isnan(comparisons[label].p_value) for label in labels)
     fronts = _fronts(summary.rows, mode, level)
     out = {}
     for row in summary.rows:
         comparison = comparisons.get(row.label)
         p_holm = adjusted.get(row.label, math.nan)
-        prr_ci = Interval.none()
+        # PRR and PEoP are affine in the ratio R of seed means: prr(R, 1) and peop(R, 1, ...) are them at R.
+        prr_point, prr_ci = row.prr, Interval.none()
         if comparison is not None:
-            prr_ci = _ratio_interval(row, ref, lambda a, b: prr(a, b, mode), level, _shared_seeds(row, ref))
-        peop_ci = Interval.none()
+            prr_point, prr_ci = _ratio_interval(row, ref, lambda r: prr(r, 1.0, mode), level, _shared_seeds(row, ref))
+        peop_point, peop_ci = row.peop, Interval.none()
         if low is not None and row.label != low.label and math.isfinite(row.peop):
-            peop_ci = _ratio_interval(row, low, lambda a, b: peop(a, b, row.params_attention, low.params_attention,
-                                                                   mode), level, _shared_seeds(row, low))
+            peop_point, peop_ci = _ratio_interval(
+                row, low, lambda r: peop(r, 1.0, row.params_attention, low.params_attention, mode), level,
+                _shared_seeds(row, low))
         diff_ci = (comparison.interval(holm_level(alpha, comparison.p_value, p_holm)) if comparison is not None
                    else Interval.none())
         out[row.label] = RowStats(
             ci=mean_interval(row.scores, level),
             bootstrap=bootstrap_interval([row.scores], mean_of, level, paired=False) if bootstrap else None,
             comparison=comparison, p_holm=p_holm, verdict=verdict_of(comparison, p_holm, alpha, mode), diff_ci=diff_ci,
-            prr_ci=prr_ci, peop_ci=peop_ci,
+            prr=prr_point, prr_ci=prr_ci, peop=peop_point, peop_ci=peop_ci,
             tokens_ci=mean_interval(row.tokens, level), memory_ci=mean_interval(row.memory, level),
             on_front=fronts.point[row.label], on_front_uncertain=fronts.uncertain[row.label])
     if any(c.test == WELCH for c in comparisons.values()):

@@ -353,6 +353,14 @@ def summarize(
                 "or pass --lower-reference none to report without PEoP."
             )
 
+    if math.isfinite(means[ref.label]) and means[ref.label] <= 0.0:
+        warnings.append(f"{ref.label}'s mean {metric} is {means[ref.label]:g}: PRR is a ratio to it, meaningful "
+                        "only for a positive score")
+    if low is not None:
+        fewer = [label for label, value in params.items() if label != low.label and value < params[low.label]]
+        if fewer:
+            warnings.append(f"{', '.join(fewer)}: fewer attention parameters than the lower reference {low.label}, "
+                            "so PEoP's sign reads reversed there (a worse score gives a positive PEoP)")
     rows = []
     for group in groups:
         score_ref = means[ref.label]

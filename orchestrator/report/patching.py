@@ -304,7 +304,7 @@ def patching_markdown(rows: Sequence[PatchRow], stats: Statistics, metric: str, 
         comparison = row.stats.comparison
         diff = _interval(comparison.diff, row.stats.diff_ci, delta) if comparison is not None else "-"
         cells = [row.mechanism, f"{row.layers:g}", str(row.n_runs), _interval(row.row.score_mean, row.stats.ci, spec),
-                 _interval(row.row.prr, row.stats.prr_ci, ".1f", 100.0, "%"), diff, _fmt(row.stats.p_holm, ".3g"),
+                 _interval(row.stats.prr, row.stats.prr_ci, ".1f", 100.0, "%"), diff, _fmt(row.stats.p_holm, ".3g"),
                  row.stats.verdict if comparison is not None else "reference",
                  _interval(row.speedup, row.speedup_ci, ".2f"), _interval(row.attention_speedup,
                                                                           row.attention_speedup_ci, ".2f")]
@@ -326,8 +326,8 @@ def patching_document(experiment: str, metric: str, mode: Mode, rows: Sequence[P
         f"(`{split}/patched_layers`), the seeds (`optim.seed`, which draw the hashes) the replicates; mean over "
         f"seeds with a {level} Student-t interval.",
         f"- Reference: the unpatched model; {note}.",
-        f"- PRR against l = 0 on the seed means (the method table's formula; its {level} interval a percentile "
-        f"bootstrap over seeds). Each row against l = 0: paired t-test, verdicts at alpha = {stats.alpha:g} after "
+        f"- PRR against l = 0 from the ratio of seed means on the seeds both ran (the method table's formula; its "
+        f"{level} interval the delta method's t interval of that ratio). Each row against l = 0: paired t-test, verdicts at alpha = {stats.alpha:g} after "
         f"Holm's correction for {stats.comparisons} comparison(s); Δ's interval is at the Holm-adjusted level.",
         f"- Speed-up: `{split}/speedup` (the unpatched forward's time over the patched one's, both in the run's "
         f"process) and `{split}/attention_speedup` (the attention layers' time: the paper's Figure 3 measure), "

@@ -37,6 +37,9 @@ def rows_to_frame(rows: Sequence[MethodRow], stats: Statistics | None = None) ->
     )
     if stats is None:
         return frame
+    # PRR and PEoP on the seeds their intervals use (the shared seeds of a paired comparison)
+    frame["prr"] = [stats.rows[row.label].prr for row in rows]
+    frame["peop"] = [stats.rows[row.label].peop for row in rows]
     columns: dict[str, list[object]] = {}
 
     def add(name: str, value: object) -> None:
@@ -130,8 +133,9 @@ def rows_to_markdown(rows: Sequence[MethodRow], metric: str, mode: Mode, stats: 
             boot = row_stats.bootstrap
             cells.append(f"[{format(boot.low, score_spec)}, {format(boot.high, score_spec)}]"
                          if boot is not None and math.isfinite(boot.low) else "-")
-        cells += [_interval(row.prr, row_stats.prr_ci if row_stats else None, ".1f", 100.0, "%"),
-                  _interval(row.peop, row_stats.peop_ci if row_stats else None, ".2f"),
+        cells += [_interval(row_stats.prr, row_stats.prr_ci, ".1f", 100.0, "%") if row_stats else
+                  _interval(row.prr, None, ".1f", 100.0, "%"),
+                  _interval(row_stats.peop, row_stats.peop_ci, ".2f") if row_stats else _interval(row.peop, None, ".2f"),
                   _fmt(row.tokens_per_s, ",.0f"), _fmt(row.peak_memory_gb, ".2f")]
         if stats is not None:
             cells.append(_front(row_stats))
@@ -194,16 +198,17 @@ def markdown_document(
         "",
         f"- Metric: `{metric}` ({direction}); score = last logged value of each run; mean over seeds with a "
         f"{level} Student-t interval" + (" and a percentile bootstrap interval." if stats.bootstrap else "."),
-        f"- PRR against **{summary.reference}**, PEoP against {lower}, both on the seed-mean score; their "
-        f"{level} intervals are percentile bootstraps over seeds (paired seeds resampled together).",
+        f"- PRR against **{summary.reference}**, PEoP against {lower}, both from the ratio of seed means, on the "
+        f"seeds both methods ran where they share two or more (paired; else every run of each); their {level} "
+        "intervals are the delta method's t intervals of that ratio, on the same seeds.",
         f"- Each method against **{summary.reference}**: paired t-test over the seeds both ran (Welch's t-test "
         f"where they share fewer than two), verdicts at alpha = {stats.alpha:g} after Holm's correction for "
         f"{stats.comparisons} comparison(s); the difference's interval is at the Holm-adjusted level, so it "
         "excludes 0 exactly when the verdict is better or worse. The exact sign-flip test of the same "
         "differences is shown as a distribution-free check (its smallest possible p is 2 / 2^seeds), and a row "
         "says when the two disagree.",
-        f"- Detectable Δ and seeds for Δ: two-sided t-test at alpha = {stats.alpha:g} with {100 * POWER:g}% power, "
-        "taking the observed spread of the differences as the true one.",
+        f"- Detectable Δ and seeds for Δ: two-sided t-test at the row's Holm-adjusted level (the verdict's) with "
+        f"{100 * POWER:g}% power, taking the observed spread of the differences as the true one.",
         f"- Pareto front over {axes}: 'yes' on the front of the means, 'within CI' dominated only within the "
         "intervals, 'no' dominated by another method's whole interval.",
         "- Attention params = `params.attention` (Q/K/V/O projections and method extras, no biases).",
