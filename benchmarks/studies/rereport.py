@@ -1,6 +1,6 @@
 """Re-report a finished study with the report's statistics, without retraining: Student-t intervals over seeds,
 each method against mha by the paired t-test over the seeds both ran (the exact sign-flip test beside it as a
-check) with Holm's correction and Holm-adjusted intervals, PRR / PEoP bootstrap intervals, power, the Pareto front.
+check) with Holm's correction and Holm-adjusted intervals, PRR / PEoP delta-method intervals, power, the Pareto front.
 
 Three sources, as a study kept them:
 - `runs.csv` (one row per run: method, seed, sizes, scores; benchmarks/studies/downstream_results.py writes it from the
