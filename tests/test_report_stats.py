@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
-from scipy import stats
+from scipy import optimize, stats
 
 from orchestrator.report.build import PARENT_TAG, ReportError, build_report
 from orchestrator.report.compare import analyse
@@ -312,9 +312,9 @@ def _summary(rows: dict, mode: str = "max") -> Summary:
 @pytest.mark.parametrize("seeds", [2, 3, 5])
 def test_the_ratio_interval_holds_the_true_ratio_95_percent_of_the_time(seeds):
     """Paired normal scores with a seed effect shared by the methods, true ratio of means 0.95 (PRR and PEoP are
-    affine in it: test_the_ratio_interval_is_the_delta_methods_by_hand). A percentile bootstrap over the seeds
-    held the truth 52% of the time at 2 seeds, 74% at 3 and 82% at 5; the delta method's t interval about 95%.
-    2,000 studies: the count's sd is 9.7, so [1855, 1945] is 4.6 sd each side. Unpaired (Welch's case) too."""
+    affine in it: test_the_ratio_interval_is_fiellers_by_hand). A percentile bootstrap over the seeds held the
+    truth 52% of the time at 2 seeds, 74% at 3 and 82% at 5. 2,000 studies: the count's sd is 9.7, so
+    [1855, 1945] is 4.6 sd each side of 95%. Unpaired (Welch's case) too."""
     rng = np.random.default_rng(seeds)
     studies = 2000
     shared = rng.normal(0.0, 2.0, size=(studies, seeds))
@@ -324,6 +324,23 @@ def test_the_ratio_interval_holds_the_true_ratio_95_percent_of_the_time(seeds):
     apart = sum(0.95 in ratio_interval(x, y, 0.95, paired=False)
                 for x, y in zip(95.0 + rng.normal(0, 1.0, (studies, seeds)), 100.0 + rng.normal(0, 2.0, (studies, 4))))
     assert 1855 <= paired <= 1945 and 1855 <= apart <= 1945, (paired, apart)
+
+
+@pytest.mark.parametrize("seeds", [3, 5])
+def test_a_ratio_to_a_reference_near_zero_is_unbounded_rather_than_too_narrow(seeds):
+    """A reference whose mean is a standard deviation or less from 0 (0.3 +- 0.5 a seed), a steady method (0.25):
+    the delta method's symmetric R +- t se held the true ratio 89% of the time at 3 seeds and 88% at 5; Fieller's
+    interval 97% and 98%, unbounded where the reference's mean is not distinguishable from 0."""
+    rng = np.random.default_rng(seeds)
+    studies, true = 2000, 0.25 / 0.3
+    ref, method = rng.normal(0.3, 0.5, (studies, seeds)), rng.normal(0.25, 0.01, (studies, seeds))
+    intervals = [ratio_interval(x, y, 0.95, paired=True) for x, y in zip(method, ref)]
+    assert 1855 <= sum(true in interval for interval in intervals) <= 1990
+    unbounded = [interval for interval in intervals if math.isinf(interval.high)]
+    assert unbounded and all(interval.low == -math.inf for interval in unbounded)
+    # unbounded exactly where the reference's own t-test does not reject a zero mean
+    rejects = [stats.ttest_1samp(y, 0.0).pvalue < 0.05 for y in ref]
+    assert [math.isinf(interval.high) for interval in intervals] == [not r for r in rejects]
 
 
 def test_prr_peop_and_the_difference_use_the_seeds_of_their_interval():
@@ -344,18 +361,31 @@ def test_prr_peop_and_the_difference_use_the_seeds_of_their_interval():
     assert f"{100 * mhe.prr:.1f}% [" in rows_to_markdown(summary.rows, "val/acc", "max", stats_)
 
 
-def test_the_ratio_interval_is_the_delta_methods_by_hand():
+def test_the_ratio_interval_is_fiellers_by_hand():
+    """Every R whose paired differences x - R y a t-test at 95% does not reject: the two roots of
+    (mean(x) - R mean(y))^2 = t^2 var(x - R y) / n."""
     rows = {"mha": ([80.0, 81.0, 79.0], 4000.0), "sha": ([70.0, 72.0, 71.0], 1000.0),
             "mhe": ([78.0, 80.5, 77.0], 2000.0)}
     mhe = analyse(_summary(rows), "max").rows["mhe"]
     x, y = np.array(rows["mhe"][0]), np.array(rows["mha"][0])
+
+    def t_of(r: float) -> float:
+        return stats.ttest_1samp(x - r * y, 0.0).statistic
+
+    critical = stats.t.ppf(0.975, 2)
     r = x.mean() / y.mean()
-    se = np.std(x - r * y, ddof=1) / math.sqrt(3) / y.mean()
-    half = stats.t.ppf(0.975, 2) * se
-    assert [mhe.prr_ci.low, mhe.prr_ci.high] == pytest.approx([r - half, r + half])
+    low = optimize.brentq(lambda v: t_of(v) - critical, r - 1, r)
+    high = optimize.brentq(lambda v: t_of(v) + critical, r, r + 1)
+    assert [mhe.prr_ci.low, mhe.prr_ci.high] == pytest.approx([low, high])
     # perplexity (min): PRR = 2 - R, so the interval flips end to end
     flipped = analyse(_summary(rows, "min"), "min").rows["mhe"]
-    assert [flipped.prr_ci.low, flipped.prr_ci.high] == pytest.approx([2 - r - half, 2 - r + half])
+    assert [flipped.prr_ci.low, flipped.prr_ci.high] == pytest.approx([2 - high, 2 - low])
+    # PEoP = (R - 1) / (params / params_sha - 1) against sha, on the same construction
+    x, y = np.array(rows["mhe"][0]), np.array(rows["sha"][0])
+    r = x.mean() / y.mean()
+    low = optimize.brentq(lambda v: t_of(v) - critical, r - 1, r)
+    high = optimize.brentq(lambda v: t_of(v) + critical, r, r + 1)
+    assert [mhe.peop_ci.low, mhe.peop_ci.high] == pytest.approx([low - 1, high - 1])
 
 
 def test_welch_with_a_constant_group_takes_the_other_groups_degrees_of_freedom_as_scipy_does():

@@ -101,7 +101,7 @@ def _ratio_interval(row: MethodRow, other: MethodRow, of_ratio: Callable[[float]
                     seeds: Sequence[object] | None) -> tuple[float, Interval]:
     """(value, interval) of of_ratio(R), R = the ratio of row's seed mean to other's: on the `seeds` both ran when
     given (paired, the pairs of the test), else on every run of each. `of_ratio` is affine in R (PRR and PEoP
-    are), so the delta method's interval of R maps onto it end to end."""
+    are), so Fieller's interval of R maps onto it end to end; (-inf, inf) where that interval is unbounded."""
     if seeds is not None:
         mine, theirs = dict(zip(row.seeds, row.scores)), dict(zip(other.seeds, other.scores))
         x, y = [mine[s] for s in seeds], [theirs[s] for s in seeds]
@@ -111,6 +111,8 @@ def _ratio_interval(row: MethodRow, other: MethodRow, of_ratio: Callable[[float]
         return math.nan, Interval.none()
     value = of_ratio(float(np.mean(x)) / float(np.mean(y)))
     interval = ratio_interval(x, y, level, paired=seeds is not None)
+    if math.isinf(interval.low) or math.isinf(interval.high):  # the reference's mean may be 0: no bound
+        return value, Interval(-math.inf, math.inf)
     ends = sorted((of_ratio(interval.low), of_ratio(interval.high)))
     return value, Interval(*ends) if all(math.isfinite(end) for end in ends) else Interval.none()
 

@@ -327,8 +327,9 @@ def patching_document(experiment: str, metric: str, mode: Mode, rows: Sequence[P
         f"seeds with a {level} Student-t interval.",
         f"- Reference: the unpatched model; {note}.",
         f"- PRR against l = 0 from the ratio of seed means on the seeds both ran (the method table's formula; its "
-        f"{level} interval the delta method's t interval of that ratio). Each row against l = 0: paired t-test, verdicts at alpha = {stats.alpha:g} after "
-        f"Holm's correction for {stats.comparisons} comparison(s); Δ's interval is at the Holm-adjusted level.",
+        f"{level} interval Fieller's interval of that ratio). Each row against l = 0: paired t-test, verdicts at "
+        f"alpha = {stats.alpha:g} after Holm's correction for {stats.comparisons} comparison(s); Δ's interval is at "
+        "the Holm-adjusted level.",
         f"- Speed-up: `{split}/speedup` (the unpatched forward's time over the patched one's, both in the run's "
         f"process) and `{split}/attention_speedup` (the attention layers' time: the paper's Figure 3 measure), "
         f"seed means with {level} t intervals.",

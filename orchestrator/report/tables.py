@@ -97,6 +97,8 @@ def _interval(value: float, interval: Interval | None, spec: str, scale: float =
     if not math.isfinite(value):
         return "-"
     text = format(scale * value, spec) + suffix
+    if interval is not None and math.isinf(interval.low) and math.isinf(interval.high):
+        return text + " [unbounded]"  # a ratio to a mean not distinguishable from 0 (stats.ratio_interval)
     if interval is not None and math.isfinite(interval.low) and math.isfinite(interval.high):
         text += f" [{format(scale * interval.low, spec)}, {format(scale * interval.high, spec)}]"
     return text
@@ -135,7 +137,8 @@ def rows_to_markdown(rows: Sequence[MethodRow], metric: str, mode: Mode, stats: 
                          if boot is not None and math.isfinite(boot.low) else "-")
         cells += [_interval(row_stats.prr, row_stats.prr_ci, ".1f", 100.0, "%") if row_stats else
                   _interval(row.prr, None, ".1f", 100.0, "%"),
-                  _interval(row_stats.peop, row_stats.peop_ci, ".2f") if row_stats else _interval(row.peop, None, ".2f"),
+                  _interval(row_stats.peop, row_stats.peop_ci, ".2f") if row_stats else
+                  _interval(row.peop, None, ".2f"),
                   _fmt(row.tokens_per_s, ",.0f"), _fmt(row.peak_memory_gb, ".2f")]
         if stats is not None:
             cells.append(_front(row_stats))
@@ -200,7 +203,8 @@ def markdown_document(
         f"{level} Student-t interval" + (" and a percentile bootstrap interval." if stats.bootstrap else "."),
         f"- PRR against **{summary.reference}**, PEoP against {lower}, both from the ratio of seed means, on the "
         f"seeds both methods ran where they share two or more (paired; else every run of each); their {level} "
-        "intervals are the delta method's t intervals of that ratio, on the same seeds.",
+        "intervals are Fieller's intervals of that ratio, on the same seeds ('unbounded' where the reference's mean "
+        "is not distinguishable from 0).",
         f"- Each method against **{summary.reference}**: paired t-test over the seeds both ran (Welch's t-test "
         f"where they share fewer than two), verdicts at alpha = {stats.alpha:g} after Holm's correction for "
         f"{stats.comparisons} comparison(s); the difference's interval is at the Holm-adjusted level, so it "
