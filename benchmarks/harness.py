@@ -185,15 +185,25 @@ def add_ratios(rows: list[Row], *, key: str, baseline: Callable[[Row], bool], co
 
     `columns` maps a measured column to the ratio column to add ("fwd_median_s" -> "fwd_speedup_vs_mha"). A
     ratio > 1 means the row is that many times faster (or smaller) than the baseline, as in the Linformer
-    paper's "time saved" and "memory saved" tables. Missing or failed values give NaN.
+    paper's "time saved" and "memory saved" tables. Missing or failed values give NaN, and so does a time
+    (`<prefix>_median_s`) that `measure` took from no timed call (`<prefix>_repeats` = 0: the first, cold call
+    under the memory measurement) on one side only: a cold call divided by warm medians, or warm by cold. Two
+    cold calls compare like with like (one call each).
     """
     bases = {row[key]: row for row in rows if baseline(row)}
+
+    def untimed(row: Row | None, column: str) -> bool:
+        repeats = None if row is None or not column.endswith("_median_s") else \
+            row.get(column.removesuffix("_median_s") + "_repeats")
+        return isinstance(repeats, int) and repeats < 1
+
     for row in rows:
         base = bases.get(row[key])
         for column, ratio_column in columns.items():
             value = row.get(column, math.nan)
             base_value = math.nan if base is None else base.get(column, math.nan)
             ok = isinstance(value, float | int) and isinstance(base_value, float | int) and value > 0
+            ok = ok and untimed(row, column) == untimed(base, column)
             row[ratio_column] = base_value / value if ok and math.isfinite(base_value / value) else math.nan
 
 

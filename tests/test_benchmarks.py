@@ -333,3 +333,30 @@ def test_host_reads_counts_what_brings_values_to_the_host_and_nothing_else():
         t[mask] = 0.0
         t.cpu()
     assert reads.count == 6 and reads.calls["bool-index"] == 2
+
+
+def test_a_time_from_no_timed_call_is_not_divided_by_a_warm_median():
+    """`measure` reports the first, cold call under the memory measurement when not even one timed call fits
+    (repeats = 0): a ratio of it to a warm median is left out (a true 2x speed-up read 0.5x), two cold calls
+    compare, and memory ratios do not depend on it."""
+    from benchmarks.harness import add_ratios
+
+    def row(impl, n, seconds, repeats, mb):
+        return {"impl": impl, "n": n, "fwd_median_s": seconds, "fwd_repeats": repeats, "fwd_peak_mb": mb}
+
+    rows = [row("base", 1, 0.10, 5, 8.0), row("fast", 1, 0.20, 0, 4.0),  # warm 0.05 s, cold first call 0.20 s
+            row("base", 2, 0.40, 0, 8.0), row("fast", 2, 0.20, 0, 4.0), row("warm", 2, 0.1, 3, 2.0),
+            row("base", 3, 0.10, 5, 8.0), row("fast", 3, 0.05, 4, 4.0)]
+    add_ratios(rows, key="n", baseline=lambda r: r["impl"] == "base",
+               columns={"fwd_median_s": "speedup", "fwd_peak_mb": "mem_ratio"})
+    speedup = {(r["impl"], r["n"]): r["speedup"] for r in rows}
+    assert math.isnan(speedup["fast", 1]) and math.isnan(speedup["warm", 2])
+    assert speedup["fast", 2] == pytest.approx(2.0) and speedup["fast", 3] == pytest.approx(2.0)
+    assert [r["mem_ratio"] for r in rows if r["impl"] == "fast"] == [2.0, 2.0, 2.0]
+
+
+def test_ray_startups_medians_leave_out_a_round_without_a_metric():
+    # statistics.median([nan, 14.0, 14.9, 15.0]) is 14.45 and of [14.0, 14.9, 15.0, nan] 14.95: order-dependent
+    assert ray_startup.finite_median([math.nan, 14.0, 14.9, 15.0]) == 14.9
+    assert ray_startup.finite_median([14.0, 14.9, 15.0, math.nan]) == 14.9
+    assert math.isnan(ray_startup.finite_median([math.nan])) and math.isnan(ray_startup.finite_median([]))

@@ -22,7 +22,7 @@ from mlflow.entities import Metric, Param
 from scipy import optimize, stats
 
 from orchestrator.report.build import PARENT_TAG, ReportError, build_report
-from orchestrator.report.compare import analyse
+from orchestrator.report.compare import analyse, verdict_of
 from orchestrator.report.metrics import MethodRow, Summary, peop, prr
 from orchestrator.report.objectives import as_list
 from orchestrator.report.pareto import Objective, non_dominated
@@ -440,3 +440,17 @@ def test_power_and_the_sign_flip_note_use_the_verdicts_holm_level():
     assert a.comparison.mdd > abs(a.comparison.diff) and a.comparison.seeds_needed == 7
     # the t-test and the sign-flip check (p = 0.0625) agree at that level: no "disagrees" note
     assert a.comparison.check_p == pytest.approx(0.0625) and "disagrees" not in a.comparison.note
+
+
+def test_a_published_row_with_the_same_difference_on_every_seed_is_the_sign_flip_tests():
+    """A zero-width published interval with a non-zero difference: every seed gave the same difference. The
+    re-report gave it p = 0 ('better'); like the live report, the exact sign-flip test decides (2 / 2^n)."""
+    import pandas as pd
+
+    from benchmarks.studies.rereport import comparison_from_row
+
+    row = pd.Series({"method": "lsh", "test": "paired t", "n_compared": 3, "diff": -0.5, "diff_ci_low": -0.5,
+                     "diff_ci_high": -0.5, "p_value": 0.0, "verdict": "better"})
+    comparison = comparison_from_row(row)
+    assert comparison.test == SIGN_FLIP and comparison.p_value == pytest.approx(0.25)
+    assert verdict_of(comparison, comparison.p_value, 0.05, "min") == "indistinguishable"

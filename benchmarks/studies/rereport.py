@@ -39,6 +39,7 @@ from scipy import stats as scipy_stats
 
 from orchestrator.report import (
     PAIRED_T,
+    SIGN_FLIP,
     Comparison,
     Interval,
     RunRecord,
@@ -97,10 +98,12 @@ def comparison_from_row(row: pd.Series) -> Comparison | None:
                           float(row["p_value"]), math.nan, math.nan, str(row.get("test_note", "")))
     half = (float(row["diff_ci_high"]) - float(row["diff_ci_low"])) / 2.0
     se = half / float(scipy_stats.t.ppf(1 - ALPHA / 2, n - 1))
-    if se == 0.0:
-        p_value = 1.0 if diff == 0.0 else 0.0
-    else:
-        p_value = float(2.0 * scipy_stats.t.sf(abs(diff) / se, n - 1))
+    if se == 0.0 and diff != 0.0:
+        # Every seed the same difference: no t statistic (the live report says so too, stats._paired); all n
+        # differences share a sign, so the exact sign-flip test's p is its smallest, 2 / 2^n.
+        return Comparison(SIGN_FLIP, n, diff, Interval.none(), 2.0 / 2**n, math.nan, math.nan,
+                          "every seed gives the same difference", check_p=2.0 / 2**n, check_min_p=2.0 / 2**n)
+    p_value = 1.0 if se == 0.0 else float(2.0 * scipy_stats.t.sf(abs(diff) / se, n - 1))
     check = float(row["p_value"]) if row["test"] == "exact sign-flip" else math.nan
     comparison = Comparison(PAIRED_T, n, diff, Interval.none(), p_value, math.nan, math.nan, "", se, n - 1.0,
                             check, 2.0 / 2**n)

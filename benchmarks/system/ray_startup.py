@@ -47,6 +47,13 @@ class Checkout:
     root: Path
 
 
+
+def finite_median(values: list[float]) -> float:
+    """The median of the finite values (a round whose run logged no metric is NaN there; `statistics.median`
+    over a list holding NaN returns a value that depends on where the NaN sits); NaN when none is finite."""
+    finite = [value for value in values if math.isfinite(value)]
+    return statistics.median(finite) if finite else math.nan
+
 def watched(cmd: Sequence[str], cwd: Path, env: Mapping[str, str], label: str) -> tuple[dict[str, float], float]:
     """Run `cmd` to its end: seconds from its start to each phase's first output line (`PHASES`) and to the
     first time each Ray actor's process title appears below it (`process:<Actor>`, polled every 0.1 s), and
@@ -158,7 +165,7 @@ def measure_cli(scale: Scale, workdir: Path, *, rounds: int = 1, against: Path |
 
     def median(label: str, key: str) -> float:
         values = [p[key] for p in samples[label] if key in p]
-        return statistics.median(values) if values else math.nan
+        return finite_median(values)
 
     rows: list[Row] = []
     for key in keys:
@@ -214,13 +221,12 @@ def measure_startup(workdir: Path, *, rounds: int) -> list[Row]:
     for key in keys:
         values, floor = [p[key] for p in ours if key in p], [p[key] for p in bare if key in p]
         rows.append({"measurement": f"startup_seconds_to_{key}",
-                     "ray": statistics.median(values) if values else math.nan,
-                     "plain": statistics.median(floor) if floor else math.nan,
+                     "ray": finite_median(values), "plain": finite_median(floor),
                      "windows": "ray: orchestrator train, smoke spec, mha, 10 steps; plain: a bare Ray Train run",
                      "samples": ";".join(f"{v:.2f}" for v in values),
                      "plain_samples": ";".join(f"{v:.2f}" for v in floor),
                      "rounds": rounds, "load_avg_1min": os.getloadavg()[0]})
     # Paired within each round (the two ran back to back): the ratio a shared machine's load drift moves least.
     ratios = [p["first_metric"] / b["first_metric"] for p, b in zip(ours, bare)]
-    rows[0].update(round_ratios=";".join(f"{r:.3f}" for r in ratios), median_round_ratio=statistics.median(ratios))
+    rows[0].update(round_ratios=";".join(f"{r:.3f}" for r in ratios), median_round_ratio=finite_median(ratios))
     return rows

@@ -12,7 +12,7 @@ OFFERS = {
                      "default_group_keys", "prr", "peop"], "metrics"),
     **dict.fromkeys(["compared_runs", "find_experiment_id", "with_status"], "runs"),
     **dict.fromkeys(["analyse", "verdict_of"], "compare"),
-    **dict.fromkeys(["Comparison", "Interval", "holm", "holm_level", "PAIRED_T"], "stats"),
+    **dict.fromkeys(["Comparison", "Interval", "holm", "holm_level", "PAIRED_T", "SIGN_FLIP"], "stats"),
     **dict.fromkeys(["rows_to_markdown", "rows_to_frame", "comparison_markdown"], "tables"),
 }
 __all__ = sorted(OFFERS)
