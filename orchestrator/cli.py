@@ -36,6 +36,7 @@ from orchestrator.spec import (
     spec_to_yaml,
 )
 from orchestrator.spec.counting import PLANNED_TASKS
+from orchestrator.spec.gpus import gpu_argument, mfu_argument
 from orchestrator.spec.search_space import MAX_TRIALS, ValidationPlan, iter_grid_points
 from orchestrator.storage import parent, resolve
 from orchestrator.tracking.describe import MLFLOW_SERVER_ENV, artifact_root
@@ -73,14 +74,14 @@ def _parser() -> argparse.ArgumentParser:
         return cmd
 
     def with_gpu(cmd: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        cmd.add_argument("--gpu", default=None, help="GPU kind each trial is planned for (H100, H200, A100-80GB, "
-                                                     "A100-40GB, L4, A10G; default H100)")
+        cmd.add_argument("--gpu", default=None, type=gpu_argument, help="GPU kind each trial is planned for "
+                         "(H100, H200, A100-80GB, A100-40GB, L4, A10G; default H100)")
         return cmd
 
     with_gpu(with_spec("validate", "check a spec (every trial of a sweep) and print the resolved spec and trial grid"))
     plan = with_gpu(with_spec("plan", "parameters, FLOPs per token, memory per GPU, step time and GPU-hours of "
                                       "every trial, counted on fake tensors (no GPU, no Ray)"))
-    plan.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation assumed for step times")
+    plan.add_argument("--mfu", type=mfu_argument, default=0.4, help="model FLOP utilisation assumed for step times")
     with_spec("prepare", "tokenise the spec's data once (every split) into the memory-mapped shards its runs map")
     with_verbose(with_spec("train", "train one run of a spec without search domains"))
     with_gpu(with_verbose(with_spec("sweep", "run a Ray Tune sweep over the spec's search domains")))
@@ -309,10 +310,7 @@ def _set_verbosity(verbose: bool) -> None:
 
 def _runs_page(uri: str, base: str, args: argparse.Namespace) -> str | None:
     """The experiment's training-runs page (not MLflow 3's GenAI overview), when the store already has it."""
-    from orchestrator.tracking.read import (  # deferred: mlflow only for `ui SPEC`
-        TrackingReader,
-        ui_url,
-    )
+    from orchestrator.tracking.read import TrackingReader, ui_url  # deferred: mlflow only for `ui SPEC`
 
     spec = load_study(args.spec, args.overrides, args.scale).base
     try:

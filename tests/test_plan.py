@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -406,3 +407,22 @@ def test_a_model_that_reads_its_values_is_counted_on_one_real_row_and_scaled():
     one_row = 2 * 8 * 8 * (3 + 3 + 2)
     assert step.flops == count_flops(work) == 4 * one_row
     assert step.by_kind["Parameter"] == (8 * 8 + 8) * 4
+
+
+@pytest.mark.parametrize("config", ["configs/multi30k.yaml", "configs/studies/downstream_sst2.yaml"])
+def test_a_translation_or_classify_trial_that_does_not_fit_gets_its_fixes_not_a_traceback(config, capsys):
+    """The fixes read task.seq_len for Transformer-XL's cache, which only a causal LM has; and a translation
+    decoder cannot be reversible, so that fix is not offered there."""
+    path = str(Path(__file__).resolve().parents[1] / config)
+    assert main(["plan", path, "model.d_model=4096", "model.ffn=16384", "model.layers=12", "--gpu", "L4"]) == 2
+    err = capsys.readouterr().err
+    assert "do not fit" in err and "run.activation_checkpointing=true" in err and "Traceback" not in err
+    assert ("model.reversible=true" in err) == ("multi30k" not in config)
+
+
+def test_plan_flags_are_checked_when_the_command_line_is_read(capsys):
+    for flag, value, says in (("--mfu", "0", "not a utilisation in (0, 1]"), ("--mfu", "2", "not a utilisation"),
+                              ("--gpu", "V100", "unknown GPU 'V100'; known: H100")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", str(Path(__file__).resolve().parents[1] / "configs/smoke.yaml"), flag, value])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err

@@ -47,7 +47,7 @@ def timed(label, fn):
     return out
 
 timed("Trainer.create (mha)", lambda: Trainer.create(spec("mha"), WorkerContext(seed=0, cache_dir=Path(CACHE))))
-for kind, knobs in (("mha", {}), ("mhe", {"mode": "mul"}), ("lsh", {})):
+for kind, knobs in (("mha", {}), ("mhe", {"mode": "mul"}), ("lsh", {"bucket_size": 8})):
     timed(f"flops_per_token ({kind})", lambda: flops_per_token(spec(kind, **knobs)))
 """
 

@@ -16,6 +16,8 @@ Capacity is the data sheet's GB taken as GiB, the way nvidia-smi reports these c
 
 from __future__ import annotations
 
+import argparse
+import math
 import re
 from dataclasses import dataclass
 
@@ -73,3 +75,24 @@ def model_flops_utilization(tokens_per_s: float, flops_per_token: float, device_
     if peak is None:
         return None
     return tokens_per_s * flops_per_token / (peak * gpus)
+
+
+def gpu_argument(value: str) -> str:
+    """`--gpu VALUE` checked when the command line is read (argparse names the flag and exits 2)."""
+    try:
+        gpu_kind(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
+
+
+def mfu_argument(value: str) -> float:
+    """`--mfu VALUE`: a model FLOP utilisation in (0, 1] (0 divided the step time by zero; 2 printed 200% MFU)."""
+    try:
+        mfu = float(value)
+    except ValueError:
+        mfu = math.nan
+    if not 0.0 < mfu <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a utilisation in (0, 1]; e.g. --mfu 0.4 (40% of the "
+                                         "GPU's dense bf16 peak)")
+    return mfu

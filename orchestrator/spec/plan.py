@@ -78,10 +78,12 @@ def _fixes(spec: ExperimentSpec, memory: int, gpu: GpuKind) -> tuple[str, ...]:
                      "step, half the activations)")
     if not spec.run.activation_checkpointing and not spec.model.reversible:
         fixes.append("run.activation_checkpointing=true (recompute each layer in backward)")
-    if not spec.model.reversible and not spec.run.activation_checkpointing:
+    if not spec.model.reversible and not spec.run.activation_checkpointing and spec.task.kind != "translation":
         fixes.append("model.reversible=true (RevNet layers: activation memory flat in depth)")
     mem_len = spec.model.memory.mem_len if spec.model.memory is not None else 0
-    if mem_len > spec.task.seq_len:  # Transformer-XL's own runs cache about a segment (mem_len = seq_len or so)
+    # Only a causal LM has a memory (and a seq_len: translation and classify do not); Transformer-XL's own runs
+    # cache about a segment (mem_len = seq_len or so).
+    if mem_len and mem_len > spec.task.seq_len:
         fixes.append(f"model.memory.mem_len={spec.task.seq_len} (each layer's cache and the attention over it grow "
                      f"with mem_len={mem_len})")
     if spec.run.strategy != "fsdp" or spec.run.workers == 1:
