@@ -407,3 +407,42 @@ def test_runs_that_did_not_finish_are_left_out_unless_asked_for(store, tmp_path)
     with pytest.raises(ReportError, match=r"--status FINSHED: not an MLflow run status; use .*FINISHED.*or 'all'"):
         build_report(store["uri"], "statuses", metric="val/ppl", out_dir=tmp_path / "d", log_to_mlflow=False,
                      statuses=["finshed", "failed"])
+
+
+def test_a_tracking_server_that_does_not_answer_is_refused_in_seconds_naming_the_flag(capsys):
+    """MLflow's client retried for minutes against a dead server, then printed a urllib3 traceback."""
+    import socket
+    import time
+
+    from orchestrator.report.build import report_cli
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # closed again below: nothing listens there
+    started = time.monotonic()
+    assert report_cli(["--tracking-uri", f"http://127.0.0.1:{port}", "--experiment", "x", "--no-log"]) == 2
+    err = capsys.readouterr().err
+    assert f"the tracking server at http://127.0.0.1:{port} did not answer" in err and "--tracking-uri" in err
+    assert time.monotonic() - started < 60
+
+
+def test_a_tracking_server_that_answers_with_an_error_status_counts_as_answering():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from orchestrator.report.runs import check_store_exists
+
+    class Locked(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Locked)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        check_store_exists(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()

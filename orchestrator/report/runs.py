@@ -3,6 +3,8 @@ pretraining stages are left out, and only runs with the wanted MLflow status cou
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -15,8 +17,22 @@ REPORT_TAG = "orchestrator.report"
 are never read back as compared runs."""
 
 
+SERVER_ANSWER_S = 10.0
+"""How long a report waits for a tracking server's first answer (MLflow's client retried for minutes)."""
+
+
 def check_store_exists(tracking_uri: str) -> None:
-    """Refuse a SQLite path that does not exist: MLflow would create an empty store there instead."""
+    """Refuse a SQLite path that does not exist (MLflow would create an empty store there instead), and a
+    tracking server that does not answer within SERVER_ANSWER_S (any HTTP answer counts, 401 included)."""
+    if tracking_uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=SERVER_ANSWER_S).close()
+        except urllib.error.HTTPError:
+            pass  # it answered (an auth proxy's 401, an older server without /health)
+        except (OSError, ValueError) as err:
+            raise ReportError(f"the tracking server at {tracking_uri} did not answer within {SERVER_ANSWER_S:g} s "
+                              f"({getattr(err, 'reason', err)}); start it, or pass --tracking-uri naming the store "
+                              "the runs were logged to (the spec's tracking.uri)") from None
     prefix = "sqlite:///"
     if tracking_uri.startswith(prefix) and tracking_uri != prefix + ":memory:":
         path = Path(tracking_uri[len(prefix) :])
