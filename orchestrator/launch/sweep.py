@@ -44,7 +44,7 @@ from orchestrator.launch.run import (
     fit_and_finish,
     stage_to_train,
 )
-from orchestrator.launch.sweep_summary import summarize_sweep
+from orchestrator.launch.sweep_summary import best_of, summarize_sweep
 from orchestrator.launch.worker_config import WorkerConfig
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
 from orchestrator.spec.loading import SEED_PATH
@@ -386,12 +386,12 @@ def _sweep_outcome(study: Study, grid: Any, tracker: MlflowTracker, parent_run_i
     _close_children(tracker, study, trials, parent_run_id, commit)
     errors = sum(t["state"] == "error" for t in trials)
     interrupted = any(t["state"] == "unfinished" for t in trials) or len(trials) < expected_trials(study)
-    best = None
     try:
-        best_result = grid.get_best_result(metric=spec.metric, mode=spec.mode, scope="all")
-        best = {"config": best_result.config, "metrics": dict(best_result.metrics or {})}
+        tune_best = grid.get_best_result(metric=spec.metric, mode=spec.mode, scope="all")
+        candidates = [{"config": tune_best.config, "metrics": dict(tune_best.metrics or {})}]
     except RuntimeError:
-        best = None  # no trial reported the metric
+        candidates = []  # no trial reported the metric to Tune
+    best = best_of(candidates + trials, spec.metric, spec.mode)
     return SweepOutcome(name=spec.name, path=layout.folder, parent_run_id=parent_run_id, trials=trials,
                         best=best, errors=errors, interrupted=interrupted,
                         resumable=layout.has_checkpoint(), metric=spec.metric)

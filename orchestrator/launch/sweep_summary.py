@@ -12,6 +12,7 @@ Tracking trouble here never fails the sweep: its trials are done; `orchestrator 
 
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -124,3 +125,14 @@ def summarize_sweep(*, tracking_uri: str, tracker: MlflowTracker, experiment: st
     if problem:
         print(f"[{name}] no PRR / PEoP table on the sweep's MLflow run: {problem.splitlines()[0]}")
     return str(out_dir) if report is not None and out_dir is not None else None
+
+
+def best_of(candidates: Sequence[Mapping[str, Any]], metric: str, mode: str) -> dict[str, Any] | None:
+    """The candidate ({"config", "metrics"}) with the best value of `metric`, or None when none has it. A sweep
+    passes Tune's best over every trial's history and each trial's newest report: after an interrupt Tune's results
+    lag the reports the trial folders hold (sweep.newest_report), which the trial lines show."""
+    scored = [c for c in candidates
+              if isinstance(value := c["metrics"].get(metric), (int, float)) and math.isfinite(value)]
+    sign = 1.0 if mode == "min" else -1.0
+    best = min(scored, key=lambda c: sign * c["metrics"][metric], default=None)
+    return None if best is None else {"config": best["config"], "metrics": best["metrics"]}
