@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 import torch
 
 from models import LanguageModel, ModelConfig, SequenceClassifier
@@ -323,3 +324,28 @@ def test_pretrain_stage_errors_name_the_field():
     # the stage keeps the model and the seed, takes its own task and learning rate, and compares perplexity
     assert (stage.model, stage.optim.seed, stage.optim.lr, stage.metric) == (spec.model, 3, 1e-3, "val/ppl")
     assert spec.metric == "val/acc"
+
+
+def test_init_from_another_d_model_names_d_model_not_the_attention_block(pretrained_run):
+    """The attention block carries d_model but prints without it: the two blocks read the same."""
+    spec = validate_spec(_finetune_spec(pretrained_run, pretrained_run["folder"], model={"d_model": 32}))
+    with pytest.raises(SpecError, match=rf"model.d_model is 32 here but {MODEL['d_model']} in the pretraining run "
+                                        rf".* set model.d_model={MODEL['d_model']}"):
+        preflight(spec)
+
+
+def test_validate_refuses_the_init_from_train_refuses(pretrained_run, tmp_path, monkeypatch, capsys):
+    """A spec that validates is not refused by train before Ray (docs/orchestrator.md)."""
+    from orchestrator.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for init_from, says in (("no-such-run", "names no checkpoint folder"), (pretrained_run["folder"], "model.ffn")):
+        raw = _finetune_spec(pretrained_run, init_from, model={"ffn": 64})
+        raw["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+        (tmp_path / "ft.yaml").write_text(yaml.safe_dump(raw))
+        assert main(["validate", str(tmp_path / "ft.yaml")]) == 2
+        assert says in capsys.readouterr().err
+    raw = _finetune_spec(pretrained_run, pretrained_run["folder"])
+    raw["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    (tmp_path / "ft.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(tmp_path / "ft.yaml")]) == 0, capsys.readouterr().err

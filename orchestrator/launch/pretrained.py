@@ -168,6 +168,10 @@ def check_compatible(spec: ExperimentSpec, pretrained: PretrainedCheckpoint) -> 
         raise SpecError(f"model.init_from={value!r} is a {pre.task.kind} run; fine-tuning for classification takes "
                         "the bidirectional encoder of a masked-LM run (task.kind: mlm)")
     mine, theirs = _architecture(spec), _architecture(pre)
+    if mine["d_model"] != theirs["d_model"]:  # before the attention block, which carries d_model hidden (_short)
+        raise SpecError(f"model.d_model is {mine['d_model']!r} here but {theirs['d_model']!r} in the pretraining run "
+                        f"{value!r}; the encoder's weights fit only the same architecture: set "
+                        f"model.d_model={theirs['d_model']!r}")
     if mine["attention"] != theirs["attention"]:
         raise SpecError(f"model.attention is {_short(mine['attention'])} here but {_short(theirs['attention'])} in the "
                         f"pretraining run {value!r}; fine-tune with the pretraining run's attention block")
