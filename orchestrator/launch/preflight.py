@@ -80,26 +80,6 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def check_before_ray(spec: ExperimentSpec) -> None:
-    """What `validate` checks of the machine beyond the data files, as train's and sweep's preflight do before
-    Ray: the storage (check_storage), a classification spec's columns and labels (parsed into a throwaway cache,
-    so that validate writes nothing), and the tracking store (check_tracking_uri, then, for a server, the
-    round trip of check_tracking), then the pretraining run `model.init_from` names, resolved and compared with the
-    model as train does (a spec that validates is not refused by train before Ray)."""
-    check_storage(spec)
-    with tempfile.TemporaryDirectory(prefix="orchestrator-validate-") as cache:
-        check_labelled_data(spec, cache)
-    check_tracking_uri(spec)
-    if spec.tracking.uri.startswith(("http://", "https://")):
-        from orchestrator.tracking.write import open_tracker  # mlflow: only when there is a server to ask
-
-        check_tracking(spec, open_tracker(spec.tracking))
-    if spec.model.init_from is not None:  # its module imports torch and Ray's storage helpers: only when needed
-        from orchestrator.launch.pretrained import preflight as check_init_from
-
-        check_init_from(spec)
-
-
 TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks",
                     "databricks-uc", "uc")
 """URI schemes MLflow's tracking stores take (a database scheme may name its driver: postgresql+psycopg2)."""
