@@ -132,7 +132,8 @@ def serve_ui(args: Sequence[str], *, cwd: Path, env: dict[str, str], port: int, 
                 raise RuntimeError(f"orchestrator ui exited ({proc.returncode}) before serving {url}:\n"
                                    f"{log.read_text()[-3000:]}")
             with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
+                # and the links, which the command prints once the server listens (just after /health answers)
+                if response.status == 200 and "MLflow UI on" in log.read_text():
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"orchestrator ui did not serve {url} within {UI_START_S:.0f} s:\n"

@@ -8,11 +8,13 @@ trial of a sweep included, before Ray is imported, so a typo costs seconds, not 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import functools
 import os
 import re
-import subprocess
+import select
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +41,7 @@ from orchestrator.spec.counting import PLANNED_TASKS
 from orchestrator.spec.gpus import gpu_argument, mfu_argument
 from orchestrator.spec.search_space import MAX_TRIALS, ValidationPlan, iter_grid_points
 from orchestrator.storage import parent, resolve
-from orchestrator.tracking.describe import MLFLOW_SERVER_ENV, artifact_root
+from orchestrator.tracking.ui import port_argument, serve_ui, server_advice, ui_command
 
 DEFAULT_STORAGE = "runs"
 DEFAULT_UI_PORT = 5000
@@ -116,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("spec", nargs="?", help="spec whose tracking.uri to browse (default: sqlite:///mlflow.db)")
     ui.add_argument("overrides", nargs="*", metavar="key.path=value")
     ui.add_argument("--scale", help="the spec's named scale, as for sweep")
-    ui.add_argument("--port", type=int, default=DEFAULT_UI_PORT)
+    ui.add_argument("--port", type=port_argument, default=DEFAULT_UI_PORT,
+                    help=f"port of 127.0.0.1 the UI listens on (default {DEFAULT_UI_PORT}); a taken one is refused")
     return parser
 
 
@@ -197,10 +200,11 @@ def _progress_line(line: str) -> None:
     print(line, flush=True)  # flushed: a piped launcher's log shows that validation is moving
 
 
-def _where_to_look(tracking_uri: str, experiment: str, parent_run_id: str | None, spec_path: str | None) -> str:
+def _where_to_look(args: argparse.Namespace, tracking_uri: str, experiment: str, parent_run_id: str | None) -> str:
+    """Overrides and scale ride along in the `ui` command: they may name its store, experiment and metric."""
     parent = f" --parent-run {parent_run_id}" if parent_run_id else ""
-    spec_arg = f" {spec_path}" if spec_path else ""
-    return (f"MLflow: {tracking_uri} (experiment {experiment!r}); browse with `orchestrator ui{spec_arg}`\n"
+    ui = ui_command(args.spec, args.overrides, args.scale)
+    return (f"MLflow: {tracking_uri} (experiment {experiment!r}); browse with `{ui}`\n"
             f"report: orchestrator report --tracking-uri {tracking_uri} --experiment {experiment}{parent}")
 
 
@@ -209,7 +213,7 @@ WAITING_EXIT = 3
 in storage and its MLflow run stays open until `orchestrator resume` sends them."""
 
 
-def _print_run(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str) -> int:
+def _print_run(outcome: Any, args: argparse.Namespace, tracking_uri: str, experiment: str) -> int:
     shown = {k: v for k, v in outcome.metrics.items() if "/" in k or k == "step"}
     values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
     if outcome.waiting:
@@ -219,7 +223,7 @@ def _print_run(outcome: Any, spec_path: str | None, tracking_uri: str, experimen
         print(f"run {outcome.name} finished: {values}")
     print(f"checkpoint: {outcome.checkpoint}")
     print(f"MLflow run id: {outcome.mlflow_run_id}")
-    print(_where_to_look(tracking_uri, experiment, None, spec_path))
+    print(_where_to_look(args, tracking_uri, experiment, None))
     return WAITING_EXIT if outcome.waiting else 0
 
 
@@ -254,46 +258,24 @@ def _print_trials(outcome: Any, metric: str) -> None:
         print(f"  {trial['trial_id']}: {shown} ({status}) {config}")
 
 
-def _print_sweep(outcome: Any, spec_path: str | None, tracking_uri: str, experiment: str, metric: str) -> None:
+def _print_sweep(outcome: Any, args: argparse.Namespace, tracking_uri: str, experiment: str, metric: str) -> None:
     print(f"{_sweep_line(outcome)}\n({outcome.path})")
     _print_trials(outcome, metric)
     if outcome.best:
         value = outcome.best['metrics'].get(metric)
         shown = f"{value:.4g}" if isinstance(value, float) else value  # the digits a comparison can use
         print(f"best: {metric}={shown} with {outcome.best['config']}")
-    print(_where_to_look(tracking_uri, experiment, outcome.parent_run_id, spec_path))
+    print(_where_to_look(args, tracking_uri, experiment, outcome.parent_run_id))
 
 
 def _ui(args: argparse.Namespace) -> int:
-    uri = load_study(args.spec, args.overrides, args.scale).base.tracking.uri if args.spec else TrackingSettings().uri
+    """`orchestrator ui`: a tracking server serves its own UI; a local store gets MLflow's (tracking/ui.py)."""
+    spec = load_study(args.spec, args.overrides, args.scale).base if args.spec else None
+    uri = spec.tracking.uri if spec else TrackingSettings().uri
     if uri.startswith(("http://", "https://")):
-        print(f"tracking server already serves the UI at {uri}")
-        print("on a cluster, forward it first: `ray attach cluster.yaml -p 5000` or "
-              "`ssh -L 5000:localhost:5000 <user>@<head-ip>`, then open http://localhost:5000")
+        print(server_advice(uri))
         return 0
-    print(f"MLflow UI on {uri}: http://127.0.0.1:{args.port}")
-    if args.spec:
-        runs = _runs_page(uri, f"http://127.0.0.1:{args.port}", args)
-        if runs:
-            print(f"the study's runs, best first: {runs}")
-    print(f"on a remote machine, forward the port: `ssh -L {args.port}:localhost:{args.port} <user>@<host>` "
-          f"(Ray cluster: `ray attach cluster.yaml -p {args.port}`), then open http://localhost:{args.port}")
-    # One worker process: a UI for one user; MLflow's default of 4 uvicorn workers, each importing MLflow, ran
-    # past uvicorn's start-up health check on a loaded 2-core machine, which then killed them in a loop.
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-           "--port", str(args.port), "--workers", "1", *_artifact_flags(uri)]
-    try:
-        return subprocess.call(cmd, env={**os.environ, **MLFLOW_SERVER_ENV})
-    except KeyboardInterrupt:
-        return 0
-
-
-def _artifact_flags(uri: str) -> list[str]:
-    """The project's experiments keep their artifacts next to a SQLite store (tracking.describe.artifact_root),
-    and the UI reads them there; experiments made in the UI go there too, not to `./mlartifacts` of the folder
-    `orchestrator ui` was started in."""
-    root = artifact_root(uri)
-    return [] if root is None else ["--artifacts-destination", str(root)]
+    return serve_ui(uri, args.port, *((spec.tracking.experiment, spec.metric, spec.mode) if spec else ()))
 
 
 def _set_verbosity(verbose: bool) -> None:
@@ -308,24 +290,14 @@ def _set_verbosity(verbose: bool) -> None:
         logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
-def _runs_page(uri: str, base: str, args: argparse.Namespace) -> str | None:
-    """The experiment's training-runs page (not MLflow 3's GenAI overview), when the store already has it."""
-    from orchestrator.tracking.read import TrackingReader, ui_url  # deferred: mlflow only for `ui SPEC`
-
-    spec = load_study(args.spec, args.overrides, args.scale).base
-    try:
-        found = TrackingReader(uri).experiment(spec.tracking.experiment)
-    except Exception:  # noqa: BLE001 - no store yet: the UI still starts, on its experiment list
-        return None
-    return ui_url(base, found.experiment_id, metric=spec.metric, mode=spec.mode) if found else None
-
-
 def _unexpected(err: Exception) -> int:
     """An error nobody turned into a message (often Ray's, from storage or restore): one line on the console,
     the whole traceback in a file for a bug report."""
     import tempfile
     import traceback
 
+    if isinstance(err, BrokenPipeError) and _stdout_reader_gone():
+        return _quiet_exit()  # stdout's reader left, as `| head` does: not an error
     first = next((line for line in str(err).splitlines() if line.strip()), "")
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         where = f" writing {err.filename}" if err.filename else ""
@@ -343,9 +315,37 @@ def _unexpected(err: Exception) -> int:
     return 1
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether stdout's reader left (`| head -1`): POLLERR. Another pipe's BrokenPipeError is still unexpected."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll(), or a stdout without a descriptor (a test's capture)
+        return False
+
+
+def _quiet_exit() -> int:
+    """Nothing printed and SIGPIPE's status, as Unix tools; stdout to /dev/null, or Python's flush at exit of what
+    its buffer holds would report the broken pipe again."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `orchestrator` console script and of `python -m orchestrator`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _command(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # here, not at exit: a reader gone by now gets the quiet exit below, not Python's message
+        return code
+    except BrokenPipeError:
+        if _stdout_reader_gone():
+            return _quiet_exit()
+        raise
+
+
+def _command(argv: list[str]) -> int:
     if argv[:1] == ["report"]:
         from orchestrator.report import report_cli
 
@@ -427,9 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.command == "train":
             outcome = run_training(spec)
-            return _print_run(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment)
+            return _print_run(outcome, args, spec.tracking.uri, spec.tracking.experiment)
         outcome = run_sweep(study)
-        _print_sweep(outcome, args.spec, spec.tracking.uri, spec.tracking.experiment, spec.metric)
+        _print_sweep(outcome, args, spec.tracking.uri, spec.tracking.experiment, spec.metric)
         return 1 if outcome.errors or outcome.interrupted else 0
     except SpecError as err:
         print(f"orchestrator: invalid spec: {err}", file=sys.stderr)

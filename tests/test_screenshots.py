@@ -5,7 +5,6 @@ it serves, the link to the study's runs) and turns a run's page into its artifac
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 from docs import screenshots
@@ -30,7 +29,10 @@ def test_the_store_and_the_runs_link_are_read_from_what_orchestrator_ui_prints(t
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     experiment_id = MlflowClient(tracking_uri=uri).create_experiment("smoke")
     started = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, env: started.append(cmd) or 0)  # not MLflow's server itself
+    from orchestrator.tracking import ui
+
+    # not MLflow's server itself: the command, and the links it prints once a server listens
+    monkeypatch.setattr(ui, "run_server", lambda cmd, env, port, lines: started.append(cmd) or print(lines()) or 0)
     assert main(["ui", str(ROOT / screenshots.SPEC), f"tracking.uri={uri}", "--port", "5123"]) == 0
     assert started and "--port" in started[0]
     log = tmp_path / "ui.log"
