@@ -5,9 +5,10 @@ The parent gets the best trial (tags `sweep.best_trial`, `sweep.best_run_id`), a
 the reference `diff/<method>` and Holm's p `p_holm/<method>`, per knob its fANOVA `importance/<knob>`), the
 report's files under `report/` (tables as Markdown and CSV, plots, importance, parallel coordinates) and, as its
 MLflow description (`mlflow.note.content`, shown on the run's page), the best trial, the PRR / PEoP table with
-intervals and the tests against the reference. A sweep without
-the report's reference method (e.g. a learning-rate sweep of one kind) gets everything but PRR / PEoP.
-Tracking trouble here never fails the sweep: its trials are done; `orchestrator report` can redo this.
+intervals and the tests against the reference. A sweep without the report's reference method (mha; e.g. mhe
+against sha, or a learning-rate sweep of one kind) gets everything but PRR / PEoP and the tests, which need it; its
+description says so and gives the `orchestrator report --reference ...` command that measures against one of its
+methods. Tracking trouble here never fails the sweep: its trials are done; `orchestrator report` can redo this.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def summary_metrics(trials: Sequence[Mapping[str, Any]], metric: str, mode: str,
     return metrics
 
 
-def note(name: str, metric: str, best: Mapping[str, Any] | None, table: str | None, problem: str | None) -> str:
+def note(name: str, metric: str, best: Mapping[str, Any] | None, table: str | None, problem: str | None,
+         without_reference: str = "") -> str:
     lines = [f"## Sweep {name}", ""]
     if best is not None:
         lines.append(f"Best trial: **{describe_config(best['config']) or best['trial_id']}** "
@@ -76,7 +78,10 @@ def note(name: str, metric: str, best: Mapping[str, Any] | None, table: str | No
     else:
         lines.append(f"No trial reported {metric}.")
     lines.append("")
-    if table:
+    if table and without_reference:
+        lines += [f"No PRR / PEoP: {without_reference}.", "", "Scores with intervals, costs and the Pareto front "
+                  "(orchestrator report; files, importance and plots under the `report/` artifacts):", "", table]
+    elif table:
         lines += ["PRR / PEoP and the tests against the reference (orchestrator report; files, importance and "
                   "plots under the `report/` artifacts):", "", table]
     elif problem:
@@ -91,8 +96,7 @@ def summarize_sweep(*, tracking_uri: str, tracker: MlflowTracker, experiment: st
     if parent_run_id is None:
         return None
     # Deferred: the report's pandas and matplotlib, only once a sweep has a parent run to summarize.
-    from orchestrator.report.build import ReportError, build_report
-    from orchestrator.report.tables import comparison_markdown, rows_to_markdown
+    from orchestrator.report.build import ReportError, build_report, report_command, report_tables
 
     report, problem = None, None
     with tempfile.TemporaryDirectory(prefix="sweep-report-") as tmp:
@@ -100,19 +104,18 @@ def summarize_sweep(*, tracking_uri: str, tracker: MlflowTracker, experiment: st
             names = [name for name, _ in objectives] or metric
             modes = [sense for _, sense in objectives] or mode
             report = build_report(tracking_uri, experiment, metric=names, mode=modes,  # type: ignore[arg-type]
-                                  parent_run_id=parent_run_id, out_dir=out_dir or Path(tmp), log_to_mlflow=True)
-        except ReportError as err:
-            problem = str(err)
+                                  parent_run_id=parent_run_id, out_dir=out_dir or Path(tmp), log_to_mlflow=True,
+                                  missing_reference_ok=True)
+        except ReportError as err:  # its fixes are options of `orchestrator report`, which the sweep does not take
+            problem = f"{err} (options of `{report_command(tracking_uri, experiment, parent_run_id)}`)"
         except Exception as err:  # noqa: BLE001 - a tracking outage: the trials are done; report later
             problem = f"{type(err).__name__}: {str(err)[:300]}"
     best = best_trial(trials, metric, mode)
     rows = report.rows if report is not None else ()
     tracker.log_metrics(parent_run_id, summary_metrics(trials, metric, mode, rows, report), step=0)
-    table = None
-    if report is not None:
-        table = rows_to_markdown(rows, metric, mode, report.stats) + "\n" + \
-            comparison_markdown(rows, report.stats, report.reference, metric)  # type: ignore[arg-type]
-    description = note(name, metric, best, table, problem)
+    table = report_tables(rows, report.metric, report.mode, report.stats, report.reference) if report else None
+    why = report.without_reference if report is not None else ""
+    description = note(name, metric, best, table, problem, why)
     if len(description) > MAX_TAG_CHARS:  # a tag value's limit: the full tables are in report/report.md
         description = description[:MAX_TAG_CHARS - 80] + "\n\n(cut here: the full tables are in report/report.md)\n"
     tags = {NOTE_TAG: description}
@@ -122,8 +125,8 @@ def summarize_sweep(*, tracking_uri: str, tracker: MlflowTracker, experiment: st
             tags[BEST_RUN_TAG] = best["mlflow_run_id"]
     tracker.set_tags(parent_run_id, tags)
     tracker.flush(parent_run_id, force=True)
-    if problem:
-        print(f"[{name}] no PRR / PEoP table on the sweep's MLflow run: {problem.splitlines()[0]}")
+    if problem or why:
+        print(f"[{name}] no PRR / PEoP table on the sweep's MLflow run: {(problem or why).splitlines()[0]}")
     return str(out_dir) if report is not None and out_dir is not None else None
 
 

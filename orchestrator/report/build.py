@@ -10,14 +10,16 @@ the figures in `report_plots`.
 from __future__ import annotations
 
 import argparse
+import math
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
 
-from orchestrator.report.compare import Statistics, analyse
+from orchestrator.report.compare import UNTESTED, Statistics, analyse
 from orchestrator.report.importance import importance, importance_markdown
 from orchestrator.report.metrics import (
     MethodGroup,
@@ -26,9 +28,8 @@ from orchestrator.report.metrics import (
     ReportError,
     RunRecord,
     Summary,
-    default_group_keys,
-    group_runs,
-    infer_mode,
+    group_keys,
+    groups_with_metric,
     param_value,
     summarize,
 )
@@ -40,7 +41,7 @@ from orchestrator.report.objectives import (
     trial_objectives,
     write_objectives,
 )
-from orchestrator.report.patching import PatchingReport, is_patching, patching_markdown, patching_report
+from orchestrator.report.patching import REFERENCE, PatchingReport, is_patching, patching_markdown, patching_report
 from orchestrator.report.plots import (
     find_knob_sweeps,
     knob_plot_name,
@@ -58,16 +59,21 @@ from orchestrator.report.runs import (
     parent_ids,
     with_status,
 )
+from orchestrator.report.stats import Interval
 from orchestrator.report.tables import comparison_markdown, markdown_document, rows_to_frame, rows_to_markdown
 from orchestrator.tracking.describe import PARENT_TAG
 from orchestrator.tracking.read import Run, TrackingReader
 from orchestrator.tracking.write import log_files, new_run
 
-__all__ = ["Report", "ReportError", "build_report", "report_cli"]
+__all__ = ["Report", "ReportError", "build_report", "report_cli", "report_command", "report_tables"]
 
 ARTIFACT_DIR = "report"
 # Metrics tried in order when neither --metric nor the spec's `tune.metric` names one.
 _DEFAULT_METRICS = ("val/bleu", "val/ppl", "val/loss")
+# report.csv's columns that measure against the PRR reference, left out of a report without one.
+_AGAINST_REFERENCE = ("prr", "peop", "prr_ci_low", "prr_ci_high", "peop_ci_low", "peop_ci_high", "test", "n_compared",
+                      "diff", "diff_ci_low", "diff_ci_high", "diff_ci_holm_low", "diff_ci_holm_high", "p_value",
+                      "p_holm", "sign_flip_p", "sign_flip_min_p", "verdict", "mdd", "seeds_needed", "test_note")
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,8 @@ class Report:
     experiment: str
     metric: str
     mode: Mode
-    reference: str
+    reference: str | None
+    """None: no PRR reference, and so no PRR, PEoP or tests against it (`without_reference` says why)."""
     lower_reference: str | None
     rows: list[MethodRow]
     table: pd.DataFrame
@@ -94,6 +101,8 @@ class Report:
     """With several objectives: every run's values and whether it is non-dominated (report_objectives)."""
     patching: PatchingReport | None = None
     """A patching experiment's (task.kind pretrained_lm) rows by configuration and l against l = 0 (report_patching)."""
+    without_reference: str = ""
+    """Why the report has no PRR / PEoP or tests against a reference; empty when it has them."""
 
 
 def build_report(
@@ -103,8 +112,9 @@ def build_report(
     metric: str | Sequence[str] | None = None,
     mode: Mode | Sequence[Mode] | None = None,
     parent_run_id: str | None = None,
-    reference: str = "mha",
+    reference: str | None = "mha",
     lower_reference: str | None = "sha",
+    missing_reference_ok: bool = False,
     group_by: Sequence[str] | None = None,
     out_dir: Path,
     log_to_mlflow: bool = True,
@@ -117,12 +127,13 @@ def build_report(
     `metric` defaults to the spec's `tune.metric` param; `mode` defaults to the spec's `tune.mode`
     for that metric, else it is inferred from the metric name. `reference` / `lower_reference` name
     the methods PRR / PEoP are measured against, by kind ("mha") or by full label ("mha heads=12");
-    `lower_reference=None` (or "none") skips PEoP. Only runs whose MLflow status is in `statuses` are compared
-    (default FINISHED: a run that failed, was stopped early by ASHA or interrupted ended at whatever its last
-    value was); None compares every run. Several metrics (a list, or the spec's list `tune.metric`) are
-    objectives: the first is compared in the table, and every run is marked non-dominated or not over all of
-    them. `alpha` sets the tests' level and the intervals' (1 - alpha); `bootstrap` adds a bootstrap interval
-    of each method's mean.
+    `lower_reference=None` (or "none") skips PEoP; `reference=None` (or "none") skips PRR, PEoP and the tests, as
+    does a reference not found with `missing_reference_ok` (a sweep's summary). Only runs whose MLflow status is in
+    `statuses` are compared (default FINISHED: a run that failed, was stopped early by ASHA or interrupted ended at
+    whatever its last value was); None compares every run. Several metrics (a list, or the spec's list
+    `tune.metric`) are objectives: the first is compared in the table, and every run is marked non-dominated or not
+    over all of them. `alpha` sets the tests' level and the intervals' (1 - alpha); `bootstrap` adds a bootstrap
+    interval of each method's mean.
 
     Raises ReportError with a fix when the runs cannot be compared. Problems that still leave a
     useful table (no lower reference, skipped runs) are returned in `Report.warnings` and written
@@ -130,8 +141,8 @@ def build_report(
     """
     if not 0.0 < alpha < 0.5:
         raise ReportError(f"--alpha {alpha}: the tests' level must be in (0, 0.5), e.g. 0.05 for 95% intervals")
-    if lower_reference is not None and lower_reference.strip().lower() in ("", "none"):
-        lower_reference = None
+    reference, lower_reference = (None if name is None or name.strip().lower() in ("", "none") else name
+                                  for name in (reference, lower_reference))
     check_store_exists(tracking_uri)
     reader = TrackingReader(tracking_uri)
     experiment_id = find_experiment_id(reader, experiment)
@@ -145,16 +156,19 @@ def build_report(
         return _patching(tracking_uri, experiment, experiment_id, all_runs, records, metric, mode, parent_run_id,
                          Path(out_dir), log_to_mlflow, alpha, bootstrap, _status_warnings(left_out, records, metric),
                          group_by is not None or reference != "mha" or len(names) > 1)
-    keys = _group_keys(records, group_by)
-    groups = _groups_with_metric(records, keys, metric)
-    summary = summarize(groups, metric, mode, reference, lower_reference)
-    stats = analyse(summary, mode, alpha=alpha, bootstrap=bootstrap)
+    keys = group_keys(records, group_by)
+    groups = groups_with_metric(records, keys, metric)
+    summary = summarize(groups, metric, mode, reference, lower_reference, missing_reference_ok=missing_reference_ok)
+    stats = _analyse(summary, mode, alpha, bootstrap)
+    why = "" if summary.reference is not None else "`--reference none` asked for none" if reference is None else \
+        _missing_reference(tracking_uri, experiment, parent_run_id, reference, lower_reference, summary)
     warnings = list(summary.warnings) + _status_warnings(left_out, records, metric)
     skipped = sum(metric not in record.metrics for record in records)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = rows_to_frame(summary.rows, stats)
+    table = table.drop(columns=list(_AGAINST_REFERENCE)) if why else table
     files = [out_dir / "report.csv"]
     table.to_csv(files[0], index=False)
     extra = []
@@ -170,31 +184,83 @@ def build_report(
     extra.append(importance_markdown(importance_scores, metric))
     files += _write_plots(reader, groups, summary, stats, metric, mode, out_dir)
     scope = f"children of parent run {parent_run_id}" if parent_run_id else "all runs of the experiment"
-    markdown = markdown_document(
-        experiment, metric, mode, summary, scope, len(records) - skipped, warnings, files, stats,
-        [section for section in extra if section],
-    )
+    document = _document_without_reference if why else markdown_document
+    markdown = document(experiment, metric, mode, summary, scope, len(records) - skipped, warnings, files, stats,
+                        [section for section in extra if section], *([why] if why else []))
     (out_dir / "report.md").write_text(markdown)
     files.insert(0, out_dir / "report.md")
 
     mlflow_run_id = _log(tracking_uri, experiment_id, all_runs, parent_run_id, files) if log_to_mlflow else None
-    return Report(
-        experiment=experiment,
-        metric=metric,
-        mode=mode,
-        reference=summary.reference,
-        lower_reference=summary.lower_reference,
-        rows=summary.rows,
-        table=table,
-        markdown=markdown,
-        out_dir=out_dir,
-        files=files,
-        mlflow_run_id=mlflow_run_id,
-        warnings=warnings,
-        stats=stats,
-        importance=importance_scores,
-        objectives=objectives,
-    )
+    return Report(experiment=experiment, metric=metric, mode=mode, reference=summary.reference,
+                  lower_reference=summary.lower_reference, rows=summary.rows, table=table, markdown=markdown,
+                  out_dir=out_dir, files=files, mlflow_run_id=mlflow_run_id, warnings=warnings, stats=stats,
+                  importance=importance_scores, objectives=objectives, without_reference=why)
+
+
+def report_command(tracking_uri: str, experiment: str, parent_run_id: str | None, *options: str) -> str:
+    """The `orchestrator report` command line that reads these runs again, with `options`."""
+    command = ["orchestrator", "report", "--experiment", experiment, *options]
+    command += ["--tracking-uri", tracking_uri] if tracking_uri != _parser().get_default("tracking_uri") else []
+    return shlex.join(command + (["--parent-run", parent_run_id] if parent_run_id else []))
+
+
+def _missing_reference(uri: str, experiment: str, parent: str | None, reference: str, lower: str | None,
+                       summary: Summary) -> str:
+    """Why a sweep's report has no PRR, and the command that gives the table against one of its methods."""
+    labels = [row.label for row in summary.rows]
+    pick = next((row.label for row in summary.rows if lower in (row.kind, row.label)), labels[0])
+    command = report_command(uri, experiment, parent, "--reference", pick)
+    return f"reference method {reference!r} not found among the methods ({', '.join(map(repr, labels))}); " \
+           f"for PRR / PEoP against one of them: `{command}`"
+
+
+def _analyse(summary: Summary, mode: Mode, alpha: float, bootstrap: bool) -> Statistics:
+    """The uncertainty columns; without a reference only those that need none (intervals, costs, fronts)."""
+    if summary.reference is not None:
+        return analyse(summary, mode, alpha=alpha, bootstrap=bootstrap)
+    # analyse measures every row against a reference; any row serves, as all that depends on it is then dropped.
+    stats = analyse(replace(summary, reference=summary.rows[0].label, lower_reference=None), mode, alpha=alpha,
+                    bootstrap=bootstrap)
+    untested = {label: replace(row, comparison=None, p_holm=math.nan, verdict=UNTESTED, diff_ci=Interval.none(),
+                               prr=math.nan, prr_ci=Interval.none()) for label, row in stats.rows.items()}
+    return replace(stats, rows=untested, comparisons=0, notes=())
+
+
+def _without_columns(table: str, heads: Sequence[str]) -> str:
+    """A Markdown table (tables.rows_to_markdown's, whose cells hold no `|`) less the columns headed `heads`."""
+    cells = [line.strip().strip("|").split("|") for line in table.strip().splitlines()]
+    keep = [i for i, head in enumerate(cells[0]) if head.strip() not in heads]
+    return "\n".join("|" + "|".join(row[i] for i in keep) + "|" for row in cells) + "\n"
+
+
+def _document_without_reference(experiment: str, metric: str, mode: Mode, summary: Summary, scope: str, n_runs: int,
+                                warnings: Sequence[str], files: Sequence[Path], stats: Statistics,
+                                extra: Sequence[str], why: str) -> str:
+    """report.md without a PRR reference: tables.markdown_document's page less PRR, PEoP and the tests."""
+    level = f"{100 * (1 - stats.alpha):g}%"
+    lines = [f"# Report: {experiment}", "",
+             f"- Metric: `{metric}` ({'lower' if mode == 'min' else 'higher'} is better); score = last logged value "
+             f"of each run; mean over seeds with a {level} Student-t interval"
+             + (" and a percentile bootstrap interval." if stats.bootstrap else "."),
+             f"- No PRR, PEoP or tests against a reference: {why}.",
+             f"- Pareto front over {', '.join(stats.front_axes)}: 'yes' on the front of the means, 'within CI' "
+             "dominated only within the intervals, 'no' dominated by another method's whole interval.",
+             "- Attention params = `params.attention` (Q/K/V/O projections and method extras, no biases).",
+             f"- Runs: {n_runs} ({scope}).", "", report_tables(summary.rows, metric, mode, stats, None)]
+    lines += [line for section in extra for line in (section, "")]
+    lines += ["Warnings:", "", *(f"- {warning}" for warning in warnings), ""] if warnings else []
+    lines += [f"![{path.stem}]({path.name})" for path in files if path.suffix == ".png"]
+    return "\n".join(lines) + "\n"
+
+
+def report_tables(rows: Sequence[MethodRow], metric: str, mode: Mode, stats: Statistics | None,
+                  reference: str | None) -> str:
+    """The table of the methods and the tests against the reference, as the command prints them and a sweep's
+    description shows them; without a reference, the table less its PRR and PEoP columns."""
+    table = rows_to_markdown(rows, metric, mode, stats)
+    if reference is None:
+        return _without_columns(table, ("PRR", "PEoP"))
+    return table + ("\n" + comparison_markdown(rows, stats, reference, metric) if stats is not None else "")
 
 
 def _status_warnings(left_out: Mapping[str, int], records: Sequence[RunRecord], metric: str) -> list[str]:
@@ -270,44 +336,6 @@ def _choose_objectives(records: Sequence[RunRecord], metric: str | Sequence[str]
     return names, check_objectives(records, names, modes)
 
 
-def _group_keys(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> list[str]:
-    if not group_by:
-        return default_group_keys(records)
-    logged = sorted({name for record in records for name in record.params})
-    unknown = [key for key in group_by if key not in logged]
-    if unknown:
-        model_params = [name for name in logged if name.startswith("model.")] or logged
-        raise ReportError(
-            f"--group-by names params no run logged: {unknown}; "
-            f"logged model params: {', '.join(model_params)}"
-        )
-    return list(group_by)
-
-
-def _groups_with_metric(records: Sequence[RunRecord], keys: Sequence[str], metric: str) -> list[MethodGroup]:
-    """Group the runs that have the metric, after checking that no method lacks it entirely.
-
-    A method whose runs all lack the metric usually means the runs logged different metrics (an
-    MT run has val/bleu, an LM run val/ppl); silently dropping it would hide it from the table.
-    """
-    lacking = [
-        group for group in group_runs(records, keys) if not any(metric in run.metrics for run in group.runs)
-    ]
-    if lacking:
-        details = "; ".join(
-            f"{group.label!r} has {sorted({m for r in group.runs for m in r.metrics}) or 'no metrics'}"
-            for group in lacking
-        )
-        common = set.intersection(*(set(record.metrics) for record in records))
-        raise ReportError(
-            f"the runs logged different metrics: no run of {len(lacking)} method(s) has {metric!r} "
-            f"({details}). "
-            f"Metrics every run has: {', '.join(sorted(common)) or '(none)'}. Pick one with --metric, or "
-            "restrict the report to one sweep with --parent-run."
-        )
-    return group_runs([record for record in records if metric in record.metrics], keys)
-
-
 def _seed_mean_curve(reader: TrackingReader, group: MethodGroup, metric: str) -> pd.Series:
     """Mean over seeds of the metric history, step by step (steps a seed lacks are skipped)."""
     per_run = []
@@ -371,15 +399,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="level of the tests; intervals are 1 - alpha (default 0.05: 95%%)")
     parser.add_argument("--bootstrap", action="store_true",
                         help="add a percentile bootstrap interval of each method's mean")
-    parser.add_argument("--reference", default="mha", help="PRR reference method: kind or full label")
-    parser.add_argument(
-        "--lower-reference",
-        default="sha",
-        help="PEoP reference method: kind or full label; 'none' skips PEoP",
-    )
-    parser.add_argument(
-        "--group-by", help="comma-separated params defining a method (default: the attention knobs)"
-    )
+    parser.add_argument("--reference", default="mha",
+                        help="PRR reference method: kind or full label; 'none' leaves PRR, PEoP and the tests out")
+    parser.add_argument("--lower-reference", default="sha",
+                        help="PEoP reference method: kind or full label; 'none' skips PEoP")
+    parser.add_argument("--group-by", help="comma-separated params defining a method (default: the attention knobs)")
     parser.add_argument("--status", default="FINISHED",
                         help="comma-separated MLflow run statuses to compare (FINISHED, FAILED, KILLED, RUNNING) or "
                              "'all' (default: FINISHED; failed, early-stopped and running runs end at any value)")
@@ -394,30 +418,20 @@ def report_cli(argv: Sequence[str] | None = None) -> int:
     group_by = [key.strip() for key in args.group_by.split(",") if key.strip()] if args.group_by else None
     try:
         report = build_report(
-            args.tracking_uri,
-            args.experiment,
-            metric=args.metric,
-            mode=args.mode,
-            parent_run_id=args.parent_run,
-            reference=args.reference,
-            lower_reference=args.lower_reference,
-            group_by=group_by,
-            out_dir=args.out or Path("reports") / args.experiment,
-            log_to_mlflow=not args.no_log,
+            args.tracking_uri, args.experiment, metric=args.metric, mode=args.mode, parent_run_id=args.parent_run,
+            reference=args.reference, lower_reference=args.lower_reference, group_by=group_by,
+            out_dir=args.out or Path("reports") / args.experiment, log_to_mlflow=not args.no_log,
             statuses=None if args.status.strip().lower() == "all" else
             [status.strip() for status in args.status.split(",") if status.strip()],
-            alpha=args.alpha,
-            bootstrap=args.bootstrap,
-        )
+            alpha=args.alpha, bootstrap=args.bootstrap)
     except ReportError as err:
         print(f"orchestrator report: error: {err}", file=sys.stderr)
         return 2
     if report.patching is not None:
         print(patching_markdown(report.patching.rows, report.patching.stats, report.metric, report.mode))
+        print(comparison_markdown(report.rows, report.patching.stats, REFERENCE, report.metric))
     else:
-        print(rows_to_markdown(report.rows, report.metric, report.mode, report.stats))
-    if report.stats is not None:
-        print(comparison_markdown(report.rows, report.stats, report.reference, report.metric))
+        print(report_tables(report.rows, report.metric, report.mode, report.stats, report.reference))
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(f"wrote {len(report.files)} files to {report.out_dir}")

@@ -95,7 +95,8 @@ class Summary:
     """The table rows plus which groups served as references and what was noticed on the way."""
 
     rows: list[MethodRow]
-    reference: str
+    reference: str | None
+    """None: no PRR reference (`--reference none`, or a sweep without mha), so no PRR, PEoP or tests."""
     lower_reference: str | None
     warnings: list[str] = field(default_factory=list)
 
@@ -178,6 +179,21 @@ def default_group_keys(runs: Sequence[RunRecord]) -> list[str]:
     return keys
 
 
+def group_keys(records: Sequence[RunRecord], group_by: Sequence[str] | None) -> list[str]:
+    """The params that define a method: `group_by` (--group-by) when given, else `default_group_keys`."""
+    if not group_by:
+        return default_group_keys(records)
+    logged = sorted({name for record in records for name in record.params})
+    unknown = [key for key in group_by if key not in logged]
+    if unknown:
+        model_params = [name for name in logged if name.startswith("model.")] or logged
+        raise ReportError(
+            f"--group-by names params no run logged: {unknown}; "
+            f"logged model params: {', '.join(model_params)}"
+        )
+    return list(group_by)
+
+
 def _knob_order(name: str) -> tuple[str, bool, str]:
     """Alphabetical, except that a nested block's `kind` leads its siblings.
 
@@ -236,6 +252,30 @@ def group_runs(runs: Sequence[RunRecord], keys: Sequence[str]) -> list[MethodGro
         label = " ".join(parts) if parts else "(no method params)"
         groups.append(MethodGroup(label=label, kind=kind, knobs=knobs, runs=tuple(members)))
     return sorted(groups, key=lambda group: _natural_key(group.label))
+
+
+def groups_with_metric(records: Sequence[RunRecord], keys: Sequence[str], metric: str) -> list[MethodGroup]:
+    """Group the runs that have the metric, after checking that no method lacks it entirely.
+
+    A method whose runs all lack the metric usually means the runs logged different metrics (an
+    MT run has val/bleu, an LM run val/ppl); silently dropping it would hide it from the table.
+    """
+    lacking = [
+        group for group in group_runs(records, keys) if not any(metric in run.metrics for run in group.runs)
+    ]
+    if lacking:
+        details = "; ".join(
+            f"{group.label!r} has {sorted({m for r in group.runs for m in r.metrics}) or 'no metrics'}"
+            for group in lacking
+        )
+        common = set.intersection(*(set(record.metrics) for record in records))
+        raise ReportError(
+            f"the runs logged different metrics: no run of {len(lacking)} method(s) has {metric!r} "
+            f"({details}). "
+            f"Metrics every run has: {', '.join(sorted(common)) or '(none)'}. Pick one with --metric, or "
+            "restrict the report to one sweep with --parent-run."
+        )
+    return group_runs([record for record in records if metric in record.metrics], keys)
 
 
 def _natural_key(label: str) -> list[tuple[int, float, str]]:
@@ -309,26 +349,30 @@ def summarize(
     groups: Sequence[MethodGroup],
     metric: str,
     mode: Mode,
-    reference: str,
+    reference: str | None,
     lower_reference: str | None,
+    *,
+    missing_reference_ok: bool = False,
 ) -> Summary:
     """Aggregate seeds per group and compute PRR / PEoP of the seed means.
 
     PRR and PEoP use the seed-mean score, as the paper reports them "across five runs". The std is
-    the sample std (ddof=1); with a single seed it is NaN and printed as "-".
+    the sample std (ddof=1); with a single seed it is NaN and printed as "-". Without a reference (None, or not
+    found with `missing_reference_ok`) PRR and PEoP are NaN: PEoP is read next to PRR, as in the paper.
     """
     if mode not in ("min", "max"):
         raise ReportError(f"mode must be 'min' or 'max', got {mode!r}")
     labels = ", ".join(repr(group.label) for group in groups)
-    ref = find_reference(groups, reference)
-    if ref is None:
+    ref = find_reference(groups, reference) if reference is not None else None
+    if ref is None and reference is not None and not missing_reference_ok:
         raise ReportError(
             f"reference method {reference!r} not found among the runs; methods found: {labels}. "
-            "Pass --reference with one of them (PRR is measured against it)."
+            "Pass --reference with one of them (PRR is measured against it), or --reference none for the table "
+            "without PRR / PEoP."
         )
     warnings: list[str] = []
-    low = find_reference(groups, lower_reference) if lower_reference else None
-    if lower_reference and low is None:
+    low = find_reference(groups, lower_reference) if lower_reference and ref is not None else None
+    if lower_reference and ref is not None and low is None:
         warnings.append(
             f"lower reference {lower_reference!r} not found (methods: {labels}); PEoP left blank. "
             "Pass --lower-reference with one of the methods to get PEoP."
@@ -353,7 +397,7 @@ def summarize(
                 "or pass --lower-reference none to report without PEoP."
             )
 
-    if math.isfinite(means[ref.label]) and means[ref.label] <= 0.0:
+    if ref is not None and math.isfinite(means[ref.label]) and means[ref.label] <= 0.0:
         warnings.append(f"{ref.label}'s mean {metric} is {means[ref.label]:g}: PRR is a ratio to it, meaningful "
                         "only for a positive score")
     if low is not None:
@@ -363,7 +407,6 @@ def summarize(
                             "so PEoP's sign reads reversed there (a worse score gives a positive PEoP)")
     rows = []
     for group in groups:
-        score_ref = means[ref.label]
         label = group.label
         row_peop = math.nan
         if low is not None and label != low.label:
@@ -379,7 +422,7 @@ def summarize(
                 score_std=_sample_std(scores[label]),
                 params_attention=params[label],
                 params_total=_numeric_param(group.runs, PARAMS_TOTAL, label, warnings),
-                prr=prr(means[label], score_ref, mode),
+                prr=prr(means[label], means[ref.label], mode) if ref is not None else math.nan,
                 peop=row_peop,
                 tokens_per_s=_mean_of(_logged(group.runs, TOKENS_PER_S)),
                 peak_memory_gb=_mean_of(_logged(group.runs, PEAK_MEMORY)),
@@ -390,9 +433,10 @@ def summarize(
             )
         )
     # Paper order: upper reference, lower reference, then the compared methods.
-    first = [ref.label] + ([low.label] if low is not None and low.label != ref.label else [])
+    first = [ref.label] if ref is not None else []
+    first += [low.label] if low is not None and low.label not in first else []
     rows.sort(key=lambda row: (row.label not in first, first.index(row.label) if row.label in first else 0))
-    return Summary(rows, ref.label, low.label if low is not None else None, warnings)
+    return Summary(rows, ref.label if ref is not None else None, low.label if low is not None else None, warnings)
 
 
 def pareto_front(params: Sequence[float], scores: Sequence[float], mode: Mode) -> list[bool]:
