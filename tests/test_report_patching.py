@@ -170,7 +170,7 @@ def test_the_table_is_scipys_paired_test_against_l0_per_configuration_and_l(repo
         assert _row(table, *key)["p_holm"] == pytest.approx(adjusted)
     assert _row(table, 64, 3)["verdict"] == "worse" and _row(table, 64, 2)["verdict"] == "worse"
     assert _row(table, 64, 1)["verdict"] == "indistinguishable"  # same mean as l = 0, seed noise only
-    assert "Holm's correction for 6 comparison(s)" in report.markdown
+    assert "Holm's correction for 6 comparisons" in report.markdown
 
 
 def test_the_files_hold_the_table_and_the_figure_3_plot(report):

@@ -128,7 +128,7 @@ def test_intervals_p_values_and_verdicts_equal_scipys(store, tmp_path):
     # PRR's bootstrap interval holds the point PRR; the clear margin's lies wholly above 100%.
     clear = _row(table, "clear")
     assert clear["prr_ci_low"] <= clear["prr"] <= clear["prr_ci_high"] and clear["prr_ci_low"] > 1.0
-    assert "Holm's correction for 4 comparison(s)" in report.markdown
+    assert "Holm's correction for 4 comparisons" in report.markdown
 
 
 def test_holm_turns_a_lone_significant_pair_indistinguishable(store, tmp_path):

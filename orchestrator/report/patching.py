@@ -37,7 +37,14 @@ from orchestrator.report.metrics import (
 )
 from orchestrator.report.plots import PatchPoint, plot_patching
 from orchestrator.report.stats import Interval, mean_interval
-from orchestrator.report.tables import _fmt, _interval, _score_decimals, comparison_markdown, rows_to_frame
+from orchestrator.report.tables import (
+    _fmt,
+    _interval,
+    _score_decimals,
+    comparison_count,
+    comparison_markdown,
+    rows_to_frame,
+)
 
 TASK_KIND_KEY = "task.kind"
 PATCHING_TASK = "pretrained_lm"
@@ -328,8 +335,8 @@ def patching_document(experiment: str, metric: str, mode: Mode, rows: Sequence[P
         f"- Reference: the unpatched model; {note}.",
         f"- PRR against l = 0 from the ratio of seed means on the seeds both ran (the method table's formula; its "
         f"{level} interval Fieller's interval of that ratio). Each row against l = 0: paired t-test, verdicts at "
-        f"alpha = {stats.alpha:g} after Holm's correction for {stats.comparisons} comparison(s); Δ's interval is at "
-        "the Holm-adjusted level.",
+        f"alpha = {stats.alpha:g} after Holm's correction for {comparison_count(stats.comparisons)}; Δ's interval "
+        "is at the Holm-adjusted level.",
         f"- Speed-up: `{split}/speedup` (the unpatched forward's time over the patched one's, both in the run's "
         f"process) and `{split}/attention_speedup` (the attention layers' time: the paper's Figure 3 measure), "
         f"seed means with {level} t intervals.",

@@ -76,6 +76,11 @@ def rows_to_frame(rows: Sequence[MethodRow], stats: Statistics | None = None) ->
     return pd.concat([frame, pd.DataFrame(columns)], axis=1)
 
 
+def comparison_count(m: int) -> str:
+    """Holm's m in words: "1 comparison", "4 comparisons", or why there is none."""
+    return "no comparison (no method could be tested)" if m == 0 else f"{m} comparison{'s' if m != 1 else ''}"
+
+
 def _fmt(value: float, spec: str) -> str:
     return "-" if not math.isfinite(value) else format(value, spec)
 
@@ -207,7 +212,7 @@ def markdown_document(
         "is not distinguishable from 0).",
         f"- Each method against **{summary.reference}**: paired t-test over the seeds both ran (Welch's t-test "
         f"where they share fewer than two), verdicts at alpha = {stats.alpha:g} after Holm's correction for "
-        f"{stats.comparisons} comparison(s); the difference's interval is at the Holm-adjusted level, so it "
+        f"{comparison_count(stats.comparisons)}; the difference's interval is at the Holm-adjusted level, so it "
         "excludes 0 exactly when the verdict is better or worse. The exact sign-flip test of the same "
         "differences is shown as a distribution-free check (its smallest possible p is 2 / 2^seeds), and a row "
         "says when the two disagree.",
