@@ -90,10 +90,9 @@ def pretrained_model_problem(cfg: PretrainedLMTaskConfig) -> str | None:
     """Why a hub id in `task.pretrained` cannot be loaded, found without downloading it (the launcher asks before
     Ray starts; a worker would find out after the cluster started); None for a folder, a model in the hub's
     cache, or one the hub knows."""
-    from huggingface_hub import HfApi, try_to_load_from_cache
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub import try_to_load_from_cache
 
-    from tasks.text_sources import _hub_endpoint, hub_cache, hub_reachable
+    from tasks.text_sources import _hub_endpoint, hub_cache, hub_reachable, hub_repo_problem
 
     source = cfg.pretrained
     if Path(source).expanduser().is_dir() or isinstance(
@@ -104,13 +103,4 @@ def pretrained_model_problem(cfg: PretrainedLMTaskConfig) -> str | None:
     if not hub_reachable():
         return (f"task.pretrained={source!r} is not in the Hugging Face cache on this machine and the hub "
                 f"({_hub_endpoint()}) cannot be reached from it; {advice}")
-    try:
-        HfApi(endpoint=_hub_endpoint()).model_info(source, timeout=10)
-    except GatedRepoError:
-        return (f"task.pretrained={source!r} is gated on the hub: accept its terms there and log in (`hf auth "
-                f"login`, or HF_TOKEN on every node), or {advice}")
-    except RepositoryNotFoundError:
-        return f"task.pretrained={source!r}: the Hugging Face hub has no such model (check the spelling); or {advice}"
-    except Exception:  # noqa: BLE001 - a flaky answer is not a verdict: the worker's own load will say more
-        return None
-    return None
+    return hub_repo_problem("task.pretrained", source, "model", advice)

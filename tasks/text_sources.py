@@ -130,16 +130,23 @@ def hub_dataset_problem(cfg: LMConfig | TranslationTaskConfig | ClassifyTaskConf
             return None
         return (f"task.dataset={cfg.dataset!r} is not in the local cache ({_hf_cache(cache_dir)}) and the Hugging "
                 f"Face hub ({_hub_endpoint()}) cannot be reached from this machine; {advice}")
+    return hub_repo_problem("task.dataset", cfg.dataset, "dataset", advice)
+
+
+def hub_repo_problem(field: str, name: str, kind: str, advice: str) -> str | None:
+    """Why the reachable hub cannot give repository `name` (a "dataset" or a "model", named by spec field
+    `field`): gated or unknown, from one info request; None when it knows it, or when its answer is no verdict."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
+    api = HfApi(endpoint=_hub_endpoint())
     try:
-        HfApi(endpoint=_hub_endpoint()).dataset_info(cfg.dataset, timeout=10)
+        (api.dataset_info if kind == "dataset" else api.model_info)(name, timeout=10)
     except GatedRepoError:
-        return (f"task.dataset={cfg.dataset!r} is gated on the hub: accept its terms on the hub and log in "
-                f"(`hf auth login`, or HF_TOKEN on every node), or {advice}")
+        return (f"{field}={name!r} is gated on the hub: accept its terms on the hub and log in (`hf auth login`, or "
+                f"HF_TOKEN on every node), or {advice}")
     except RepositoryNotFoundError:
-        return f"task.dataset={cfg.dataset!r}: the Hugging Face hub has no such dataset (check the spelling); or {advice}"
+        return f"{field}={name!r}: the Hugging Face hub has no such {kind} (check the spelling); or {advice}"
     except Exception:  # noqa: BLE001 - a flaky answer is not a verdict: the worker's own load will say more
         return None
     return None

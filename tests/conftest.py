@@ -252,3 +252,29 @@ def s3(s3_server, monkeypatch):
     if s3_server.proc is None:  # an outage test that failed half-way: the next test needs it up
         s3_server.start()
     return s3_server, s3_server.new_root()
+
+
+@pytest.fixture
+def unreachable_s3(monkeypatch):
+    """An S3 endpoint URL on a 127.0.0.1 port nothing listens on, with test credentials, none of the caller's
+    endpoint variables (a `--storage-endpoint` flag sets one, which monkeypatch takes away again) and one attempt
+    per S3 request (object_store.ATTEMPTS: the default five back off for seconds before the same refusal); the
+    S3 filesystem cached for that endpoint is dropped afterwards, so no later test gets it."""
+    import socket
+
+    from orchestrator.storage import object_store
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for name in object_store.ENDPOINT_VARS:
+        monkeypatch.setenv(name, "unset-below")  # recorded, so the flag's value is taken away after the test
+        monkeypatch.delenv(name)
+    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                        "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(object_store, "ATTEMPTS", 1)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        object_store._s3.cache_clear()

@@ -10,8 +10,6 @@ perplexity on every seed). Expected numbers are scipy's on the same values.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +25,7 @@ from orchestrator.report.build import PARENT_TAG, ReportError, build_report, rep
 from orchestrator.report.metrics import prr
 from orchestrator.report.patching import REFERENCE, RunRecord, layer_count
 from orchestrator.report.plots import patching_figure
+from tests.ram_folder import ram_folder
 
 SEEDS = 3
 NOISE = stats.zscore(np.random.default_rng(5).normal(size=SEEDS), ddof=1)  # mean 0, sample std 1 exactly
@@ -78,8 +77,7 @@ def _log(client: MlflowClient, experiment_id: str, block: int, layers: int, seed
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[dict[str, object]]:
-    in_ram = Path("/dev/shm")
-    with tempfile.TemporaryDirectory(dir=in_ram if in_ram.is_dir() and os.access(in_ram, os.W_OK) else None) as d:
+    with ram_folder() as d:
         root = Path(d)
         uri = f"sqlite:///{root}/mlflow.db"
         client = MlflowClient(tracking_uri=uri)

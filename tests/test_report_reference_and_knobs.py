@@ -9,9 +9,7 @@ tests/test_report_stats.py: no Ray.
 
 from __future__ import annotations
 
-import os
 import shlex
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +22,7 @@ from mlflow.entities import Metric, Param
 from orchestrator.launch.sweep_summary import summarize_sweep, summary_metrics
 from orchestrator.report.build import PARENT_TAG, ReportError, build_report, report_cli
 from orchestrator.tracking.describe import NOTE_TAG
+from tests.ram_folder import ram_folder
 
 # Per kind: its own attention params (MHE's exist only for it, as in configs/smoke.yaml), attention parameters,
 # the FLOPs training derives from the spec, and a score.
@@ -55,8 +54,7 @@ def _log(client: MlflowClient, experiment_id: str, kind: str, seed: int, *, pare
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[dict[str, object]]:
-    in_ram = Path("/dev/shm")
-    with tempfile.TemporaryDirectory(dir=in_ram if in_ram.is_dir() and os.access(in_ram, os.W_OK) else None) as d:
+    with ram_folder() as d:
         root = Path(d)
         uri = f"sqlite:///{root}/mlflow.db"
         client = MlflowClient(tracking_uri=uri)

@@ -8,8 +8,6 @@ zero mean difference, and a margin whose p-value (~0.03) is below 0.05 alone but
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +33,7 @@ from orchestrator.report.stats import (
     power_analysis,
     ratio_interval,
 )
+from tests.ram_folder import ram_folder
 
 SEEDS = 10
 NOISE = stats.zscore(np.random.default_rng(7).normal(size=SEEDS), ddof=1)  # mean 0, sample std 1 exactly
@@ -64,8 +63,7 @@ METHODS = {"clear": (5.0, 1.0), "worse": (-5.0, 1.0), "same": (0.0, 1.0), "holm"
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Iterator[dict[str, object]]:
-    in_ram = Path("/dev/shm")
-    with tempfile.TemporaryDirectory(dir=in_ram if in_ram.is_dir() and os.access(in_ram, os.W_OK) else None) as d:
+    with ram_folder() as d:
         root = Path(d)
         uri = f"sqlite:///{root}/mlflow.db"
         client = MlflowClient(tracking_uri=uri)

@@ -17,7 +17,6 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from orchestrator.cli import main
-from orchestrator.storage import object_store
 from orchestrator.storage.layout import RunLayout, checkpoint_name
 from orchestrator.tracking.describe import PARENT_TAG, TRIAL_TAG
 
@@ -140,28 +139,13 @@ def test_a_single_run_whose_launcher_was_killed_is_stopped(tmp_path, capsys):
     assert f"`orchestrator resume qa-kill --storage-path {tmp_path}`" in out, out
 
 
-def test_an_s3_store_that_cannot_be_reached_is_one_line_naming_both_storage_flags(monkeypatch, capsys):
-    """QA finding 15: a raw OSError ("AWS Error NETWORK_CONNECTION", traceback in a file) that named neither flag.
-    The endpoint is a closed port, and one attempt per S3 request (as tests/test_resume_errors.py does): the
-    default five back off for seconds before the same refusal. The flag sets AWS_ENDPOINT_URL_S3, which
-    monkeypatch takes away again; the S3 filesystem cached for the closed port is dropped."""
-    port = closed_port()
-    for name in object_store.ENDPOINT_VARS:
-        monkeypatch.setenv(name, "unset-below")  # recorded, so the flag's value is taken away after the test
-        monkeypatch.delenv(name)
-    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                        "AWS_EC2_METADATA_DISABLED": "true"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(object_store, "ATTEMPTS", 1)
-    try:
-        code, out, err = status(capsys, "qa-run", "s3://qa-nonexistent-bucket/runs", "--storage-endpoint",
-                                f"http://127.0.0.1:{port}")
-    finally:
-        object_store._s3.cache_clear()
-
-        assert code == 2, out + err
+def test_an_s3_store_that_cannot_be_reached_is_one_line_naming_both_storage_flags(unreachable_s3, capsys):
+    """QA finding 15: a raw OSError ("AWS Error NETWORK_CONNECTION", traceback in a file) that named neither flag
+    (the endpoint: conftest's `unreachable_s3`)."""
+    code, out, err = status(capsys, "qa-run", "s3://qa-nonexistent-bucket/runs", "--storage-endpoint", unreachable_s3)
+    assert code == 2, out + err
     assert out == "" and len(err.strip().splitlines()) == 1, err
-    assert "--storage-path s3://qa-nonexistent-bucket/runs" in err and f"http://127.0.0.1:{port}" in err, err
+    assert "--storage-path s3://qa-nonexistent-bucket/runs" in err and unreachable_s3 in err, err
     assert "--storage-endpoint" in err and "Traceback" not in err and "traceback in" not in err, err
 
 
