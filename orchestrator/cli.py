@@ -436,7 +436,7 @@ def _command(argv: list[str]) -> int:
         return 2
     except LaunchError as err:  # says what failed and what to do, in a line or two
         print(f"orchestrator: {err}", file=sys.stderr)
-        return 1
+        return err.exit_code
     except KeyboardInterrupt:
         print("orchestrator: interrupted (Ctrl-C); the MLflow run is marked KILLED", file=sys.stderr)
         return 130

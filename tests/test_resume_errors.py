@@ -19,3 +19,11 @@ def test_resume_of_an_unreachable_s3_store_names_the_endpoint_flag(unreachable_s
     assert f"at the endpoint {unreachable_s3}" in err, err
     assert "--storage-endpoint URL (or AWS_ENDPOINT_URL_S3)" in err
     assert "Traceback" not in err
+
+
+def test_a_name_the_storage_does_not_hold_exits_as_a_wrong_argument_not_as_a_failed_run(tmp_path, capsys):
+    """Exit 1 is a run or trial that failed (docs/orchestrator.md); a misspelt NAME is a wrong argument: 2."""
+    for command in ("status", "resume", "evaluate"):
+        assert main([command, "no-such-run", "--storage-path", str(tmp_path)]) == 2, command
+        err = capsys.readouterr().err
+        assert "nothing named 'no-such-run'" in err and "check the name and --storage-path" in err, err

@@ -21,7 +21,7 @@ from typing import Any
 
 from orchestrator.cluster.ray_env import stored_result
 from orchestrator.launch.deliver import deliver_outputs
-from orchestrator.launch.preflight import LaunchError
+from orchestrator.launch.preflight import NameNotFound
 from orchestrator.spec import ExperimentSpec
 from orchestrator.storage.layout import (
     EVALUATION_DIR,
@@ -146,7 +146,7 @@ def _stored_runs(storage: str, name: str) -> list[tuple[str, str]]:
     layout = RunLayout(storage, name)
     meta = layout.read_meta()
     if meta is None:
-        raise LaunchError(f"nothing named {name!r} in {storage}; check the name and --storage-path")
+        raise NameNotFound(f"nothing named {name!r} in {storage}; check the name and --storage-path")
     if meta["kind"] == "run":
         return [(name, layout.folder)]
     return [(f"{name} {label}", folder) for label, folder in layout.stage_runs()]

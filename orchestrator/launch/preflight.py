@@ -35,6 +35,15 @@ if TYPE_CHECKING:  # mlflow is imported only by the commands that log
 class LaunchError(RuntimeError):
     """A run or sweep cannot be started or resumed; the message says why and what to do."""
 
+    exit_code = 1
+
+
+class NameNotFound(LaunchError):
+    """The storage holds nothing of the name given to resume, status or evaluate: a wrong argument, which exits
+    as an invalid spec does (2), not as a failed run (1)."""
+
+    exit_code = 2
+
 
 def check_storage(spec: ExperimentSpec) -> None:
     """The spec's run.storage_endpoint / storage_region become this process's S3 settings (storage.use_storage),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from orchestrator.launch.preflight import LaunchError
+from orchestrator.launch.preflight import LaunchError, NameNotFound
 from orchestrator.launch.run import RunOutcome, run_training
 from orchestrator.launch.sweep import SweepOutcome, run_sweep
 from orchestrator.spec import apply_resume_overrides, study_from_raw, validate_spec
@@ -29,7 +29,7 @@ def resume(name: str, storage_path: str, overrides: Sequence[str] = ()) -> RunOu
             "endpoint with --storage-endpoint URL (or AWS_ENDPOINT_URL_S3), and credentials as AWS_ACCESS_KEY_ID / "
             "AWS_SECRET_ACCESS_KEY") from None
     if meta is None:
-        raise LaunchError(f"nothing named {name!r} in {layout.storage} (no {META_FILE}); check the name and "
+        raise NameNotFound(f"nothing named {name!r} in {layout.storage} (no {META_FILE}); check the name and "
                           "--storage-path")
     if meta["kind"] == "run":
         raw = apply_resume_overrides(meta["spec"], overrides, kind="run")

@@ -30,6 +30,7 @@ from orchestrator.launch.evaluate import final_evaluation
 from orchestrator.launch.name_lock import name_lock
 from orchestrator.launch.preflight import (
     LaunchError,
+    NameNotFound,
     check_data_files,
     check_labelled_data,
     check_multi_node,
@@ -118,7 +119,7 @@ def claim(spec: ExperimentSpec, resume: bool, tracker: MlflowTracker) -> dict[st
     started = meta is not None and layout.has_checkpoint()
     if resume:
         if meta is None:
-            raise LaunchError(f"nothing named {name!r} in {storage} (no {META_FILE}); check the name and --storage-path")
+            raise NameNotFound(f"nothing named {name!r} in {storage} (no {META_FILE}); check the name and --storage-path")
         if not started and meta.get("status") != "FINISHED":
             raise LaunchError(f"{meta.get('kind', 'run')} {name!r} stopped before its first checkpoint: there is "
                               f"nothing to resume; start it again with `orchestrator {'train' if meta.get('kind') == 'run' else 'sweep'} "

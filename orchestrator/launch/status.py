@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.console.progress import next_step
 from orchestrator.launch.name_lock import holder_gone
-from orchestrator.launch.preflight import LaunchError
+from orchestrator.launch.preflight import NameNotFound
 from orchestrator.spec import expected_trials, study_from_raw, validate_spec
 from orchestrator.storage.layout import META_FILE, RunLayout, checkpoint_step, finished, latest_checkpoint
 from orchestrator.storage.locations import is_remote, resolve
@@ -110,7 +110,7 @@ def read_status(name: str, storage: str) -> Status:
     layout = RunLayout(storage, name)
     meta = layout.read_meta()
     if meta is None:
-        raise LaunchError(f"nothing named {name!r} in {storage} (no {META_FILE}); check the name and --storage-path")
+        raise NameNotFound(f"nothing named {name!r} in {storage} (no {META_FILE}); check the name and --storage-path")
     if meta["kind"] == "run":
         spec = validate_spec(meta["spec"], where=f"stored spec of {name}")
         runs = [RunState(label=name, folder=layout.folder, mlflow_run_id=meta.get("mlflow_run_id"),
