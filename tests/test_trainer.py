@@ -215,7 +215,7 @@ def test_a_kept_checkpoint_is_chosen_by_name_and_an_unknown_name_lists_the_kept_
 def test_evaluate_names_the_missing_run_and_the_storage_path(tmp_path, capsys):
     from orchestrator.cli import main
 
-    assert main(["evaluate", "no-such-run", "--storage-path", str(tmp_path)]) == 1
+    assert main(["evaluate", "no-such-run", "--storage-path", str(tmp_path)]) == 2  # a wrong argument, not a failed run
     err = capsys.readouterr().err
     assert "no-such-run" in err and str(tmp_path) in err and "--storage-path" in err
 
