@@ -175,9 +175,10 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
         for chosen, folder in choices:
             if chosen.note:
                 print(f"[{label}] {chosen.note}")
-            name = Path(chosen.path).name  # `--checkpoint checkpoint_000000420` chose it by its name
-            which = f"checkpoint {name}" if chosen.which == name else f"the {chosen.which} checkpoint {name}"
-            print(f"[{label}] scoring {which} on the {split} split")
+            checkpoint = Path(chosen.path).name  # `--checkpoint checkpoint_000000420` chose it by that name
+            shown = (f"checkpoint {checkpoint}" if chosen.which == checkpoint
+                     else f"the {chosen.which} checkpoint {checkpoint}")
+            print(f"[{label}] scoring {shown} on the {split} split")
             metrics = score_and_store(spec, chosen, split, cache_dir=cache, destination=join(run_path, folder),
                                       export=False)
             print(f"[{label}] " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
