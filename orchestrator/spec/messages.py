@@ -106,7 +106,6 @@ def describe_errors(err: ValidationError, raw: Mapping[str, Any], root: type[Bas
     return "\n".join(lines)
 
 
-
 def _flat_types(annotation: Any) -> set[Any]:
     """The types an annotation admits, through Optional, unions and Annotated."""
     args = get_args(annotation)
