@@ -237,7 +237,7 @@ _READ_ONLY = textwrap.dedent("""
         found[label] = {{"code": code, "ray": loaded[:5], "out": out.getvalue(), "err": err.getvalue()}}
     print("COMMANDS", json.dumps(found))
 """)
-READ_ONLY = {"status": (["status", "nothing-here", "--storage-path", "{tmp}/runs"], 1),
+READ_ONLY = {"status": (["status", "nothing-here", "--storage-path", "{tmp}/runs"], 2),
              "report": (["report", "--tracking-uri", "sqlite:///{tmp}/absent.db", "--experiment", "x"], 2),
              "stored-status": (["status", "unit", "--storage-path", "{tmp}/stored"], 0)}
 """The read-only commands run, in this order, by one fresh interpreter: argv and the exit code expected."""
