@@ -61,15 +61,22 @@ def server_advice(uri: str) -> str:
 
 
 def port_problem(port: int) -> str | None:
-    """Why the server could not listen on HOST:port, or None. SO_REUSEADDR as uvicorn binds: a port left in
-    TIME_WAIT by a UI stopped a moment ago is free to it, one that a process listens on is not."""
+    """Why the server could not listen on HOST:port, or None."""
+    if (err := _bind_error(port)) is None:
+        return None
+    return (f"port {port} on {HOST} is not free ({err.strerror}{_holder(port)}); "
+            f"pass another, e.g. --port {_free_port_after(port)}")
+
+
+def _bind_error(port: int) -> OSError | None:
+    """What binding HOST:port raises, or None. SO_REUSEADDR as uvicorn binds: a port left in TIME_WAIT by a UI
+    stopped a moment ago is free to it, one that a process listens on is not."""
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError as err:
-            return (f"port {port} on {HOST} is not free ({err.strerror}{_holder(port)}); "
-                    f"pass another, e.g. --port {_free_port_after(port)}")
+            return err
     return None
 
 
@@ -88,12 +95,7 @@ def _holder(port: int) -> str:
 
 
 def _free_port_after(port: int) -> int | str:
-    for candidate in range(port + 1, min(port + 100, 65536)):
-        with socket.socket() as sock, contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((HOST, candidate))
-            return candidate
-    return "N"
+    return next((p for p in range(port + 1, min(port + 100, 65536)) if _bind_error(p) is None), "N")
 
 
 def server_command(uri: str, port: int) -> list[str]:
