@@ -39,9 +39,9 @@ from orchestrator.spec import (
 )
 from orchestrator.spec.counting import PLANNED_TASKS
 from orchestrator.spec.gpus import gpu_argument, mfu_argument
-from orchestrator.spec.search_space import MAX_TRIALS, ValidationPlan, iter_grid_points
+from orchestrator.spec.search_space import MAX_TRIALS, ValidationPlan, grid_lines
 from orchestrator.storage import parent, resolve
-from orchestrator.tracking.ui import port_argument, serve_ui, server_advice, ui_command
+from orchestrator.tracking.ui import missing_default_store, port_argument, serve_ui, server_advice, ui_command
 
 DEFAULT_STORAGE = "runs"
 DEFAULT_UI_PORT = 5000
@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                                          "the study is renamed <name>-<scale>")
         return cmd
 
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text)  # `NAME -h` says what it does too
+
     def with_verbose(cmd: argparse.ArgumentParser) -> argparse.ArgumentParser:
         cmd.add_argument("--verbose", action="store_true",
                          help="Ray's own output as Ray makes it (trial tables, Ray Train's logs) and a line per "
@@ -87,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     with_spec("prepare", "tokenise the spec's data once (every split) into the memory-mapped shards its runs map")
     with_verbose(with_spec("train", "train one run of a spec without search domains"))
     with_gpu(with_verbose(with_spec("sweep", "run a Ray Tune sweep over the spec's search domains")))
-    resume = with_verbose(sub.add_parser("resume", help="continue a run or sweep from its latest checkpoints"))
+    resume = with_verbose(command("resume", "continue a run or sweep from its latest checkpoints"))
     resume.add_argument("name", type=_run_name, help="the spec's name (its folder under the storage path)")
     resume.add_argument("overrides", nargs="*", metavar="key.path=value",
                         help="what may change on resume: train longer (optim.max_steps=, runs only), retries, "
@@ -95,15 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     resume.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
     resume.add_argument("--storage-endpoint", default=None, metavar="URL",
                         help="the spec's run.storage_endpoint, for s3:// storage outside AWS (else AWS_ENDPOINT_URL_S3)")
-    status = sub.add_parser("status", help="where a run or sweep stands: trials, best so far, last checkpoint, "
-                                           "MLflow link (while it runs and after)")
+    status = command("status", "where a run or sweep stands: trials, best so far, last checkpoint, MLflow link "
+                               "(while it runs and after)")
     status.add_argument("name", type=_run_name, help="the run's or sweep's name (its folder under the storage path)")
     status.add_argument("--storage-path", default=DEFAULT_STORAGE, help="the spec's run.storage_path (default: runs)")
     status.add_argument("--storage-endpoint", default=None, metavar="URL",
                         help="the spec's run.storage_endpoint, for s3:// storage outside AWS (else AWS_ENDPOINT_URL_S3)")
     evaluate = sub.add_parser("evaluate", help="score a finished run (every trial of a sweep) on a split again",
                               description="score a finished run (every trial of a sweep) on all of a split, log "
-                                          "<split>/* metrics to its MLflow run, outputs to <run>/evaluation/")
+                                          "<split>/* metrics to its MLflow run, outputs to <run>/evaluation/ (any "
+                                          "checkpoint but best: checkpoints/<split>/*, evaluation/<checkpoint>/)")
     evaluate.add_argument("name", type=_run_name, help="the run's or sweep's name (its folder under the storage path)")
     evaluate.add_argument("--split", choices=("test", "validation"), default="test")
     evaluate.add_argument("--checkpoint", default="best",
@@ -114,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="the spec's run.storage_endpoint, for s3:// storage outside AWS (else AWS_ENDPOINT_URL_S3)")
     sub.add_parser("report", help="PRR / PEoP tables and plots from MLflow (see `orchestrator report -h`)",
                    add_help=False)
-    ui = sub.add_parser("ui", help="start the MLflow UI on the spec's tracking store")
+    ui = command("ui", "start the MLflow UI on the spec's tracking store (without a spec: ./mlflow.db, if it exists)")
     ui.add_argument("spec", nargs="?", help="spec whose tracking.uri to browse (default: sqlite:///mlflow.db)")
     ui.add_argument("overrides", nargs="*", metavar="key.path=value")
     ui.add_argument("--scale", help="the spec's named scale, as for sweep")
@@ -154,13 +158,7 @@ def _describe_grid(study: Study) -> str:
                  f"trials: {total:,} (at most {MAX_TRIALS:,})")
     lines.append("  " + ValidationPlan(study.domains, spec.tune.search).describe())
     if spec.tune.search == "grid":
-        points = iter_grid_points(study.domains)  # one at a time: a grid may hold MAX_TRIALS points
-        for i, point in enumerate(points):
-            if i == GRID_LINES_SHOWN:
-                lines.append(f"  ... {sum(1 for _ in points) + 1:,} more grid points")
-                break
-            values = ", ".join(f"{k}={v}" for k, v in point.items()) or "(no grid domains)"
-            lines.append(f"  grid {i}: {values}")
+        lines += grid_lines(study.domains, spec.tune.num_samples, GRID_LINES_SHOWN)
     else:
         lines.append("  grid domains are drawn like choice: " + ", ".join(d.path for d in study.domains if d.is_grid))
     for d in sampled:
@@ -275,6 +273,9 @@ def _ui(args: argparse.Namespace) -> int:
     if uri.startswith(("http://", "https://")):
         print(server_advice(uri))
         return 0
+    if spec is None and (missing := missing_default_store(uri)):  # browsing makes no store (MLflow's server would)
+        print(f"orchestrator ui: {missing}", file=sys.stderr)
+        return 2
     return serve_ui(uri, args.port, *((spec.tracking.experiment, spec.metric, spec.mode) if spec else ()))
 
 
@@ -412,7 +413,7 @@ def _command(argv: list[str]) -> int:
         if args.command in ("validate", "sweep"):
             _check_fit(study, args.gpu)
         if args.command == "validate":
-            check_before_ray(spec)  # storage, labelled data, tracking: as train's and sweep's preflight
+            check_before_ray(study)  # storage, labelled data, tracking, init_from: as train's and sweep's preflight
             try:
                 _check_local_gpus(study)
             except SpecError as err:  # a cluster spec validated on a laptop: worth a note, not a failure

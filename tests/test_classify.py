@@ -349,3 +349,21 @@ def test_validate_refuses_the_init_from_train_refuses(pretrained_run, tmp_path, 
     raw["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(raw))
     assert main(["validate", str(tmp_path / "ft.yaml")]) == 0, capsys.readouterr().err
+
+
+def test_validate_checks_the_init_from_of_every_trial(pretrained_run, tmp_path, monkeypatch, capsys):
+    """validate checked the first trial's init_from alone, while a sweep checks every trial's before Ray: a grid
+    whose second trial names no run, or a width its pretraining run does not have, validated and then failed
+    `orchestrator sweep` (orchestrator/launch/validate_checks.py check_pretrained_runs serves both now)."""
+    from orchestrator.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    folder = pretrained_run["folder"]
+    for model, says in (({"init_from": {"grid": [folder, "no-such-run"]}}, "model.init_from='no-such-run' names no"),
+                        ({"init_from": folder, "ffn": {"grid": [32, 64]}}, "model.ffn is 64 here but 32")):
+        raw = _finetune_spec(pretrained_run, folder)
+        raw["model"].update(model)
+        raw["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+        (tmp_path / "ft.yaml").write_text(yaml.safe_dump(raw))
+        assert main(["validate", str(tmp_path / "ft.yaml")]) == 2
+        assert says in capsys.readouterr().err

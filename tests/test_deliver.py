@@ -10,14 +10,20 @@ import collections
 import json
 import os
 import socket
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from mlflow import MlflowClient
 
+from orchestrator.launch import evaluate
 from orchestrator.launch.deliver import deliver_outputs, store_task_files
-from orchestrator.storage.layout import DELIVERED_FILE, evaluation_record
+from orchestrator.spec import validate_spec
+from orchestrator.storage.layout import DELIVERED_FILE, RunLayout, evaluation_record
 from orchestrator.storage.locations import write_json
 from orchestrator.tracking.write import MlflowTracker
+from orchestrator.training.scoring import Evaluation
 
 STEP = 24
 SCORES = {"test/loss": 1.484, "test/ppl": 4.41, "test/checkpoint_step": float(STEP)}
@@ -146,3 +152,88 @@ def test_scores_held_only_in_memory_are_not_recorded_as_delivered(store, tmp_pat
     assert not deliver_outputs(tracker, run_id, str(folder))
     ledger = json.loads((folder / DELIVERED_FILE).read_text())[run_id]
     assert not any(key.startswith("scores:") for key in ledger) and len(ledger) == len(EXPECTED_FILES)
+
+
+def later_checkpoint_scores(folder, step=30):
+    """What `orchestrator evaluate --checkpoint latest` stores for a checkpoint after the best one: other scores,
+    at a higher step, in that checkpoint's own folder."""
+    scored = folder / "evaluation" / f"checkpoint_{step:09d}"
+    scored.mkdir(parents=True)
+    (scored / "test.hyp").write_text("the latest hypothesis\n")
+    metrics = {"test/loss": 9.0, "test/ppl": 8103.1, "test/checkpoint_step": float(step)}
+    record = {"split": "test", "step": step, "metrics": metrics, "tags": {"test.checkpoint": f"latest (step {step})"}}
+    write_json(evaluation_record(str(scored), "test"), record)
+    return metrics
+
+
+def test_another_checkpoints_scores_do_not_replace_the_final_evaluations_in_mlflow(store, tmp_path):
+    """MLflow shows a metric's value at its highest step: sent as `test/*` at step 30, the latest checkpoint's
+    scores became the run's test scores in place of the final evaluation's (step 24), and its tag replaced
+    `test.checkpoint`. They go as `checkpoints/test/*` at their step, untagged; the final evaluation's stay."""
+    uri, client, run_id = store
+    folder = stored_run(tmp_path / "run")
+    tracker = MlflowTracker(uri, spool=folder / "spool.jsonl")
+    assert deliver_outputs(tracker, run_id, str(folder))  # the end of the run
+    later = later_checkpoint_scores(folder)
+    for _ in range(2):
+        assert deliver_outputs(tracker, run_id, str(folder))  # `orchestrator evaluate`, twice
+    run = client.get_run(run_id)
+    assert {k: v for k, v in run.data.metrics.items() if k.startswith("test/")} == SCORES
+    assert run.data.tags["test.checkpoint"] == "best (step 24)"
+    assert {k: v for k, v in run.data.metrics.items() if k.startswith("checkpoints/")} == {
+        f"checkpoints/{k}": v for k, v in later.items()}
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "checkpoints/test/loss")] == [(30, 9.0)]
+    assert "evaluation/checkpoint_000000030/test.hyp" in artifacts(client, run_id)
+
+
+def test_evaluate_of_the_latest_checkpoint_keeps_the_final_evaluations_record(store, tmp_path, monkeypatch):
+    """`orchestrator evaluate NAME --checkpoint latest` wrote to `evaluation/`, over the final evaluation's
+    `test.metrics.json` and files. Now it goes to `evaluation/<checkpoint folder>/`, as `--checkpoint all` does,
+    and the default (best) still rewrites the final record with the same scores. Ray's stored result, the
+    checkpoint and the scoring are stood in for (the real ones: tests/test_orchestrator_runs.py, slow)."""
+    uri, client, run_id = store
+    storage = str(tmp_path / "runs")
+    layout = RunLayout(storage, "r")
+    layout.write_meta({"kind": "run"})
+    folder = stored_run(Path(layout.folder))
+    assert deliver_outputs(MlflowTracker(uri), run_id, str(folder))  # the end of the run
+    final = {p.relative_to(folder): p.read_bytes() for p in (folder / "evaluation").rglob("*") if p.is_file()}
+
+    @contextmanager
+    def as_directory():
+        yield str(tmp_path)
+
+    def kept(step):
+        return SimpleNamespace(path=str(folder / f"checkpoint_{step:09d}"), as_directory=as_directory)
+
+    best, latest = kept(STEP), kept(30)
+    reports = [(best, {"step": STEP, "val/ppl": 3.0}), (latest, {"step": 30, "val/ppl": 4.0})]
+    result = SimpleNamespace(checkpoint=latest, metrics=reports[-1][1], best_checkpoints=reports)
+    spec = validate_spec({"name": "r", "task": {"kind": "clm"}, "tracking": {"uri": uri}})
+    scored_step = {}
+
+    def score(directory, split, *, out_dir, **_):
+        step = scored_step["step"]
+        (out_dir / f"{split}.hyp").write_text(f"hypotheses of step {step}\n")
+        return Evaluation(split, step, SCORES if step == STEP else {"test/loss": 9.0, "test/checkpoint_step": 30.0})
+
+    monkeypatch.setattr(evaluate, "stored_result", lambda run_path: result)
+    monkeypatch.setattr(evaluate, "read_checkpoint",
+                        lambda directory: SimpleNamespace(spec=spec.model_dump(mode="json"), mlflow_run_id=run_id))
+    monkeypatch.setattr(evaluate, "evaluate_checkpoint", score)
+
+    scored_step["step"] = 30
+    [latest_scored] = evaluate.evaluate_stored("r", storage, which="latest")
+    assert latest_scored["outputs"] == str(folder / "evaluation" / "checkpoint_000000030")
+    assert (folder / "evaluation" / "checkpoint_000000030" / "test.hyp").read_text() == "hypotheses of step 30\n"
+    assert {p.relative_to(folder): p.read_bytes() for p in (folder / "evaluation").rglob("*")
+            if p.is_file() and "checkpoint_000000030" not in p.parts} == final
+    run = client.get_run(run_id)
+    assert {k: v for k, v in run.data.metrics.items() if k.startswith("test/")} == SCORES
+    assert run.data.metrics["checkpoints/test/loss"] == 9.0 and run.data.tags["test.checkpoint"] == "best (step 24)"
+
+    scored_step["step"] = STEP  # the default, best: the final evaluation's own record, the same scores again
+    [best_scored] = evaluate.evaluate_stored("r", storage)
+    assert best_scored["outputs"] == str(folder / "evaluation")
+    assert json.loads((folder / "evaluation" / "test.metrics.json").read_text())["metrics"] == SCORES
+    assert points(client, run_id) == {key: {STEP: 1} for key in SCORES}

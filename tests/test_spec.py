@@ -179,6 +179,32 @@ def test_validate_prints_resolved_spec_and_trial_grid(tmp_path, capsys):
     assert "optim.lr ~ loguniform" in out
 
 
+
+def test_validate_numbers_grid_points_as_the_sweep_numbers_its_trials(tmp_path, capsys, monkeypatch):
+    """`validate`'s `grid i` is the trial whose id ends in `_<i:05d>`. Tune's variant generator sorts the grid paths
+    and varies the first fastest; validate's product varied the last, tune.seeds (appended last), so its `grid 1`
+    was seed 1 of the first point while the sweep's trial 1 was the next point at seed 0."""
+    from ray.tune.search.variant_generator import generate_variants
+
+    from orchestrator.spec.search_space import to_param_space
+
+    monkeypatch.chdir(tmp_path)
+    # The spec's order (layers, ffn, seed) is not Tune's sorted one (ffn, layers, seed).
+    raw = base_raw(model={"layers": {"grid": [1, 2]}, "ffn": {"grid": [32, 64]}},
+                   tune={"seeds": [0, 1], "scheduler": "fifo"})
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert main(["validate", str(path), "tune.num_samples=2"]) == 0
+    out = capsys.readouterr().out
+    listed = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("  grid ")]
+    study = load_study(path)
+    grids = [d.path for d in study.domains if d.is_grid]
+    assert grids == ["model.layers", "model.ffn", "optim.seed"]
+    trials = [", ".join(f"{path}={variant[(path,)]}" for path in grids)
+              for variant, _ in generate_variants(to_param_space(study.domains, "grid"))]
+    assert len(trials) == 8 and listed == trials, out
+    assert "grid i is trials i, i+8, ..., i+8" in out  # tune.num_samples=2: the grid again, after the first
+
 def test_study_loads_from_file(tmp_path):
     raw = base_raw(model={"attention": {"kind": "linformer", "heads": 2, "k": {"grid": [8, 16]}}})
     study = load_study(write(tmp_path, raw), ["optim.max_steps=20"])
@@ -215,6 +241,18 @@ def test_report_and_ui_subcommands_delegate(capsys):
     out = capsys.readouterr().out
     assert "http://head:5000" in out and "ray attach cluster.yaml -p 5000" in out
 
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "prepare", "train", "sweep", "resume", "status", "evaluate",
+                                     "ui"])
+def test_every_subcommands_help_says_what_it_does(command, capsys):
+    """`orchestrator resume -h`, `status -h` and `ui -h` went from the usage straight to the arguments, without the
+    line that says what the command does (argparse's description, which the other commands have)."""
+    with pytest.raises(SystemExit) as done:
+        main([command, "-h"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]  # usage, a blank line, the description, a blank line, the arguments
+    assert done.value.code == 0 and not description.startswith(("positional arguments:", "options:")), out
 
 def test_override_inside_a_search_domain_is_refused(tmp_path):
     path = write(tmp_path, base_raw(model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "sha"}]}}))

@@ -62,6 +62,23 @@ def test_a_busy_port_is_refused_before_any_link_is_printed(tmp_path, monkeypatch
     assert not store.exists()
 
 
+def test_ui_without_a_spec_where_there_is_no_store_creates_none(tmp_path, monkeypatch, capsys):
+    """Without a SPEC, `ui` browses ./mlflow.db; where there is none, MLflow's server made an empty one (and served
+    an empty UI). It says what it looked for and how to name a store, exits 2 and writes nothing. The port is
+    taken, so that a `ui` that went on to serve would be refused (exit 2 as well, but another message) rather
+    than start a server."""
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code = main(["ui", "--port", str(busy.getsockname()[1])])
+    out, err = capsys.readouterr()
+    assert code == 2 and "MLflow UI on" not in out, (out, err)
+    assert f"no tracking store at {tmp_path / 'mlflow.db'}" in err and "`orchestrator ui SPEC`" in err, err
+    assert "tracking.uri=sqlite:///" in err and "is not free" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("port", ["0", "70000", "http"])
 def test_a_port_outside_what_tcp_can_bind_is_a_usage_error(port, capsys):
     with pytest.raises(SystemExit) as done:
@@ -71,7 +88,11 @@ def test_a_port_outside_what_tcp_can_bind_is_a_usage_error(port, capsys):
 
 def _start_ui(tmp_path: Path, port: int) -> tuple[subprocess.Popen, Path]:
     """`orchestrator ui` on a fresh SQLite store, in a session of its own as from a terminal; returns the process
-    and its output log once the server listens and the links are printed."""
+    and its output log once the server listens and the links are printed. The store is made first, as a run
+    would: `ui` without a spec serves ./mlflow.db only where there is one."""
+    from mlflow import MlflowClient
+
+    MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_experiments()  # creates the store's tables
     log = tmp_path / "ui.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "ui", "--port", str(port)], cwd=tmp_path,

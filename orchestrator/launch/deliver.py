@@ -6,7 +6,8 @@ other processes (the final evaluation's Ray task, rank 0 of the workers), so the
 storage folder (`evaluation/`, `task/`: orchestrator/storage/layout.py), which outlives any process, and the launcher
 sends them from there. A run whose outputs did not all arrive is not ended FINISHED: its MLflow run stays open
 and the next launcher of the name (`orchestrator resume`, a resumed sweep, `orchestrator evaluate`) sends what is
-missing.
+missing. Scores that `orchestrator evaluate` stored for another checkpoint (`evaluation/<checkpoint folder>/`) go
+as `checkpoints/<split>/*`, so they never replace the final evaluation's `test/*` (_scores_as_sent).
 
 Exactly once: `mlflow-delivered.json` in the run folder lists what the MLflow run already holds (per MLflow run
 id). Scores are also checked against the run's metric history and the spool before they are sent, so a launcher
@@ -43,6 +44,8 @@ from orchestrator.tracking.write import MlflowTracker
 
 MODEL_DIR = "model"
 """The exported model's folder, in an evaluation folder and among the MLflow run's artifacts alike."""
+CHECKPOINT_SCORES_PREFIX = "checkpoints/"
+"""MLflow key prefix of scores of a checkpoint other than the final evaluation's: `checkpoints/test/loss`."""
 
 
 def store_task_files(run_folder: str, files: Mapping[str, Path]) -> None:
@@ -98,16 +101,38 @@ def _local_file(location: str) -> Iterator[Path]:
         yield local
 
 
-def _send_scores(tracker: MlflowTracker, run_id: str, record: Mapping[str, Any]) -> bool:
+def _scores_as_sent(relative: str, record: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """(metrics, tags) of a score record as its MLflow run gets them. The record in `evaluation/` itself is the
+    final evaluation's: `test/*` and its `test.checkpoint` tag. One in a checkpoint's own folder
+    (`orchestrator evaluate --checkpoint latest | all | checkpoint_<step>`) is sent as `checkpoints/<split>/*` at
+    that checkpoint's step and without tags: MLflow shows a metric's value at its highest step, so under the same
+    keys a later checkpoint's scores would replace the final evaluation's, and its tag would too."""
+    metrics = dict(record["metrics"])
+    if relative.rpartition("/")[0] == EVALUATION_DIR:
+        return metrics, dict(record.get("tags") or {})
+    return {f"{CHECKPOINT_SCORES_PREFIX}{key}": value for key, value in metrics.items()}, {}
+
+
+def _send_scores(tracker: MlflowTracker, run_id: str, relative: str, record: Mapping[str, Any]) -> bool:
     """The record's metrics at its step, those the run (or the spool) does not hold yet, and its tags. True when
     they are sent, or kept in a spool file that the next launcher sends."""
     step = int(record["step"])
-    held = tracker.steps_held(run_id, list(record["metrics"]))
-    fresh = {k: v for k, v in record["metrics"].items() if step not in held.get(k, ())}
+    metrics, tags = _scores_as_sent(relative, record)
+    held = tracker.steps_held(run_id, list(metrics))
+    fresh = {k: v for k, v in metrics.items() if step not in held.get(k, ())}
     if fresh:
         tracker.log_metrics(run_id, fresh, step=step)
-    tagged = tracker.set_tags(run_id, record.get("tags") or {})
+    tagged = tracker.set_tags(run_id, tags)
     return tagged and (tracker.spool is not None or not tracker.holds_unsent(run_id))
+
+
+def outputs_owed(run_id: str | None, run_folder: str) -> int:
+    """How many of the run folder's outputs the MLflow run `run_id` does not hold yet, by the ledger (0 for None:
+    nothing can be owed to a run not opened yet), so that a launcher says "sent" only of what was owed."""
+    if run_id is None:
+        return 0
+    done = set((read_json(join(run_folder, DELIVERED_FILE)) or {}).get(run_id, []))
+    return sum(key not in done for key, _, _ in pending_outputs(run_folder))
 
 
 def deliver_outputs(tracker: MlflowTracker, run_id: str | None, run_folder: str) -> bool:
@@ -124,7 +149,7 @@ def deliver_outputs(tracker: MlflowTracker, run_id: str | None, run_folder: str)
         if key in done:
             continue
         if record is not None:
-            sent = _send_scores(tracker, run_id, record)
+            sent = _send_scores(tracker, run_id, relative, record)
         else:
             with _local_file(join(run_folder, relative)) as local:
                 sent = tracker.log_artifact(run_id, local, artifact_path=_artifact_path(relative))

@@ -5,7 +5,8 @@
 Ray's CheckpointConfig score attribute next to the latest) is scored on all of the test split in a Ray task
 with one worker's resources (a GPU node on a cluster), the `test/*` metrics and outputs (hypotheses, the
 exported model) go to the run's MLflow run and to `<run folder>/evaluation/` in storage.
-`orchestrator evaluate NAME` runs the same scoring again on a finished run, for any split and checkpoint.
+`orchestrator evaluate NAME` runs the same scoring again on a finished run, for any split and checkpoint; a
+checkpoint other than the best keeps its own folder, `evaluation/<checkpoint folder>/`, beside the final one.
 
 Selecting on the split being scored would leak it into the score: when the spec evaluates on the test split
 during training (task.eval_split: test, e.g. WikiText-2 here, which has no other held-out split), the latest
@@ -140,6 +141,14 @@ def final_evaluation(spec: ExperimentSpec, result: Any, run_folder: str, *, cach
     return metrics
 
 
+def evaluation_folder(which: Which, chosen: ChosenCheckpoint) -> str:
+    """Where `orchestrator evaluate` stores a scoring, relative to the run folder. The default (best) is what the
+    final evaluation scored, so it goes to `evaluation/` and a re-run rewrites the same record; any other
+    checkpoint goes to `evaluation/<its folder name>/`, or `--checkpoint latest` would replace the final
+    evaluation's scores and files (orchestrator/launch/deliver.py keeps its MLflow keys apart too)."""
+    return EVALUATION_DIR if which == "best" else f"{EVALUATION_DIR}/{Path(chosen.path).name}"
+
+
 def _stored_runs(storage: str, name: str) -> list[tuple[str, str]]:
     """(label, Train run folder) of a stored run, or of every Train run of a stored sweep (its trials' and their
     pretraining stages')."""
@@ -166,11 +175,10 @@ def evaluate_stored(name: str, storage: str, *, split: str = "test", which: Whic
         with result.checkpoint.as_directory() as directory:
             state = read_checkpoint(Path(directory))
         spec = ExperimentSpec.model_validate(state.spec)
-        if which == "all":  # every kept checkpoint, in step order: a learning curve on the whole split
-            names = sorted(Path(c.path).name for c, _ in (result.best_checkpoints or []))
-            choices = [(choose_checkpoint(result, spec, name, split), f"{EVALUATION_DIR}/{name}") for name in names]
-        else:
-            choices = [(choose_checkpoint(result, spec, which, split), EVALUATION_DIR)]
+        # all: every kept checkpoint, in step order, a learning curve on the whole split.
+        asked = sorted(Path(c.path).name for c, _ in (result.best_checkpoints or [])) if which == "all" else [which]
+        choices = [(chosen, evaluation_folder(which, chosen)) for chosen in
+                   (choose_checkpoint(result, spec, one, split) for one in asked)]
         cache = cache_dir or cache_dir_of(storage)  # the cache that moved with the runs, if they moved
         for chosen, folder in choices:
             if chosen.note:

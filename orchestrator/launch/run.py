@@ -25,7 +25,7 @@ from orchestrator.cluster.ray_env import (
 )
 from orchestrator.cluster.resources import ClusterView, view_cluster
 from orchestrator.console.progress import failure_reason, next_step, verbose
-from orchestrator.launch.deliver import deliver_outputs
+from orchestrator.launch.deliver import deliver_outputs, outputs_owed
 from orchestrator.launch.evaluate import final_evaluation
 from orchestrator.launch.name_lock import name_lock
 from orchestrator.launch.preflight import (
@@ -405,12 +405,19 @@ def _extends(meta: Mapping[str, Any], spec: ExperimentSpec) -> bool:
 def _close_finished(spec: ExperimentSpec, tracker: MlflowTracker, handle: RunHandle) -> RunOutcome:
     """`resume` of a run that had finished training: send what its spool still holds and end its MLflow run."""
     folder = RunLayout(spec.run.storage_path, spec.name).folder
+    # What was waiting, asked before it goes: the line below says "sent" only of that (its launcher may have sent it).
+    waiting = [what for what, owed in (("its spooled metrics", tracker.holds_unsent(handle.run_id)),
+                                       ("its outputs", outputs_owed(handle.run_id, folder))) if owed]
     if handle.run_id is not None and not (deliver_outputs(tracker, handle.run_id, folder)
                                           and tracker.end_run(handle.run_id, "FINISHED")):
         raise LaunchError(f"run {spec.name!r} finished, but {spec.tracking.uri} still does not take its spooled "
                           f"metrics ({tracker.spool}) or its outputs ({folder}); try again when the server is up")
-    print(f"[{spec.name}] had finished training; its spooled metrics and outputs are sent and its MLflow run is "
-          "ended")
+    if handle.run_id is None:  # the store did not answer (tracking.offline_ok): nothing was sent or ended
+        print(f"[{spec.name}] had finished training; {spec.tracking.uri} did not open its MLflow run, so its spooled "
+              f"metrics and outputs wait in {folder} for the next `orchestrator resume {spec.name}`")
+    else:
+        sent = f"{' and '.join(waiting)} are sent" if waiting else "nothing was waiting to be sent"
+        print(f"[{spec.name}] had finished training; {sent}, and its MLflow run is ended")
     result = stored_result(folder)
     return RunOutcome(name=spec.name, path=folder, metrics=dict(result.metrics or {}),
                       checkpoint=uri_of(result.filesystem, result.checkpoint.path) if result.checkpoint else None,

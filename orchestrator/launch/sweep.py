@@ -34,7 +34,6 @@ from orchestrator.launch.preflight import (
     check_storage,
     check_tracking,
 )
-from orchestrator.launch.pretrained import preflight as check_init_from
 from orchestrator.launch.run import (
     build_trainer,
     check_cluster,
@@ -45,11 +44,12 @@ from orchestrator.launch.run import (
     stage_to_train,
 )
 from orchestrator.launch.sweep_summary import best_of, summarize_sweep
+from orchestrator.launch.validate_checks import check_pretrained_runs
 from orchestrator.launch.worker_config import WorkerConfig
 from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_spec
 from orchestrator.spec.loading import SEED_PATH
 from orchestrator.spec.resources import stage_runs
-from orchestrator.spec.search_space import resolve, to_param_space, validation_points
+from orchestrator.spec.search_space import resolve, to_param_space
 from orchestrator.storage.layout import RunLayout, finished, mark_finished
 from orchestrator.storage.locations import is_remote, ray_storage
 from orchestrator.storage.object_store import use_storage
@@ -247,30 +247,6 @@ def pin_paths(study: Study) -> Study:
     return replace(study, raw=raw)
 
 
-def _check_pretrained_runs(study: Study) -> None:
-    """Each trial's pretrained run (model.init_from) resolved and checked against its model, before any cluster
-    time. A study that names no init_from skips the walk: it would validate the grid again (up to MAX_TRIALS
-    specs, seconds) for nothing; one that does checks each distinct model and task once."""
-    if not _names_key(study.raw, "init_from"):
-        return
-    checked: set[str] = set()
-    for assignment in validation_points(study.domains, search=study.base.tune.search) if study.domains else [{}]:
-        spec = study.spec_for(assignment)
-        key = spec.model.model_dump_json() + spec.task.model_dump_json()
-        if key not in checked:
-            checked.add(key)
-            check_init_from(spec)
-
-
-def _names_key(node: Any, key: str) -> bool:
-    """Whether `key` appears as a mapping key anywhere in a raw spec (grid values included)."""
-    if isinstance(node, dict):
-        return key in node or any(_names_key(value, key) for value in node.values())
-    if isinstance(node, list):
-        return any(_names_key(item, key) for item in node)
-    return False
-
-
 def _trainable(study: Study, parent_run_id: str | None, commit: str, fail_at_step: int | None = None):
     from ray import tune
 
@@ -295,7 +271,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     check_storage(spec)
     check_data_files(spec)
     check_labelled_data(spec, layout.cache_dir)
-    _check_pretrained_runs(study)
+    check_pretrained_runs(study)
     with name_lock(layout):
         tracker = open_tracker(spec.tracking)
         meta = claim(spec, resume, tracker)

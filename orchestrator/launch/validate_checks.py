@@ -1,20 +1,25 @@
 """What `orchestrator validate` checks of the machine before Ray, beyond the spec and its data files: the checks
-train's and sweep's preflight make, so that a spec that validates is not refused by train before Ray. Apart from
-preflight because the `model.init_from` check reads checkpoints (launch/pretrained.py), whose module needs
-launch/evaluate.py, which needs preflight."""
+train's and sweep's preflight make, so that a spec that validates is not refused by train or sweep before Ray.
+Apart from preflight because the `model.init_from` check reads checkpoints (launch/pretrained.py), whose module
+needs launch/evaluate.py, which needs preflight; a sweep walks its trials' init_from here too
+(check_pretrained_runs), so validate and sweep check the same runs."""
 
 from __future__ import annotations
 
 import tempfile
+from typing import Any
 
 from orchestrator.launch.preflight import check_labelled_data, check_storage, check_tracking, check_tracking_uri
-from orchestrator.spec import ExperimentSpec
+from orchestrator.spec import Study
+from orchestrator.spec.search_space import validation_points
 
 
-def check_before_ray(spec: ExperimentSpec) -> None:
+def check_before_ray(study: Study) -> None:
     """The storage (check_storage), a classification spec's columns and labels (parsed into a throwaway cache, so
     that validate writes nothing), the tracking store (check_tracking_uri, then, for a server, the round trip of
-    check_tracking), and the pretraining run `model.init_from` names, resolved and compared with the model."""
+    check_tracking), and the pretraining run `model.init_from` names, in every trial, resolved and compared with
+    its model (check_pretrained_runs)."""
+    spec = study.base
     check_storage(spec)
     with tempfile.TemporaryDirectory(prefix="orchestrator-validate-") as cache:
         check_labelled_data(spec, cache)
@@ -23,7 +28,33 @@ def check_before_ray(spec: ExperimentSpec) -> None:
         from orchestrator.tracking.write import open_tracker  # mlflow: only when there is a server to ask
 
         check_tracking(spec, open_tracker(spec.tracking))
-    if spec.model.init_from is not None:  # its module imports torch and Ray's storage helpers: only when needed
-        from orchestrator.launch.pretrained import preflight as check_init_from
+    check_pretrained_runs(study)
 
-        check_init_from(spec)
+
+def check_pretrained_runs(study: Study) -> None:
+    """Each trial's pretrained run (model.init_from) resolved and checked against its model, before any cluster
+    time: a grid over init_from (or over a model field it must match) names another run per trial, so the first
+    trial's alone says nothing of the rest. A study that names no init_from skips the walk: it would validate the
+    grid again (up to MAX_TRIALS specs, seconds) for nothing; one that does checks each distinct model and task
+    once."""
+    if not _names_key(study.raw, "init_from"):
+        return
+    # Its module imports torch and Ray's storage helpers: only when a spec fine-tunes.
+    from orchestrator.launch.pretrained import preflight as check_init_from
+
+    checked: set[str] = set()
+    for assignment in validation_points(study.domains, search=study.base.tune.search) if study.domains else [{}]:
+        spec = study.spec_for(assignment)
+        key = spec.model.model_dump_json() + spec.task.model_dump_json()
+        if key not in checked:
+            checked.add(key)
+            check_init_from(spec)
+
+
+def _names_key(node: Any, key: str) -> bool:
+    """Whether `key` appears as a mapping key anywhere in a raw spec (grid values included)."""
+    if isinstance(node, dict):
+        return key in node or any(_names_key(value, key) for value in node.values())
+    if isinstance(node, list):
+        return any(_names_key(item, key) for item in node)
+    return False

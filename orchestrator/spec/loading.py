@@ -341,6 +341,8 @@ def seed_domains(raw: Mapping[str, Any], domains: Sequence[Domain]) -> list[Doma
     if any(d.path == SEED_PATH for d in domains):
         raise SpecError(f"{SEED_PATH} is searched and tune.seeds is set: state the seeds once, in tune.seeds, and give "
                         f"{SEED_PATH} no search domain")
+    if isinstance(seeds, list) and (booleans := booleans_as_numbers({"tune": {"seeds": seeds}}, [ExperimentSpec])):
+        raise SpecError("tune.seeds is invalid:\n" + "\n".join(booleans))  # YAML's true, read as seed 1
     if not isinstance(seeds, list) or not seeds or not all(isinstance(seed, int) for seed in seeds):
         raise SpecError(f"tune.seeds={seeds!r} must be a list of integer seeds, e.g. [0, 1, 2]")
     if (twice := repeated_value(seeds)) is not None:

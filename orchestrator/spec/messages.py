@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
-from typing import Any, get_args
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+
 
 def _field_path(loc: Sequence[Any], raw: Any) -> str:
     """A pydantic error location as the spec's dotted path, without the union tags pydantic inserts."""
@@ -112,8 +113,16 @@ def _flat_types(annotation: Any) -> set[Any]:
     return {t for arg in args for t in _flat_types(arg)} if args else {annotation}
 
 
+def _item_types(annotation: Any) -> set[Any]:
+    """The item types of the lists an annotation admits (`list[int] | None`: {int}); empty when it admits none."""
+    if get_origin(annotation) in (list, tuple):
+        return _flat_types(annotation)
+    return {t for arg in get_args(annotation) for t in _item_types(arg)}
+
+
 def booleans_as_numbers(raw: Mapping[str, Any], classes: Sequence[type[BaseModel]], path: str = "") -> list[str]:
-    """One line per YAML boolean given to a field that takes a number and not a boolean, walking `raw` through the
+    """One line per YAML boolean given to a field that takes a number and not a boolean, or as an item of a list
+    of numbers (`tune.seeds: [true]`, named `tune.seeds.0` as pydantic names items), walking `raw` through the
     models of `classes` (ExperimentSpec at the top): pydantic's lax ints read `run.workers: true` as 1 worker and
     `false` as 0, and a spec that says true where it means a count is a slip, not a request."""
     if "kind" in raw:  # a discriminated union's member: the classes whose `kind` literal is this one
@@ -128,6 +137,12 @@ def booleans_as_numbers(raw: Mapping[str, Any], classes: Sequence[type[BaseModel
             if types & {int, float}:  # (no field admits both a bool and a number)
                 lines.append(f"  {where}: {str(value).lower()} is a boolean, and this field takes a number; "
                              "write the number")
+        elif isinstance(value, list):
+            items = {t for a in annotations for t in _item_types(a)}
+            if items & {int, float} and bool not in items:
+                lines += [f"  {where}.{i}: {str(item).lower()} is a boolean, and this field takes a list of numbers "
+                          f"(it would be read as {int(item)}); write the number"
+                          for i, item in enumerate(value) if isinstance(item, bool)]
         elif isinstance(value, Mapping):
             inner = [c for a in annotations for c in _model_classes(a)]
             lines += booleans_as_numbers(value, inner, where) if inner else []

@@ -209,11 +209,32 @@ def grid_size(domains: list[Domain]) -> int:
 
 
 def iter_grid_points(domains: list[Domain]) -> Iterator[dict[str, Any]]:
-    """The grid combinations Tune will run (one sample each), one at a time: the product over `grid` domains."""
+    """The grid combinations Tune will run (one sample each), one at a time and in the sweep's order, so that the
+    i-th is the trial whose id ends in `_<i:05d>`: Tune's variant generator sorts the grid paths and varies the
+    first fastest (ray/tune/search/variant_generator.py `_grid_search_generator`), where a plain product over the
+    spec's order varied the last (tune.seeds, appended last, numbered seed 1 of a point as the next grid point).
+    Each point keeps the spec's order of paths, as `validate` prints them."""
     grids = [d for d in domains if d.is_grid]
-    paths = [d.path for d in grids]
-    for combo in itertools.product(*(d.values for d in grids)):
-        yield dict(zip(paths, combo))
+    slowest_first = sorted(grids, key=lambda d: d.path, reverse=True)
+    for combo in itertools.product(*(d.values for d in slowest_first)):
+        chosen = dict(zip((d.path for d in slowest_first), combo))
+        yield {d.path: chosen[d.path] for d in grids}
+
+
+def grid_lines(domains: list[Domain], num_samples: int, shown: int) -> Iterator[str]:
+    """`grid <i>: path=value, ...` for the first `shown` grid combinations, numbered as the sweep's trials are
+    (iter_grid_points), then a count of the rest; Tune runs the whole grid once per sample, one sample after
+    another, so with num_samples > 1 a line says which trials repeat a point."""
+    points = iter_grid_points(domains)  # one at a time: a grid may hold MAX_TRIALS points
+    for i, point in enumerate(points):
+        if i == shown:
+            yield f"  ... {sum(1 for _ in points) + 1:,} more grid points"
+            break
+        yield f"  grid {i}: " + (", ".join(f"{k}={v}" for k, v in point.items()) or "(no grid domains)")
+    if num_samples > 1:
+        size = grid_size(domains)
+        yield (f"  each grid point runs tune.num_samples={num_samples} times: grid i is trials i, i+{size:,}, ..., "
+               f"i+{size * (num_samples - 1):,}")
 
 
 def grid_points(domains: list[Domain]) -> list[dict[str, Any]]:

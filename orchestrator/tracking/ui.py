@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from orchestrator.tracking.describe import MLFLOW_SERVER_ENV, artifact_root
@@ -58,6 +59,23 @@ def server_advice(uri: str) -> str:
     return (f"tracking server already serves the UI at {uri}\n"
             f"on a cluster, forward its port first: `ray attach cluster.yaml -p {port}` or "
             f"`ssh -L {port}:{host}:{port} <user>@<head-ip>`, then open {parts.scheme}://localhost:{port}{parts.path}")
+
+
+def missing_default_store(uri: str) -> str | None:
+    """Why `orchestrator ui` without a spec does not serve `uri`, the default SQLite store of the current folder, or
+    None when its file exists (or `uri` is no SQLite file). MLflow's server creates the store it does not find, so
+    browsing in the wrong folder left an empty mlflow.db there and showed an empty UI instead of the user's runs."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or uri == prefix + ":memory:":
+        return None
+    database = Path(uri[len(prefix):]).resolve()
+    if database.is_file():
+        return None
+    return (f"no tracking store at {database}: without a SPEC, `orchestrator ui` browses sqlite:///mlflow.db of the "
+            "current folder, and creates none. Start it in the folder that holds your runs' mlflow.db, or name the "
+            "store: `orchestrator ui SPEC` browses the spec's tracking.uri, and `orchestrator ui SPEC "
+            "tracking.uri=sqlite:///path/to/mlflow.db` (a path relative to the current folder, or absolute) another "
+            "SQLite store")
 
 
 def port_problem(port: int) -> str | None:
