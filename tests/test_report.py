@@ -28,11 +28,11 @@ from orchestrator.report.metrics import (
     default_group_keys,
     group_runs,
     infer_mode,
-    pareto_front,
     peop,
     prr,
     summarize,
 )
+from orchestrator.report.pareto import pareto_front
 from orchestrator.report.tables import rows_to_markdown
 
 MHA_PARAMS = 4 * 768**2

@@ -157,10 +157,12 @@ def test_the_table_is_scipys_paired_test_against_l0_per_configuration_and_l(repo
             assert row["prr"] == pytest.approx(1.0 - (np.mean(x) - UNPATCHED) / UNPATCHED)
             assert row["prr"] == pytest.approx(prr(np.mean(x), UNPATCHED, "min"))
             assert row["prr_ci_low"] <= row["prr"] <= row["prr_ci_high"]
+            # A speed-up is a ratio: the geometric mean over seeds, its t interval on the log scale mapped back.
             speedups = [_speedup(layers, seed, True) for seed in range(SEEDS)]
-            assert row["attention_speedup_mean"] == pytest.approx(np.mean(speedups))
-            assert row["speedup_mean"] == pytest.approx(np.mean([_speedup(layers, s, False) for s in range(SEEDS)]))
-            low, high = stats.t.interval(0.95, SEEDS - 1, loc=np.mean(speedups), scale=stats.sem(speedups))
+            logs = np.log(speedups)
+            assert row["attention_speedup_mean"] == pytest.approx(stats.gmean(speedups))
+            assert row["speedup_mean"] == pytest.approx(stats.gmean([_speedup(layers, s, False) for s in range(SEEDS)]))
+            low, high = np.exp(stats.t.interval(0.95, SEEDS - 1, loc=np.mean(logs), scale=stats.sem(logs)))
             assert [row["attention_speedup_ci_low"], row["attention_speedup_ci_high"]] == pytest.approx([low, high])
             p_values[(block, layers)] = expected.pvalue
     # Holm over every (configuration, l) row against the one reference: six comparisons.
@@ -194,7 +196,7 @@ def test_the_plot_draws_one_line_per_configuration_from_l0(report):
         means = [np.mean([_ppl(block, layers, s) for s in range(SEEDS)]) for layers in (1, 2, 3)]
         assert list(drawn[f"hyper block_size={block}"].get_ydata()) == pytest.approx([UNPATCHED, *means])
     speed = {line.get_label(): list(line.get_ydata()) for line in speed_axes.get_lines()}
-    expected = [np.mean([_speedup(layers, s, True) for s in range(SEEDS)]) for layers in range(4)]
+    expected = [stats.gmean([_speedup(layers, s, True) for s in range(SEEDS)]) for layers in range(4)]
     assert speed["hyper block_size=64: attention"] == pytest.approx(expected)
 
 

@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from orchestrator.report.metrics import MethodRow, pareto_front
+from orchestrator.report.metrics import MethodRow
+from orchestrator.report.pareto import pareto_front
 from orchestrator.report.plots import front_line, score_vs_params_figure
 
 # val/ppl (lower is better) and attention parameters of the smoke study's three kinds (d_model 64, 4 heads).

@@ -9,6 +9,7 @@ tests/test_report_stats.py: no Ray.
 
 from __future__ import annotations
 
+import math
 import shlex
 import time
 from collections.abc import Iterator
@@ -204,3 +205,38 @@ def test_a_search_of_twenty_drawn_points_gets_importance_without_repeats(tmp_pat
     assert set(scores) == {"optim.lr"} and not warnings
     scores, _ = importance(runs[:-1], "val/ppl", "min", tmp_path, warnings)
     assert scores == {} and "fewer than 20 in all" in warnings[-1]
+
+
+def test_analyse_and_the_tables_without_a_reference_never_build_prr_peop_or_test_columns():
+    """`reference=None` is the statistics' and the tables' own case: nothing is tested, and the CSV, the table and
+    report.md are those with a reference less what measures against it."""
+    from orchestrator.report.compare import analyse
+    from orchestrator.report.metrics import RunRecord, group_runs, summarize
+    from orchestrator.report.tables import markdown_document, rows_to_frame, rows_to_markdown
+
+    records = [RunRecord(f"{kind}-{seed}", {"model.attention.kind": kind, "optim.seed": str(seed),
+                                            "params.attention": str(KINDS[kind][1])},
+                         {"val/ppl": KINDS[kind][3] + 0.05 * seed * (2 if kind == "mhe" else 1),
+                          "train/tokens_per_s": 100.0 + seed})
+               for kind in KINDS for seed in range(3)]
+    groups = group_runs(records, ["model.attention.kind"])
+    with_reference = summarize(groups, "val/ppl", "min", "mha", "sha")
+    without = summarize(groups, "val/ppl", "min", None, None)
+    stats_with, stats_without = analyse(with_reference, "min"), analyse(without, "min")
+    assert stats_without.reference is None and stats_without.comparisons == 0 and stats_with.comparisons == 2
+    assert {row.verdict for row in stats_without.rows.values()} == {"n/a"}
+    assert all(row.comparison is None and math.isnan(row.prr) for row in stats_without.rows.values())
+    frame = rows_to_frame(without.rows, stats_without).set_index("method")
+    full = rows_to_frame(with_reference.rows, stats_with).set_index("method").loc[frame.index]
+    against = ["prr", "peop", "prr_ci_low", "prr_ci_high", "peop_ci_low", "peop_ci_high", "test", "n_compared",
+               "diff", "diff_ci_low", "diff_ci_high", "diff_ci_holm_low", "diff_ci_holm_high", "p_value", "p_holm",
+               "sign_flip_p", "sign_flip_min_p", "verdict", "mdd", "seeds_needed", "test_note"]
+    assert set(against) <= set(full.columns) and not set(against) & set(frame.columns)
+    pd.testing.assert_frame_equal(frame, full.drop(columns=against))
+    table = rows_to_markdown(without.rows, "val/ppl", "min", stats_without)
+    assert table.splitlines()[0] == ("| Method | Attn params | Total params | Runs | val/ppl ↓ mean [95% CI] "
+                                     "| tokens/s | Peak mem (GB) | Pareto front |")
+    page = markdown_document("x", "val/ppl", "min", without, "all runs", 9, [], [], stats_without,
+                             without_reference="`--reference none` asked for none")
+    assert "- No PRR, PEoP or tests against a reference: `--reference none` asked for none." in page
+    assert table in page and "PRR" not in page.replace("No PRR", "") and "p (Holm)" not in page

@@ -1,8 +1,9 @@
-"""`orchestrator report` (docs/report.md): `build` (the command, its files and MLflow artifacts), `runs` (which
-runs are compared), `metrics` (grouping, PRR / PEoP), `stats` (intervals, tests, Holm, power; scipy.stats),
-`compare` (those per table row, fronts), `pareto` (non-dominated points with intervals), `importance` (fANOVA,
-parallel coordinates), `objectives` (several objectives), `tables` and `plots`. Reads MLflow only through
-orchestrator.tracking; `python -m orchestrator.report` runs the command without the CLI wrapper."""
+"""`orchestrator report` (docs/report.md): `build` (the command, its files and MLflow artifacts), `runs` (which runs are
+compared), `metrics` (grouping, PRR / PEoP), `stats` (intervals, tests, Holm, power; scipy.stats), `compare` (those
+per table row, fronts), `costs` (geometric means of costs, log-scale intervals), `pareto` (non-dominated points with
+intervals), `importance` (fANOVA, parallel coordinates), `objectives` (several objectives), `tables` and `plots`.
+Reads MLflow only through orchestrator.tracking; `python -m orchestrator.report` runs the command without the CLI
+wrapper."""
 
 from orchestrator import lazy_face
 

@@ -10,16 +10,15 @@ the figures in `report_plots`.
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from orchestrator.report.compare import UNTESTED, Statistics, analyse
+from orchestrator.report.compare import Statistics, analyse
 from orchestrator.report.importance import importance, importance_markdown
 from orchestrator.report.metrics import (
     MethodGroup,
@@ -59,7 +58,6 @@ from orchestrator.report.runs import (
     parent_ids,
     with_status,
 )
-from orchestrator.report.stats import Interval
 from orchestrator.report.tables import comparison_markdown, markdown_document, rows_to_frame, rows_to_markdown
 from orchestrator.tracking.describe import PARENT_TAG
 from orchestrator.tracking.read import Run, TrackingReader
@@ -70,10 +68,6 @@ __all__ = ["Report", "ReportError", "build_report", "report_cli", "report_comman
 ARTIFACT_DIR = "report"
 # Metrics tried in order when neither --metric nor the spec's `tune.metric` names one.
 _DEFAULT_METRICS = ("val/bleu", "val/ppl", "val/loss")
-# report.csv's columns that measure against the PRR reference, left out of a report without one.
-_AGAINST_REFERENCE = ("prr", "peop", "prr_ci_low", "prr_ci_high", "peop_ci_low", "peop_ci_high", "test", "n_compared",
-                      "diff", "diff_ci_low", "diff_ci_high", "diff_ci_holm_low", "diff_ci_holm_high", "p_value",
-                      "p_holm", "sign_flip_p", "sign_flip_min_p", "verdict", "mdd", "seeds_needed", "test_note")
 
 
 @dataclass(frozen=True)
@@ -159,7 +153,7 @@ def build_report(
     keys = group_keys(records, group_by)
     groups = groups_with_metric(records, keys, metric)
     summary = summarize(groups, metric, mode, reference, lower_reference, missing_reference_ok=missing_reference_ok)
-    stats = _analyse(summary, mode, alpha, bootstrap)
+    stats = analyse(summary, mode, alpha=alpha, bootstrap=bootstrap)
     why = "" if summary.reference is not None else "`--reference none` asked for none" if reference is None else \
         _missing_reference(tracking_uri, experiment, parent_run_id, reference, lower_reference, summary)
     warnings = list(summary.warnings) + _status_warnings(left_out, records, metric)
@@ -168,7 +162,6 @@ def build_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = rows_to_frame(summary.rows, stats)
-    table = table.drop(columns=list(_AGAINST_REFERENCE)) if why else table
     files = [out_dir / "report.csv"]
     table.to_csv(files[0], index=False)
     extra = []
@@ -184,9 +177,8 @@ def build_report(
     extra.append(importance_markdown(importance_scores, metric))
     files += _write_plots(reader, groups, summary, stats, metric, mode, out_dir)
     scope = f"children of parent run {parent_run_id}" if parent_run_id else "all runs of the experiment"
-    document = _document_without_reference if why else markdown_document
-    markdown = document(experiment, metric, mode, summary, scope, len(records) - skipped, warnings, files, stats,
-                        [section for section in extra if section], *([why] if why else []))
+    markdown = markdown_document(experiment, metric, mode, summary, scope, len(records) - skipped, warnings, files,
+                                 stats, [section for section in extra if section], without_reference=why)
     (out_dir / "report.md").write_text(markdown)
     files.insert(0, out_dir / "report.md")
 
@@ -214,53 +206,14 @@ def _missing_reference(uri: str, experiment: str, parent: str | None, reference:
            f"for PRR / PEoP against one of them: `{command}`"
 
 
-def _analyse(summary: Summary, mode: Mode, alpha: float, bootstrap: bool) -> Statistics:
-    """The uncertainty columns; without a reference only those that need none (intervals, costs, fronts)."""
-    if summary.reference is not None:
-        return analyse(summary, mode, alpha=alpha, bootstrap=bootstrap)
-    # analyse measures every row against a reference; any row serves, as all that depends on it is then dropped.
-    stats = analyse(replace(summary, reference=summary.rows[0].label, lower_reference=None), mode, alpha=alpha,
-                    bootstrap=bootstrap)
-    untested = {label: replace(row, comparison=None, p_holm=math.nan, verdict=UNTESTED, diff_ci=Interval.none(),
-                               prr=math.nan, prr_ci=Interval.none()) for label, row in stats.rows.items()}
-    return replace(stats, rows=untested, comparisons=0, notes=())
-
-
-def _without_columns(table: str, heads: Sequence[str]) -> str:
-    """A Markdown table (tables.rows_to_markdown's, whose cells hold no `|`) less the columns headed `heads`."""
-    cells = [line.strip().strip("|").split("|") for line in table.strip().splitlines()]
-    keep = [i for i, head in enumerate(cells[0]) if head.strip() not in heads]
-    return "\n".join("|" + "|".join(row[i] for i in keep) + "|" for row in cells) + "\n"
-
-
-def _document_without_reference(experiment: str, metric: str, mode: Mode, summary: Summary, scope: str, n_runs: int,
-                                warnings: Sequence[str], files: Sequence[Path], stats: Statistics,
-                                extra: Sequence[str], why: str) -> str:
-    """report.md without a PRR reference: tables.markdown_document's page less PRR, PEoP and the tests."""
-    level = f"{100 * (1 - stats.alpha):g}%"
-    lines = [f"# Report: {experiment}", "",
-             f"- Metric: `{metric}` ({'lower' if mode == 'min' else 'higher'} is better); score = last logged value "
-             f"of each run; mean over seeds with a {level} Student-t interval"
-             + (" and a percentile bootstrap interval." if stats.bootstrap else "."),
-             f"- No PRR, PEoP or tests against a reference: {why}.",
-             f"- Pareto front over {', '.join(stats.front_axes)}: 'yes' on the front of the means, 'within CI' "
-             "dominated only within the intervals, 'no' dominated by another method's whole interval.",
-             "- Attention params = `params.attention` (Q/K/V/O projections and method extras, no biases).",
-             f"- Runs: {n_runs} ({scope}).", "", report_tables(summary.rows, metric, mode, stats, None)]
-    lines += [line for section in extra for line in (section, "")]
-    lines += ["Warnings:", "", *(f"- {warning}" for warning in warnings), ""] if warnings else []
-    lines += [f"![{path.stem}]({path.name})" for path in files if path.suffix == ".png"]
-    return "\n".join(lines) + "\n"
-
-
 def report_tables(rows: Sequence[MethodRow], metric: str, mode: Mode, stats: Statistics | None,
                   reference: str | None) -> str:
     """The table of the methods and the tests against the reference, as the command prints them and a sweep's
-    description shows them; without a reference, the table less its PRR and PEoP columns."""
+    description shows them; without a reference (statistics of a report without one) no PRR, PEoP or tests."""
     table = rows_to_markdown(rows, metric, mode, stats)
-    if reference is None:
-        return _without_columns(table, ("PRR", "PEoP"))
-    return table + ("\n" + comparison_markdown(rows, stats, reference, metric) if stats is not None else "")
+    if reference is None or stats is None:
+        return table
+    return table + "\n" + comparison_markdown(rows, stats, reference, metric)
 
 
 def _status_warnings(left_out: Mapping[str, int], records: Sequence[RunRecord], metric: str) -> list[str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from orchestrator.report.costs import geometric_interval
 from orchestrator.report.metrics import MethodRow, Mode, Summary, peop, prr
 from orchestrator.report.pareto import Objective, non_dominated
 from orchestrator.report.stats import (
@@ -54,6 +55,7 @@ class RowStats:
     """PEoP on the seeds its interval uses, as `prr`."""
     peop_ci: Interval
     tokens_ci: Interval
+    """The interval of the geometric mean of tokens/s over seeds (log scale: costs.py); memory_ci likewise."""
     memory_ci: Interval
     on_front: bool
     """On the Pareto front of the means over quality and every cost the runs logged."""
@@ -70,6 +72,9 @@ class Statistics:
     """m of Holm's correction: the methods tested against the reference."""
     front_axes: tuple[str, ...]
     notes: tuple[str, ...]
+    reference: str | None
+    """The label every row was tested against; None: no reference, so the tables have no PRR, PEoP or test columns
+    (tables.py reads this, so a table never shows columns the statistics did not fill)."""
 
 
 def _by_seed(row: MethodRow) -> tuple[dict[str, float], str]:
@@ -127,17 +132,53 @@ def _shared_seeds(row: MethodRow, other: MethodRow) -> list[object] | None:
 
 
 def analyse(summary: Summary, mode: Mode, *, alpha: float = 0.05, bootstrap: bool = False) -> Statistics:
-    """The uncertainty columns of every row of `summary` (its reference and lower reference as in the table)."""
+    """The uncertainty columns of every row of `summary` (its reference and lower reference as in the table). Without
+    a reference (`summary.reference` None) only those that need none: each score's interval, the costs' and the
+    fronts; no test, PRR or PEoP, which all measure against it."""
     if not 0.0 < alpha < 0.5:
         raise ValueError(f"alpha={alpha} must be in (0, 0.5), e.g. 0.05 for 95% intervals")
     level = 1.0 - alpha
     rows = {row.label: row for row in summary.rows}
-    ref = rows[summary.reference]
-    low = rows.get(summary.lower_reference) if summary.lower_reference else None
+    ref = rows[summary.reference] if summary.reference is not None else None
+    # PEoP is read next to PRR (as in the paper), so a report without the upper reference has neither.
+    low = rows.get(summary.lower_reference) if summary.lower_reference and ref is not None else None
+    comparisons, adjusted = _tested(summary.rows, ref, alpha) if ref is not None else ({}, {})
+    m = sum(not math.isnan(comparison.p_value) for comparison in comparisons.values())
+    fronts = _fronts(summary.rows, mode, level)
+    out = {}
+    for row in summary.rows:
+        comparison = comparisons.get(row.label)
+        p_holm = adjusted.get(row.label, math.nan)
+        # PRR and PEoP are affine in the ratio R of seed means: prr(R, 1) and peop(R, 1, ...) are them at R.
+        prr_point, prr_ci = row.prr, Interval.none()
+        if comparison is not None and ref is not None:
+            prr_point, prr_ci = _ratio_interval(row, ref, lambda r: prr(r, 1.0, mode), level, _shared_seeds(row, ref))
+        peop_point, peop_ci = row.peop, Interval.none()
+        if low is not None and row.label != low.label and math.isfinite(row.peop):
+            peop_point, peop_ci = _ratio_interval(
+                row, low, lambda r: peop(r, 1.0, row.params_attention, low.params_attention, mode), level,
+                _shared_seeds(row, low))
+        diff_ci = (comparison.interval(holm_level(alpha, comparison.p_value, p_holm)) if comparison is not None
+                   else Interval.none())
+        out[row.label] = RowStats(
+            ci=mean_interval(row.scores, level),
+            bootstrap=bootstrap_interval([row.scores], mean_of, level, paired=False) if bootstrap else None,
+            comparison=comparison, p_holm=p_holm, verdict=verdict_of(comparison, p_holm, alpha, mode), diff_ci=diff_ci,
+            prr=prr_point, prr_ci=prr_ci, peop=peop_point, peop_ci=peop_ci,
+            tokens_ci=geometric_interval(row.tokens, level), memory_ci=geometric_interval(row.memory, level),
+            on_front=fronts.point[row.label], on_front_uncertain=fronts.uncertain[row.label])
+    notes = (["some methods ran other seeds than the reference: Welch's unpaired t-test for those rows"]
+             if any(c.test == WELCH for c in comparisons.values()) else [])
+    return Statistics(out, alpha, bootstrap, m, fronts.axes, tuple(notes), summary.reference)
+
+
+def _tested(rows: Sequence[MethodRow], ref: MethodRow, alpha: float) -> tuple[dict[str, Comparison], dict[str, float]]:
+    """Each row but `ref` tested against it, with its power and sign-flip check at the level its verdict uses; and
+    Holm's adjusted p of each (one family: every row shares the reference)."""
+    level = 1.0 - alpha
     ref_scores, ref_why = _by_seed(ref)
     comparisons: dict[str, Comparison] = {}
-    notes: list[str] = []
-    for row in summary.rows:
+    for row in rows:
         if row.label == ref.label:
             continue
         scores, why = _by_seed(row)
@@ -153,33 +194,7 @@ def analyse(summary: Summary, mode: Mode, *, alpha: float = 0.05, bootstrap: boo
         if note := sign_flip_disagrees(comparison, row_alpha):
             comparison = replace(comparison, note="; ".join(filter(None, [comparison.note, note])))
         comparisons[label] = comparison
-    m = sum(not math.isnan(comparisons[label].p_value) for label in labels)
-    fronts = _fronts(summary.rows, mode, level)
-    out = {}
-    for row in summary.rows:
-        comparison = comparisons.get(row.label)
-        p_holm = adjusted.get(row.label, math.nan)
-        # PRR and PEoP are affine in the ratio R of seed means: prr(R, 1) and peop(R, 1, ...) are them at R.
-        prr_point, prr_ci = row.prr, Interval.none()
-        if comparison is not None:
-            prr_point, prr_ci = _ratio_interval(row, ref, lambda r: prr(r, 1.0, mode), level, _shared_seeds(row, ref))
-        peop_point, peop_ci = row.peop, Interval.none()
-        if low is not None and row.label != low.label and math.isfinite(row.peop):
-            peop_point, peop_ci = _ratio_interval(
-                row, low, lambda r: peop(r, 1.0, row.params_attention, low.params_attention, mode), level,
-                _shared_seeds(row, low))
-        diff_ci = (comparison.interval(holm_level(alpha, comparison.p_value, p_holm)) if comparison is not None
-                   else Interval.none())
-        out[row.label] = RowStats(
-            ci=mean_interval(row.scores, level),
-            bootstrap=bootstrap_interval([row.scores], mean_of, level, paired=False) if bootstrap else None,
-            comparison=comparison, p_holm=p_holm, verdict=verdict_of(comparison, p_holm, alpha, mode), diff_ci=diff_ci,
-            prr=prr_point, prr_ci=prr_ci, peop=peop_point, peop_ci=peop_ci,
-            tokens_ci=mean_interval(row.tokens, level), memory_ci=mean_interval(row.memory, level),
-            on_front=fronts.point[row.label], on_front_uncertain=fronts.uncertain[row.label])
-    if any(c.test == WELCH for c in comparisons.values()):
-        notes.append("some methods ran other seeds than the reference: Welch's unpaired t-test for those rows")
-    return Statistics(out, alpha, bootstrap, m, fronts.axes, tuple(notes))
+    return comparisons, adjusted
 
 
 @dataclass(frozen=True)
@@ -190,13 +205,15 @@ class _Fronts:
 
 
 def _fronts(rows: Sequence[MethodRow], mode: Mode, level: float) -> _Fronts:
-    """Quality against every cost logged by all methods: attention params, tokens/s, peak memory."""
+    """Quality against every cost logged by all methods: attention params, tokens/s, peak memory (geometric means
+    with their log-scale intervals, costs.py)."""
     objectives = [Objective("score", mode, [row.score_mean for row in rows],
                             [mean_interval(row.scores, level) for row in rows])]
     costs = (("params", "min", [row.params_attention for row in rows], None),
-             ("tokens/s", "max", [row.tokens_per_s for row in rows], [mean_interval(row.tokens, level) for row in rows]),
+             ("tokens/s", "max", [row.tokens_per_s for row in rows],
+              [geometric_interval(row.tokens, level) for row in rows]),
              ("peak memory", "min", [row.peak_memory_gb for row in rows],
-              [mean_interval(row.memory, level) for row in rows]))
+              [geometric_interval(row.memory, level) for row in rows]))
     for name, sense, values, intervals in costs:
         if all(math.isfinite(value) for value in values) and len(set(values)) > 1:
             objectives.append(Objective(name, sense, values, intervals))  # type: ignore[arg-type]

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.report.pareto import Mode, Objective, non_dominated
+from orchestrator.report.costs import cost_warnings, geometric_mean
+from orchestrator.report.pareto import Mode
 
 KIND_KEY = "model.attention.kind"
 EMBEDDING_KEY = "model.embedding.kind"
@@ -408,6 +409,8 @@ def summarize(
     rows = []
     for group in groups:
         label = group.label
+        tokens, memory = _logged(group.runs, TOKENS_PER_S), _logged(group.runs, PEAK_MEMORY)
+        warnings += cost_warnings(label, {TOKENS_PER_S: tokens, PEAK_MEMORY: memory})
         row_peop = math.nan
         if low is not None and label != low.label:
             row_peop = peop(means[label], means[low.label], params[label], params[low.label], mode)
@@ -424,12 +427,12 @@ def summarize(
                 params_total=_numeric_param(group.runs, PARAMS_TOTAL, label, warnings),
                 prr=prr(means[label], means[ref.label], mode) if ref is not None else math.nan,
                 peop=row_peop,
-                tokens_per_s=_mean_of(_logged(group.runs, TOKENS_PER_S)),
-                peak_memory_gb=_mean_of(_logged(group.runs, PEAK_MEMORY)),
+                tokens_per_s=geometric_mean(tokens),  # costs compare as ratios: orchestrator/report/costs.py
+                peak_memory_gb=geometric_mean(memory),
                 seeds=tuple(seed_of(run) for run in group.runs),
                 scores=tuple(scores[label]),
-                tokens=tuple(_logged(group.runs, TOKENS_PER_S)),
-                memory=tuple(_logged(group.runs, PEAK_MEMORY)),
+                tokens=tuple(tokens),
+                memory=tuple(memory),
             )
         )
     # Paper order: upper reference, lower reference, then the compared methods.
@@ -437,11 +440,3 @@ def summarize(
     first += [low.label] if low is not None and low.label not in first else []
     rows.sort(key=lambda row: (row.label not in first, first.index(row.label) if row.label in first else 0))
     return Summary(rows, ref.label if ref is not None else None, low.label if low is not None else None, warnings)
-
-
-def pareto_front(params: Sequence[float], scores: Sequence[float], mode: Mode) -> list[bool]:
-    """Which (params, score) points no other point beats: as small and as good, better in one.
-
-    NaN points are never on the front.
-    """
-    return non_dominated([Objective("params", "min", params), Objective("score", mode, scores)])

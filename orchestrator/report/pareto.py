@@ -60,3 +60,11 @@ def non_dominated(objectives: Sequence[Objective], *, uncertain: bool = False) -
                 break
         front.append(not dominated)
     return front
+
+
+def pareto_front(params: Sequence[float], scores: Sequence[float], mode: Mode) -> list[bool]:
+    """Which (params, score) points no other point beats: as small and as good, better in one.
+
+    NaN points are never on the front.
+    """
+    return non_dominated([Objective("params", "min", params), Objective("score", mode, scores)])

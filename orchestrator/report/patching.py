@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from orchestrator.report.compare import RowStats, Statistics, analyse
+from orchestrator.report.costs import cost_warnings, geometric_interval, geometric_mean
 from orchestrator.report.importance import importance, importance_markdown
 from orchestrator.report.metrics import (
     SEED_KEYS,
@@ -36,7 +37,7 @@ from orchestrator.report.metrics import (
     summarize,
 )
 from orchestrator.report.plots import PatchPoint, plot_patching
-from orchestrator.report.stats import Interval, mean_interval
+from orchestrator.report.stats import Interval
 from orchestrator.report.tables import (
     _fmt,
     _interval,
@@ -205,9 +206,12 @@ def _check_in_process(reference: Sequence[RunRecord], in_process: Sequence[RunRe
                         f"1e-4 away from l = 0's (e.g. {off[0]}): were they scored on the same model and documents?")
 
 
-def _speed(runs: Sequence[RunRecord], name: str, level: float) -> tuple[float, Interval]:
+def _speed(runs: Sequence[RunRecord], name: str, level: float, label: str,
+           warnings: list[str]) -> tuple[float, Interval]:
+    """A row's speed-up: the geometric mean of its seeds' ratios and its log-scale interval (costs.py)."""
     values = [run.metrics[name] for run in runs if name in run.metrics]
-    return (float(np.mean(values)) if values else math.nan), mean_interval(values, level)
+    warnings += cost_warnings(label, {name: values})
+    return geometric_mean(values), geometric_interval(values, level)
 
 
 def patching_report(records: Sequence[RunRecord], metric: str, mode: Mode, out_dir: Path, *, alpha: float,
@@ -254,8 +258,8 @@ def patching_report(records: Sequence[RunRecord], metric: str, mode: Mode, out_d
     rows = []
     for row in summary.rows:
         line, layers, runs = members[row.label]
-        speedup, speedup_ci = _speed(runs, f"{split}/speedup", level)
-        attention, attention_ci = _speed(runs, f"{split}/attention_speedup", level)
+        speedup, speedup_ci = _speed(runs, f"{split}/speedup", level, row.label, warnings)
+        attention, attention_ci = _speed(runs, f"{split}/attention_speedup", level, row.label, warnings)
         rows.append(PatchRow(line or REFERENCE, layers, len(runs), row, stats.rows[row.label], speedup, speedup_ci,
                              attention, attention_ci))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -284,7 +288,8 @@ def _plot_lines(rows: Sequence[PatchRow]) -> dict[str, list[PatchPoint]]:
 
 def patching_frame(rows: Sequence[PatchRow], stats: Statistics) -> pd.DataFrame:
     """The CSV: the method table's columns that apply (score, PRR, test against l = 0, verdict, power), with the
-    configuration, l, the MLflow runs and seeds, and the speed-ups' seed means and t intervals."""
+    configuration, l, the MLflow runs and seeds, and the speed-ups' geometric means over seeds with their
+    log-scale intervals (costs.py)."""
     frame = rows_to_frame([row.row for row in rows], stats)
     frame = frame[[column for column in frame.columns if not column.startswith(_DROPPED)]]
     frame.insert(1, "mechanism", [row.mechanism for row in rows])
@@ -339,7 +344,7 @@ def patching_document(experiment: str, metric: str, mode: Mode, rows: Sequence[P
         "is at the Holm-adjusted level.",
         f"- Speed-up: `{split}/speedup` (the unpatched forward's time over the patched one's, both in the run's "
         f"process) and `{split}/attention_speedup` (the attention layers' time: the paper's Figure 3 measure), "
-        f"seed means with {level} t intervals.",
+        f"geometric means over seeds with {level} intervals on the log scale (a ratio's interval: never below 0).",
         f"- Runs: {n_runs} ({scope}).",
         "",
         patching_markdown(rows, stats, metric, mode),

@@ -20,7 +20,8 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from orchestrator.report.compare import Statistics
-from orchestrator.report.metrics import MethodRow, Mode, pareto_front
+from orchestrator.report.metrics import MethodRow, Mode
+from orchestrator.report.pareto import pareto_front
 from orchestrator.report.stats import Interval
 
 _DPI = 120

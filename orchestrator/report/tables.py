@@ -19,7 +19,9 @@ from orchestrator.report.stats import POWER, Interval
 
 def rows_to_frame(rows: Sequence[MethodRow], stats: Statistics | None = None) -> pd.DataFrame:
     """The table as data (CSV): raw numbers, PRR as a fraction, NaN where undefined; with `stats`, the intervals,
-    the test against the reference, its verdict, power and the Pareto fronts."""
+    the test against the reference, its verdict, power and the Pareto fronts. Statistics without a reference
+    (`stats.reference` None) give no PRR, PEoP or test columns: all of them measure against it."""
+    against = stats is None or stats.reference is not None
     frame = pd.DataFrame(
         {
             "method": [row.label for row in rows],
@@ -29,51 +31,48 @@ def rows_to_frame(rows: Sequence[MethodRow], stats: Statistics | None = None) ->
             "params_total": [row.params_total for row in rows],
             "score_mean": [row.score_mean for row in rows],
             "score_std": [row.score_std for row in rows],
-            "prr": [row.prr for row in rows],
-            "peop": [row.peop for row in rows],
+            # PRR and PEoP on the seeds their intervals use (the shared seeds of a paired comparison)
+            **({"prr": [stats.rows[row.label].prr if stats else row.prr for row in rows],
+                "peop": [stats.rows[row.label].peop if stats else row.peop for row in rows]} if against else {}),
             "tokens_per_s": [row.tokens_per_s for row in rows],
             "peak_memory_gb": [row.peak_memory_gb for row in rows],
         }
     )
     if stats is None:
         return frame
-    # PRR and PEoP on the seeds their intervals use (the shared seeds of a paired comparison)
-    frame["prr"] = [stats.rows[row.label].prr for row in rows]
-    frame["peop"] = [stats.rows[row.label].peop for row in rows]
     columns: dict[str, list[object]] = {}
-
-    def add(name: str, value: object) -> None:
-        columns.setdefault(name, []).append(value)
-
     for row in rows:
         row_stats = stats.rows[row.label]
-        comparison = row_stats.comparison
-        for name, interval in (("score", row_stats.ci), ("score_boot", row_stats.bootstrap),
-                               ("prr", row_stats.prr_ci), ("peop", row_stats.peop_ci),
-                               ("tokens_per_s", row_stats.tokens_ci), ("peak_memory_gb", row_stats.memory_ci)):
+        intervals = [("score", row_stats.ci), ("score_boot", row_stats.bootstrap)]
+        intervals += [("prr", row_stats.prr_ci), ("peop", row_stats.peop_ci)] if against else []
+        intervals += [("tokens_per_s", row_stats.tokens_ci), ("peak_memory_gb", row_stats.memory_ci)]
+        cells: dict[str, object] = {}
+        for name, interval in intervals:
             if name == "score_boot" and not stats.bootstrap:
                 continue
             interval = interval or Interval.none()
-            add(f"{name}_ci_low", interval.low)
-            add(f"{name}_ci_high", interval.high)
-        add("test", comparison.test if comparison else "")
-        add("n_compared", comparison.n if comparison else math.nan)
-        add("diff", comparison.diff if comparison else math.nan)
-        add("diff_ci_low", comparison.ci.low if comparison else math.nan)
-        add("diff_ci_high", comparison.ci.high if comparison else math.nan)
-        add("diff_ci_holm_low", row_stats.diff_ci.low)
-        add("diff_ci_holm_high", row_stats.diff_ci.high)
-        add("p_value", comparison.p_value if comparison else math.nan)
-        add("p_holm", row_stats.p_holm)
-        add("sign_flip_p", comparison.check_p if comparison else math.nan)
-        add("sign_flip_min_p", comparison.check_min_p if comparison else math.nan)
-        add("verdict", row_stats.verdict)
-        add("mdd", comparison.mdd if comparison else math.nan)
-        add("seeds_needed", comparison.seeds_needed if comparison else math.nan)
-        add("test_note", comparison.note if comparison else "")
-        add("on_front", row_stats.on_front)
-        add("on_front_uncertain", row_stats.on_front_uncertain)
+            cells |= {f"{name}_ci_low": interval.low, f"{name}_ci_high": interval.high}
+        cells |= _test_cells(row_stats) if against else {}
+        cells |= {"on_front": row_stats.on_front, "on_front_uncertain": row_stats.on_front_uncertain}
+        for name, value in cells.items():
+            columns.setdefault(name, []).append(value)
     return pd.concat([frame, pd.DataFrame(columns)], axis=1)
+
+
+def _test_cells(row_stats: RowStats) -> dict[str, object]:
+    """The CSV's columns of a row's test against the reference (NaN and "" for the reference itself)."""
+    comparison = row_stats.comparison
+
+    def of(attribute: str, missing: object = math.nan) -> object:
+        return getattr(comparison, attribute) if comparison is not None else missing
+
+    return {"test": of("test", ""), "n_compared": of("n"), "diff": of("diff"),
+            "diff_ci_low": comparison.ci.low if comparison is not None else math.nan,
+            "diff_ci_high": comparison.ci.high if comparison is not None else math.nan,
+            "diff_ci_holm_low": row_stats.diff_ci.low, "diff_ci_holm_high": row_stats.diff_ci.high,
+            "p_value": of("p_value"), "p_holm": row_stats.p_holm, "sign_flip_p": of("check_p"),
+            "sign_flip_min_p": of("check_min_p"), "verdict": row_stats.verdict, "mdd": of("mdd"),
+            "seeds_needed": of("seeds_needed"), "test_note": of("note", "")}
 
 
 def comparison_count(m: int) -> str:
@@ -117,15 +116,17 @@ def _front(row_stats: RowStats | None) -> str:
 
 def rows_to_markdown(rows: Sequence[MethodRow], metric: str, mode: Mode, stats: Statistics | None = None) -> str:
     """The table for people: the score's seed mean with its interval, PRR in percent and PEoP with two decimals
-    as the paper prints them (with bootstrap intervals), costs, and whether the method is on the Pareto front."""
+    as the paper prints them (with bootstrap intervals), costs, and whether the method is on the Pareto front.
+    Statistics without a reference (`stats.reference` None) give no PRR or PEoP column."""
     arrow = "↓" if mode == "min" else "↑"
     score_spec = f".{_score_decimals(rows)}f"
     level = f"{100 * (1 - stats.alpha):g}%" if stats else ""
     score_head = f"{metric} {arrow} mean [{level} CI]" if stats else f"{metric} {arrow} (mean ± std)"
+    ratios = stats is None or stats.reference is not None
     heads = ["Method", "Attn params", "Total params", "Runs", score_head]
     if stats is not None and stats.bootstrap:
         heads.append("bootstrap CI")
-    heads += ["PRR", "PEoP", "tokens/s", "Peak mem (GB)"] + (["Pareto front"] if stats else [])
+    heads += (["PRR", "PEoP"] if ratios else []) + ["tokens/s", "Peak mem (GB)"] + (["Pareto front"] if stats else [])
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for row in rows:
         row_stats = stats.rows[row.label] if stats else None
@@ -140,11 +141,12 @@ def rows_to_markdown(rows: Sequence[MethodRow], metric: str, mode: Mode, stats: 
             boot = row_stats.bootstrap
             cells.append(f"[{format(boot.low, score_spec)}, {format(boot.high, score_spec)}]"
                          if boot is not None and math.isfinite(boot.low) else "-")
-        cells += [_interval(row_stats.prr, row_stats.prr_ci, ".1f", 100.0, "%") if row_stats else
-                  _interval(row.prr, None, ".1f", 100.0, "%"),
-                  _interval(row_stats.peop, row_stats.peop_ci, ".2f") if row_stats else
-                  _interval(row.peop, None, ".2f"),
-                  _fmt(row.tokens_per_s, ",.0f"), _fmt(row.peak_memory_gb, ".2f")]
+        if ratios:
+            cells += [_interval(row_stats.prr, row_stats.prr_ci, ".1f", 100.0, "%") if row_stats else
+                      _interval(row.prr, None, ".1f", 100.0, "%"),
+                      _interval(row_stats.peop, row_stats.peop_ci, ".2f") if row_stats else
+                      _interval(row.peop, None, ".2f")]
+        cells += [_fmt(row.tokens_per_s, ",.0f"), _fmt(row.peak_memory_gb, ".2f")]
         if stats is not None:
             cells.append(_front(row_stats))
         lines.append("| " + " | ".join(cells) + " |")
@@ -194,11 +196,12 @@ def markdown_document(
     files: Sequence[Path],
     stats: Statistics,
     extra: Sequence[str] = (),
+    without_reference: str = "",
 ) -> str:
     """The report.md page: what was compared against what, the tables, warnings, the plots; `extra`: further
-    sections (objectives of a multi-objective sweep, hyperparameter importance)."""
+    sections (objectives of a multi-objective sweep, hyperparameter importance). Without a reference
+    (`summary.reference` None) the page says why (`without_reference`) and has no PRR, PEoP or tests."""
     direction = "lower is better" if mode == "min" else "higher is better"
-    lower = f"**{summary.lower_reference}**" if summary.lower_reference else "nothing (PEoP blank)"
     level = f"{100 * (1 - stats.alpha):g}%"
     axes = ", ".join(stats.front_axes)
     lines = [
@@ -206,6 +209,31 @@ def markdown_document(
         "",
         f"- Metric: `{metric}` ({direction}); score = last logged value of each run; mean over seeds with a "
         f"{level} Student-t interval" + (" and a percentile bootstrap interval." if stats.bootstrap else "."),
+        *(_against_reference(summary, stats, level) if summary.reference is not None else
+          [f"- No PRR, PEoP or tests against a reference: {without_reference or 'none was given'}."]),
+        f"- Pareto front over {axes}: 'yes' on the front of the means, 'within CI' dominated only within the "
+        "intervals, 'no' dominated by another method's whole interval.",
+        "- Attention params = `params.attention` (Q/K/V/O projections and method extras, no biases); tokens/s and "
+        "peak memory are geometric means over seeds, their intervals (report.csv, the front) on the log scale.",
+        f"- Runs: {n_runs} ({scope}).",
+        "",
+        rows_to_markdown(summary.rows, metric, mode, stats),
+    ]
+    if summary.reference is not None:
+        lines.append(comparison_markdown(summary.rows, stats, summary.reference, metric))
+    lines += list(stats.notes and [f"Note: {note}." for note in stats.notes] + [""])
+    for section in extra:
+        lines += [section, ""]
+    if warnings:
+        lines += ["Warnings:", ""] + [f"- {warning}" for warning in warnings] + [""]
+    lines += [f"![{path.stem}]({path.name})" for path in files if path.suffix == ".png"]
+    return "\n".join(lines) + "\n"
+
+
+def _against_reference(summary: Summary, stats: Statistics, level: str) -> list[str]:
+    """report.md's bullets on PRR, PEoP and the tests against the reference."""
+    lower = f"**{summary.lower_reference}**" if summary.lower_reference else "nothing (PEoP blank)"
+    return [
         f"- PRR against **{summary.reference}**, PEoP against {lower}, both from the ratio of seed means, on the "
         f"seeds both methods ran where they share two or more (paired; else every run of each); their {level} "
         "intervals are Fieller's intervals of that ratio, on the same seeds ('unbounded' where the reference's mean "
@@ -218,18 +246,4 @@ def markdown_document(
         "says when the two disagree.",
         f"- Detectable Δ and seeds for Δ: two-sided t-test at the row's Holm-adjusted level (the verdict's) with "
         f"{100 * POWER:g}% power, taking the observed spread of the differences as the true one.",
-        f"- Pareto front over {axes}: 'yes' on the front of the means, 'within CI' dominated only within the "
-        "intervals, 'no' dominated by another method's whole interval.",
-        "- Attention params = `params.attention` (Q/K/V/O projections and method extras, no biases).",
-        f"- Runs: {n_runs} ({scope}).",
-        "",
-        rows_to_markdown(summary.rows, metric, mode, stats),
-        comparison_markdown(summary.rows, stats, summary.reference, metric),
     ]
-    lines += list(stats.notes and [f"Note: {note}." for note in stats.notes] + [""])
-    for section in extra:
-        lines += [section, ""]
-    if warnings:
-        lines += ["Warnings:", ""] + [f"- {warning}" for warning in warnings] + [""]
-    lines += [f"![{path.stem}]({path.name})" for path in files if path.suffix == ".png"]
-    return "\n".join(lines) + "\n"
