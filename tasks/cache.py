@@ -60,10 +60,25 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 def remembered_fingerprint(path: Path, memo_dir: Path) -> str:
     """`file_fingerprint`, remembered in `memo_dir` under the file's path, size and modification time: every
     worker of every run asks for the fingerprint of a corpus that may be gigabytes, and reads it only once."""
-    stat = Path(path).stat()
-    memo = Path(memo_dir) / cache_key(path=str(Path(path).resolve()), size=stat.st_size, mtime=stat.st_mtime_ns)
+    memo = _memo(path, memo_dir)
     if memo.is_file():
         return memo.read_text().strip()
     digest = file_fingerprint(path)
     atomic_write(memo, lambda tmp: tmp.write_text(digest))
     return digest
+
+
+def recalled_fingerprint(path: Path, memo_dir: Path) -> str | None:
+    """`remembered_fingerprint` if it was remembered, else None: reads the memo only, never the file, and writes
+    nothing (None too for a missing file)."""
+    try:
+        memo = _memo(path, memo_dir)
+    except FileNotFoundError:
+        return None
+    return memo.read_text().strip() if memo.is_file() else None
+
+
+def _memo(path: Path, memo_dir: Path) -> Path:
+    """The memo of a file's fingerprint: keyed by its path, size and modification time, so an edited file misses."""
+    stat = Path(path).stat()
+    return Path(memo_dir) / cache_key(path=str(Path(path).resolve()), size=stat.st_size, mtime=stat.st_mtime_ns)

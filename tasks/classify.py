@@ -36,7 +36,7 @@ from tasks.config import ClassifyTaskConfig
 from tasks.corpora import SyntheticGrammar
 from tasks.data import epoch_permutation, sharded_batches
 from tasks.text_sources import _hf_cache, _hub_split, _load_hub, _resolve
-from tasks.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_or_load
+from tasks.tokenizer import EOS_ID, PAD_ID, Tokenizer, tokenizer_path, train_or_load
 
 _BUILTIN_CLASSES = 6  # semantic noun classes of the builtin grammar (tasks/corpora.py)
 _FORMATS = {".tsv": ("csv", {"delimiter": "\t", "quoting": 3}), ".csv": ("csv", {}),
@@ -155,6 +155,13 @@ def _train_fingerprint(cfg: ClassifyTaskConfig) -> str:
     if cfg.dataset == "builtin":
         return cache_key(builtin_classify=cfg.builtin.model_dump())
     return cache_key(hub=cfg.dataset, config=cfg.config, columns=cfg.text_columns)
+
+
+def tokenizer_file(cfg: ClassifyTaskConfig, cache_dir: Path) -> Path:
+    """Where a worker keeps the tokenizer it trains for `cfg` (one without model.init_from), trained yet or not:
+    `orchestrator plan` reads the size of a run's vocabulary there. A local file is hashed, as the worker hashes it."""
+    return tokenizer_path(data_fingerprint=_train_fingerprint(cfg), vocab_size=cfg.vocab_size, model_type=cfg.tokenizer,
+                          cache_dir=cache_dir)
 
 
 # --- encoding ---------------------------------------------------------------------------------------------

@@ -19,12 +19,12 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
-from tasks.cache import cache_key, remembered_fingerprint
+from tasks.cache import cache_key, recalled_fingerprint, remembered_fingerprint
 from tasks.config import CausalLMTaskConfig, MLMTaskConfig, TranslationTaskConfig
 from tasks.corpus_format import FORMAT_VERSION, Items, PreparedCorpus, Stream, Texts, token_dtype
 from tasks.corpus_prepare import ColumnSpec, default_workers, prepared, write_columns
 from tasks.text_sources import _parallel_file, _resolve, lm_source, parallel_source, sample
-from tasks.tokenizer import EOS_ID, Tokenizer, train_or_load
+from tasks.tokenizer import EOS_ID, Tokenizer, tokenizer_path, train_or_load
 
 LMConfig = MLMTaskConfig | CausalLMTaskConfig
 T = TypeVar("T")
@@ -47,8 +47,10 @@ def parallel_texts(cfg: TranslationTaskConfig, splits: Sequence[str], cache_dir:
     return out
 
 
-def _fingerprint(cfg: LMConfig | TranslationTaskConfig, split: str, root: Path) -> str:
-    """Identity of one split's raw data, computed without loading it (a file's hash is remembered in `root`)."""
+def _fingerprint(cfg: LMConfig | TranslationTaskConfig, split: str, root: Path,
+                 digest: Callable[[Path, Path], str | None] = remembered_fingerprint) -> str | None:
+    """Identity of one split's raw data, computed without loading it (a file's hash is remembered in `root`); None
+    only where `digest` (`recalled_fingerprint`) has no hash of a file."""
     if cfg.files is not None:
         prefix = getattr(cfg.files, split)
         if prefix is None:
@@ -57,7 +59,8 @@ def _fingerprint(cfg: LMConfig | TranslationTaskConfig, split: str, root: Path) 
             paths = [_parallel_file(prefix, lang, f"task.files.{split}") for lang in (cfg.source_lang, cfg.target_lang)]
         else:
             paths = [_resolve(prefix, f"task.files.{split}")]
-        return cache_key(files=[remembered_fingerprint(p, root / "fingerprints") for p in paths])
+        digests = [digest(p, root / "fingerprints") for p in paths]
+        return None if None in digests else cache_key(files=digests)
     if cfg.dataset == "builtin":
         langs = (cfg.source_lang, cfg.target_lang) if isinstance(cfg, TranslationTaskConfig) else None
         return cache_key(builtin=cfg.builtin.model_dump(), split=split, langs=langs)
@@ -98,8 +101,32 @@ def _tokenizer(cfg: LMConfig | TranslationTaskConfig, root: Path, cache_dir: Pat
         def lines() -> Iterator[str]:
             yield from sample((t for c in source.chunks() for t in c.items), source.text_bytes, budget)
 
-    return train_or_load(lines, data_fingerprint=cache_key(data=_fingerprint(cfg, "train", root), sample_mb=cfg.tokenizer_sample_mb),
+    return train_or_load(lines, data_fingerprint=_tokenizer_data(cfg, _fingerprint(cfg, "train", root)),
                          vocab_size=cfg.vocab_size, model_type=cfg.tokenizer, cache_dir=root)
+
+
+def _tokenizer_data(cfg: LMConfig | TranslationTaskConfig, train_fingerprint: str | None) -> str:
+    """The data a tokenizer is keyed by: the training split and the size of the sample it learns from."""
+    return cache_key(data=train_fingerprint, sample_mb=cfg.tokenizer_sample_mb)
+
+
+def tokenizer_file(cfg: LMConfig | TranslationTaskConfig, cache_dir: Path) -> Path | None:
+    """Where `_tokenizer` keeps the spec's tokenizer, trained yet or not, found without reading the corpus or writing
+    anything; None where that needs a local file's hash that no preparation has remembered yet. (`orchestrator
+    plan` reads the size of a run's vocabulary there; `cache_dir` is the run's.)"""
+    root = data_root(cfg, cache_dir)
+    data = _fingerprint(cfg, "train", root, recalled_fingerprint)
+    if data is None:
+        return None
+    return tokenizer_path(data_fingerprint=_tokenizer_data(cfg, data), vocab_size=cfg.vocab_size,
+                          model_type=cfg.tokenizer, cache_dir=root)
+
+
+def train_tokenizer(cfg: LMConfig | TranslationTaskConfig, cache_dir: Path) -> Tokenizer:
+    """The spec's tokenizer, trained on a miss into the run's cache as a run's first worker trains it (`orchestrator
+    plan` trains a small builtin corpus's, which the run then loads)."""
+    root = data_root(cfg, cache_dir)
+    return _tokenizer(cfg, root, cache_dir)[0]
 
 
 def _prepare(cfg: LMConfig | TranslationTaskConfig, split: str, tokenizer: Tokenizer, root: Path, cache_dir: Path,

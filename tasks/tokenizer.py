@@ -42,6 +42,13 @@ class Tokenizer:
         return self.sp.decode([[i for i in seq if i != MASK_ID] for seq in ids])
 
 
+def tokenizer_path(*, data_fingerprint: str, vocab_size: int, model_type: str, cache_dir: Path) -> Path:
+    """Where `train_or_load` keeps the model of this data and these settings, trained yet or not (`orchestrator
+    plan` reads the size of the vocabulary a run will have from there)."""
+    key = cache_key(data=data_fingerprint, vocab_size=vocab_size, model_type=model_type, version=1)
+    return Path(cache_dir) / "tokenizers" / f"spm-{model_type}-{key}.model"
+
+
 def train_or_load(
     texts: Callable[[], Iterable[str]],
     *,
@@ -56,8 +63,8 @@ def train_or_load(
     to sentencepiece's input file one at a time, never held as a list (callers bound them: tasks/text_sources.py
     `sample`).
     """
-    key = cache_key(data=data_fingerprint, vocab_size=vocab_size, model_type=model_type, version=1)
-    model_path = Path(cache_dir) / "tokenizers" / f"spm-{model_type}-{key}.model"
+    model_path = tokenizer_path(data_fingerprint=data_fingerprint, vocab_size=vocab_size, model_type=model_type,
+                                cache_dir=cache_dir)
     if model_path.exists():
         return Tokenizer(model_path), True
     with locked(model_path.with_suffix(".lock")):

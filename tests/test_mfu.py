@@ -11,6 +11,7 @@ from orchestrator.spec import gpu_kind, validate_spec
 from orchestrator.spec.counting import flops_per_token, workload
 from orchestrator.spec.gpus import model_flops_utilization
 from orchestrator.spec.plan import plan_spec
+from orchestrator.spec.vocabulary import counted_spec
 from orchestrator.training.trainer import Trainer
 from tasks import WorkerContext
 
@@ -49,13 +50,18 @@ def _windows(spec, tmp_path, device_name: str | None) -> list[dict[str, float]]:
     return windows
 
 
+def _planned(spec):
+    """Plan's count of `spec`, at the vocabulary its run will have, as `orchestrator plan` counts it (`plan_study`)."""
+    return plan_spec(counted_spec(spec)[0], gpu_kind("H100"))
+
+
 def test_flops_per_token_is_plans_count_without_recomputation(tmp_path):
     spec = _spec("clm", tmp_path)
-    assert flops_per_token(spec) == plan_spec(spec, gpu_kind("H100")).flops_per_token > 0
+    assert flops_per_token(spec) == _planned(spec).flops_per_token > 0
     # checkpointing recomputes the forward, which plan's step time counts and MFU does not
     checkpointed = _spec("clm", tmp_path, checkpointing=True)
     assert flops_per_token(checkpointed) == flops_per_token(spec)
-    assert plan_spec(checkpointed, gpu_kind("H100")).flops_per_token > flops_per_token(spec)
+    assert _planned(checkpointed).flops_per_token > flops_per_token(spec)
 
 
 def test_a_causal_lm_logs_mfu_beside_tokens_per_s_on_a_named_gpu(tmp_path):

@@ -234,24 +234,26 @@ def test_depth_probes_are_skipped_where_they_save_nothing_or_layers_differ():
 
 
 @pytest.mark.parametrize("kind", ["mha", "lsh"])
-def test_reversible_models_are_counted(kind):
+def test_reversible_models_are_counted(kind, tmp_path):
     """RevNet blocks recompute their inputs with torch.autograd.grad inside the backward, where the counter's module
     tracker cannot follow (a reversible run's worker failed when it counted its FLOPs): fake and real counts agree,
     and flops_per_token divides that count by the batch's positions."""
     from orchestrator.spec.counting import flops_per_token
+    from orchestrator.spec.vocabulary import counted_spec
 
     # Two layers: the backward rebuilds the second block's inputs and then the first's, and flops_per_token still
     # extrapolates from depth probes (0 and 1 layers, weights -1 and 2).
     raw = _spec(kind, layers=2).model_dump(mode="json")
     raw["model"]["reversible"] = True
-    spec = validate_spec(raw)
+    raw["run"]["storage_path"] = str(tmp_path)  # where the builtin corpus's tokenizer is trained
+    spec = counted_spec(validate_spec(raw))[0]  # at the run's vocabulary, as flops_per_token counts it
     work = workload(spec)
     fake, real = count_step(work), count_step(work, fake=False)
     assert fake.flops == real.flops > 0
     assert flops_per_token(spec) == fake.flops / work.tokens
 
 
-def test_counting_leaves_every_random_stream_of_the_process_as_it_was(monkeypatch):
+def test_counting_leaves_every_random_stream_of_the_process_as_it_was(monkeypatch, tmp_path):
     """A Train worker counts its FLOPs per token after seeding or restoring its run's streams: the count must give
     the host's generator back and reseed no device's (torch.manual_seed reseeds every CUDA generator too, which
     fork_rng(devices=[]) does not restore: rank 0 of a GPU run drew its dropout from seed 0, and a resumed run lost
@@ -266,14 +268,17 @@ def test_counting_leaves_every_random_stream_of_the_process_as_it_was(monkeypatc
     torch.default_generator.manual_seed(1234)
     expected = torch.rand(4)
     torch.default_generator.manual_seed(1234)
-    assert flops_per_token(_spec("mha")) > 0  # the worker's count
+    raw = _spec("mha").model_dump(mode="json")
+    raw["run"]["storage_path"] = str(tmp_path)  # its builtin corpus's tokenizer is trained there, not in ./runs
+    assert flops_per_token(validate_spec(raw)) > 0  # the worker's count
     count_step(workload(_spec("lsh")))  # plan's
     assert reseeded == [], f"the count reseeded {reseeded}"
     assert torch.equal(torch.rand(4), expected), "the count moved the host's generator"
 
 
-def test_plan_prints_a_row_per_trial_and_the_study_total(capsys):
-    assert main(["plan", "configs/smoke.yaml"]) == 0
+def test_plan_prints_a_row_per_trial_and_the_study_total(tmp_path, capsys):
+    # storage in tmp_path: plan trains the builtin corpus's tokenizer into the runs' cache (test_plan_vocabulary.py)
+    assert main(["plan", "configs/smoke.yaml", f"run.storage_path={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert out.count("kind=") == 3 and "study: 3 trials" in out and "GPU-hours on H100" in out
 
@@ -285,7 +290,7 @@ def _too_big(tmp_path, gpus: float) -> str:
         "task": {"kind": "clm", "dataset": "builtin", "vocab_size": 1000, "seq_len": 16384, "batch_size": 64},
         "model": {"d_model": 8192, "layers": 1, "ffn": 8192, "max_seq_len": 16384, "attention": {"kind": "mha",
                                                                                                 "heads": 64}},
-        "run": {"gpus_per_worker": gpus},
+        "run": {"gpus_per_worker": gpus, "storage_path": str(tmp_path / "runs")},
     }))
     return str(path)
 

@@ -10,8 +10,9 @@ Modules: `models` (the pydantic blocks and ExperimentSpec), `loading` (files, `b
 overrides, validation, studies), `merge` (how a base and a child merge), `messages` (errors that name the
 field), `search_space` (the domain syntax and Tune's param space), `names` (what a run may be called),
 `resources` (GPUs a spec asks for against what a machine has), `gpus` (memory and bf16 peak of each GPU kind),
-`counting` (FLOPs and peak memory of a trial's training step, on fake tensors), `plan` (`orchestrator plan`:
-every trial's fit, step time and GPU-hours on a GPU kind). The names below are the package's API.
+`counting` (FLOPs and peak memory of a trial's training step, on fake tensors), `vocabulary` (the vocabulary size
+a trial's model is counted at: its run's tokenizer's), `plan` (`orchestrator plan`: every trial's fit, step time
+and GPU-hours on a GPU kind). The names below are the package's API.
 """
 
 from orchestrator.spec.counting import workload

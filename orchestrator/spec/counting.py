@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orchestrator.spec.models import ExperimentSpec
+from orchestrator.spec.vocabulary import counted_spec
 
 ATTENTION_BLOCKS = 8
 """Row blocks of one exact-attention call in a count (kernels.blockwise.at_most_blocks). A GPU run's fused kernel
@@ -79,18 +80,20 @@ def _segment_loss(mem_len: int) -> Callable[[nn.Module, tuple[torch.Tensor, ...]
 
 
 def workload(spec: ExperimentSpec) -> Workload:
-    """The model each task kind builds (tasks/*.py `build_model`) and a batch of the shape its loader makes.
+    """The model each task kind builds (tasks/*.py `build_model`) and a batch of the shape its loader makes, at
+    task.vocab_size (plan_study and flops_per_token set it to the run's: orchestrator/spec/vocabulary.py).
     Masked LM scores all positions here (the task scores ~15%), so its vocabulary projection is overcounted;
     translation takes max_tokens / (2 x max_source_len) pairs of full length, the loader's worst batch."""
     from models import LanguageModel, Seq2SeqTransformer, SequenceClassifier
     from tasks import listops
+    from tasks.long_range import BYTE_VOCAB
 
     task, cfg = spec.task, spec.model
     kind = task.kind
     ints = functools.partial(torch.randint, 0, 2)  # token ids below every vocabulary
     if kind in ("mlm", "clm", "bytelm", "mqar"):
         B, T = task.batch_size, task.seq_len
-        vocab = getattr(task, "vocab_size", 259)
+        vocab = getattr(task, "vocab_size", BYTE_VOCAB)  # bytelm has no task.vocab_size: its ids are bytes
         causal = kind == "clm" or getattr(task, "causal", kind == "mqar")
         loss = _lm_loss if cfg.memory is None else _segment_loss(cfg.memory.mem_len)
         return Workload(lambda: LanguageModel(cfg, vocab, causal=causal),
@@ -392,6 +395,7 @@ def flops_per_token(spec: ExperimentSpec) -> float | None:
     step times and table include it."""
     if spec.task.kind not in PLANNED_TASKS:
         return None
+    spec = counted_spec(spec)[0]  # a worker's tokenizer is in the cache by now: its model's own vocabulary
     count = functools.partial(count_flops, precision=spec.run.precision)
     return count_by_depth(spec, count, start=0) / workload(spec).tokens
 

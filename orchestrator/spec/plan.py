@@ -20,6 +20,7 @@ from orchestrator.spec.gpus import DEFAULT_GPU, FIT_FRACTION, GpuKind, gpu_kind
 from orchestrator.spec.loading import Study, expected_trials
 from orchestrator.spec.models import ExperimentSpec
 from orchestrator.spec.search_space import validation_points
+from orchestrator.spec.vocabulary import Vocabulary, counted_spec
 
 DEFAULT_MFU = 0.4
 """Model FLOP utilisation assumed for step times: about what torchtitan reports for dense bf16 training of
@@ -49,6 +50,8 @@ class TrialPlan:
     gpu_share: float = 1.0
     """The part of a GPU the trial's worker holds (run.gpus_per_worker below 1 packs runs onto one GPU): its peak
     must fit that part of the GPU's memory, beside the runs it shares the GPU with."""
+    vocabulary: Vocabulary | None = None
+    """The vocabulary the model was counted at, and where its size came from (orchestrator/spec/vocabulary.py)."""
 
     @property
     def flops_per_token(self) -> float:
@@ -92,9 +95,11 @@ def _fixes(spec: ExperimentSpec, memory: int, gpu: GpuKind) -> tuple[str, ...]:
     return tuple(fixes)
 
 
-def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU,
-              values: dict[str, Any] | None = None) -> TrialPlan:
-    """Plan one trial's spec on `gpu`."""
+def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU, values: dict[str, Any] | None = None,
+              vocabulary: Vocabulary | None = None) -> TrialPlan:
+    """Plan one trial's spec on `gpu`, its model at task.vocab_size as the spec has it (as `workload(spec)` builds
+    it, which benchmarks measure against). `plan_study` sets task.vocab_size to the vocabulary the trial's run will
+    have first (`counted_spec`), and passes where that came from as `vocabulary`."""
     key, shards = _step_key(spec), fsdp_shards(spec)
     if key not in _STEPS:
         _STEPS[key] = count_by_depth(spec, functools.partial(count_step, precision=spec.run.precision,
@@ -109,7 +114,7 @@ def plan_spec(spec: ExperimentSpec, gpu: GpuKind, mfu: float = DEFAULT_MFU,
     # longer a step, so it costs the same GPU-hours.
     hours = step_s * spec.optim.max_steps * spec.run.workers / 3600
     return TrialPlan(dict(values or {}), gpu, step, tokens, memory, step_s, hours, _fixes(spec, memory, gpu),
-                     gpu_share(spec))
+                     gpu_share(spec), vocabulary)
 
 
 def fsdp_shards(spec: ExperimentSpec) -> int:
@@ -142,15 +147,17 @@ _STEPS: dict[str, StepCount] = {}
 def plan_study(study: Study, gpu_name: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU,
                progress: Callable[[str], None] | None = None) -> Iterator[TrialPlan]:
     """Every trial `validate` checks (each grid combination; choice values and range ends of sampled domains).
-    `progress` gets a line per trial counted (a large model's count takes seconds)."""
+    Each model is counted at the vocabulary its run will have (orchestrator/spec/vocabulary.py). `progress` gets a
+    line per trial counted (a large model's count takes seconds) and per tokenizer trained."""
     gpu = gpu_kind(gpu_name)
     points = list(validation_points(study.domains, search=study.base.tune.search)) if study.domains else [{}]
     for i, point in enumerate(points, 1):
-        spec = study.spec_for(point) if point else study.base
-        start = time.perf_counter()
-        counted = _step_key(spec) not in _STEPS
-        plan = plan_spec(spec, gpu, mfu, point)
-        if progress is not None and counted:
+        start, known = time.perf_counter(), len(_STEPS)
+        spec, vocab = counted_spec(study.spec_for(point) if point else study.base)
+        plan = plan_spec(spec, gpu, mfu, point, vocab)
+        if progress is not None and vocab.trained_s is not None:
+            progress(f"plan: trained the tokenizer the runs will load in {vocab.trained_s:.1f} s ({vocab.tokenizer})")
+        if progress is not None and len(_STEPS) > known:
             progress(f"plan: trial {i}/{len(points)} counted in {time.perf_counter() - start:.1f} s "
                      f"({_label(point, spec.name)})")
         yield plan
@@ -187,9 +194,25 @@ def format_plan(study: Study, plans: list[TrialPlan], mfu: float) -> str:
         lines.append(f"{label[:48]:<48} {p.step.params_total:>10,} {p.step.params_attention:>9,} "
                      f"{p.flops_per_token / 1e9:>10.3f} {p.memory_bytes / GIB:>8.2f} {'yes' if p.fits else 'NO':>4} "
                      f"{p.step_s:>9.3g} {p.gpu_hours:>9.3g}")
+    lines += _vocabulary_lines(study, plans)
     lines.append(f"study: {expected_trials(study):,} trials, {study_gpu_hours(study, plans):.3g} GPU-hours on "
                  f"{gpu.name} at {mfu:.0%} MFU")
     return "\n".join(lines)
+
+
+def _vocabulary_lines(study: Study, plans: list[TrialPlan]) -> list[str]:
+    """The vocabulary each trial's model was counted at and where its size came from: one line for every trial, or
+    one per size and source (a grid over task fields)."""
+    trials: dict[Vocabulary, list[str]] = {}
+    for p in plans:
+        if p.vocabulary is not None:
+            trials.setdefault(p.vocabulary, []).append(_label(p.values, study.base.name))
+    lines = []
+    for vocab, labels in trials.items():
+        which = ("every trial" if len(trials) == 1 else "; ".join(labels) if len(labels) <= 3
+                 else f"{len(labels)} trials: {labels[0]}; ...")
+        lines.append(f"vocabulary {vocab.size:,} ({which}): {vocab.source}")
+    return lines
 
 
 def refusals(plans: list[TrialPlan]) -> list[str]:
