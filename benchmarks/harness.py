@@ -131,7 +131,9 @@ def measure(
     The first call runs under the memory measurement and counts as the first warmup call. If it takes
     longer than `call_budget_s` the case ends as "over_budget"; otherwise repeats are cut so the timed
     calls take about `timing_budget_s` (default: `call_budget_s`) in all, which keeps the largest sizes
-    affordable on a CPU; when not even one fits, the first call's time is reported with repeats = 0.
+    affordable on a CPU, but at least one warm call is timed: the first call is cold and profiled, and its time
+    divided by other cases' warm medians made ratios wrong by 2-3x (a CPU run's 134x that was 50x). Only
+    `repeats=0` reports the first call (repeats = 0), which `add_ratios` then leaves out of warm ratios.
     Exceptions (out of memory, an unsupported size) are returned as an "error: ..." status, not raised.
     """
     try:
@@ -143,15 +145,13 @@ def measure(
         for _ in range(warmup - 1):
             fn()
         timing_budget_s = call_budget_s if timing_budget_s is None else timing_budget_s
-        n_timed = min(repeats, int(timing_budget_s // max(first, 1e-9)))
+        n_timed = min(repeats, max(1, int(timing_budget_s // max(first, 1e-9))))
         times = [timed_call(fn, device) for _ in range(n_timed)]
     except (RuntimeError, ValueError, MemoryError, NotImplementedError) as err:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return Measurement(describe_error(err))
-    # A first call longer than the whole timing budget is the measurement (repeats = 0): at such sizes the
-    # compute dwarfs the profiler's per-op cost and the first-touch page faults.
-    times = times or [first]
+    times = times or [first]  # repeats=0 asked for no timed call
     return Measurement("ok", statistics.median(times), min(times), n_timed, peak, first)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 import pytest
 import torch
@@ -353,6 +354,22 @@ def test_a_time_from_no_timed_call_is_not_divided_by_a_warm_median():
     assert math.isnan(speedup["fast", 1]) and math.isnan(speedup["warm", 2])
     assert speedup["fast", 2] == pytest.approx(2.0) and speedup["fast", 3] == pytest.approx(2.0)
     assert [r["mem_ratio"] for r in rows if r["impl"] == "fast"] == [2.0, 2.0, 2.0]
+
+
+def test_a_first_call_longer_than_the_timing_budget_still_gets_a_warm_timed_call():
+    """A CPU run's budget of 10 s timed nothing at n = 16k and reported the cold, profiled first call (13 s for a
+    5 s warm call): one warm call is timed whenever the first fits the call budget."""
+    from benchmarks.harness import measure
+
+    calls = []
+
+    def slow_first():
+        time.sleep(0.3 if not calls else 0.02)
+        calls.append(1)
+
+    result = measure(slow_first, torch.device("cpu"), repeats=3, call_budget_s=5.0, timing_budget_s=0.1)
+    assert result.status == "ok" and result.repeats == 1 and len(calls) == 2
+    assert result.median_s < 0.2 < result.first_call_s
 
 
 def test_ray_startups_medians_leave_out_a_round_without_a_metric():
