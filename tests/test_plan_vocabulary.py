@@ -66,7 +66,9 @@ def test_plan_of_the_smoke_spec_counts_the_model_its_run_builds(tmp_path, capsys
         assert plan.step.params_total == params and plan.vocabulary.size == size and plan.vocabulary.exact
         assert plan.vocabulary.trained_s is None
         assert plan.vocabulary.tokenizer.parent == tmp_path / "run" / ".cache" / "tokenizers"
-        assert flops_per_token(spec) == plan.flops_per_token  # what the run's worker logs, at the same vocabulary
+        # What the run's worker logs, at its model's vocabulary (orchestrator/launch/worker.py), and without one.
+        assert flops_per_token(spec, size) == flops_per_token(spec) == plan.flops_per_token
+        assert flops_per_token(spec, size + 100) > plan.flops_per_token  # a fine-tuned model's larger vocabulary
 
 
 def _spec(tmp_path: Path, **task):

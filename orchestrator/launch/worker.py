@@ -319,7 +319,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if rank == 0:
         # The one rank that logs. On fake tensors, after Trainer.create (whose AdamW already imported torch._dynamo,
         # which the counter needs): 0.4 s of CPU for a test-sized model (benchmarks/system/plan_cost.py).
-        trainer.flops_per_token = flops_per_token(spec)
+        # At the vocabulary of the model built here, which a fine-tuned model takes from model.init_from's run.
+        trainer.flops_per_token = flops_per_token(spec, getattr(trainer.task, "vocab_size", None))
         if trainer.flops_per_token is not None:
             hooks.log_params({"flops_per_token": trainer.flops_per_token})
     if pretrained is not None:

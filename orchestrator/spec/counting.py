@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orchestrator.spec.models import ExperimentSpec
-from orchestrator.spec.vocabulary import counted_spec
+from orchestrator.spec.vocabulary import counted_spec, with_vocab_size
 
 ATTENTION_BLOCKS = 8
 """Row blocks of one exact-attention call in a count (kernels.blockwise.at_most_blocks). A GPU run's fused kernel
@@ -388,14 +388,15 @@ def count_by_depth(spec: ExperimentSpec, count: Callable[[Workload], Any], start
     return _combine([count(workload(s)) for s in probes.specs], probes.weights)
 
 
-def flops_per_token(spec: ExperimentSpec) -> float | None:
+def flops_per_token(spec: ExperimentSpec, vocab_size: int | None = None) -> float | None:
     """Training FLOPs (forward + backward) per position of `spec`'s micro-batch, the model FLOPs of `train/mfu`;
     None for a task kind `workload` does not build. Counted without activation checkpointing even when the run
     uses it: MFU does not credit the recomputed forward (PaLM, Chowdhery et al., 2022, appendix B), while `plan`'s
-    step times and table include it."""
+    step times and table include it. At `vocab_size`, the vocabulary of the model a worker built (its tokenizer's,
+    or model.init_from's), else at the one its run will have, as plan counts it (`counted_spec`)."""
     if spec.task.kind not in PLANNED_TASKS:
         return None
-    spec = counted_spec(spec)[0]  # a worker's tokenizer is in the cache by now: its model's own vocabulary
+    spec = counted_spec(spec)[0] if vocab_size is None else with_vocab_size(spec, vocab_size)
     count = functools.partial(count_flops, precision=spec.run.precision)
     return count_by_depth(spec, count, start=0) / workload(spec).tokens
 

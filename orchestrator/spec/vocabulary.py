@@ -89,10 +89,14 @@ def counted_spec(spec: ExperimentSpec) -> tuple[ExperimentSpec, Vocabulary]:
     """`spec` with task.vocab_size set to the vocabulary its run will have (`vocabulary`), which `workload` builds
     the model at; and that vocabulary."""
     vocab = vocabulary(spec)
-    if getattr(spec.task, "vocab_size", vocab.size) == vocab.size:
-        return spec, vocab
-    task = spec.task.model_copy(update={"vocab_size": vocab.size})
-    return spec.model_copy(update={"task": task}), vocab
+    return with_vocab_size(spec, vocab.size), vocab
+
+
+def with_vocab_size(spec: ExperimentSpec, size: int) -> ExperimentSpec:
+    """`spec` with task.vocab_size = `size`, for a task that has that field (bytelm's ids are its bytes)."""
+    if getattr(spec.task, "vocab_size", size) == size:
+        return spec
+    return spec.model_copy(update={"task": spec.task.model_copy(update={"vocab_size": size})})
 
 
 def _fixed(task: Any) -> Vocabulary:
