@@ -41,7 +41,7 @@ from orchestrator.spec.counting import PLANNED_TASKS
 from orchestrator.spec.gpus import gpu_argument, mfu_argument
 from orchestrator.spec.search_space import MAX_TRIALS, ValidationPlan, grid_lines
 from orchestrator.storage import parent, resolve
-from orchestrator.tracking.ui import missing_default_store, port_argument, serve_ui, server_advice, ui_command
+from orchestrator.tracking.ui import missing_store, port_argument, serve_ui, server_advice, ui_command
 
 DEFAULT_STORAGE = "runs"
 DEFAULT_UI_PORT = 5000
@@ -273,7 +273,7 @@ def _ui(args: argparse.Namespace) -> int:
     if uri.startswith(("http://", "https://")):
         print(server_advice(uri))
         return 0
-    if spec is None and (missing := missing_default_store(uri)):  # browsing makes no store (MLflow's server would)
+    if missing := missing_store(uri, args.spec):  # browsing makes no store (MLflow's server would)
         print(f"orchestrator ui: {missing}", file=sys.stderr)
         return 2
     return serve_ui(uri, args.port, *((spec.tracking.experiment, spec.metric, spec.mode) if spec else ()))

@@ -40,7 +40,6 @@ def test_a_boolean_inside_an_attention_block_and_in_a_grid_value_is_refused(tmp_
         load_study(write(tmp_path, raw))
 
 
-
 def test_a_boolean_among_tune_seeds_is_refused_naming_the_item(tmp_path):
     """`tune.seeds: [true, 2]` validated as seeds 1 and 2 (pydantic's lax ints, and the study's own check took
     a bool for an int): a sweep over a seed nobody wrote. Refused in a study and in a single-run spec alike."""
@@ -50,6 +49,7 @@ def test_a_boolean_among_tune_seeds_is_refused_naming_the_item(tmp_path):
     with pytest.raises(SpecError, match=r"tune.seeds.1: false is a boolean"):
         validate_spec(base_raw(tune={"seeds": [0, False]}))
     assert load_study(write(tmp_path, base_raw(tune={"seeds": [1, 2]}))).base.tune.seeds == [1, 2]
+
 
 def test_booleans_in_boolean_fields_and_numbers_in_number_fields_pass():
     spec = validate_spec(base_raw(run={"workers": 2, "final_eval": False}, tracking={"offline_ok": True},

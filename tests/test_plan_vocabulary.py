@@ -56,8 +56,9 @@ def test_plan_of_the_smoke_spec_counts_the_model_its_run_builds(tmp_path, capsys
         built[label] = _run_model_params(study.spec_for({"model.attention": point}), tmp_path / "run")
     assert counts == built  # at task.vocab_size, plan gave mha 135,656 parameters for the run's 82,291
     (line,) = [line for line in out.splitlines() if line.startswith("vocabulary ")]
-    size = int(re.match(r"vocabulary ([\d,]+) \(every trial\): the tokenizer the runs load, (\S+)$", line)[1])
-    assert 100 < size < 1000 and str(planned / ".cache" / "tokenizers") in line, line  # trained there by plan
+    size = int(re.match(r"vocabulary ([\d,]+) \(every trial\): the builtin corpus's tokenizer, trained", line)[1])
+    assert 100 < size < 1000 and str(planned / ".cache" / "tokenizers") in line, line  # where the run trains it
+    assert not planned.exists()  # plan trained it in a temporary folder: it writes nothing
 
     for point in study.domains[0].values:
         spec = study.spec_for({"model.attention": point})
@@ -149,3 +150,25 @@ def test_a_spec_with_a_pretrain_stage_is_counted_at_that_stages_tokenizer(tmp_pa
     pretrained = build_task(stage.task, stage.model, ctx).vocab_size
     assert plan.vocabulary.size == pretrained < study.base.task.vocab_size and plan.vocabulary.exact
     assert plan.vocabulary.source.startswith("the pretrain: stage's"), plan.vocabulary.source
+
+
+def test_validate_of_storage_that_cannot_hold_runs_is_refused_by_name_and_writes_nothing(tmp_path, capsys):
+    """Plan counts (and trains a builtin tokenizer) before storage is checked: a storage path under a file is
+    still refused naming run.storage_path, not with a traceback from a tokenizer written into it, and a storage
+    folder that can hold runs is left empty by validate."""
+    (tmp_path / "a-file").write_text("")
+    bad = tmp_path / "a-file" / "runs"
+    assert main(["validate", SMOKE, f"run.storage_path={bad}", "run.gpus_per_worker=1"]) == 2
+    assert "run.storage_path" in capsys.readouterr().err
+    good = tmp_path / "runs"
+    main(["validate", SMOKE, f"run.storage_path={good}", "run.gpus_per_worker=1"])
+    assert not (good / ".cache").exists()
+
+
+def test_adaptive_input_bands_beyond_the_tokenizers_pieces_are_refused_by_name(tmp_path, capsys):
+    """Cutoffs below task.vocab_size pass the spec check, but the run's model is built at the tokenizer's ~180
+    pieces and would fail there: plan refuses them naming the field, not with a traceback."""
+    adaptive = "model.embedding={kind: adaptive, cutoffs: [100, 500]}"
+    assert main(["plan", SMOKE, f"run.storage_path={tmp_path}", adaptive]) == 2
+    err = capsys.readouterr().err
+    assert "model.embedding.cutoffs=[100, 500] must stay below the vocabulary size of the run's tokenizer" in err, err

@@ -179,7 +179,6 @@ def test_validate_prints_resolved_spec_and_trial_grid(tmp_path, capsys):
     assert "optim.lr ~ loguniform" in out
 
 
-
 def test_validate_numbers_grid_points_as_the_sweep_numbers_its_trials(tmp_path, capsys, monkeypatch):
     """`validate`'s `grid i` is the trial whose id ends in `_<i:05d>`. Tune's variant generator sorts the grid paths
     and varies the first fastest; validate's product varied the last, tune.seeds (appended last), so its `grid 1`
@@ -203,7 +202,8 @@ def test_validate_numbers_grid_points_as_the_sweep_numbers_its_trials(tmp_path, 
     trials = [", ".join(f"{path}={variant[(path,)]}" for path in grids)
               for variant, _ in generate_variants(to_param_space(study.domains, "grid"))]
     assert len(trials) == 8 and listed == trials, out
-    assert "grid i is trials i, i+8, ..., i+8" in out  # tune.num_samples=2: the grid again, after the first
+    assert "grid i is trials i and i+8" in out  # tune.num_samples=2: the grid again, after the first
+
 
 def test_study_loads_from_file(tmp_path):
     raw = base_raw(model={"attention": {"kind": "linformer", "heads": 2, "k": {"grid": [8, 16]}}})
@@ -242,7 +242,6 @@ def test_report_and_ui_subcommands_delegate(capsys):
     assert "http://head:5000" in out and "ray attach cluster.yaml -p 5000" in out
 
 
-
 @pytest.mark.parametrize("command", ["validate", "plan", "prepare", "train", "sweep", "resume", "status", "evaluate",
                                      "ui"])
 def test_every_subcommands_help_says_what_it_does(command, capsys):
@@ -253,6 +252,7 @@ def test_every_subcommands_help_says_what_it_does(command, capsys):
     out = capsys.readouterr().out
     description = out.split("\n\n")[1]  # usage, a blank line, the description, a blank line, the arguments
     assert done.value.code == 0 and not description.startswith(("positional arguments:", "options:")), out
+
 
 def test_override_inside_a_search_domain_is_refused(tmp_path):
     path = write(tmp_path, base_raw(model={"attention": {"grid": [{"kind": "mha", "heads": 2}, {"kind": "sha"}]}}))

@@ -47,6 +47,7 @@ def test_a_busy_port_is_refused_before_any_link_is_printed(tmp_path, monkeypatch
     (those links led to the other server, and the command exited 0)."""
     monkeypatch.chdir(tmp_path)
     store = tmp_path / "mlflow.db"
+    store.touch()  # a store to serve (an empty file: MLflow's server would fill it with its tables)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -59,7 +60,7 @@ def test_a_busy_port_is_refused_before_any_link_is_printed(tmp_path, monkeypatch
     assert "MLflow UI on" not in out and "http://" not in out, out
     assert f"port {port}" in err and "--port" in err and f"pid {os.getpid()}" in err, err
     assert took < 10, took  # refused before MLflow's server (or MLflow itself) was started
-    assert not store.exists()
+    assert store.stat().st_size == 0
 
 
 def test_ui_without_a_spec_where_there_is_no_store_creates_none(tmp_path, monkeypatch, capsys):
@@ -76,6 +77,21 @@ def test_ui_without_a_spec_where_there_is_no_store_creates_none(tmp_path, monkey
     assert code == 2 and "MLflow UI on" not in out, (out, err)
     assert f"no tracking store at {tmp_path / 'mlflow.db'}" in err and "`orchestrator ui SPEC`" in err, err
     assert "tracking.uri=sqlite:///" in err and "is not free" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ui_of_a_spec_whose_store_does_not_exist_here_creates_none(tmp_path, monkeypatch, capsys):
+    """`ui SPEC` from a folder where the spec's relative SQLite store is not (not the folder it ran in): MLflow's
+    server made an empty store there and showed no runs. It names the path, the folder rule and the override."""
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code = main(["ui", str(SMOKE), "--port", str(busy.getsockname()[1])])
+    out, err = capsys.readouterr()
+    assert code == 2 and "MLflow UI on" not in out, (out, err)
+    assert f"no tracking store at {tmp_path / 'mlflow.db'}" in err and "relative to the current folder" in err, err
+    assert f"orchestrator ui {SMOKE} tracking.uri=sqlite:///" in err and "is not free" not in err, err
     assert list(tmp_path.iterdir()) == []
 
 

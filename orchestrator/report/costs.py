@@ -43,7 +43,8 @@ def geometric_interval(values: Sequence[float], level: float) -> Interval:
     if min(values) == max(values):  # no spread: the value itself, not exp(log x) a rounding away from it
         return Interval(float(values[0]), float(values[0]))
     logs = mean_interval(np.log(values), level)
-    return Interval(math.exp(logs.low), math.exp(logs.high))
+    with np.errstate(over="ignore"):  # a spread past float range is an unbounded interval, not an OverflowError
+        return Interval(float(np.exp(logs.low)), float(np.exp(logs.high)))
 
 
 def cost_warnings(label: str, costs: Mapping[str, Sequence[float]]) -> list[str]:

@@ -250,8 +250,8 @@ def knob_plot_name(sweep: KnobSweep) -> str:
 
 @dataclass(frozen=True)
 class PatchPoint:
-    """One point of the patching plot: l patched layers, the score's seed mean and interval, the seed-mean
-    speed-ups (NaN where not logged)."""
+    """One point of the patching plot: l patched layers, the score's seed mean and interval, the speed-ups'
+    geometric means over seeds (NaN where not logged)."""
 
     layers: float
     score: float

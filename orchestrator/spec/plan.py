@@ -156,7 +156,7 @@ def plan_study(study: Study, gpu_name: str = DEFAULT_GPU, mfu: float = DEFAULT_M
         spec, vocab = counted_spec(study.spec_for(point) if point else study.base)
         plan = plan_spec(spec, gpu, mfu, point, vocab)
         if progress is not None and vocab.trained_s is not None:
-            progress(f"plan: trained the tokenizer the runs will load in {vocab.trained_s:.1f} s ({vocab.tokenizer})")
+            progress(f"plan: trained the builtin corpus's tokenizer in {vocab.trained_s:.1f} s to count its pieces")
         if progress is not None and len(_STEPS) > known:
             progress(f"plan: trial {i}/{len(points)} counted in {time.perf_counter() - start:.1f} s "
                      f"({_label(point, spec.name)})")

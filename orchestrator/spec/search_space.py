@@ -233,8 +233,8 @@ def grid_lines(domains: list[Domain], num_samples: int, shown: int) -> Iterator[
         yield f"  grid {i}: " + (", ".join(f"{k}={v}" for k, v in point.items()) or "(no grid domains)")
     if num_samples > 1:
         size = grid_size(domains)
-        yield (f"  each grid point runs tune.num_samples={num_samples} times: grid i is trials i, i+{size:,}, ..., "
-               f"i+{size * (num_samples - 1):,}")
+        trials = (f"i and i+{size:,}" if num_samples == 2 else f"i, i+{size:,}, ..., i+{size * (num_samples - 1):,}")
+        yield f"  each grid point runs tune.num_samples={num_samples} times: grid i is trials {trials}"
 
 
 def grid_points(domains: list[Domain]) -> list[dict[str, Any]]:

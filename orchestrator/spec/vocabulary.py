@@ -7,19 +7,25 @@ give (tasks/tokenizer.py trains with hard_vocab_limit=False): the smoke spec ask
 yields 179, so a count at task.vocab_size gave 135,656 parameters to a model of 82,291. The size is read from the
 tokenizer the run loads, found under the run's own cache key (tasks/data.py and classify.py `tokenizer_file`, in
 the cache of run.storage_path or task.prepared_path). A builtin corpus small enough to train its tokenizer in about
-a second has it trained here, into that cache, where the run then finds it. Otherwise (a hub or local corpus no run
+a second has it trained here, as the run will train it, in a temporary folder: `plan`, `validate` and `sweep`
+count before storage is checked (a path that cannot hold runs is refused after the plan, by name), and validate
+writes nothing. Otherwise (a hub or local corpus no run
 or `orchestrator prepare` has tokenised yet, a larger builtin corpus) the count stays at task.vocab_size, an upper
 bound, and `source` says so and why.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from orchestrator.spec.models import ExperimentSpec
+from orchestrator.spec.models import ExperimentSpec, SpecError
+
+_TRAINED: dict[str, int] = {}
+"""Sizes of the builtin tokenizers this process trained, by their cache file's name (its key): once each."""
 
 CHEAP_BUILTIN_SENTENCES = 40_000
 """Builtin training sentences (a pair counts two) up to which plan trains the tokenizer itself. CPU seconds to
@@ -37,7 +43,7 @@ class Vocabulary:
     exact: bool
     """False: task.vocab_size stands in for a tokenizer that plan cannot read (`source` says why)."""
     tokenizer: Path | None = None
-    """The sentencepiece model the size was read from."""
+    """The sentencepiece model in the cache the size was read from (None: trained by plan, or none)."""
     trained_s: float | None = field(default=None, compare=False)
     """Seconds this process spent training that tokenizer; None where it was read (or there is none)."""
 
@@ -68,11 +74,14 @@ def vocabulary(spec: ExperimentSpec) -> Vocabulary:
         return Vocabulary(Tokenizer(path).vocab_size, f"the tokenizer the runs load, {path}", True, path)
     sentences = _builtin_sentences(task)
     if sentences is not None and sentences <= CHEAP_BUILTIN_SENTENCES:
-        start = time.perf_counter()
-        tokenizer = train_tokenizer(task, cache_dir)
-        path = tokenizer.model_path
-        return Vocabulary(tokenizer.vocab_size, f"the tokenizer the runs load, {path}", True, path,
-                          time.perf_counter() - start)
+        start, known = time.perf_counter(), path.name in _TRAINED
+        if not known:
+            with tempfile.TemporaryDirectory(prefix="orchestrator-plan-") as folder:
+                _TRAINED[path.name] = train_tokenizer(task.model_copy(update={"prepared_path": None}),
+                                                      Path(folder)).vocab_size
+        return Vocabulary(_TRAINED[path.name], f"the builtin corpus's tokenizer, trained as the run will train it "
+                          f"(not kept: the run trains it into {path.parent})", True, None,
+                          None if known else time.perf_counter() - start)
     if sentences is not None:
         why = (f"the builtin corpus's {sentences:,} training sentences take seconds to train a tokenizer on, which "
                "plan leaves to the run")
@@ -89,6 +98,14 @@ def counted_spec(spec: ExperimentSpec) -> tuple[ExperimentSpec, Vocabulary]:
     """`spec` with task.vocab_size set to the vocabulary its run will have (`vocabulary`), which `workload` builds
     the model at; and that vocabulary."""
     vocab = vocabulary(spec)
+    embedding = spec.model.embedding
+    if vocab.exact and hasattr(embedding, "check_vocab"):  # adaptive input's bands must fit the real vocabulary
+        try:
+            embedding.check_vocab(vocab.size)
+        except ValueError:
+            raise SpecError(f"model.embedding.cutoffs={embedding.cutoffs} must stay below the vocabulary size of the "
+                            f"run's tokenizer, {vocab.size}: task.vocab_size={spec.task.vocab_size} asks for more "
+                            f"pieces than its corpus gives ({vocab.source}); drop or lower the last cutoff") from None
     return with_vocab_size(spec, vocab.size), vocab
 
 

@@ -61,21 +61,27 @@ def server_advice(uri: str) -> str:
             f"`ssh -L {port}:{host}:{port} <user>@<head-ip>`, then open {parts.scheme}://localhost:{port}{parts.path}")
 
 
-def missing_default_store(uri: str) -> str | None:
-    """Why `orchestrator ui` without a spec does not serve `uri`, the default SQLite store of the current folder, or
-    None when its file exists (or `uri` is no SQLite file). MLflow's server creates the store it does not find, so
-    browsing in the wrong folder left an empty mlflow.db there and showed an empty UI instead of the user's runs."""
+def missing_store(uri: str, spec: str | None) -> str | None:
+    """Why `orchestrator ui` does not serve `uri`, a SQLite store whose file does not exist, or None when it exists
+    (or `uri` is no SQLite file); `spec` is the SPEC argument (None: the default store of the current folder).
+    MLflow's server creates the store it does not find, so browsing in the wrong folder left an empty mlflow.db
+    there and showed an empty UI instead of the user's runs."""
     prefix = "sqlite:///"
     if not uri.startswith(prefix) or uri == prefix + ":memory:":
         return None
     database = Path(uri[len(prefix):]).resolve()
     if database.is_file():
         return None
-    return (f"no tracking store at {database}: without a SPEC, `orchestrator ui` browses sqlite:///mlflow.db of the "
-            "current folder, and creates none. Start it in the folder that holds your runs' mlflow.db, or name the "
-            "store: `orchestrator ui SPEC` browses the spec's tracking.uri, and `orchestrator ui SPEC "
-            "tracking.uri=sqlite:///path/to/mlflow.db` (a path relative to the current folder, or absolute) another "
-            "SQLite store")
+    where = ("sqlite:///path/to/mlflow.db (relative to the current folder; sqlite:////path for an absolute one)")
+    if spec is None:
+        return (f"no tracking store at {database}: without a SPEC, `orchestrator ui` browses sqlite:///mlflow.db of "
+                "the current folder, and creates none. Start it in the folder that holds your runs' mlflow.db, or "
+                f"name the store: `orchestrator ui SPEC` browses the spec's tracking.uri, and `orchestrator ui SPEC "
+                f"tracking.uri={where}` another SQLite store")
+    return (f"no tracking store at {database}: nothing has run with {spec}'s tracking.uri={uri} from this folder "
+            "yet, and `orchestrator ui` creates none. A relative SQLite path is relative to the current folder: start "
+            f"it in the folder you ran train or sweep from, or give the store: `orchestrator ui {spec} "
+            f"tracking.uri={where}`")
 
 
 def port_problem(port: int) -> str | None:
