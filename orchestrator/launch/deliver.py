@@ -30,6 +30,7 @@ from orchestrator.storage.layout import (
     EVALUATION_DIR,
     EVALUATION_RECORD_SUFFIX,
     TASK_FILES_DIR,
+    is_final_evaluation,
 )
 from orchestrator.storage.locations import (
     files_under,
@@ -108,7 +109,7 @@ def _scores_as_sent(relative: str, record: Mapping[str, Any]) -> tuple[dict[str,
     that checkpoint's step and without tags: MLflow shows a metric's value at its highest step, so under the same
     keys a later checkpoint's scores would replace the final evaluation's, and its tag would too."""
     metrics = dict(record["metrics"])
-    if relative.rpartition("/")[0] == EVALUATION_DIR:
+    if is_final_evaluation(relative):
         return metrics, dict(record.get("tags") or {})
     return {f"{CHECKPOINT_SCORES_PREFIX}{key}": value for key, value in metrics.items()}, {}
 

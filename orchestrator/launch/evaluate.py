@@ -28,6 +28,7 @@ from orchestrator.storage.layout import (
     EVALUATION_DIR,
     RunLayout,
     cache_dir_of,
+    checkpoint_evaluation_dir,
     evaluation_record,
     spool_of,
 )
@@ -146,7 +147,7 @@ def evaluation_folder(which: Which, chosen: ChosenCheckpoint) -> str:
     final evaluation scored, so it goes to `evaluation/` and a re-run rewrites the same record; any other
     checkpoint goes to `evaluation/<its folder name>/`, or `--checkpoint latest` would replace the final
     evaluation's scores and files (orchestrator/launch/deliver.py keeps its MLflow keys apart too)."""
-    return EVALUATION_DIR if which == "best" else f"{EVALUATION_DIR}/{Path(chosen.path).name}"
+    return EVALUATION_DIR if which == "best" else checkpoint_evaluation_dir(Path(chosen.path).name)
 
 
 def _stored_runs(storage: str, name: str) -> list[tuple[str, str]]:

@@ -231,6 +231,18 @@ def finished(run_folder: str) -> dict[str, Any] | None:
     return record.get("metrics") if isinstance(record, dict) else None
 
 
+def checkpoint_evaluation_dir(checkpoint: str) -> str:
+    """The evaluation folder, relative to a run's folder, of a checkpoint `orchestrator evaluate` scored other than
+    the final evaluation's (`evaluation/checkpoint_000000420`), so that it never replaces the final one's."""
+    return f"{EVALUATION_DIR}/{checkpoint}"
+
+
+def is_final_evaluation(record: str) -> bool:
+    """Whether a score record (relative to the run's folder) is the final evaluation's, in `evaluation/` itself,
+    rather than in a checkpoint's own folder (checkpoint_evaluation_dir)."""
+    return record.rpartition("/")[0] == EVALUATION_DIR
+
+
 def evaluation_record(folder: str, split: str) -> str:
     """The scores of `split` in an evaluation folder (written by orchestrator/launch/evaluate.py)."""
     return join(folder, f"{split}{EVALUATION_RECORD_SUFFIX}")
