@@ -66,9 +66,11 @@ def _columns(table: dict[str, list[Any]], cfg: ClassifyTaskConfig, where: str) -
     wanted = [*cfg.text_columns, cfg.label_column]
     missing = [c for c in wanted if c not in table]
     if missing:
-        fields = {c: ("task.label_column" if c == cfg.label_column else "task.text_columns") for c in missing}
+        # each field once, with its whole value: a pair's text_columns is a list, not the one name missing
+        fields = {"task.text_columns": list(cfg.text_columns), "task.label_column": cfg.label_column}
+        named = [f for f, value in fields.items() if set(missing) & set(value if isinstance(value, list) else [value])]
         raise ValueError(f"{where} has columns {sorted(table)}, not {missing}; set "
-                         + " and ".join(f"{f} (now {c!r})" for c, f in fields.items()) + " to the file's column names")
+                         + " and ".join(f"{f} (now {fields[f]!r})" for f in named) + " to the file's column names")
     texts = tuple([("" if t is None else str(t)) for t in table[c]] for c in cfg.text_columns)
     return LabelledSplit(texts, label_ids(table[cfg.label_column], cfg, where))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -79,11 +80,69 @@ class PretrainedLMTaskConfig(_Config):
         if self.documents is not None and self.documents < 1:
             raise ValueError(f"task.documents={self.documents} must be >= 1, or leave it unset (every document)")
         check_eval_split(self.files, self.eval_split, self.eval_batches)
+        context = trained_context(self.pretrained)
+        if context is not None and self.seq_len > context[0]:
+            # Caught here, before Ray: an export's positions stop at its max_seq_len (the worker raised, naming a
+            # model.max_seq_len this kind does not take), and past a Hugging Face model's positions learned
+            # embeddings fail on an index and rotary ones extrapolate silently, off the trained context.
+            raise ValueError(f"task.seq_len={self.seq_len} is longer than task.pretrained={self.pretrained} "
+                             f"takes ({context[1]}={context[0]}); lower task.seq_len to at most {context[0]}, or "
+                             "use a model trained on longer sequences")
         return self
 
     @property
     def source_label(self) -> str:
         return f"pretrained:{self.pretrained}"
+
+
+_POSITION_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+"""config.json fields that bound a Hugging Face model's positions, first found wins (Llama, GPT-2, ...)."""
+
+
+def trained_context(pretrained: str) -> tuple[int, str] | None:
+    """(longest sequence, the field that says so) of a local model folder: an export's model.max_seq_len or a
+    Hugging Face config.json's positions; None for a hub id or a config that states no bound."""
+    folder = Path(pretrained)
+    if not folder.is_dir():
+        return None
+    try:
+        if (folder / "model.json").is_file():
+            bound = json.loads((folder / "model.json").read_text())["model"]["max_seq_len"]
+            return (bound, "model.json's model.max_seq_len") if isinstance(bound, int) else None
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # an unreadable file is the loader's to report, with its own message, on the worker
+    for field in _POSITION_FIELDS:
+        if isinstance(config.get(field), int) and config[field] > 0:
+            return config[field], f"config.json's {field}"
+    return None
+
+
+_DROPOUT_FIELDS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
+"""config.json fields of a Hugging Face model's attention dropout (GPT-2 and GPT-J; Llama, Phi, OPT, ...; BERT)."""
+
+
+def check_patch(cfg: PretrainedLMTaskConfig, max_steps: int) -> None:
+    """The patch against what the run feeds it, before Ray: the mechanism's length bounds, and no attention dropout
+    in a local model that fine-tuning (optim.max_steps > 0) would run through the drop-in mechanisms."""
+    if cfg.patch.layers in (0, "none"):
+        return
+    cfg.patch.attention.check_length(cfg.seq_len, "task.seq_len", "task.patch.attention")
+    config_file = Path(cfg.pretrained) / "config.json"
+    if max_steps == 0 or not config_file.is_file():
+        return
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return  # the loader reports an unreadable config on the worker
+    for field in _DROPOUT_FIELDS:
+        # The adapter refuses dropout in training (the mechanisms merge their parts through log-sum-exps), which
+        # GPT-2's default attn_pdrop=0.1 met only on the worker, after the cluster started.
+        if isinstance(config.get(field), (int, float)) and config[field] > 0:
+            raise ValueError(f"optim.max_steps={max_steps} fine-tunes the patched layers of task.pretrained="
+                             f"{cfg.pretrained}, whose config.json has {field}={config[field]}: the drop-in "
+                             f"mechanisms take no attention dropout; set {field} to 0 in (a copy of) that "
+                             "config.json, or score without training (optim.max_steps: 0)")
 
 
 def pretrained_model_problem(cfg: PretrainedLMTaskConfig) -> str | None:

@@ -8,6 +8,7 @@ workers never read a half-written model (the helpers: tasks/cache.py).
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -82,7 +83,7 @@ def train_or_load(
                             written += 1
                 if not written:
                     raise ValueError("the training split is empty; cannot train a sentencepiece model")
-                spm.SentencePieceTrainer.train(
+                _train_sentencepiece(
                     input=str(corpus), model_prefix=str(Path(work) / "spm"), vocab_size=vocab_size,
                     model_type=model_type, character_coverage=1.0,
                     pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, user_defined_symbols=[MASK_PIECE],
@@ -99,3 +100,18 @@ def train_or_load(
 
         atomic_write(model_path, write)
     return Tokenizer(model_path), False
+
+
+def _train_sentencepiece(**options: object) -> None:
+    """SentencePieceTrainer.train, with its error for a vocabulary below the corpus's characters turned into one
+    naming task.vocab_size: with character_coverage=1.0 every character of the training split is a piece, which
+    no upper bound (hard_vocab_limit=False) can waive, and sentencepiece says so only as an INTERNAL check."""
+    try:
+        spm.SentencePieceTrainer.train(**options)
+    except RuntimeError as err:
+        found = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(err))
+        if found is None:
+            raise
+        raise ValueError(f"task.vocab_size={found[1]} is below the {found[2]} pieces the training split needs (each "
+                         f"of its characters, and the special pieces); set task.vocab_size to at least "
+                         f"{found[2]}") from None

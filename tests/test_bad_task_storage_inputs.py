@@ -77,7 +77,8 @@ def test_a_vocab_below_the_builtin_corpus_characters_is_refused_with_the_number(
 
 
 def test_the_builtin_vocab_floor_is_what_sentencepiece_needs(tmp_path):
-    """Trained as tasks/tokenizer.py trains: the floor succeeds, one less is sentencepiece's INTERNAL error."""
+    """Trained as tasks/tokenizer.py trains: the floor succeeds, one less is sentencepiece's INTERNAL error (which
+    tasks/tokenizer.py words as task.vocab_size and the floor)."""
     from tasks.config import BuiltinCorpusConfig
     from tasks.corpora import builtin_lm_corpus, builtin_vocab_floor
     from tasks.tokenizer import train_or_load
@@ -88,7 +89,7 @@ def test_the_builtin_vocab_floor_is_what_sentencepiece_needs(tmp_path):
     settings = dict(data_fingerprint="floor", model_type="unigram", cache_dir=tmp_path / "cache")
     tokenizer, _ = train_or_load(lambda: lines, vocab_size=floor, **settings)
     assert tokenizer.vocab_size >= floor - 1
-    with pytest.raises(RuntimeError, match="Vocabulary size is smaller than required_chars"):
+    with pytest.raises(ValueError, match=rf"task.vocab_size={floor - 1} is below the {floor} pieces"):
         train_or_load(lambda: lines, vocab_size=floor - 1, **settings)
 
 
@@ -191,3 +192,29 @@ def test_the_gpu_note_says_train_checks_the_cluster_not_ray_address(tmp_path, mo
     assert code == 0, err
     assert "asks for 1 GPUs per run but this machine (no RAY_ADDRESS set) has 0" in err
     assert "train and sweep check its GPUs once connected" in err and "set RAY_ADDRESS" not in err
+
+
+# --- local translation files: a language pair the files do not hold, a whole file name given as the prefix ------
+
+
+def test_a_translation_side_missing_from_the_files_names_the_language_field_or_the_prefix(tmp_path, monkeypatch,
+                                                                                         capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "val"):
+        for lang in ("de", "en"):
+            (data / f"{split}.{lang}").write_text("ein Hund\n" if lang == "de" else "a dog\n")
+    files = {"train": str(data / "train"), "validation": str(data / "val")}
+    pair = {**{k: v for k, v in TRANSLATION.items() if k != "builtin"}, "files": files, "source_lang": "de",
+            "target_lang": "en"}
+    assert _validate(tmp_path, monkeypatch, capsys, _raw(tmp_path, task=pair))[0] == 0
+    code, err = _validate(tmp_path, monkeypatch, capsys, _raw(tmp_path, task={**pair, "source_lang": "fr"}))
+    assert code == 2 and "hold languages ['de', 'en'], not 'fr'; set task.source_lang to one of them" in err
+    code, err = _validate(tmp_path, monkeypatch, capsys, _raw(tmp_path, task={**pair, "target_lang": "EN"}))
+    assert code == 2 and "not 'EN'; set task.target_lang" in err
+    whole = {**pair, "files": {**files, "train": str(data / "train.de")}}
+    code, err = _validate(tmp_path, monkeypatch, capsys, _raw(tmp_path, task=whole))
+    assert code == 2 and f"task.files.train is a prefix, read as <prefix>.<lang>[.gz]: give {data / 'train'}" in err
+    code, err = _validate(tmp_path, monkeypatch, capsys, _raw(tmp_path, task={**pair, "files": {
+        **files, "validation": str(data / "vall")}}))
+    assert code == 2 and "vall.de.gz does not exist; fix the path" in err

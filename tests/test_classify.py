@@ -71,6 +71,11 @@ def test_missing_text_column_names_the_field(tmp_path):
     cfg = ClassifyTaskConfig(files=_files(tmp_path, ROWS), text_columns=("premise", "hypothesis"))
     with pytest.raises(ValueError, match=r"task.text_columns"):
         classification_data(cfg, ("train",), tmp_path / "cache")
+    # the field once, with its whole value (it used to read "task.text_columns (now 'hypothesis')")
+    cfg = ClassifyTaskConfig(files=_files(tmp_path, ROWS), text_columns=("sentence", "hypothesis"))
+    with pytest.raises(ValueError, match=r"not \['hypothesis'\]; set task.text_columns \(now \['sentence', "
+                                         r"'hypothesis'\]\) to the file's column names$"):
+        classification_data(cfg, ("train",), tmp_path / "cache")
 
 
 def test_label_outside_the_classes_is_refused(tmp_path):

@@ -56,6 +56,14 @@ def test_tokenizer_cache_hit_and_miss(tmp_path):
     assert not list((tmp_path / "tokenizers").glob("*.tmp")), "atomic writes leave no temporary files"
 
 
+def test_a_vocabulary_below_the_corpus_characters_names_task_vocab_size(tmp_path):
+    # sentencepiece said only "INTERNAL: ... Vocabulary size is smaller than required_chars. 16 vs 37"
+    texts = ["abcdefghijklmnopqrstuvwxyz ABCDE"] * 20  # 31 letters and the space: 32 + 5 special pieces
+    with pytest.raises(ValueError, match=r"^task.vocab_size=16 is below the 37 pieces .* at least 37$"):
+        train_or_load(lambda: texts, data_fingerprint="chars", vocab_size=16, model_type="unigram", cache_dir=tmp_path)
+    train_or_load(lambda: texts, data_fingerprint="chars", vocab_size=37, model_type="unigram", cache_dir=tmp_path)
+
+
 def test_concurrent_builds_share_one_tokenizer(tmp_path):
     texts = builtin_lm_corpus(BuiltinCorpusConfig(**SMALL))["train"]
     results = []

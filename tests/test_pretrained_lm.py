@@ -7,9 +7,11 @@ computed by hand from the model's logits.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -232,9 +234,42 @@ def test_spec_level_refusals(llama_folder, text_files, tmp_path):
         task_config(llama_folder, text_files, patch={"layers": 1, "attention": {"kind": "linformer"}})
 
 
-def test_worker_level_refusals(llama_folder, text_files):
+def test_a_seq_len_beyond_the_models_positions_is_refused_before_ray(llama_folder, text_files, tmp_path):
+    # the Llama folder's config.json says max_position_embeddings=256; an export says model.max_seq_len
+    task_config(llama_folder, text_files, seq_len=256)
+    with pytest.raises(ValueError, match=r"task.seq_len=257 .*max_position_embeddings=256.*at most 256"):
+        task_config(llama_folder, text_files, seq_len=257)
+    cfg = ModelConfig(d_model=32, layers=1, ffn=64, max_seq_len=16, attention={"kind": "mha", "heads": 2})
+    export_model(LanguageModel(cfg, 256, causal=True), task_kind="bytelm", model_cfg=cfg, vocab_size=256,
+                 out_dir=tmp_path / "export")
+    with pytest.raises(ValueError, match=r"task.seq_len=32 .*model.max_seq_len=16.*at most 16"):
+        task_config(tmp_path / "export", text_files)
+
+
+def test_fine_tuning_a_patch_over_attention_dropout_is_refused_before_ray(llama_folder, text_files, tmp_path):
+    # GPT-2's default attn_pdrop=0.1 failed only on the worker (the adapter takes no dropout in training)
+    import shutil
+
+    folder = Path(shutil.copytree(llama_folder, tmp_path / "dropout"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    block = task_config(folder, text_files, patch={"layers": 1, "attention": HYPER}).model_dump()
+    ExperimentSpec.model_validate(spec(block))  # scoring runs in evaluation mode: no dropout
+    ExperimentSpec.model_validate(spec({**block, "patch": {"layers": 0}}, optim={"max_steps": 2}))  # nothing patched
+    with pytest.raises(ValueError, match=r"optim.max_steps=2 fine-tunes .* attention_dropout=0.1: .*set "
+                                         r"attention_dropout to 0 in \(a copy of\) that config.json"):
+        ExperimentSpec.model_validate(spec(block, optim={"max_steps": 2}))
+    ExperimentSpec.model_validate(spec(task_config(llama_folder, text_files, patch={"layers": 1, "attention": HYPER})
+                                       .model_dump(), optim={"max_steps": 2}))
+
+
+def test_worker_level_refusals(llama_folder, text_files, tmp_path):
+    short = tmp_path / "short"  # fewer words than one window of task.seq_len
+    short.mkdir()
+    (short / "train.txt").write_text("the cat sat\n")
+    (short / "valid.txt").write_text("the cat sat\n")
     with pytest.raises(ValueError, match="fewer than one document"):
-        build(task_config(llama_folder, text_files, seq_len=100_000))
+        build(task_config(llama_folder, short))
     task = build(task_config(llama_folder, text_files, patch={"layers": "last:5", "attention": HYPER}))
     with pytest.raises(ValueError, match="asks for 5 layers but the model has 3"):
         task.build_model()

@@ -63,6 +63,15 @@ def test_best_keeps_the_better_value_and_its_step(mode, values, best, step):
     assert (tracker.value, tracker.step) == (best, step)
 
 
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_tie_with_the_best_goes_to_the_later_step_as_ray_keeps_its_checkpoint(mode):
+    # Ray's CheckpointConfig ranks the later of equal scores higher and, with num_to_keep=1, deletes the earlier
+    tracker = Best("val/acc", mode)
+    for step, value in ((10, 0.5), (20, 0.5)):
+        tracker.update({"val/acc": value}, step)
+    assert tracker.as_metrics() == {"best/val/acc": 0.5, "best/step": 20.0}
+
+
 def test_a_worker_registers_its_restored_last_step_only_when_ray_holds_an_older_checkpoint():
     """A Train worker restored at optim.max_steps from a checkpoint Ray never registered has no report left to
     register it (orchestrator/launch/worker.py); one restored before the last step, or from Ray's own, does."""

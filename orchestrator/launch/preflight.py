@@ -214,13 +214,33 @@ def check_data_files(spec: ExperimentSpec) -> None:
     for field, candidates in _data_files(spec):
         found = next((p for p in candidates if p.is_file()), None)
         if found is None:
-            raise SpecError(f"{field}: {' or '.join(str(p) for p in candidates)} does not exist; fix the path "
-                            "(relative paths are resolved against the directory the command runs in)")
+            hint = _translation_hint(spec, field, candidates[0]) if spec.task.kind == "translation" else None
+            raise SpecError(f"{field}: {' or '.join(str(p) for p in candidates)} does not exist; " + (hint or (
+                "fix the path (relative paths are resolved against the directory the command runs in)")))
         if found.stat().st_size == 0:
             raise SpecError(f"{field}: {found} is empty (0 bytes); point it at the split's text")
         if spec.task.kind != "bytelm" and (problem := utf8_problem(found)):  # bytelm reads bytes, any bytes
             raise SpecError(f"{field}: {found} is not UTF-8 text ({problem}); convert it, e.g. "
                             f"iconv -f latin1 -t utf-8 {found} > {found.stem}.utf8{found.suffix}")
+
+
+def _translation_hint(spec: ExperimentSpec, field: str, missing: Path) -> str | None:
+    """The fix when a translation side is missing but the prefix's folder says why: the prefix was given as a
+    whole file name (`train.de.gz`), or the files hold other languages than task.source_lang/target_lang."""
+    prefix = Path(missing.name[: -len(missing.suffix)]).name  # <prefix>.<lang> -> <prefix>
+    folder, lang = missing.parent, missing.suffix[1:]
+    for known in (spec.task.source_lang, spec.task.target_lang):
+        for ending in (f".{known}", f".{known}.gz"):
+            if prefix.endswith(ending) and any((folder / name).is_file() for name in (prefix, f"{prefix}.gz")):
+                return (f"{field.split(' ')[0]} is a prefix, read as <prefix>.<lang>[.gz]: give "
+                        f"{folder / prefix[: -len(ending)]}")
+    suffixes = {m.name[len(prefix) + 1:].removesuffix(".gz") for m in folder.glob(f"{prefix}.*")}
+    langs = sorted(x for x in suffixes if x and "." not in x and x != "gz")
+    if not langs:
+        return None
+    role = "task.source_lang" if lang == spec.task.source_lang else "task.target_lang"
+    return (f"the files with that prefix hold languages {langs}, not {lang!r}; set {role} to one of them (language "
+            "codes are the file names' suffixes, case included)")
 
 
 def utf8_problem(path: Path, limit: int = 1 << 20) -> str | None:

@@ -17,7 +17,7 @@ from orchestrator.spec.merge import merge_mappings
 from orchestrator.spec.messages import describe_errors
 from orchestrator.spec.names import Name
 from orchestrator.storage.locations import resolve as resolve_location
-from tasks import check_compatible, listops, long_range
+from tasks import check_compatible, listops, long_range, pretrained_config
 from tasks.config import TaskConfig
 
 COST_OBJECTIVES = ("params.attention", "params.total", "train/tokens_per_s", "memory/peak_gb", "train/loss")
@@ -356,7 +356,7 @@ class ExperimentSpec(_Section):
             raise ValueError(f"optim.max_steps=0 trains nothing, which only task.kind: pretrained_lm (scoring a "
                              f"pretrained model) can do; task.kind={self.task.kind} needs optim.max_steps >= 1")
         check_compatible(self.task, self.model)
-        _check_fit(self.task, self.model)
+        _check_fit(self.task, self.model, self.optim.max_steps)
         metrics = tuple(self.task.metrics)
         objectives = self.tune.metric if isinstance(self.tune.metric, list) else [self.tune.metric]
         if objectives[0] is not None and objectives[0] not in metrics:
@@ -431,11 +431,10 @@ class ExperimentSpec(_Section):
 _PRETRAIN_FIELDS = ("task", "optim", "run")
 
 
-def _check_fit(task: Any, model: ModelConfig) -> None:
+def _check_fit(task: Any, model: ModelConfig, max_steps: int) -> None:
     """The model (pretrained_lm: its patch) against the longest sequence and the vocabulary the task feeds it."""
     if task.kind == "pretrained_lm":  # check_compatible refused its model: block; the patch's knobs run
-        if task.patch.layers not in (0, "none"):
-            task.patch.attention.check_length(task.seq_len, "task.seq_len", "task.patch.attention")
+        pretrained_config.check_patch(task, max_steps)  # its length bounds; no attention dropout to fine-tune
         return
     # Translation: the decoder's evaluation targets and beam search reach model.max_seq_len (tasks/translation.py).
     longest, source = ((model.max_seq_len, "model.max_seq_len") if task.kind == "translation" else

@@ -143,11 +143,13 @@ class Best:
     step: int | None = None
 
     def update(self, metrics: Mapping[str, float], step: int) -> bool:
-        """Take `metrics[self.metric]` if it beats the best; True when it did. NaN never wins."""
+        """Take `metrics[self.metric]` if it beats or ties the best; True when it did. NaN never wins."""
         value = metrics.get(self.metric)
         if value is None or math.isnan(value):
             return False
-        better = self.value is None or (value < self.value if self.mode == "min" else value > self.value)
+        # A tie goes to the later step, the one Ray's CheckpointConfig keeps (ray/train/_internal/checkpoint_manager.py
+        # `_insert_into_sorted_list`); else best/step named a deleted checkpoint (accuracy ties, BLEU 0 at the start).
+        better = self.value is None or (value <= self.value if self.mode == "min" else value >= self.value)
         if better:
             self.value, self.step = float(value), step
         return better
