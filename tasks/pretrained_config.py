@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from models.dropin import PatchConfig
+from models.dropin import PatchConfig, selected_layers
 from tasks.data_files import DataFiles, _Config, check_eval_split
 
 
@@ -99,23 +99,39 @@ _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_
 """config.json fields that bound a Hugging Face model's positions, first found wins (Llama, GPT-2, ...)."""
 
 
-def trained_context(pretrained: str) -> tuple[int, str] | None:
-    """(longest sequence, the field that says so) of a local model folder: an export's model.max_seq_len or a
-    Hugging Face config.json's positions; None for a hub id or a config that states no bound."""
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+"""config.json fields of a Hugging Face model's depth, first found wins (Llama, ...; GPT-2, GPT-J; others)."""
+
+
+def _local_config(pretrained: str) -> tuple[str, dict] | None:
+    """(file name, its settings) of a local model folder: an export's model.json `model` block or a Hugging Face
+    config.json; None for a hub id or a file that cannot be read (the loader reports that on the worker)."""
     folder = Path(pretrained)
     if not folder.is_dir():
         return None
     try:
         if (folder / "model.json").is_file():
-            bound = json.loads((folder / "model.json").read_text())["model"]["max_seq_len"]
-            return (bound, "model.json's model.max_seq_len") if isinstance(bound, int) else None
+            model = json.loads((folder / "model.json").read_text())["model"]
+            return ("model.json's model", model) if isinstance(model, dict) else None
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # an unreadable file is the loader's to report, with its own message, on the worker
-    for field in _POSITION_FIELDS:
-        if isinstance(config.get(field), int) and config[field] > 0:
-            return config[field], f"config.json's {field}"
-    return None
+        return None
+    return ("config.json's", config) if isinstance(config, dict) else None
+
+
+def _first_count(pretrained: str, fields: tuple[str, ...]) -> tuple[int, str] | None:
+    """(value, where it is said) of the first of `fields` a local model's settings hold as a positive int."""
+    if (found := _local_config(pretrained)) is None:
+        return None
+    where, settings = found
+    return next(((settings[f], f"{where} {f}".replace("model ", "model.")) for f in fields
+                 if isinstance(settings.get(f), int) and not isinstance(settings[f], bool) and settings[f] > 0), None)
+
+
+def trained_context(pretrained: str) -> tuple[int, str] | None:
+    """(longest sequence, the field that says so) of a local model folder: an export's model.max_seq_len or a
+    Hugging Face config.json's positions; None for a hub id or a config that states no bound."""
+    return _first_count(pretrained, _POSITION_FIELDS)
 
 
 _DROPOUT_FIELDS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
@@ -128,6 +144,8 @@ def check_patch(cfg: PretrainedLMTaskConfig, max_steps: int) -> None:
     if cfg.patch.layers in (0, "none"):
         return
     cfg.patch.attention.check_length(cfg.seq_len, "task.seq_len", "task.patch.attention")
+    if (depth := _first_count(cfg.pretrained, _LAYER_FIELDS + ("layers",))) is not None:
+        selected_layers(cfg.patch.layers, depth[0])  # a layer the model lacks, named before Ray (was: the worker)
     config_file = Path(cfg.pretrained) / "config.json"
     if max_steps == 0 or not config_file.is_file():
         return

@@ -263,6 +263,16 @@ def test_fine_tuning_a_patch_over_attention_dropout_is_refused_before_ray(llama_
                                        .model_dump(), optim={"max_steps": 2}))
 
 
+def test_a_patch_of_layers_the_local_model_lacks_is_refused_before_ray(llama_folder, text_files):
+    # the Llama folder's config.json says num_hidden_layers=3: "last:5" failed only in the worker's build_model
+    block = task_config(llama_folder, text_files, patch={"layers": "last:5", "attention": HYPER}).model_dump()
+    with pytest.raises(ValueError, match=r"task.patch.layers='last:5' asks for 5 layers but the model has 3"):
+        ExperimentSpec.model_validate(spec(block))
+    with pytest.raises(ValueError, match=r"task.patch.layers='0,3' names layer 3 but the model's layers are 0..2"):
+        ExperimentSpec.model_validate(spec({**block, "patch": {"layers": "0,3", "attention": HYPER}}))
+    ExperimentSpec.model_validate(spec({**block, "patch": {"layers": "last:3", "attention": HYPER}}))
+
+
 def test_worker_level_refusals(llama_folder, text_files, tmp_path):
     short = tmp_path / "short"  # fewer words than one window of task.seq_len
     short.mkdir()
