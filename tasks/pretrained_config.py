@@ -104,19 +104,42 @@ _LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
 def _local_config(pretrained: str) -> tuple[str, dict] | None:
-    """(file name, its settings) of a local model folder: an export's model.json `model` block or a Hugging Face
-    config.json; None for a hub id or a file that cannot be read (the loader reports that on the worker)."""
-    folder = Path(pretrained)
-    if not folder.is_dir():
-        return None
+    """(how its fields are named, its settings) of a local model folder, an export's model.json `model` block or a Hugging Face
+    config.json, or of a hub id's config.json in this machine's Hugging Face cache (what a worker loads where the
+    cache is shared, or the same revision downloaded); None where there is none, or it cannot be read (the loader
+    reports that on the worker)."""
+    folder = Path(pretrained).expanduser()
     try:
+        if not folder.is_dir():
+            return _cached_hub_config(pretrained)
         if (folder / "model.json").is_file():
             model = json.loads((folder / "model.json").read_text())["model"]
-            return ("model.json's model", model) if isinstance(model, dict) else None
+            return ("model.json's model.", model) if isinstance(model, dict) else None
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return ("config.json's", config) if isinstance(config, dict) else None
+    return ("config.json's ", config) if isinstance(config, dict) else None
+
+
+_CACHED = "the cached config.json's "
+"""How `_local_config` names the fields of a hub model's config.json read from the Hugging Face cache."""
+
+
+def _cached_hub_config(repo_id: str) -> tuple[str, dict] | None:
+    """A hub model's config.json from the Hugging Face cache, never downloaded (validation makes no request)."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    from tasks.text_sources import hub_cache
+
+    try:
+        path = try_to_load_from_cache(repo_id, "config.json", cache_dir=hub_cache())
+    except HFValidationError:  # not a repo id at all: a folder that does not exist, which validate names
+        return None
+    if not isinstance(path, str):
+        return None
+    config = json.loads(Path(path).read_text())
+    return (_CACHED, config) if isinstance(config, dict) else None
 
 
 def _first_count(pretrained: str, fields: tuple[str, ...]) -> tuple[int, str] | None:
@@ -124,13 +147,13 @@ def _first_count(pretrained: str, fields: tuple[str, ...]) -> tuple[int, str] | 
     if (found := _local_config(pretrained)) is None:
         return None
     where, settings = found
-    return next(((settings[f], f"{where} {f}".replace("model ", "model.")) for f in fields
+    return next(((settings[f], f"{where}{f}") for f in fields
                  if isinstance(settings.get(f), int) and not isinstance(settings[f], bool) and settings[f] > 0), None)
 
 
 def trained_context(pretrained: str) -> tuple[int, str] | None:
-    """(longest sequence, the field that says so) of a local model folder: an export's model.max_seq_len or a
-    Hugging Face config.json's positions; None for a hub id or a config that states no bound."""
+    """(longest sequence, the field that says so) of a local model folder or a cached hub model: an export's
+    model.max_seq_len or a Hugging Face config.json's positions; None where that is not known before Ray."""
     return _first_count(pretrained, _POSITION_FIELDS)
 
 
@@ -146,21 +169,20 @@ def check_patch(cfg: PretrainedLMTaskConfig, max_steps: int) -> None:
     cfg.patch.attention.check_length(cfg.seq_len, "task.seq_len", "task.patch.attention")
     if (depth := _first_count(cfg.pretrained, _LAYER_FIELDS + ("layers",))) is not None:
         selected_layers(cfg.patch.layers, depth[0])  # a layer the model lacks, named before Ray (was: the worker)
-    config_file = Path(cfg.pretrained) / "config.json"
-    if max_steps == 0 or not config_file.is_file():
+    found = _local_config(cfg.pretrained) if max_steps > 0 else None
+    if found is None or found[0].startswith("model.json"):  # scoring only, or this project's export
         return
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return  # the loader reports an unreadable config on the worker
+    cached, config = found[0] == _CACHED, found[1]
+    fix = ("download it to a folder (`hf download <id> --local-dir <folder>`), set {field} to 0 in its config.json "
+           "and point task.pretrained at the folder" if cached else "set {field} to 0 in (a copy of) that config.json")
     for field in _DROPOUT_FIELDS:
         # The adapter refuses dropout in training (the mechanisms merge their parts through log-sum-exps), which
         # GPT-2's default attn_pdrop=0.1 met only on the worker, after the cluster started.
         if isinstance(config.get(field), (int, float)) and config[field] > 0:
             raise ValueError(f"optim.max_steps={max_steps} fine-tunes the patched layers of task.pretrained="
                              f"{cfg.pretrained}, whose config.json has {field}={config[field]}: the drop-in "
-                             f"mechanisms take no attention dropout; set {field} to 0 in (a copy of) that "
-                             "config.json, or score without training (optim.max_steps: 0)")
+                             f"mechanisms take no attention dropout; {fix.format(field=field)}, or score without "
+                             "training (optim.max_steps: 0)")
 
 
 def pretrained_model_problem(cfg: PretrainedLMTaskConfig) -> str | None:

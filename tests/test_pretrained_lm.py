@@ -273,6 +273,26 @@ def test_a_patch_of_layers_the_local_model_lacks_is_refused_before_ray(llama_fol
     ExperimentSpec.model_validate(spec({**block, "patch": {"layers": "last:3", "attention": HYPER}}))
 
 
+def test_a_cached_hub_models_config_is_checked_before_ray_as_a_folders_is(text_files, tmp_path, monkeypatch):
+    """A hub id whose config.json is in this machine's Hugging Face cache: its positions, depth and attention
+    dropout are known without a download, and refused by name as a local folder's are."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--someone--tiny-lm"  # the hub cache's layout: a snapshot and the ref naming it
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(
+        {"max_position_embeddings": 64, "num_hidden_layers": 2, "attention_dropout": 0.1}))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    with pytest.raises(ValueError, match=r"task.seq_len=65 .*the cached config.json's max_position_embeddings=64"):
+        task_config("someone/tiny-lm", text_files, seq_len=65)
+    block = task_config("someone/tiny-lm", text_files, patch={"layers": 2, "attention": HYPER}).model_dump()
+    ExperimentSpec.model_validate(spec(block))
+    with pytest.raises(ValueError, match=r"asks for 3 layers but the model has 2"):
+        ExperimentSpec.model_validate(spec({**block, "patch": {"layers": 3, "attention": HYPER}}))
+    with pytest.raises(ValueError, match=r"attention_dropout=0.1: .*hf download .*set attention_dropout to 0"):
+        ExperimentSpec.model_validate(spec(block, optim={"max_steps": 2}))
+
+
 def test_worker_level_refusals(llama_folder, text_files, tmp_path):
     short = tmp_path / "short"  # fewer words than one window of task.seq_len
     short.mkdir()
