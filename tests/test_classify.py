@@ -356,6 +356,28 @@ def test_validate_refuses_the_init_from_train_refuses(pretrained_run, tmp_path, 
     assert main(["validate", str(tmp_path / "ft.yaml")]) == 0, capsys.readouterr().err
 
 
+def test_a_run_named_by_every_trial_is_read_once_and_checked_against_each_model(pretrained_run, tmp_path,
+                                                                                 monkeypatch):
+    """A dropout grid over one init_from read the pretraining run (storage, its tokenizer: a download from s3://)
+    once per trial; a width grid must still be checked trial by trial against that one read."""
+    import orchestrator.launch.pretrained as pretrained
+    from orchestrator.launch.validate_checks import check_pretrained_runs
+    from orchestrator.spec import study_from_raw
+
+    monkeypatch.chdir(tmp_path)
+    reads = []
+    resolve = pretrained.resolve
+    monkeypatch.setattr(pretrained, "resolve", lambda spec: reads.append(spec.model.init_from) or resolve(spec))
+    folder = pretrained_run["folder"]
+    raw = _finetune_spec(pretrained_run, folder)
+    raw["model"].update({"init_from": folder, "dropout": {"grid": [0.0, 0.1, 0.2]}})
+    check_pretrained_runs(study_from_raw(raw))
+    assert reads == [folder]
+    raw["model"].update({"dropout": 0.0, "ffn": {"grid": [32, 64]}})
+    with pytest.raises(SpecError, match="model.ffn is 64 here but 32"):
+        check_pretrained_runs(study_from_raw(raw))
+
+
 def test_validate_checks_the_init_from_of_every_trial(pretrained_run, tmp_path, monkeypatch, capsys):
     """validate checked the first trial's init_from alone, while a sweep checks every trial's before Ray: a grid
     whose second trial names no run, or a width its pretraining run does not have, validated and then failed

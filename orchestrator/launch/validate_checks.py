@@ -35,20 +35,27 @@ def check_pretrained_runs(study: Study) -> None:
     """Each trial's pretrained run (model.init_from) resolved and checked against its model, before any cluster
     time: a grid over init_from (or over a model field it must match) names another run per trial, so the first
     trial's alone says nothing of the rest. A study that names no init_from skips the walk: it would validate the
-    grid again (up to MAX_TRIALS specs, seconds) for nothing; one that does checks each distinct model and task
-    once."""
+    grid again (up to MAX_TRIALS specs, seconds) for nothing; one that does reads each named run once (a read of
+    storage or a download of its tokenizer, s3:// included) and checks each distinct model and task against it."""
     if not _names_key(study.raw, "init_from"):
         return
     # Its module imports torch and Ray's storage helpers: only when a spec fine-tunes.
-    from orchestrator.launch.pretrained import preflight as check_init_from
+    from orchestrator.launch.pretrained import check_compatible, resolve
 
+    runs: dict[tuple[str, ...], Any] = {}
     checked: set[str] = set()
     for assignment in validation_points(study.domains, search=study.base.tune.search) if study.domains else [{}]:
         spec = study.spec_for(assignment)
-        key = spec.model.model_dump_json() + spec.task.model_dump_json()
+        if spec.model.init_from is None:
+            continue
+        # What names the run: the value, and where it is looked for (storage, then the tracking store).
+        where = (spec.model.init_from, spec.run.storage_path, str(spec.run.storage_endpoint), spec.tracking.uri)
+        if where not in runs:
+            runs[where] = resolve(spec)
+        key = repr(where) + spec.model.model_dump_json() + spec.task.model_dump_json()
         if key not in checked:
             checked.add(key)
-            check_init_from(spec)
+            check_compatible(spec, runs[where])
 
 
 def _names_key(node: Any, key: str) -> bool:
