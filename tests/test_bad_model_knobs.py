@@ -81,6 +81,35 @@ def test_linformer_k_above_the_task_seq_len_is_refused_and_equal_accepted():
     refused(raw, f"model.attention.k={SEQ + 4} is larger")
 
 
+def test_linformer_max_seq_len_below_the_task_seq_len_is_refused_at_validate_not_at_the_first_step():
+    # It passed validate and stopped the run at its first forward ("sequence length 16 exceeds
+    # model.attention.max_seq_len=8"), inside Ray; in a mechanism: block too.
+    refused(attention(kind="linformer", k=4, max_seq_len=SEQ - 8),
+            f"model.attention.max_seq_len={SEQ - 8} is shorter than the longest sequence the task feeds, "
+            f"task.seq_len={SEQ}", f"raise model.attention.max_seq_len to at least {SEQ}")
+    refused(attention(kind="gqa", groups=1, mechanism={"kind": "linformer", "k": 4, "max_seq_len": SEQ - 1}),
+            f"model.attention.mechanism.max_seq_len={SEQ - 1} is shorter")
+    assert validate_spec(attention(kind="linformer", k=4, max_seq_len=SEQ)).model.attention.max_seq_len == SEQ
+
+
+@pytest.mark.parametrize("block, expected", [
+    ({"kind": "mha", "k": 8}, "k is a field of kind linformer, not of mha: set kind: linformer, or keep mha's "
+                              "projections and cross them with it: mechanism: {kind: linformer, k: ...}"),
+    ({"kind": "mha", "mode": "mul"}, "mode is a field of kind mhe, not of mha: set kind: mhe"),
+    ({"kind": "gqa", "bucket_size": 8}, "bucket_size is a field of kind lsh, not of gqa: set kind: lsh;"),
+    ({"kind": "linformer", "k": 8, "groups": 2}, "groups is a field of kind gqa, not of linformer"),
+], ids=["linformer-k-on-mha", "mhe-mode-on-mha", "lsh-knob-not-crossable", "gqa-groups-on-linformer"])
+def test_another_kinds_knob_names_that_kind_instead_of_a_close_name_of_this_one(block, expected):
+    # The field list alone did not say whose knob it is, and `{kind: mha, mode: mul}` suggested d_model.
+    message = refused(attention(**block), expected)
+    assert "did you mean" not in message, message
+
+
+def test_another_kinds_knob_on_an_embedding_names_that_kind():
+    refused(base_raw(model={"embedding": {"kind": "standard", "cutoffs": [10]}}),
+            "cutoffs is a field of kind adaptive, not of standard: set kind: adaptive")
+
+
 def test_classify_lengths_come_from_task_max_len():
     raw = attention(kind="linformer", k=24)
     raw["task"] = {"kind": "classify", "max_len": 20}

@@ -172,3 +172,33 @@ def test_adaptive_input_bands_beyond_the_tokenizers_pieces_are_refused_by_name(t
     assert main(["plan", SMOKE, f"run.storage_path={tmp_path}", adaptive]) == 2
     err = capsys.readouterr().err
     assert "model.embedding.cutoffs=[100, 500] must stay below the vocabulary size of the run's tokenizer" in err, err
+
+
+def test_adaptive_input_bands_beyond_the_tokenizers_pieces_are_refused_by_validate_on_cpu_too(tmp_path, capsys):
+    """A CPU spec (no GPU fit check, so no plan) passed validate and sweep's start and failed in the run's model
+    build inside Ray ("must stay below the vocabulary size 177"); validate and sweep now check every trial's bands
+    against the run's tokenizer, and still write nothing to storage."""
+    good = tmp_path / "runs"
+    grid = "model.embedding={grid: [{kind: standard}, {kind: adaptive, cutoffs: [100, 500]}]}"
+    assert main(["validate", SMOKE, f"run.storage_path={good}", "run.gpus_per_worker=0", grid]) == 2
+    err = capsys.readouterr().err
+    assert "model.embedding.cutoffs=[100, 500] must stay below the vocabulary size of the run's tokenizer" in err, err
+    assert not (good / ".cache").exists()
+    assert main(["validate", SMOKE, f"run.storage_path={good}", "run.gpus_per_worker=0",
+                 "model.embedding={kind: adaptive, cutoffs: [50, 100]}"]) == 0
+
+
+def test_train_refuses_adaptive_input_bands_beyond_the_tokenizers_pieces_before_ray(tmp_path, monkeypatch):
+    """`orchestrator train`'s preflight checks the bands as validate and sweep do, before any Ray time."""
+    import ray
+
+    from orchestrator.launch.run import run_training
+    from orchestrator.spec import SpecError
+
+    monkeypatch.chdir(tmp_path)
+    raw = load_study(SMOKE, [f"run.storage_path={tmp_path / 'runs'}", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                             "model.attention={kind: mha, heads: 4}",
+                             "model.embedding={kind: adaptive, cutoffs: [100, 500]}"]).base
+    with pytest.raises(SpecError, match=r"cutoffs=\[100, 500\] must stay below the vocabulary size"):
+        run_training(raw)
+    assert not ray.is_initialized()

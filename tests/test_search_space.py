@@ -138,3 +138,17 @@ def test_param_space_compiles_to_tune_domains():
     optuna_space = to_param_space(find_domains(RAW), "optuna")
     assert isinstance(optuna_space["model.attention.k"], Categorical)
     assert optuna_space["model.attention.k"].categories == [8, 16]
+
+
+@pytest.mark.parametrize("kind", ["grid", "choice"])
+def test_a_domain_inside_a_grid_or_choice_value_is_refused_with_one_value_per_combination(kind):
+    # Validate and sweep both used to answer "run it with `orchestrator sweep`", the command already running.
+    raw = {"model": {"attention": {kind: [{"kind": "mha", "heads": 4},
+                                          {"kind": "linformer", "heads": 4, "k": {"grid": [16, 32]}}]}}}
+    with pytest.raises(SearchSpaceError) as err:
+        find_domains(raw)
+    message = str(err.value)
+    assert (f"model.attention: a {{{kind}: [...]}} value holds a search domain of its own, at model.attention.k"
+            in message)
+    assert "{kind: linformer, heads: 4, k: 16} and {kind: linformer, heads: 4, k: 32}" in message
+    assert "orchestrator sweep" not in message

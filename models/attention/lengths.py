@@ -16,7 +16,14 @@ def _longer(field: str, value: Any, longest: int, source: str, why: str) -> Valu
 
 
 def linformer_length(cfg: Any, longest: int, source: str, where: str) -> None:
-    """Linformer (Wang et al., 2020) projects the n keys and values of a sequence to k: k > n pads, not compresses."""
+    """Linformer (Wang et al., 2020) projects the n keys and values of a sequence to k: k > n pads, not compresses.
+    E/F have one column per position up to max_seq_len, so a longer sequence has no column: the module refuses it
+    at the first forward, inside Ray; refused here instead, before any Ray time."""
+    if cfg.max_seq_len is not None and cfg.max_seq_len < longest:
+        raise ValueError(f"{where}.max_seq_len={cfg.max_seq_len} is shorter than the longest sequence the task "
+                         f"feeds, {source}={longest}: the Linformer projection has one column per position, so the "
+                         f"run would stop at its first step; raise {where}.max_seq_len to at least {longest} (unset, "
+                         f"it is model.max_seq_len), or lower {source}")
     too_big = [k for k in (cfg.k if isinstance(cfg.k, list) else [cfg.k]) if k > longest]
     if too_big:
         raise _longer(f"{where}.k", too_big[0], longest, source,

@@ -39,6 +39,7 @@ from orchestrator.launch.preflight import (
 )
 from orchestrator.launch.pretrained import CHECKPOINTS_TAG
 from orchestrator.launch.pretrained import preflight as check_init_from
+from orchestrator.spec.vocabulary import check_adaptive_bands
 from orchestrator.launch.worker_config import WORKER_CONFIG, WorkerConfig
 from orchestrator.spec import ExperimentSpec, check_gpus, spec_to_yaml
 from orchestrator.spec.resources import check_cpus, check_worker_fits, check_workers_placed
@@ -354,6 +355,7 @@ def run_training(spec: ExperimentSpec, *, resume: bool = False, fail_at_step: in
     check_data_files(spec)
     check_labelled_data(spec, layout.cache_dir)
     check_init_from(spec)
+    check_adaptive_bands(spec)  # against the tokenizer's pieces, as validate and sweep check them
     with name_lock(layout):
         tracker = open_tracker(spec.tracking, layout.spool)
         meta = claim(spec, resume, tracker)

@@ -50,6 +50,7 @@ from orchestrator.spec import ExperimentSpec, Study, expected_trials, validate_s
 from orchestrator.spec.loading import SEED_PATH
 from orchestrator.spec.resources import stage_runs
 from orchestrator.spec.search_space import resolve, to_param_space
+from orchestrator.spec.vocabulary import check_study_adaptive_bands
 from orchestrator.storage.layout import RunLayout, finished, mark_finished
 from orchestrator.storage.locations import is_remote, ray_storage
 from orchestrator.storage.object_store import use_storage
@@ -272,6 +273,7 @@ def run_sweep(study: Study, *, resume: bool = False, fail_at_step: int | None = 
     check_data_files(spec)
     check_labelled_data(spec, layout.cache_dir)
     check_pretrained_runs(study)
+    check_study_adaptive_bands(study)  # the real vocabulary, as validate checks it (orchestrator/spec/vocabulary.py)
     with name_lock(layout):
         tracker = open_tracker(spec.tracking)
         meta = claim(spec, resume, tracker)

@@ -12,6 +12,7 @@ from typing import Any
 from orchestrator.launch.preflight import check_labelled_data, check_storage, check_tracking, check_tracking_uri
 from orchestrator.spec import Study
 from orchestrator.spec.search_space import validation_points
+from orchestrator.spec.vocabulary import check_study_adaptive_bands
 
 
 def check_before_ray(study: Study) -> None:
@@ -29,6 +30,7 @@ def check_before_ray(study: Study) -> None:
 
         check_tracking(spec, open_tracker(spec.tracking))
     check_pretrained_runs(study)
+    check_study_adaptive_bands(study)
 
 
 def check_pretrained_runs(study: Study) -> None:

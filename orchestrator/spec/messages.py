@@ -57,15 +57,52 @@ def _known_fields(root: type[BaseModel], loc: Sequence[Any]) -> list[str]:
     return sorted({name for cls in classes for name in cls.model_fields})
 
 
+def _other_kinds_hint(root: type[BaseModel], loc: Sequence[Any]) -> str:
+    """Where `loc` is a field of a kind-tagged block (loc[-2] the tag) that other kinds of the same union have, the
+    hint naming them: `{kind: mha, k: 64}` means Linformer's k, and the field list alone does not say whose it is.
+    A projection kind's `mechanism:` union is named too when it has a kind with that field (mha x linformer)."""
+    name, tag = str(loc[-1]), loc[-2]
+    members = _known_classes(root, loc[:-2])
+    own = [cls for cls in members
+           if "kind" in cls.model_fields and tag in get_args(cls.model_fields["kind"].annotation)]
+    if not own:
+        return ""
+    owners = [kind for cls in members if cls not in own and name in cls.model_fields
+              for kind in get_args(cls.model_fields["kind"].annotation)]
+    if not owners:
+        return ""
+    mechanisms = [kind for cls in own if "mechanism" in cls.model_fields
+                  for mech in _model_classes(cls.model_fields["mechanism"].annotation) if name in mech.model_fields
+                  for kind in get_args(mech.model_fields["kind"].annotation)]
+    hint = f"{name} is a field of kind {' or '.join(owners)}, not of {tag}: set kind: {owners[0]}"
+    if mechanisms:
+        hint += (f", or keep {tag}'s projections and cross them with it: "
+                 f"mechanism: {{kind: {mechanisms[0]}, {name}: ...}}")
+    return hint
+
+
+def _known_classes(root: type[BaseModel], loc: Sequence[Any]) -> list[type[BaseModel]]:
+    """The models a value at `loc` may validate as (every member of a union not yet narrowed by its tag)."""
+    classes: list[type[BaseModel]] = [root]
+    for item in loc:
+        classes = [c for cls in classes if item in cls.model_fields
+                   for c in _model_classes(cls.model_fields[item].annotation)]
+    return classes
+
+
 def _unknown_field_message(root: type[BaseModel], loc: Sequence[Any]) -> str:
     name = str(loc[-1])
     hints = []
     if name in _MOVED_FIELDS:
         hints.append(f"this spec calls it {_MOVED_FIELDS[name]}")
     known = _known_fields(root, loc)
-    close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+    # Another kind's exact field (`{kind: mha, mode: mul}`) beats a close name of this kind (d_model).
+    other = _other_kinds_hint(root, loc) if len(loc) >= 2 and not hints else ""
+    close = [] if other else difflib.get_close_matches(name, known, n=2, cutoff=0.6)
     if close and not hints:
         hints.append("did you mean " + " or ".join(close) + "?")
+    if other:
+        hints.append(other)
     if known and not close:
         hints.append("valid fields here: " + ", ".join(known))
     hint = ("; " + "; ".join(hints)) if hints else ""

@@ -109,6 +109,7 @@ def _parse_domain(path: str, node: Mapping[str, Any]) -> Domain:
                                "trial: the repeats would train the same run again; list each value once (to repeat "
                                "runs over seeds, set tune.seeds: [0, 1, 2])")
     if kind in ("grid", "choice"):
+        _nested_domain(path, kind, args)
         return Domain(path, kind, tuple(args))
     args = [_number(a) for a in args]
     if len(args) != 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
@@ -124,6 +125,30 @@ def _parse_domain(path: str, node: Mapping[str, Any]) -> Domain:
     if kind == "randint" and not (isinstance(lo, int) and isinstance(hi, int)):
         raise SearchSpaceError(f"{path}: {{randint: [{lo}, {hi}]}} needs integers; use uniform for floats")
     return Domain(path, kind, (lo, hi))
+
+
+def _nested_domain(path: str, kind: str, values: list[Any]) -> None:
+    """Refuse a grid or choice value holding a domain of its own (`{grid: [{kind: linformer, k: {grid: [16, 32]}}]}`).
+    Each value is substituted whole into a trial, so the inner domain reached the trial's check unresolved, which
+    answered "run it with `orchestrator sweep`" to a sweep; the fix is one value per combination, said here."""
+    for value in values:
+        inner = find_domains(value) if isinstance(value, Mapping) else []
+        if inner:
+            first = inner[0]
+            relative = first.path
+            example = ""
+            if first.kind in ("grid", "choice"):
+                example = " (here " + " and ".join(_flow(set_path(value, relative, v)) for v in first.values[:2]) + ")"
+            raise SearchSpaceError(
+                f"{path}: a {{{kind}: [...]}} value holds a search domain of its own, at {path}.{relative}, and "
+                f"domains do not nest; list one {kind} value per combination instead{example}")
+
+
+def _flow(value: Any) -> str:
+    """A value as the spec would write it inline: {kind: linformer, k: 16}."""
+    import yaml  # only on this error path
+
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=math.inf).strip()
 
 
 def repeated_value(values: list[Any]) -> Any:

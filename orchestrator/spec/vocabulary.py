@@ -109,6 +109,32 @@ def counted_spec(spec: ExperimentSpec) -> tuple[ExperimentSpec, Vocabulary]:
     return with_vocab_size(spec, vocab.size), vocab
 
 
+def check_adaptive_bands(spec: ExperimentSpec) -> None:
+    """Adaptive-input cutoffs against the vocabulary the run will have, before Ray (train, and every trial of
+    validate and sweep: check_study_adaptive_bands): counted_spec checks them for plan and the GPU fit check only,
+    so a CPU spec whose builtin corpus gives fewer pieces than task.vocab_size passed validate and failed in the
+    run's model build. A tokenizer the run has not trained is left to the run (`vocabulary`)."""
+    if getattr(spec.model.embedding, "kind", None) == "adaptive":
+        counted_spec(spec)
+
+
+def check_study_adaptive_bands(study: Any) -> None:
+    """check_adaptive_bands for every trial `validate` checks; at no cost for a study with no adaptive embedding."""
+    from orchestrator.spec.search_space import validation_points  # only for a study with adaptive input
+
+    if not _names_kind(study.raw, "adaptive"):
+        return
+    for point in validation_points(study.domains, search=study.base.tune.search) if study.domains else [{}]:
+        check_adaptive_bands(study.spec_for(point) if point else study.base)
+
+
+def _names_kind(node: Any, kind: str) -> bool:
+    """Whether a raw spec (grid and choice values included) holds a block of `kind: <kind>` anywhere."""
+    if isinstance(node, dict):
+        return node.get("kind") == kind or any(_names_kind(value, kind) for value in node.values())
+    return isinstance(node, list) and any(_names_kind(item, kind) for item in node)
+
+
 def with_vocab_size(spec: ExperimentSpec, size: int) -> ExperimentSpec:
     """`spec` with task.vocab_size = `size`, for a task that has that field (bytelm's ids are its bytes)."""
     if getattr(spec.task, "vocab_size", size) == size:
