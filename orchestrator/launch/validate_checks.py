@@ -11,7 +11,7 @@ from typing import Any
 
 from orchestrator.launch.preflight import check_labelled_data, check_storage, check_tracking, check_tracking_uri
 from orchestrator.spec import Study
-from orchestrator.spec.search_space import validation_points
+from orchestrator.spec.search_space import raw_holds, validation_points
 from orchestrator.spec.vocabulary import check_study_adaptive_bands
 
 
@@ -39,7 +39,7 @@ def check_pretrained_runs(study: Study) -> None:
     trial's alone says nothing of the rest. A study that names no init_from skips the walk: it would validate the
     grid again (up to MAX_TRIALS specs, seconds) for nothing; one that does reads each named run once (a read of
     storage or a download of its tokenizer, s3:// included) and checks each distinct model and task against it."""
-    if not _names_key(study.raw, "init_from"):
+    if not raw_holds(study.raw, lambda block: "init_from" in block):
         return
     # Its module imports torch and Ray's storage helpers: only when a spec fine-tunes.
     from orchestrator.launch.pretrained import check_compatible, resolve
@@ -58,12 +58,3 @@ def check_pretrained_runs(study: Study) -> None:
         if key not in checked:
             checked.add(key)
             check_compatible(spec, runs[where])
-
-
-def _names_key(node: Any, key: str) -> bool:
-    """Whether `key` appears as a mapping key anywhere in a raw spec (grid values included)."""
-    if isinstance(node, dict):
-        return key in node or any(_names_key(value, key) for value in node.values())
-    if isinstance(node, list):
-        return any(_names_key(item, key) for item in node)
-    return False

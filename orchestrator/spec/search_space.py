@@ -20,7 +20,7 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -178,6 +178,14 @@ def _misspelt_domain(path: str, node: Any) -> None:
         if hint:
             raise SearchSpaceError(f"{path}: {key!r} is not a search domain kind; {hint}domain kinds: "
                                    f"{', '.join(DOMAIN_KINDS)}, e.g. {{grid: {args!r}}}")
+
+
+def raw_holds(node: Any, found: Callable[[Mapping[str, Any]], bool]) -> bool:
+    """Whether a raw spec (grid and choice values included) holds a mapping for which `found` is true: a cheap
+    test of whether a study needs a check that walks every trial (validate_checks.py, vocabulary.py)."""
+    if isinstance(node, Mapping):
+        return found(node) or any(raw_holds(value, found) for value in node.values())
+    return isinstance(node, list) and any(raw_holds(item, found) for item in node)
 
 
 def find_domains(raw: Mapping[str, Any], prefix: str = "") -> list[Domain]:

@@ -120,19 +120,12 @@ def check_adaptive_bands(spec: ExperimentSpec) -> None:
 
 def check_study_adaptive_bands(study: Any) -> None:
     """check_adaptive_bands for every trial `validate` checks; at no cost for a study with no adaptive embedding."""
-    from orchestrator.spec.search_space import validation_points  # only for a study with adaptive input
+    from orchestrator.spec.search_space import raw_holds, validation_points
 
-    if not _names_kind(study.raw, "adaptive"):
+    if not raw_holds(study.raw, lambda block: block.get("kind") == "adaptive"):
         return
     for point in validation_points(study.domains, search=study.base.tune.search) if study.domains else [{}]:
         check_adaptive_bands(study.spec_for(point) if point else study.base)
-
-
-def _names_kind(node: Any, kind: str) -> bool:
-    """Whether a raw spec (grid and choice values included) holds a block of `kind: <kind>` anywhere."""
-    if isinstance(node, dict):
-        return node.get("kind") == kind or any(_names_kind(value, kind) for value in node.values())
-    return isinstance(node, list) and any(_names_kind(item, kind) for item in node)
 
 
 def with_vocab_size(spec: ExperimentSpec, size: int) -> ExperimentSpec:
