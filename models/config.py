@@ -256,8 +256,14 @@ class ModelConfig(BaseModel):
             if self.reversible:
                 raise ValueError("model.memory is not supported with model.reversible=true (a RevNet block "
                                  "recomputes its input and has no cached states); drop one of them")
-        self.attention.mechanism.check_model(self)
+        self.attention.mechanism.check_model(self, self.mechanism_path)
         return self
+
+    @property
+    def mechanism_path(self) -> str:
+        """Where the spec sets the attention mechanism's knobs: its own `mechanism:` block, or the attention block
+        itself (kind: linformer, lsh, hyper)."""
+        return "model.attention.mechanism" if "mechanism" in type(self.attention).model_fields else "model.attention"
 
     def check_task(self, kind: str, longest: int, source: str, vocab_size: int | None) -> None:
         """Raise ValueError, naming the field to fix, where this model does not fit the task that feeds it: `kind`
@@ -272,8 +278,7 @@ class ModelConfig(BaseModel):
                              "model.decoder_layers (model.layers sets the depth)")
         if isinstance(self.embedding, AdaptiveInputConfig) and vocab_size is not None:
             self.embedding.check_vocab(vocab_size)
-        where = "model.attention.mechanism" if "mechanism" in type(self.attention).model_fields else "model.attention"
-        self.attention.mechanism.check_length(longest, source, where)
+        self.attention.mechanism.check_length(longest, source, self.mechanism_path)
 
     @classmethod
     def for_registry(cls, registry: AttentionRegistry) -> type[ModelConfig]:

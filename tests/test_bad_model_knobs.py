@@ -105,6 +105,19 @@ def test_another_kinds_knob_names_that_kind_instead_of_a_close_name_of_this_one(
     assert "did you mean" not in message, message
 
 
+@pytest.mark.parametrize("block, expected", [
+    ({"kind": "mha", "shareing": "kv"}, "did you mean sharing? sharing is a field of kind linformer, not of mha"),
+    ({"kind": "mha", "bucketsize": 8}, "did you mean bucket_size? bucket_size is a field of kind lsh, not of mha"),
+])
+def test_a_misspelt_knob_of_another_kind_names_the_knob_and_its_kind(block, expected):
+    refused(attention(**block), expected)
+
+
+def test_a_misspelt_knob_of_this_kind_is_not_sent_to_another_kind():
+    message = refused(attention(kind="mha", hedas=2), "did you mean heads?")
+    assert "field of kind" not in message, message
+
+
 def test_another_kinds_knob_on_an_embedding_names_that_kind():
     refused(base_raw(model={"embedding": {"kind": "standard", "cutoffs": [10]}}),
             "cutoffs is a field of kind adaptive, not of standard: set kind: adaptive")
@@ -158,6 +171,26 @@ def test_hyper_block_size_above_the_length_is_refused_and_equal_accepted():
 def test_a_hyper_mechanism_block_is_named_by_its_own_path():
     refused(attention(kind="mha", mechanism={"kind": "hyper", "block_size": 4, "min_seq_len": 64}),
             "model.attention.mechanism.min_seq_len=64 is larger")
+
+
+@pytest.mark.parametrize("mechanism, message", [
+    ({"kind": "linformer", "k": 0}, "model.attention.mechanism.k must be >= 1 (got 0)"),
+    ({"kind": "linformer", "k": 6, "max_seq_len": 16, "projection": "conv", "sharing": "kv"},
+     "model.attention.mechanism.projection=conv needs max_seq_len divisible by k"),
+    ({"kind": "hyper", "block_size": 0}, "model.attention.mechanism.block_size must be >= 1 (got 0)"),
+    ({"kind": "linformer", "k": 8, "max_seq_len": 64}, "model.attention.mechanism.max_seq_len=64 exceeds "
+                                                       "model.max_seq_len=32"),
+])
+def test_a_mechanism_blocks_own_checks_name_its_path(mechanism, message):
+    """A mechanism's validators and its check against the model name its fields where the spec sets them
+    (`mechanism: {k: 0}` is model.attention.mechanism.k; model.attention.k is not a field of an mha block)."""
+    error = refused(attention(kind="mha", mechanism=mechanism), message)
+    assert "model.attention.k " not in error and "model.attention.max_seq_len" not in error, error
+
+
+def test_a_patch_blocks_own_checks_name_the_patch(tmp_path):
+    refused(pretrained_raw(tmp_path, {"layers": 2, "attention": {"kind": "lsh", "bucket_size": 0}}),
+            "task.patch.attention: task.patch.attention.bucket_size must be >= 1 (got 0)")
 
 
 def pretrained_raw(tmp_path, patch: dict) -> dict:

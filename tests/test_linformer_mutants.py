@@ -138,14 +138,14 @@ def test_check_model_refusals_word_for_word():
     (the larger of encoder and decoder depth), are refused with the fields and the fix."""
     model = SimpleNamespace(max_seq_len=32, layers=2, decoder_layers=None)
     with pytest.raises(ValueError) as err:
-        LinformerMechanismConfig(k=4, max_seq_len=64).check_model(model)
+        LinformerMechanismConfig(k=4, max_seq_len=64).check_model(model, "model.attention")
     assert str(err.value) == ("model.attention.max_seq_len=64 exceeds model.max_seq_len=32; positions beyond "
                               "model.max_seq_len cannot occur")
     with pytest.raises(ValueError) as err:
-        LinformerMechanismConfig(k=[4, 4, 4], max_seq_len=32).check_model(model)
-    assert str(err.value) == "model.attention.k lists 3 values for 2 layers; give exactly one k per layer"
-    LinformerMechanismConfig(k=[4, 4, 4], max_seq_len=32).check_model(SimpleNamespace(**{**vars(model),
-                                                                                          "decoder_layers": 3}))
+        LinformerMechanismConfig(k=[4, 4, 4], max_seq_len=32).check_model(model, "model.attention.mechanism")
+    assert str(err.value) == "model.attention.mechanism.k lists 3 values for 2 layers; give exactly one k per layer"
+    with_decoder = SimpleNamespace(**{**vars(model), "decoder_layers": 3})
+    LinformerMechanismConfig(k=[4, 4, 4], max_seq_len=32).check_model(with_decoder, "model.attention")
 
 
 def test_from_config_refuses_an_unset_max_seq_len_word_for_word():

@@ -283,6 +283,16 @@ def test_plan_prints_a_row_per_trial_and_the_study_total(tmp_path, capsys):
     assert out.count("kind=") == 3 and "study: 3 trials" in out and "GPU-hours on H100" in out
 
 
+def test_plan_rows_keep_whole_labels_and_aligned_columns(tmp_path, capsys):
+    # Labels were cut at 48 characters: trials that differ past that printed as the same trial.
+    block = "{kind: mhe, heads: 4, mode: mul, init_std: %s}"
+    blocks = f"{{grid: [{block % 0.02}, {block % 0.01}]}}"
+    assert main(["plan", "configs/smoke.yaml", f"run.storage_path={tmp_path}", f"model.attention={blocks}"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("trial ", "attention="))]
+    assert [row.split()[3] for row in rows[1:]] == ["init_std=0.02", "init_std=0.01"], rows
+    assert len({len(row) for row in rows}) == 1, rows  # every column right-aligned under its header
+
+
 def _too_big(tmp_path, gpus: float) -> str:
     path = tmp_path / "big.yaml"
     path.write_text(yaml.safe_dump({

@@ -33,8 +33,9 @@ class _MechanismConfig(_Config):
         """The raw `mechanism:` block with what it takes from the model's fields (`model`) filled in."""
         return block
 
-    def check_model(self, model: Any) -> None:
-        """Raise ValueError, naming the field to fix, where this mechanism does not fit the validated ModelConfig."""
+    def check_model(self, model: Any, where: str) -> None:
+        """Raise ValueError, naming the field to fix, where this mechanism does not fit the validated ModelConfig;
+        `where` is the block's path (model.attention or model.attention.mechanism)."""
 
     def check_length(self, longest: int, source: str, where: str) -> None:
         """Raise ValueError, naming the field to fix, where this mechanism degenerates on inputs of at most

@@ -60,7 +60,7 @@ def hyper_length(cfg: Any, longest: int, source: str, where: str) -> None:
                       f"block_size <= {longest} (the paper uses 256 on sequences of thousands), or raise {source}")
 
 
-def hyper_model(cfg: Any, model: Any) -> None:
+def hyper_model(cfg: Any, model: Any, where: str) -> None:
     """The hyper mechanism's check of the whole model at validate (its module makes the same one at build)."""
     hyper_dropout(model.attention.dropout)
 

@@ -57,12 +57,12 @@ class LinformerMechanismConfig(_MechanismConfig):
         model's."""
         return {**block, "max_seq_len": block.get("max_seq_len") or model["max_seq_len"]}
 
-    def check_model(self, model: Any) -> None:
+    def check_model(self, model: Any, where: str) -> None:
         if self.max_seq_len > model.max_seq_len:
-            raise ValueError(f"model.attention.max_seq_len={self.max_seq_len} exceeds model.max_seq_len="
+            raise ValueError(f"{where}.max_seq_len={self.max_seq_len} exceeds model.max_seq_len="
                              f"{model.max_seq_len}; positions beyond model.max_seq_len cannot occur")
         if isinstance(self.k, list) and len(self.k) != max(model.layers, model.decoder_layers or 0):
-            raise ValueError(f"model.attention.k lists {len(self.k)} values for {model.layers} layers; "
+            raise ValueError(f"{where}.k lists {len(self.k)} values for {model.layers} layers; "
                              "give exactly one k per layer")
 
     @model_validator(mode="after")

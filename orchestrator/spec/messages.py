@@ -4,6 +4,7 @@ field with the close or valid names next to it, and fields other tools spell dif
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, get_args, get_origin
 
@@ -81,6 +82,16 @@ def _other_kinds_hint(root: type[BaseModel], loc: Sequence[Any]) -> str:
     return hint
 
 
+def _other_kinds_close_hint(root: type[BaseModel], loc: Sequence[Any], known: Sequence[str]) -> str:
+    """Where `loc`'s name is close to a field of another kind of the same union only (`{kind: mha, shareing: kv}`),
+    the hint naming that field and whose it is."""
+    members = _known_classes(root, loc[:-2])
+    others = {name for cls in members for name in cls.model_fields} - set(known)
+    close = difflib.get_close_matches(str(loc[-1]), sorted(others), n=1, cutoff=0.75)
+    hint = _other_kinds_hint(root, [*loc[:-1], close[0]]) if close else ""
+    return f"did you mean {close[0]}? {hint}" if hint else ""
+
+
 def _known_classes(root: type[BaseModel], loc: Sequence[Any]) -> list[type[BaseModel]]:
     """The models a value at `loc` may validate as (every member of a union not yet narrowed by its tag)."""
     classes: list[type[BaseModel]] = [root]
@@ -99,6 +110,8 @@ def _unknown_field_message(root: type[BaseModel], loc: Sequence[Any]) -> str:
     # Another kind's exact field (`{kind: mha, mode: mul}`) beats a close name of this kind (d_model).
     other = _other_kinds_hint(root, loc) if len(loc) >= 2 and not hints else ""
     close = [] if other else difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+    if len(loc) >= 2 and not hints and not other and not close:
+        other = _other_kinds_close_hint(root, loc, known)
     if close and not hints:
         hints.append("did you mean " + " or ".join(close) + "?")
     if other:
@@ -123,12 +136,24 @@ def _unknown_kind_message(ctx: Mapping[str, Any]) -> str:
     return f"kind={ctx['tag']!r} is not a kind here; {hint}valid kinds: {', '.join(kinds)}"
 
 
+def _at_block(msg: str, path: str) -> str:
+    """`msg` with the fields an attention block's own validator names as model.attention.<field> renamed to where
+    the block sits: a `mechanism:` block (model.attention.mechanism.k) or a patch's block (task.patch.attention)."""
+    parts = path.split(".")
+    if "attention" not in parts:
+        return msg
+    outer = ".".join(parts[:parts.index("attention") + 1])
+    block = outer + ".mechanism" if "mechanism" in parts[parts.index("attention"):] else outer
+    msg = re.sub(r"\bmodel\.attention\.mechanism\.", outer + ".mechanism.", msg)
+    return re.sub(r"\bmodel\.attention\.(?!mechanism\.)", block + ".", msg)
+
+
 def describe_errors(err: ValidationError, raw: Mapping[str, Any], root: type[BaseModel]) -> str:
     """One line per error of `raw` validated as `root` (ExperimentSpec), each naming its field."""
     lines = []
     for item in err.errors():
         path = _field_path(item["loc"], raw)
-        msg = item["msg"].removeprefix("Value error, ")
+        msg = _at_block(item["msg"].removeprefix("Value error, "), path)
         if item["type"] == "extra_forbidden":
             msg = _unknown_field_message(root, item["loc"])
         elif item["type"] == "union_tag_invalid":

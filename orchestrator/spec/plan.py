@@ -182,18 +182,19 @@ def _label(values: dict[str, Any], name: str) -> str:
 
 
 def format_plan(study: Study, plans: list[TrialPlan], mfu: float) -> str:
-    """The table `orchestrator plan` prints: one row per trial, then the study's total."""
+    """The table `orchestrator plan` prints: one row per trial, then the study's total. Every column is as wide as
+    its widest cell: a trial's whole label (trials of a grid differ at its end: `sharing=kv` vs `sharing=none`)."""
     gpu = plans[0].gpu
+    header = ["trial", "params", "attn", "GFLOP/tok", "mem GB", "fits", "step s", "GPU-h"]
+    rows = [[_label(p.values, study.base.name), f"{p.step.params_total:,}", f"{p.step.params_attention:,}",
+             f"{p.flops_per_token / 1e9:.3g}", f"{p.memory_bytes / GIB:.2f}", "yes" if p.fits else "NO",
+             f"{p.step_s:.3g}", f"{p.gpu_hours:.3g}"] for p in plans]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = [f"plan on {gpu.name} ({gpu.memory_gib:g} GB, {gpu.bf16_dense_flops / 1e12:g} TFLOP/s dense bf16) at "
              f"{mfu:.0%} MFU; fits = peak <= {FIT_FRACTION:.0%} of the memory a run holds (a share of the GPU below "
-             "run.gpus_per_worker=1)",
-             f"{'trial':<48} {'params':>10} {'attn':>9} {'GFLOP/tok':>10} {'mem GB':>8} {'fits':>4} "
-             f"{'step s':>9} {'GPU-h':>9}"]
-    for p in plans:
-        label = _label(p.values, study.base.name)
-        lines.append(f"{label[:48]:<48} {p.step.params_total:>10,} {p.step.params_attention:>9,} "
-                     f"{p.flops_per_token / 1e9:>10.3f} {p.memory_bytes / GIB:>8.2f} {'yes' if p.fits else 'NO':>4} "
-                     f"{p.step_s:>9.3g} {p.gpu_hours:>9.3g}")
+             "run.gpus_per_worker=1)"]
+    lines += [" ".join([row[0].ljust(widths[0]), *(cell.rjust(width) for cell, width in zip(row[1:], widths[1:]))])
+              for row in [header, *rows]]
     lines += _vocabulary_lines(study, plans)
     lines.append(f"study: {expected_trials(study):,} trials, {study_gpu_hours(study, plans):.3g} GPU-hours on "
                  f"{gpu.name} at {mfu:.0%} MFU")
