@@ -154,13 +154,13 @@ def test_scores_held_only_in_memory_are_not_recorded_as_delivered(store, tmp_pat
     assert not any(key.startswith("scores:") for key in ledger) and len(ledger) == len(EXPECTED_FILES)
 
 
-def later_checkpoint_scores(folder, step=30):
+def later_checkpoint_scores(folder, step=30, rewrite="", loss=9.0):
     """What `orchestrator evaluate --checkpoint latest` stores for a checkpoint after the best one: other scores,
-    at a higher step, in that checkpoint's own folder."""
-    scored = folder / "evaluation" / f"checkpoint_{step:09d}"
+    at a higher step, in that checkpoint's own folder (`rewrite` "-r1": a step checkpointed again)."""
+    scored = folder / "evaluation" / f"checkpoint_{step:09d}{rewrite}"
     scored.mkdir(parents=True)
     (scored / "test.hyp").write_text("the latest hypothesis\n")
-    metrics = {"test/loss": 9.0, "test/ppl": 8103.1, "test/checkpoint_step": float(step)}
+    metrics = {"test/loss": loss, "test/ppl": 8103.1, "test/checkpoint_step": float(step)}
     record = {"split": "test", "step": step, "metrics": metrics, "tags": {"test.checkpoint": f"latest (step {step})"}}
     write_json(evaluation_record(str(scored), "test"), record)
     return metrics
@@ -184,6 +184,19 @@ def test_another_checkpoints_scores_do_not_replace_the_final_evaluations_in_mlfl
         f"checkpoints/{k}": v for k, v in later.items()}
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "checkpoints/test/loss")] == [(30, 9.0)]
     assert "evaluation/checkpoint_000000030/test.hyp" in artifacts(client, run_id)
+
+
+def test_both_checkpoints_of_a_rewritten_step_keep_their_scores_in_mlflow(store, tmp_path):
+    """After a resume fell back past step 30, `checkpoint_000000030-r1` sits beside `checkpoint_000000030`; scored
+    with `--checkpoint all`, the rewrite's scores were at a step `checkpoints/test/loss` already held, and dropped."""
+    uri, client, run_id = store
+    folder = stored_run(tmp_path / "run")
+    later_checkpoint_scores(folder, loss=9.0)
+    later_checkpoint_scores(folder, rewrite="-r1", loss=7.0)
+    assert deliver_outputs(MlflowTracker(uri, spool=folder / "spool.jsonl"), run_id, str(folder))
+    history = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+               for key in ("checkpoints/test/loss", "checkpoints-r1/test/loss")}
+    assert history == {"checkpoints/test/loss": [(30, 9.0)], "checkpoints-r1/test/loss": [(30, 7.0)]}
 
 
 def test_evaluate_of_the_latest_checkpoint_keeps_the_final_evaluations_record(store, tmp_path, monkeypatch):

@@ -7,7 +7,8 @@ storage folder (`evaluation/`, `task/`: orchestrator/storage/layout.py), which o
 sends them from there. A run whose outputs did not all arrive is not ended FINISHED: its MLflow run stays open
 and the next launcher of the name (`orchestrator resume`, a resumed sweep, `orchestrator evaluate`) sends what is
 missing. Scores that `orchestrator evaluate` stored for another checkpoint (`evaluation/<checkpoint folder>/`) go
-as `checkpoints/<split>/*`, so they never replace the final evaluation's `test/*` (_scores_as_sent).
+as `checkpoints/<split>/*` (a rewritten step's as `checkpoints-r<n>/<split>/*`), so they never replace the final
+evaluation's `test/*` (_scores_as_sent).
 
 Exactly once: `mlflow-delivered.json` in the run folder lists what the MLflow run already holds (per MLflow run
 id). Scores are also checked against the run's metric history and the spool before they are sent, so a launcher
@@ -30,6 +31,7 @@ from orchestrator.storage.layout import (
     EVALUATION_DIR,
     EVALUATION_RECORD_SUFFIX,
     TASK_FILES_DIR,
+    checkpoint_order,
     is_final_evaluation,
 )
 from orchestrator.storage.locations import (
@@ -46,7 +48,8 @@ from orchestrator.tracking.write import MlflowTracker
 MODEL_DIR = "model"
 """The exported model's folder, in an evaluation folder and among the MLflow run's artifacts alike."""
 CHECKPOINT_SCORES_PREFIX = "checkpoints/"
-"""MLflow key prefix of scores of a checkpoint other than the final evaluation's: `checkpoints/test/loss`."""
+"""MLflow key prefix of scores of a checkpoint other than the final evaluation's: `checkpoints/test/loss`; a step
+checkpointed again after a resume fell back past it (`checkpoint_000000030-r1`) has its own, `checkpoints-r1/`."""
 
 
 def store_task_files(run_folder: str, files: Mapping[str, Path]) -> None:
@@ -111,7 +114,11 @@ def _scores_as_sent(relative: str, record: Mapping[str, Any]) -> tuple[dict[str,
     metrics = dict(record["metrics"])
     if is_final_evaluation(relative):
         return metrics, dict(record.get("tags") or {})
-    return {f"{CHECKPOINT_SCORES_PREFIX}{key}": value for key, value in metrics.items()}, {}
+    # Both checkpoints of a rewritten step are at that step: under one key, the second's scores would be taken for
+    # the first's, already held, and never sent.
+    rewrite = checkpoint_order(relative.split("/")[-2])[1]
+    prefix = f"{CHECKPOINT_SCORES_PREFIX.rstrip('/')}-r{rewrite}/" if rewrite else CHECKPOINT_SCORES_PREFIX
+    return {f"{prefix}{key}": value for key, value in metrics.items()}, {}
 
 
 def _send_scores(tracker: MlflowTracker, run_id: str, relative: str, record: Mapping[str, Any]) -> bool:
