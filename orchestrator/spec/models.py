@@ -51,7 +51,7 @@ class OptimConfig(_Section):
     max_steps: int = 1000
     """Optimizer steps of the run (each is grad_accum micro-batches)."""
     grad_accum: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step (the step's gradient: the mean over all their target tokens)."""
     grad_clip: float | None = 1.0
     """Max global gradient norm; null disables clipping."""
     seed: int = 0

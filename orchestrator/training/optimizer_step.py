@@ -1,7 +1,8 @@
 """One optimizer step, the only code that steps an optimizer (orchestrator/training/trainer.py drives it): `grad_accum`
-micro-batches -> bf16 / fp16 autocast -> backward of loss / grad_accum (DDP all-reduces on the last micro-batch
-only; fp16 scales the loss first) -> unscale -> clip -> AdamW (skipped when fp16 gradients overflowed) -> the
-learning-rate schedule of `optim.schedule` (`lr_lambda`). `LossMeter` sums the losses on the device."""
+micro-batches -> bf16 / fp16 autocast -> backward of each micro-batch's loss weighted by its share of the step's
+target tokens on every rank (DDP all-reduces on the last micro-batch only; fp16 scales the loss first) -> unscale
+-> clip -> AdamW (skipped when fp16 gradients overflowed) -> the learning-rate schedule of `optim.schedule`
+(`lr_lambda`). `LossMeter` sums the losses on the device."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from orchestrator.spec import OptimConfig
@@ -145,22 +147,41 @@ class Optimization:
         return self.scheduler.get_last_lr()[0]
 
 
+def token_weights(n_tokens: list[int], device: torch.device) -> list[float] | list[torch.Tensor]:
+    """Each micro-batch's weight in the step's gradient: its target tokens over the step's tokens on every rank,
+    times the ranks (DDP and FSDP average the ranks' gradients), so that the step descends the mean loss over all
+    of its tokens, as fairseq normalises a step by its all-reduced sample_size (fairseq/trainer.py train_step,
+    `multiply_grads(numer / sample_size)`). A step whose micro-batches hold different counts (masked tokens,
+    translation's max_tokens batches) would otherwise weigh a token of a short micro-batch more. Equal counts give
+    1 / grad_accum. Across ranks the total is one all-reduce of a device scalar: no host sync."""
+    total: int | torch.Tensor = sum(n_tokens)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1:
+        return [n / max(total, 1) for n in n_tokens]
+    total = torch.tensor(float(total), device=device)
+    dist.all_reduce(total)
+    scale = world / total.clamp_min(1.0)
+    return [n * scale for n in n_tokens]
+
+
 def train_step(model: nn.Module, micro_batches: Iterator[Batch], loss_fn: LossFn, opt: Optimization,
                device: torch.device, meter: LossMeter | None = None) -> float:
     """One optimizer step over `opt.grad_accum` micro-batches; returns the learning rate it used.
 
-    The loss of each micro-batch is its mean over its own target tokens, scaled by 1 / grad_accum (each
-    micro-batch weighs the same in the gradient, as in nanoGPT); the meter weights by tokens for logging.
+    The loss of each micro-batch is its mean over its own target tokens, weighted by its share of the step's
+    tokens (`token_weights`): the gradient is that of the mean over every token of the step, on every rank.
     """
-    for micro in range(opt.grad_accum):
-        batch = next(micro_batches).to(device)
+    batches = [next(micro_batches) for _ in range(opt.grad_accum)]
+    weights = token_weights([batch.n_tokens for batch in batches], device)
+    for micro, (batch, weight) in enumerate(zip(batches, weights)):
+        batch = batch.to(device)
         autocast = (torch.autocast(device.type, dtype=opt.autocast_dtype) if opt.autocast_dtype is not None
                     else nullcontext())
         with gradient_sync(model, enabled=micro == opt.grad_accum - 1):
             with autocast:
                 loss = loss_fn(model, batch)
             # fp16: the scaled loss keeps small gradients above fp16's underflow (a no-op when disabled).
-            opt.scaler.scale(loss / opt.grad_accum).backward()
+            opt.scaler.scale(loss * weight).backward()
         if meter is not None:
             meter.add(loss, batch.n_tokens)  # n_tokens is a host int: counting tokens never syncs
     scaling = opt.scaler.is_enabled()

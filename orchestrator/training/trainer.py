@@ -1,11 +1,11 @@
 """The training core: the one loop that trains a spec's task and model, without Ray or MLflow.
 
 Shape of a step (nanoGPT's train.py; orchestrator/training/optimizer_step.py): `grad_accum` micro-batches -> bf16 / fp16
-autocast -> backward of loss / grad_accum -> unscale -> clip -> AdamW -> LR schedule. No micro-batch waits for the device:
-losses are summed on it and read once per logging window, and batches are built ahead on a background thread
-(`Prefetcher`, pinned memory on CUDA). Around the steps, `Cadence` says when to log, evaluate, report and
-checkpoint; `Best` keeps the best value of the spec's metric; `checkpoint_state` captures what resumes the run
-exactly (model, optimizer, schedule, scaler, every rank's data position and RNG states incl. CUDA, best so far).
+autocast -> backward of loss x its share of the step's tokens -> unscale -> clip -> AdamW -> LR schedule. No micro-batch
+waits for the device: losses are summed there, read once per logging window, and batches are built ahead on a background
+thread (`Prefetcher`, pinned memory on CUDA). Around the steps, `Cadence` says when to log, evaluate, report and
+checkpoint; `Best` keeps the best value of the spec's metric; `checkpoint_state` captures what resumes the run exactly
+(model, optimizer, schedule, scaler, every rank's data position and RNG states incl. CUDA, best so far).
 
 Who drives it: the Ray Train worker (orchestrator/launch/worker.py: rank, DDP, ray.train.report, checkpoints in Ray
 storage), the Ray-free runner (orchestrator/launch/local_run.py: checkpoints in a folder; the benchmarks and the
