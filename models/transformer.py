@@ -278,7 +278,7 @@ class Seq2SeqTransformer(_CountsMixin, nn.Module):
         self.shared_state = nn.ModuleDict()
         self.embed = EmbeddingInput(cfg, vocab_size)
         self.encoder = TransformerStack(cfg, cfg.layers, self.shared_state, causal=False, cross=False)
-        # `is None`, not `or`: a plan's depth probes (orchestrator/spec/counting.py) build a decoder of 0 layers.
+        # Unset means as deep as the encoder (ModelConfig refuses 0; a plan's depth probes give each stack >= 1).
         decoder_layers = cfg.layers if cfg.decoder_layers is None else cfg.decoder_layers
         self.decoder = TransformerStack(cfg, decoder_layers, self.shared_state, causal=True, cross=True)
         _init_weights(self.encoder)
