@@ -10,7 +10,8 @@ Masked LM follows BERT (Devlin et al., 2019, arXiv 1810.04805): mask_prob of the
 80% become <mask>, 10% a random token and 10% stay unchanged, and the loss is over the selected tokens only:
 only their hidden states go through the output layer (as fairseq's RoBERTa head does), which skips ~85% of its work.
 The masking of a training batch is seeded by its position in the stream, so a resumed run masks identically;
-evaluation uses one fixed seed, so masked-LM perplexities are comparable across runs.
+evaluation seeds each block's masks by the block, so masked-LM perplexities are comparable across runs and batch
+sizes (the same tokens are masked whatever task.batch_size is).
 
 A causal LM with `model.memory` (Transformer-XL) reads ordered segments instead of shuffled blocks and carries
 the cached states from step to step and through checkpoints; tasks/recurrence.py holds that machinery.
@@ -66,19 +67,29 @@ def pack_blocks(stream: np.ndarray, indices: np.ndarray, seq_len: int, overlap: 
 
 
 def apply_bert_masking(tokens_BT: np.ndarray, lengths_B: np.ndarray, mask_prob: float, vocab_size: int,
-                       rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, targets): selected positions get targets, and inputs 80% <mask> / 10% random / 10% unchanged."""
+                       rng: np.random.Generator | Sequence[np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets): selected positions get targets, and inputs 80% <mask> / 10% random / 10% unchanged.
+    `rng` draws for the whole batch, or is one generator per row: evaluation seeds each block's by the block, so
+    which tokens a block scores does not depend on task.batch_size (two trials of a study that differ in it are
+    scored on the same masked tokens)."""
     B, T = tokens_BT.shape
     real_BT = np.arange(T)[None, :] < lengths_B[:, None]
-    selected_BT = (rng.random((B, T)) < mask_prob) & real_BT
+    if isinstance(rng, np.random.Generator):
+        selected_BT = (rng.random((B, T)) < mask_prob) & real_BT
+        first = rng
+    else:
+        draws = [(row.random(T), row.random(T), row.integers(_FIRST_ORDINARY_ID, vocab_size, size=T)) for row in rng]
+        selected_BT = (np.stack([d[0] for d in draws]) < mask_prob) & real_BT
+        first = rng[0]
     if not selected_BT.any():  # a tiny batch may draw no position; predict one so the loss is defined
-        row = int(rng.integers(B))
-        selected_BT[row, int(rng.integers(max(1, lengths_B[row])))] = True
-    action_BT = rng.random((B, T))
+        row = int(first.integers(B))
+        selected_BT[row, int(first.integers(max(1, lengths_B[row])))] = True
+    action_BT = rng.random((B, T)) if first is rng else np.stack([d[1] for d in draws])
     inputs_BT = tokens_BT.copy()
     inputs_BT[selected_BT & (action_BT < 0.8)] = MASK_ID
     randomise_BT = selected_BT & (action_BT >= 0.8) & (action_BT < 0.9)
-    inputs_BT[randomise_BT] = rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=int(randomise_BT.sum()))
+    inputs_BT[randomise_BT] = (rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=int(randomise_BT.sum()))
+                               if first is rng else np.stack([d[2] for d in draws])[randomise_BT])
     targets_BT = np.where(selected_BT, tokens_BT, IGNORE)
     return inputs_BT, targets_BT
 
@@ -148,7 +159,8 @@ class _LanguageModelTask:
             rng = np.random.default_rng([self.ctx.seed, 1, epoch, index])
             yield self._make_batch(tokens_BL, lengths_B, rng), after
 
-    def _make_batch(self, tokens_BL: np.ndarray, lengths_B: np.ndarray, rng: np.random.Generator) -> Batch:
+    def _make_batch(self, tokens_BL: np.ndarray, lengths_B: np.ndarray,
+                    rng: np.random.Generator | Sequence[np.random.Generator] | None) -> Batch:
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -172,7 +184,6 @@ class _LanguageModelTask:
         was_training = model.training
         model.eval()
         device = _model_device(model)
-        rng = np.random.default_rng(_EVAL_MASK_SEED)
         n_blocks = num_blocks(len(self.eval_stream), self.cfg.seq_len, self.overlap)
         starts = range(0, n_blocks, self.cfg.batch_size)
         if self.cfg.eval_batches is not None:
@@ -181,7 +192,9 @@ class _LanguageModelTask:
         for start in starts:
             blocks = np.arange(start, min(start + self.cfg.batch_size, n_blocks))
             tokens_BL, lengths_B = pack_blocks(self.eval_stream, blocks, self.cfg.seq_len, self.overlap)
-            batch = self._make_batch(tokens_BL, lengths_B, rng).to(device)
+            # masked LM: each block's masks from its own seed (apply_bert_masking), whatever the batch size
+            rows = [np.random.default_rng([_EVAL_MASK_SEED, int(block)]) for block in blocks]
+            batch = self._make_batch(tokens_BL, lengths_B, rows).to(device)
             total += float(self._loss_sum(model, batch))
             count += batch.n_tokens
         model.train(was_training)
@@ -209,7 +222,8 @@ class MaskedLMTask(_LanguageModelTask):
         super().__init__(cfg, model_cfg, ctx)
         self.mask_prob = cfg.mask_prob
 
-    def _make_batch(self, tokens_BL: np.ndarray, lengths_B: np.ndarray, rng: np.random.Generator) -> Batch:
+    def _make_batch(self, tokens_BL: np.ndarray, lengths_B: np.ndarray,
+                    rng: np.random.Generator | Sequence[np.random.Generator] | None) -> Batch:
         inputs_BT, targets_BT = apply_bert_masking(tokens_BL, lengths_B, self.mask_prob, self.vocab_size, rng)
         tensors = {"tokens": torch.from_numpy(inputs_BT), "targets": torch.from_numpy(targets_BT),
                    "scored": scored_positions(targets_BT, IGNORE)}
@@ -225,7 +239,8 @@ class CausalLMTask(_LanguageModelTask):
     causal = True
     overlap = 1
 
-    def _make_batch(self, tokens_BL: np.ndarray, lengths_B: np.ndarray, rng: np.random.Generator) -> Batch:
+    def _make_batch(self, tokens_BL: np.ndarray, lengths_B: np.ndarray,
+                    rng: np.random.Generator | Sequence[np.random.Generator] | None) -> Batch:
         inputs_BT, targets_BT = tokens_BL[:, :-1], tokens_BL[:, 1:].copy()
         T = inputs_BT.shape[1]
         target_lengths_B = lengths_B - 1

@@ -82,6 +82,21 @@ def test_masked_evaluation_is_deterministic(tmp_path):
     assert model.training, "evaluate restores training mode"
 
 
+def test_masked_evaluation_does_not_depend_on_the_batch_size(tmp_path):
+    """Two trials that differ in task.batch_size (methods whose memory allows different batches) must be scored
+    on the same masked tokens: the evaluation's masks were drawn batch after batch from one generator, so which
+    tokens were masked changed with the batching, and val/loss with it."""
+    torch.manual_seed(0)
+    model = _task("mlm", tmp_path).build_model()
+    scores = [_task("mlm", tmp_path, batch_size=size).evaluate(model)["val/loss"] for size in (3, 8)]
+    assert scores[0] == pytest.approx(scores[1], rel=1e-6), scores
+    # Per-block masks still cover the 15% rate over the split (BERT's selection; the statistics test above).
+    rows = [np.random.default_rng([7, block]) for block in range(400)]
+    tokens, lengths = np.full((400, 50), MASK_ID + 1), np.full(400, 50)
+    _, targets = apply_bert_masking(tokens, lengths, 0.15, 96, rows)
+    assert abs((targets != IGNORE).mean() - 0.15) < 0.01
+
+
 @pytest.mark.parametrize("kind", ["mlm", "clm"])
 def test_ranks_cover_each_block_once(tmp_path, kind):
     """One epoch of two ranks together holds every training block exactly once."""
